@@ -1,0 +1,91 @@
+"""Run-time loading of the CUDA sources in ``datapath/kernels`` through CuPy (NVRTC).
+
+Nothing is compiled at install time: a module is compiled on first use, once per
+process and device, and CuPy's on-disk cache makes later processes start fast.
+Kernels are launched on PyTorch's current CUDA stream, so they order correctly
+with the surrounding PyTorch work.
+
+    mod = load_module("gather.cu")
+    launch(mod.get_function("gather_rows"), grid, block, (ptr(src), ptr(out), ...))
+"""
+from __future__ import annotations
+
+import functools
+import importlib.resources
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from datapath._runtime.device import require_cuda
+from datapath._runtime.errors import KernelLoadError
+
+
+def _cupy() -> Any:
+    try:
+        import cupy  # noqa: PLC0415 - optional, GPU-only dependency
+    except Exception as exc:  # noqa: BLE001
+        raise KernelLoadError(
+            "datapath's CUDA kernels need CuPy; install it with "
+            "`pip install 'datapath[gpu]'` (or cupy-cuda12x / cupy-cuda13x matching your driver)."
+        ) from exc
+    return cupy
+
+
+def kernel_source(filename: str) -> str:
+    """The text of ``datapath/kernels/<filename>``."""
+    try:
+        return importlib.resources.files("datapath.kernels").joinpath(filename).read_text()
+    except FileNotFoundError as exc:
+        raise KernelLoadError(f"no kernel source datapath/kernels/{filename}") from exc
+
+
+@functools.lru_cache(maxsize=None)
+def _load(filename: str, options: tuple[str, ...], device: int) -> Any:
+    cupy = _cupy()
+    src = kernel_source(filename)
+    cc = torch.cuda.get_device_capability(device)
+    opts = ("--std=c++17", f"--gpu-architecture=sm_{cc[0]}{cc[1]}", *options)
+    with cupy.cuda.Device(device):
+        try:
+            mod = cupy.RawModule(code=src, options=opts)
+            mod.compile()
+        except Exception as exc:  # noqa: BLE001 - NVRTC errors come as several types
+            raise KernelLoadError(f"compiling datapath/kernels/{filename} failed: {exc}") from exc
+    return mod
+
+
+def load_module(filename: str, options: Sequence[str] = ()) -> Any:
+    """Compile (once) and return the CuPy ``RawModule`` for ``datapath/kernels/<filename>``."""
+    dev = require_cuda(f"the CUDA kernel {filename}")
+    return _load(filename, tuple(options), dev.index)
+
+
+def get_function(filename: str, name: str, options: Sequence[str] = ()) -> Any:
+    """A ``cupy.RawKernel`` from ``datapath/kernels/<filename>`` (``extern "C"`` name)."""
+    return load_module(filename, options).get_function(name)
+
+
+def ptr(t: torch.Tensor | int) -> np.uint64:
+    """A tensor's data pointer as a kernel argument (``T*`` parameters take 64-bit values)."""
+    return np.uint64(t if isinstance(t, int) else t.data_ptr())
+
+
+def launch(kernel: Any, grid: int | tuple[int, ...], block: int | tuple[int, ...],
+           args: tuple[Any, ...], shared_mem: int = 0,
+           stream: torch.cuda.Stream | None = None) -> None:
+    """Launch ``kernel`` on ``stream`` (default: PyTorch's current stream)."""
+    cupy = _cupy()
+    s = stream if stream is not None else torch.cuda.current_stream()
+    grid = grid if isinstance(grid, tuple) else (int(grid),)
+    block = block if isinstance(block, tuple) else (int(block),)
+    with cupy.cuda.ExternalStream(s.cuda_stream, s.device.index):
+        kernel(grid, block, args, shared_mem=shared_mem)
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(device: int | None = None) -> int:
+    """Number of SMs of ``device`` (current device by default)."""
+    dev = torch.cuda.current_device() if device is None else device
+    return torch.cuda.get_device_properties(dev).multi_processor_count

@@ -1,0 +1,169 @@
+"""Pinned (page-locked, GPU-mapped) host memory.
+
+- `pinned_empty` allocates from PyTorch's caching host allocator (cudaHostAlloc
+  blocks, reused after free like PyTorch's own pinned tensors) after checking the
+  request against what the machine can pin; without CUDA it returns ordinary
+  host memory, so the same code runs on CPU-only machines.
+- `register_in_place` pins existing memory (numpy arrays, mmaps) with
+  ``cudaHostRegister`` and unpins it when the returned handle is released.
+- `cuda_alias` gives a CUDA tensor over pinned host memory (zero copy: GPU kernels
+  read it over PCIe).  With unified virtual addressing, which every 64-bit CUDA
+  platform has, the device pointer equals the host pointer.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import threading
+import weakref
+from typing import Any
+
+import psutil
+import torch
+
+from datapath._runtime.errors import PinnedMemoryError
+
+log = logging.getLogger("datapath.runtime.pinned")
+
+# cudaHostRegisterDefault | cudaHostRegisterPortable | cudaHostRegisterMapped
+_HOST_REGISTER_FLAGS = 0x01 | 0x02
+
+
+def pin_limit_bytes() -> int:
+    """How many more bytes this process can plausibly pin: available RAM, and RLIMIT_MEMLOCK when set.
+
+    CUDA's driver pins through its own path and does not always obey
+    ``ulimit -l``, so available RAM is the binding limit in practice; pinning
+    nearly all of it starves the page cache and the OS, so 90% is allowed.
+    """
+    avail = int(psutil.virtual_memory().available * 0.9)
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft not in (resource.RLIM_INFINITY, -1) and soft > 0 and not torch.cuda.is_available():
+        return min(avail, soft)
+    return avail
+
+
+def _check_size(nbytes: int, what: str) -> None:
+    limit = pin_limit_bytes()
+    if nbytes > limit:
+        raise PinnedMemoryError(
+            f"{what}: {nbytes / 2**30:.2f} GiB requested but only {limit / 2**30:.2f} GiB can be "
+            f"pinned on this machine (90% of available RAM). Free host memory, shrink the table, "
+            f"or keep it in a memory-mapped file and pin a part of it."
+        )
+
+
+def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor of ``shape``/``dtype``, pinned and GPU-mapped when CUDA is present."""
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if not torch.cuda.is_available():
+        return torch.empty(tuple(shape), dtype=dtype)
+    _check_size(nbytes, "pinned allocation")
+    try:
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+    except RuntimeError as exc:
+        raise PinnedMemoryError(
+            f"cudaHostAlloc of {nbytes / 2**30:.2f} GiB failed ({exc}); the machine cannot pin that much "
+            f"(limit estimate {pin_limit_bytes() / 2**30:.2f} GiB)."
+        ) from exc
+
+
+class HostRegistration:
+    """Keeps a range of existing host memory registered with CUDA; unregisters on `release` or GC."""
+
+    _lock = threading.Lock()
+    _active: dict[int, int] = {}  # base pointer -> reference count
+
+    def __init__(self, base: int, nbytes: int) -> None:
+        self.base = base
+        self.nbytes = nbytes
+        with self._lock:
+            count = self._active.get(base, 0)
+            if count == 0:
+                _check_size(nbytes, "pinning memory in place")
+                err = torch.cuda.cudart().cudaHostRegister(base, nbytes, _HOST_REGISTER_FLAGS)
+                code = int(getattr(err, "value", err))
+                if code != 0:
+                    raise PinnedMemoryError(
+                        f"cudaHostRegister of {nbytes / 2**30:.2f} GiB at {base:#x} failed with CUDA error "
+                        f"{code}; the memory may already be registered, or the machine cannot pin that much."
+                    )
+            self._active[base] = count + 1
+        self._finalizer = weakref.finalize(self, HostRegistration._unregister, base)
+
+    @classmethod
+    def _unregister(cls, base: int) -> None:
+        with cls._lock:
+            count = cls._active.get(base, 0) - 1
+            if count > 0:
+                cls._active[base] = count
+                return
+            cls._active.pop(base, None)
+        try:
+            torch.cuda.cudart().cudaHostUnregister(base)
+        except Exception:  # noqa: BLE001 - at interpreter exit the CUDA context may be gone
+            log.debug("cudaHostUnregister(%#x) failed", base)
+
+    def release(self) -> None:
+        """Unregister now (idempotent)."""
+        self._finalizer()
+
+
+def register_in_place(t: torch.Tensor) -> HostRegistration | None:
+    """Pin the memory of CPU tensor ``t`` (its whole storage) without copying.
+
+    Returns a handle that keeps the registration alive, or None when CUDA is absent
+    or the memory is already pinned (nothing to do).
+    """
+    if t.device.type != "cpu":
+        raise ValueError(f"register_in_place needs a CPU tensor, got one on {t.device}")
+    if not torch.cuda.is_available() or t.is_pinned():
+        return None
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    return HostRegistration(storage.data_ptr(), storage.nbytes())
+
+
+class _CudaArray:
+    """Minimal ``__cuda_array_interface__`` provider that also keeps ``owner`` alive."""
+
+    def __init__(self, data_ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
+                 typestr: str, owner: Any) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape, "strides": strides, "typestr": typestr,
+            "data": (data_ptr, False), "version": 3, "stream": None,
+        }
+        self._owner = owner
+
+
+_TYPESTR = {
+    torch.float16: "<f2", torch.bfloat16: "<V2", torch.float32: "<f4", torch.float64: "<f8",
+    torch.int8: "|i1", torch.uint8: "|u1", torch.bool: "|b1", torch.int16: "<i2",
+    torch.int32: "<i4", torch.int64: "<i8",
+}
+
+
+def cuda_alias(host: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor sharing the memory of pinned CPU tensor ``host`` (same shape, strides, dtype).
+
+    Reads and writes go over PCIe.  ``host`` is kept alive as long as the alias is.
+    Raises ``PinnedMemoryError`` if ``host`` is not pinned.
+    """
+    if host.device.type != "cpu":
+        raise ValueError(f"cuda_alias needs a CPU tensor, got one on {host.device}")
+    if not host.is_pinned():
+        raise PinnedMemoryError("cuda_alias needs pinned memory; pin it with datapath.unified_tensor.as_unified")
+    dtype = host.dtype
+    view = host
+    if dtype == torch.bfloat16:  # the array interface has no bfloat16: alias as int16, view back
+        view = host.view(torch.int16)
+    es = view.element_size()
+    arr = _CudaArray(view.data_ptr(), tuple(view.shape), tuple(s * es for s in view.stride()),
+                     _TYPESTR[view.dtype], host)
+    dev = torch.cuda.current_device()
+    out = torch.as_tensor(arr, device=torch.device("cuda", dev))
+    return out.view(torch.bfloat16) if dtype == torch.bfloat16 else out
