@@ -11,3 +11,8 @@ kernels read directly over PCIe).  Subpackages:
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+from datapath import unified_tensor  # noqa: E402  (registers the "unified" device)
+from datapath.unified_tensor import UnifiedTensor, as_unified, is_unified  # noqa: E402
+
+__all__ = ["UnifiedTensor", "__version__", "as_unified", "is_unified", "unified_tensor"]

@@ -167,3 +167,33 @@ def cuda_alias(host: torch.Tensor) -> torch.Tensor:
     dev = torch.cuda.current_device()
     out = torch.as_tensor(arr, device=torch.device("cuda", dev))
     return out.view(torch.bfloat16) if dtype == torch.bfloat16 else out
+
+
+class _InFlight:
+    """Keeps host objects alive until the GPU work that reads them has finished.
+
+    A kernel that reads pinned host memory runs asynchronously; if the tensor that
+    owns the memory were freed right after the launch, the block could return to
+    the host allocator (or be unregistered) while the GPU still reads it.  Each
+    launch records an event on its stream and parks the owners here; completed
+    entries are dropped on the next call.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Any, tuple[Any, ...]]] = []
+
+    def hold(self, stream: torch.cuda.Stream, *owners: Any) -> None:
+        event = torch.cuda.Event()
+        event.record(stream)
+        with self._lock:
+            self._pending = [(e, o) for e, o in self._pending if not e.query()]
+            self._pending.append((event, owners))
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._pending = [(e, o) for e, o in self._pending if not e.query()]
+            return len(self._pending)
+
+
+in_flight = _InFlight()

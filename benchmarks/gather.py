@@ -1,0 +1,182 @@
+"""B1: random row gather from a host table into GPU memory, unified tensor vs the PyTorch ways.
+
+Ways (BENCHMARKS.md, B1):
+  py           feats[idx_cpu].to("cuda")                       CPU gather + pageable copy
+  py_pinned    index_select(feats, 0, idx, out=pinned) + copy  CPU gather + pinned DMA
+  naive_zc     index_select on a CUDA alias of pinned memory   zero copy, no alignment care
+  datapath     feats_unified[idx_cuda]                          our kernel, circular shift
+  dp_shiftmask / dp_unaligned                                  our kernel, the ablation schemes
+  ideal        bytes / pinned cudaMemcpy bandwidth measured in this run
+
+Run:  PYTHONPATH=src:. python benchmarks/gather.py [--quick]
+Writes benchmarks/results/gather.json and gather.png.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import datapath  # noqa: F401  (registers the unified device)
+from benchmarks._common import RESULTS_DIR, cuda_time_ms, print_table, write_result
+from datapath._runtime import cuda_alias, device_label, pinned_empty, require_cuda
+from datapath.unified_tensor import as_unified, gather
+
+
+def _fill(buf: torch.Tensor) -> None:
+    """Fill a large pinned buffer with random bytes fast (a random block, repeated)."""
+    flat = buf.view(torch.uint8).view(-1)
+    block = torch.randint(0, 256, (min(flat.numel(), 1 << 26),), dtype=torch.uint8)
+    for start in range(0, flat.numel(), block.numel()):
+        n = min(block.numel(), flat.numel() - start)
+        flat[start:start + n].copy_(block[:n])
+
+
+def _memcpy_gbps(buf: torch.Tensor, nbytes: int) -> float:
+    src = buf.view(torch.uint8).view(-1)[:nbytes]
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    ms = cuda_time_ms(lambda: dst.copy_(src, non_blocking=True), warmup=2, repeat=5)
+    return nbytes / ms / 1e6
+
+
+def _ways(table: torch.Tensor, idx_cpu: torch.Tensor, idx_cuda: torch.Tensor, include_py: bool) -> dict:
+    unified = as_unified(table)
+    alias = cuda_alias(table)
+    fns = {
+        "datapath": lambda: unified[idx_cuda],
+        "dp_shiftmask": lambda: gather(unified, idx_cuda, mode="shift_mask"),
+        "dp_unaligned": lambda: gather(unified, idx_cuda, mode="unaligned"),
+        "naive_zc": lambda: torch.index_select(alias, 0, idx_cuda),
+    }
+    if include_py:
+        out_pinned = pinned_empty((idx_cpu.numel(), table.shape[1]), table.dtype)
+
+        def py_pinned() -> torch.Tensor:
+            torch.index_select(table, 0, idx_cpu, out=out_pinned)
+            return out_pinned.to("cuda", non_blocking=True)
+
+        fns["py"] = lambda: table[idx_cpu].to("cuda")
+        fns["py_pinned"] = py_pinned
+    return fns
+
+
+def run(quick: bool) -> dict:
+    require_cuda("the gather benchmark")
+    torch.manual_seed(0)
+    buf_bytes = (2 << 30) if quick else (32 << 30)
+    t0 = time.time()
+    buf = pinned_empty((buf_bytes // 4,), torch.float32)
+    _fill(buf)
+    print(f"pinned table buffer: {buf_bytes / 2**30:.0f} GiB, filled in {time.time() - t0:.1f} s", flush=True)
+    big = min(buf_bytes, 1 << 30)
+    peak = max(_memcpy_gbps(buf, big) for _ in range(2))
+    print(f"pinned H2D memcpy: {peak:.1f} GB/s ({big >> 20} MiB)", flush=True)
+
+    row_sizes = [256, 512, 1024, 2048, 4096, 8192, 16384]
+    counts = [8192, 65536, 262144] if quick else [8192, 65536, 262144, 1048576]
+    max_bytes = (256 << 20) if quick else (4 << 30)
+    rows: list[dict] = []
+
+    def measure(row_bytes: int, m: int, include_py: bool, sweep: str) -> None:
+        width = row_bytes // 4
+        n = buf.numel() // width
+        table = buf[: n * width].view(n, width)
+        idx_cpu = torch.randint(0, n, (m,))
+        idx_cuda = idx_cpu.cuda()
+        nbytes = m * row_bytes
+        ideal_ms = nbytes / (peak * 1e6)
+        rec = {"sweep": sweep, "row_bytes": row_bytes, "rows": m, "table_rows": n,
+               "bytes": nbytes, "ideal_ms": ideal_ms, "ideal_GBps": peak}
+        reps = 3 if nbytes > (1 << 30) else 10
+        for name, fn in _ways(table, idx_cpu, idx_cuda, include_py).items():
+            if name.startswith("py") and nbytes > (1 << 30):
+                warm, rep = 1, 2
+            else:
+                warm, rep = 2, reps
+            ms = cuda_time_ms(fn, warmup=warm, repeat=rep)
+            rec[f"{name}_ms"] = ms
+            rec[f"{name}_GBps"] = nbytes / ms / 1e6
+        want = table[idx_cpu[:1000]]
+        assert torch.equal(gather(as_unified(table), idx_cuda[:1000]).cpu(), want), "datapath gather wrong"
+        rows.append(rec)
+        print(f"  {sweep:5s} row {row_bytes:6d} B x {m:8d}: datapath {rec['datapath_GBps']:.1f} GB/s "
+              f"({rec['datapath_GBps'] / peak:.2f} of memcpy), naive_zc {rec['naive_zc_GBps']:.1f}"
+              + (f", py {rec['py_GBps']:.1f}, py_pinned {rec['py_pinned_GBps']:.1f}" if include_py else ""),
+              flush=True)
+
+    for rb in row_sizes:
+        for m in counts:
+            if m * rb > max_bytes:
+                continue
+            measure(rb, m, include_py=m <= 262144, sweep="size")
+    align_m = 65536 if quick else 262144
+    for rb in range(2048, 2077, 4):
+        measure(rb, align_m, include_py=False, sweep="align")
+
+    # the bars of issue 2
+    size_rows = [r for r in rows if r["sweep"] == "size" and r["rows"] >= 65536]
+    bars = {
+        "min_ratio_vs_memcpy_row_ge_512": min(r["datapath_GBps"] / peak for r in size_rows if r["row_bytes"] >= 512),
+        "min_ratio_vs_memcpy_row_256": min((r["datapath_GBps"] / peak for r in size_rows if r["row_bytes"] == 256), default=None),
+        "min_ratio_vs_memcpy_align_sweep": min(r["datapath_GBps"] / peak for r in rows if r["sweep"] == "align"),
+        "min_speedup_vs_py": min(r["py_ms"] / r["datapath_ms"] for r in size_rows if "py_ms" in r),
+        "min_speedup_vs_py_pinned": min(r["py_pinned_ms"] / r["datapath_ms"] for r in size_rows if "py_pinned_ms" in r),
+        "speedup_vs_naive_zc_2052B": next(r["naive_zc_ms"] / r["datapath_ms"] for r in rows
+                                          if r["sweep"] == "align" and r["row_bytes"] == 2052),
+    }
+    return {"quick": quick, "table_buffer_bytes": buf_bytes, "memcpy_GBps": peak, "rows": rows, "bars": bars}
+
+
+def plot(result: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    m_plot = max(r["rows"] for r in rows if r["sweep"] == "size" and "py_ms" in r)
+    sel = [r for r in rows if r["sweep"] == "size" and r["rows"] == m_plot]
+    xs = [r["row_bytes"] for r in sel]
+    for way, style in [("datapath", "o-"), ("dp_shiftmask", "s--"), ("dp_unaligned", "^--"),
+                       ("naive_zc", "x-"), ("py_pinned", "d-"), ("py", "v-")]:
+        a.plot(xs, [r[f"{way}_GBps"] for r in sel], style, label=way)
+    a.axhline(result["memcpy_GBps"], color="k", lw=1, ls=":", label="ideal (pinned memcpy)")
+    a.set_xscale("log", base=2)
+    a.set_xlabel("row size (bytes)")
+    a.set_ylabel("GB/s")
+    a.set_title(f"gather of {m_plot} random rows")
+    a.legend(fontsize=8)
+    al = [r for r in rows if r["sweep"] == "align"]
+    xs = [r["row_bytes"] for r in al]
+    for way, style in [("datapath", "o-"), ("dp_shiftmask", "s--"), ("dp_unaligned", "^--"), ("naive_zc", "x-")]:
+        b.plot(xs, [r[f"{way}_GBps"] for r in al], style, label=way)
+    b.axhline(result["memcpy_GBps"], color="k", lw=1, ls=":", label="ideal")
+    b.set_xlabel("row size (bytes)")
+    b.set_title(f"alignment sweep, {al[0]['rows']} rows")
+    b.legend(fontsize=8)
+    fig.suptitle(f"B1 zero-copy gather on {device_label()}")
+    fig.tight_layout()
+    fig.savefig(RESULTS_DIR / "gather.png", dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 GiB table, fewer sizes (about a minute)")
+    args = ap.parse_args()
+    result = run(args.quick)
+    path = write_result("gather", result)
+    plot(result)
+    table = [{"sweep": r["sweep"], "row_B": r["row_bytes"], "rows": r["rows"],
+              "datapath": r["datapath_GBps"], "shiftmask": r["dp_shiftmask_GBps"],
+              "unaligned": r["dp_unaligned_GBps"], "naive_zc": r["naive_zc_GBps"],
+              "py_pinned": r.get("py_pinned_GBps", ""), "py": r.get("py_GBps", ""),
+              "dp/ideal": r["datapath_GBps"] / result["memcpy_GBps"]} for r in result["rows"]]
+    print(f"\nGB/s; ideal = pinned memcpy {result['memcpy_GBps']:.1f} GB/s; results in {path}")
+    print_table(table)
+    print("bars:", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in result["bars"].items()})
+
+
+if __name__ == "__main__":
+    main()

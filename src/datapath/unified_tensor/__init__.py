@@ -1,0 +1,21 @@
+"""Unified tensors: pinned host memory that GPU kernels read directly over PCIe.
+
+    import datapath
+    feats = feats.to("unified")            # or datapath.unified_tensor.as_unified(feats): no copy
+    rows = feats[cuda_idx]                  # gathered by the GPU from host memory -> CUDA tensor
+
+See `datapath.unified_tensor.tensor` for the placement rules and
+`datapath.unified_tensor.gather` for the zero-copy kernels.
+"""
+from datapath.unified_tensor._config import UnifiedConfig, config
+from datapath.unified_tensor._device import register as _register
+from datapath.unified_tensor.gather import check_errors, gather, scatter
+from datapath.unified_tensor.memory import as_unified, host_tensor, is_unified, set_affinity
+from datapath.unified_tensor.tensor import UnifiedTensor
+
+_register()
+
+__all__ = [
+    "UnifiedConfig", "UnifiedTensor", "as_unified", "check_errors", "config", "gather",
+    "host_tensor", "is_unified", "scatter", "set_affinity",
+]

@@ -1,0 +1,41 @@
+"""The unified tensor's one configuration object."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+GatherMode = Literal["circular", "shift_mask", "unaligned"]
+
+GATHER_MODES: dict[str, int] = {"unaligned": 0, "shift_mask": 1, "circular": 2}
+
+
+@dataclass
+class UnifiedConfig:
+    """Settings of the zero-copy gather/scatter kernels.
+
+    Attributes:
+        gather_mode: how the lanes of a warp cover a misaligned row: ``"circular"``
+            (PyTorch-Direct's circular shift, the default), ``"shift_mask"`` (DGL's:
+            start at the 128-byte line below the row, idle the lanes outside it) or
+            ``"unaligned"`` (from the row start).  The last two exist for the ablation.
+        sync_bounds_check: after a GPU gather/scatter, wait for the kernel and raise
+            ``IndexError`` on the host if an index was out of range (the kernel never
+            touches memory outside the table either way).  When False the check does
+            not block: out-of-range rows come back as zeros, and the error is raised
+            by the next gather/scatter or by ``check_errors()``.
+        threads_per_block: CUDA block size of the gather/scatter kernels.
+    """
+
+    gather_mode: GatherMode = "circular"
+    sync_bounds_check: bool = True
+    threads_per_block: int = 256
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "gather_mode" and value not in GATHER_MODES:
+            raise ValueError(f"gather_mode must be one of {sorted(GATHER_MODES)}, got {value!r}")
+        if name == "threads_per_block" and (not isinstance(value, int) or value % 32 or not 32 <= value <= 1024):
+            raise ValueError(f"threads_per_block must be a multiple of 32 in [32, 1024], got {value!r}")
+        super().__setattr__(name, value)
+
+
+config = UnifiedConfig()

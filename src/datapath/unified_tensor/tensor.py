@@ -1,0 +1,351 @@
+"""`UnifiedTensor`: a tensor on the ``"unified"`` device, backed by pinned host memory.
+
+The wrapper holds ``_host``, a CPU tensor whose memory is pinned and mapped into
+the GPU's address space (ordinary host memory on machines without CUDA), and an
+affinity, ``"host"`` or ``"gpu"``.  Its ``__torch_dispatch__`` applies the
+placement rules of PyTorch-Direct:
+
+==========================================  =========================================
+operands                                    where it runs, what comes back
+==========================================  =========================================
+any CUDA tensor                             GPU, reading unified operands in place
+                                            (zero copy); CUDA result
+unified (and CPU) only, all affinity "gpu"  GPU; CUDA result
+unified (and CPU) only, otherwise           CPU; unified result (host affinity)
+``u[cuda_idx]``, ``index_select``           the zero-copy gather kernel; CUDA result
+``u[cuda_idx] = rows``, ``index_copy_``     the zero-copy scatter kernel, into host memory
+in-place ops on ``u``                       write ``u``'s host memory (on the GPU when an
+                                            operand is on CUDA, else on the CPU)
+==========================================  =========================================
+
+Views (slices, ``view``, ``transpose``...) share memory and keep the affinity.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from datapath._runtime.pinned import HostRegistration, cuda_alias, in_flight, pinned_empty
+
+Affinity = str  # "host" | "gpu"
+_AFFINITIES = ("host", "gpu")
+
+aten = torch.ops.aten
+
+# In-place ops that would need atomics on the mutated tensor: over PCIe, atomics on
+# host memory are not supported on most platforms, so these always run on the CPU.
+_ATOMIC_INPLACE = {
+    aten.index_add_.default, aten.scatter_add_.default, aten.scatter_reduce_.two,
+    aten.index_reduce_.default, aten.put_.default,
+}
+
+
+class UnifiedTensor(torch.Tensor):
+    """A tensor in pinned host memory that GPU kernels read directly (device ``"unified"``).
+
+    Make one with ``t.to("unified")``, ``torch.empty(..., device="unified")`` or
+    ``datapath.unified_tensor.as_unified(t)``; see the module docstring for where
+    its operations run.
+    """
+
+    _host: torch.Tensor
+    _affinity: str
+    _keep: tuple[Any, ...]
+
+    @staticmethod
+    def __new__(cls, host: torch.Tensor, affinity: Affinity = "host",
+                keep: tuple[Any, ...] = ()) -> "UnifiedTensor":
+        if host.device.type != "cpu":
+            raise ValueError(f"a unified tensor wraps host memory, got a tensor on {host.device}")
+        if affinity not in _AFFINITIES:
+            raise ValueError(f"affinity must be 'host' or 'gpu', got {affinity!r}")
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, host.shape, strides=host.stride(), storage_offset=host.storage_offset(),
+            dtype=host.dtype, device=_unified_device(), requires_grad=False,
+        )
+        r._host = host
+        r._affinity = affinity
+        r._keep = keep
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # --- affinity -----------------------------------------------------------------
+    @property
+    def affinity(self) -> Affinity:
+        """``"host"`` (ops on it alone run on the CPU) or ``"gpu"`` (they run on the GPU)."""
+        return self._affinity
+
+    @affinity.setter
+    def affinity(self, value: Affinity) -> None:
+        if value not in _AFFINITIES:
+            raise ValueError(f"affinity must be 'host' or 'gpu', got {value!r}")
+        self._affinity = value
+
+    def with_affinity(self, value: Affinity) -> "UnifiedTensor":
+        """A new unified tensor over the same memory with affinity ``value`` (no data moves)."""
+        return UnifiedTensor(self._host, value, self._keep)
+
+    # --- conversions PyTorch users expect ---------------------------------------------
+    def numpy(self, *, force: bool = False) -> Any:  # noqa: D102 - same as torch.Tensor.numpy
+        return self._host.numpy(force=force)
+
+    def tolist(self) -> Any:  # noqa: D102 - same as torch.Tensor.tolist
+        return self._host.tolist()
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
+        body = repr(self._host)
+        return f"{body[:-1]}, device='{self.device}', affinity='{self._affinity}')"
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return (_rebuild, (self._host.clone(), self._affinity))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "UnifiedTensor":
+        return _wrap_new(self._host.clone(), self._affinity)
+
+    # --- dispatch ---------------------------------------------------------------------
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        special = _SPECIAL.get(func)
+        if special is not None:
+            out = special(args, kwargs)
+            if out is not NotImplemented:
+                return out
+        return _run(func, args, kwargs)
+
+
+def _rebuild(host: torch.Tensor, affinity: str) -> UnifiedTensor:
+    return _wrap_new(host, affinity)
+
+
+_DEVICE_CACHE: list[torch.device] = []
+
+
+def _unified_device() -> torch.device:
+    if not _DEVICE_CACHE:
+        _DEVICE_CACHE.append(torch.device("unified", 0))
+    return _DEVICE_CACHE[0]
+
+
+def _wrap_new(t: torch.Tensor, affinity: Affinity = "host") -> UnifiedTensor:
+    """Wrap a freshly computed CPU tensor, moving it into pinned memory when CUDA is present."""
+    if torch.cuda.is_available() and not t.is_pinned():
+        pinned = pinned_empty(t.shape, t.dtype)
+        pinned.copy_(t)
+        t = pinned
+    return UnifiedTensor(t, affinity)
+
+
+def _is_cuda(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, UnifiedTensor) and x.device.type == "cuda"
+
+
+def _has_cuda(args: Any, kwargs: Any) -> bool:
+    flat, _ = tree_flatten((args, kwargs))
+    return any(_is_cuda(x) for x in flat)
+
+
+def _unified_args(args: Any, kwargs: Any) -> list[UnifiedTensor]:
+    flat, _ = tree_flatten((args, kwargs))
+    return [x for x in flat if isinstance(x, UnifiedTensor)]
+
+
+def _gpu_mode(args: Any, kwargs: Any) -> torch.device | None:
+    """The CUDA device to run on under the placement rules, or None for the CPU."""
+    flat, _ = tree_flatten((args, kwargs))
+    for x in flat:
+        if _is_cuda(x):
+            return x.device
+    us = [x for x in flat if isinstance(x, UnifiedTensor)]
+    if us and torch.cuda.is_available() and all(u._affinity == "gpu" for u in us):
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _replace_device_kwargs(kwargs: dict[str, Any], target: torch.device) -> dict[str, Any]:
+    dev = kwargs.get("device")
+    if dev is not None and torch.device(dev).type == "unified":
+        kwargs = {**kwargs, "device": target}
+    return kwargs
+
+
+def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The generic placement rule for ``func``."""
+    unified = _unified_args(args, kwargs)
+    mutates = func._schema.is_mutable
+    if (mutates and func in _ATOMIC_INPLACE) or (func.is_view and not _has_cuda(args, kwargs)):
+        gpu = None  # views of unified tensors stay unified views, whatever the affinity
+    else:
+        gpu = _gpu_mode(args, kwargs)
+    if gpu is not None:
+        aliases: dict[int, UnifiedTensor] = {}
+
+        def to_gpu(x: Any) -> Any:
+            if isinstance(x, UnifiedTensor):
+                a = cuda_alias(x._host) if x._host.is_pinned() else x._host.to(gpu)
+                aliases[id(a)] = x
+                return a
+            if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0:
+                return x.to(gpu)
+            return x
+
+        with torch.cuda.device(gpu):
+            g_args, g_kwargs = tree_map(to_gpu, (args, _replace_device_kwargs(kwargs, gpu)))
+            out = func(*g_args, **g_kwargs)
+            in_flight.hold(torch.cuda.current_stream(gpu), *[u._host for u in unified])
+        # an op that returns (one of) its mutated inputs gives back the unified tensor itself
+        return tree_map(lambda x: aliases.get(id(x), x) if isinstance(x, torch.Tensor) else x, out)
+
+    hosts: dict[int, UnifiedTensor] = {}
+
+    def to_cpu(x: Any) -> Any:
+        if isinstance(x, UnifiedTensor):
+            hosts[id(x._host)] = x
+            return x._host
+        if _is_cuda(x):  # cannot happen: CUDA operands select the GPU path
+            raise AssertionError("CUDA operand on the CPU path")
+        return x
+
+    c_args, c_kwargs = tree_map(to_cpu, (args, _replace_device_kwargs(kwargs, torch.device("cpu"))))
+    out = func(*c_args, **c_kwargs)
+    storages = {
+        u._host.untyped_storage().data_ptr(): u for u in unified if u._host.untyped_storage().nbytes()
+    }
+    affinity = unified[0]._affinity if unified else "host"
+
+    def wrap(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or isinstance(x, UnifiedTensor):
+            return x
+        if id(x) in hosts:  # in-place op returning its input
+            return hosts[id(x)]
+        if x.untyped_storage().nbytes():
+            src = storages.get(x.untyped_storage().data_ptr())
+            if src is not None:  # a view of a unified tensor: same memory, same affinity
+                return UnifiedTensor(x, src._affinity, src._keep)
+        return _wrap_new(x, affinity)
+
+    return tree_map(wrap, out)
+
+
+# --- ops with their own rule ------------------------------------------------------------
+
+def _index_target(self: Any, idx: Any) -> torch.device | None:
+    """CUDA device for a gather of ``self`` rows by ``idx`` (None: CPU)."""
+    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
+        return None
+    if idx.device.type == "cuda":
+        return idx.device
+    if self._affinity == "gpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    self, indices = args[0], args[1]
+    if not isinstance(self, UnifiedTensor) or len(indices) != 1 or indices[0] is None:
+        return NotImplemented
+    from datapath.unified_tensor.gather import gather  # noqa: PLC0415
+
+    idx = indices[0]
+    dev = _index_target(self, idx)
+    if dev is None:
+        if isinstance(idx, torch.Tensor) and idx.device.type == "cpu" and idx.dtype in (torch.int32, torch.int64):
+            return _wrap_new(gather(self._host, idx), self._affinity)
+        return NotImplemented
+    return gather(self, idx.to(dev))
+
+
+def _index_select(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    self, dim, idx = args[0], args[1], args[2]
+    if not isinstance(self, UnifiedTensor) or self.dim() == 0 or dim not in (0, -self.dim()):
+        return NotImplemented
+    if idx.dim() > 1:
+        raise IndexError("index_select(): Index is supposed to be a vector")
+    return _index(((self, [idx])), kwargs)
+
+
+def _scatter_rows(self: Any, idx: Any, values: Any) -> Any:
+    from datapath.unified_tensor.gather import scatter  # noqa: PLC0415
+
+    dev = _index_target(self, idx)
+    if dev is None:
+        return NotImplemented
+    if isinstance(values, UnifiedTensor):
+        values = values._host
+    values = values.to(device=dev, dtype=self.dtype)
+    scatter(self, idx.to(dev), values)
+    return self
+
+
+def _index_put(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    self, indices, values = args[0], args[1], args[2]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    if not isinstance(self, UnifiedTensor) or len(indices) != 1 or indices[0] is None:
+        return NotImplemented
+    if accumulate:  # needs atomics on host memory: run on the CPU
+        idx = indices[0].to("cpu") if isinstance(indices[0], torch.Tensor) else indices[0]
+        vals = values._host if isinstance(values, UnifiedTensor) else values.to("cpu")
+        self._host.index_put_((idx,), vals, accumulate=True)
+        return self
+    return _scatter_rows(self, indices[0], values)
+
+
+def _index_copy(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    self, dim, idx, src = args[0], args[1], args[2], args[3]
+    if not isinstance(self, UnifiedTensor) or dim not in (0, -self.dim()) or idx.dim() > 1:
+        return NotImplemented
+    return _scatter_rows(self, idx, src)
+
+
+def _to_copy(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    self = args[0]
+    dev = kwargs.get("device")
+    if not isinstance(self, UnifiedTensor) or dev is None:
+        return NotImplemented
+    dev = torch.device(dev)
+    rest = {k: v for k, v in kwargs.items() if k != "device"}
+    if dev.type == "unified":
+        return _wrap_new(self._host._to_copy(**rest) if rest else self._host.clone(), self._affinity)
+    out = torch.ops.aten._to_copy.default(self._host, device=dev, **rest)
+    if dev.type == "cuda":
+        in_flight.hold(torch.cuda.current_stream(dev), self._host)
+    return out
+
+
+def _copy(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    dst, src = args[0], args[1]
+    non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    s = src._host if isinstance(src, UnifiedTensor) else src
+    d = dst._host if isinstance(dst, UnifiedTensor) else dst
+    d.copy_(s, non_blocking=non_blocking)
+    cuda_side = d if d.device.type == "cuda" else s if isinstance(s, torch.Tensor) and s.device.type == "cuda" else None
+    if cuda_side is not None:
+        in_flight.hold(torch.cuda.current_stream(cuda_side.device), d, s)
+    return dst
+
+
+def _local_scalar(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[0]._host.item()
+
+
+_SPECIAL: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {
+    aten.index.Tensor: _index,
+    aten.index_select.default: _index_select,
+    aten.index_put_.default: _index_put,
+    aten.index_put.default: lambda a, k: NotImplemented,
+    aten.index_copy_.default: _index_copy,
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy,
+    aten._local_scalar_dense.default: _local_scalar,
+}
+
+
+def as_unified_view(host: torch.Tensor, affinity: Affinity = "host",
+                    registration: HostRegistration | None = None) -> UnifiedTensor:
+    """Wrap pinned (or, without CUDA, plain) host tensor ``host`` without copying."""
+    return UnifiedTensor(host, affinity, (registration,) if registration is not None else ())
