@@ -239,3 +239,15 @@ def test_gpu_as_unified_pins_in_place() -> None:
 
     assert len(in_flight) == 0
     assert not t.is_pinned()  # unpinned when the last reference went
+
+
+@gpu
+def test_registration_keeps_cuda_pinning_working() -> None:
+    # Renaming PrivateUse1 makes PyTorch treat "unified" as the default accelerator;
+    # pin_memory()/is_pinned() without a device must still mean CUDA pinned memory.
+    t = torch.randn(64, 8)
+    p = t.pin_memory()
+    assert p.is_pinned() and not t.is_pinned()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(t), batch_size=16, pin_memory=True)
+    batch = next(iter(loader))[0]
+    assert batch.is_pinned() and torch.equal(batch, t[:16])

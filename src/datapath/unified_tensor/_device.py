@@ -8,6 +8,7 @@ datapath is imported.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -71,6 +72,46 @@ def _empty_strided(size: Any, stride: Any, dtype: torch.dtype | None = None, lay
     return UnifiedTensor(base.as_strided(tuple(size), tuple(stride)))
 
 
+def _route_pinning_to_cuda() -> None:
+    """Keep ``Tensor.pin_memory()`` and ``Tensor.is_pinned()`` meaning CUDA pinned memory.
+
+    PyTorch treats a renamed PrivateUse1 backend as the process's default
+    accelerator, ahead of CUDA; the two methods, called without a device (as
+    user code and ``DataLoader(pin_memory=True)`` do), would then ask the unified
+    device for a pinned-memory allocator, which a Python backend cannot provide.
+    The unified device's pinned memory *is* CUDA's, so both are routed there.
+    """
+    if getattr(torch.Tensor.pin_memory, "_datapath_routed", False):
+        return
+    orig_pin, orig_is_pinned = torch.Tensor.pin_memory, torch.Tensor.is_pinned
+
+    def _target(device: Any) -> Any:
+        if device is None or torch.device(device).type == NAME:
+            return "cuda" if torch.cuda.is_available() else None
+        return device
+
+    def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+        target = _target(device)
+        if target is None:
+            return orig_pin(self)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the device argument is deprecated, and needed here
+            return orig_pin(self, target)
+
+    def is_pinned(self: torch.Tensor, device: Any = None) -> bool:
+        target = _target(device)
+        if target is None:
+            return False
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return orig_is_pinned(self, target)
+
+    pin_memory._datapath_routed = True  # type: ignore[attr-defined]
+    pin_memory.__doc__, is_pinned.__doc__ = orig_pin.__doc__, orig_is_pinned.__doc__
+    torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
+    torch.Tensor.is_pinned = is_pinned  # type: ignore[method-assign]
+
+
 def register() -> None:
     """Register the ``"unified"`` device once per process (idempotent)."""
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -84,7 +125,9 @@ def register() -> None:
                 f"PyTorch's PrivateUse1 device is already named {current!r} by another library; "
                 f"datapath needs it for the 'unified' device. Import datapath first or drop that library."
             )
-        _setup_privateuseone_for_python_backend(NAME, backend_module=_UnifiedModule())
+        if current != NAME:
+            _setup_privateuseone_for_python_backend(NAME, backend_module=_UnifiedModule())
+        _route_pinning_to_cuda()
         lib = torch.library.Library("aten", "IMPL")
         lib.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
         lib.impl("empty_strided", _empty_strided, "PrivateUse1")
