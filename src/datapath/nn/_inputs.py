@@ -1,0 +1,71 @@
+"""How a layer reads its inputs: ``x`` (num_src, F), a pair ``(x_src, x_dst)``, or a table with ``src_ids``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from datapath.ops import FeatureShapeError, as_csr
+from datapath.ops._graph import CSRView
+from datapath.ops._inputs import check_ids, is_unified, resolve_table
+
+
+@dataclass
+class LayerInputs:
+    """The resolved inputs of a conv layer.
+
+    ``x_src`` is (num_src, F) -- or, when ``src_ids`` is set, the feature table that the
+    ops read through ``src_ids`` without materializing ``x_src``; ``x_dst`` is (num_dst, F).
+    """
+
+    csr: CSRView
+    x_src: torch.Tensor
+    x_dst: torch.Tensor
+    src_ids: torch.Tensor | None
+
+    @property
+    def fused(self) -> bool:
+        return self.src_ids is not None
+
+    def materialized_src(self) -> torch.Tensor:
+        """(num_src, F) source features on the compute device (gathered when fused)."""
+        if self.src_ids is None:
+            return self.x_src
+        return gather_rows(self.x_src, self.src_ids)
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``table[ids]`` on ``ids``' device: a unified/pinned table is read zero-copy by the GPU."""
+    if is_unified(table):
+        from datapath.unified_tensor import gather  # noqa: PLC0415
+        return gather(table, ids)
+    return resolve_table(table, ids).index_select(0, ids)
+
+
+def layer_inputs(graph: Any, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                 src_ids: torch.Tensor | None = None) -> LayerInputs:
+    """Resolve ``x`` against ``graph`` (destinations are the first ``num_dst`` sources, DGL's block rule)."""
+    csr = as_csr(graph)
+    if isinstance(x, tuple):
+        if src_ids is not None:
+            raise FeatureShapeError("pass either a pair (x_src, x_dst) or a table with src_ids, not both")
+        if len(x) != 2:
+            raise FeatureShapeError(f"x as a tuple must be (x_src, x_dst), got {len(x)} items")
+        x_src, x_dst = x
+        if x_dst.shape[0] != csr.num_dst:
+            raise FeatureShapeError(
+                f"x_dst has {x_dst.shape[0]} rows but the graph has {csr.num_dst} destination nodes"
+            )
+        return LayerInputs(csr, x_src, x_dst, None)
+    if src_ids is not None:
+        table = resolve_table(x, src_ids)
+        ids = check_ids(src_ids, table.shape[0], csr.num_src, "src_ids")
+        x_dst = gather_rows(x, ids[: csr.num_dst])
+        return LayerInputs(csr, x, x_dst, ids)
+    if csr.num_dst > csr.num_src:
+        raise FeatureShapeError(
+            f"the graph has more destination ({csr.num_dst}) than source ({csr.num_src}) nodes, so x_dst "
+            f"cannot be x[:num_dst]; pass x as a pair (x_src, x_dst)"
+        )
+    return LayerInputs(csr, x, x[: csr.num_dst], None)

@@ -1,0 +1,109 @@
+"""``aggregate``: SpMM-style neighbor aggregation over a CSR of destination rows, with autograd."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from datapath.ops import _inputs
+from datapath.ops._graph import CSRView, as_csr
+from datapath.ops._torch_backend import AggSpec
+from datapath.ops.errors import FeatureShapeError
+
+REDUCTIONS = ("sum", "mean", "max")
+NORMS = (None, "gcn")
+
+
+class _AggregateFn(torch.autograd.Function):
+    """out = aggregate(x, weight); backward for x (transpose CSR on GPU) and for the edge weight (SDDMM)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, csr: CSRView, spec: AggSpec,
+                backend: Any) -> torch.Tensor:  # type: ignore[override]
+        out, argmax = backend.forward(csr, x, weight, spec)
+        ctx.csr, ctx.spec, ctx.backend = csr, spec, backend
+        ctx.x_dtype = x.dtype
+        ctx.w_dtype = weight.dtype if weight is not None else None
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight, argmax)
+        if argmax is not None:
+            ctx.mark_non_differentiable(argmax)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, weight, argmax = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = ctx.backend.backward_x(ctx.csr, grad_out, weight, ctx.spec, argmax, ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = ctx.backend.backward_weight(ctx.csr, x, grad_out, ctx.spec, argmax, ctx.w_dtype)
+            grad_w = grad_w.view(weight.shape)
+        return grad_x, grad_w, None, None, None
+
+
+def aggregate(graph: Any, x: torch.Tensor, reduce: str = "sum", edge_weight: torch.Tensor | None = None,
+              norm: str | None = None, src_ids: torch.Tensor | None = None, plan: Any = None) -> torch.Tensor:
+    """Aggregate source features into destination rows: ``out[d] = REDUCE_{e in row d} w_e * x[src_e]``.
+
+    Args:
+        graph: a CSR of destination rows (object with ``indptr``/``indices``/``num_src_nodes``/
+            ``num_dst_nodes``, or a tuple ``(indptr, indices, num_src_nodes)``), on x's device.
+        x: (num_src, F) or (num_src, H, D) float16/bfloat16/float32/float64 source features; with
+            ``src_ids``, the feature *table* (rows, F): CUDA, pinned CPU or unified.
+        reduce: ``"sum"``, ``"mean"`` (sum / in-degree) or ``"max"``; rows without edges give 0.
+        edge_weight: optional (E,) or (E, H) weight per CSR position (H heads of (num_src, H, D) features).
+        norm: ``"gcn"`` for the symmetric normalization ``1/sqrt(deg_out(src) * deg_in(dst))`` (edge
+            counts, clamped at 1; only with ``reduce="sum"``).
+        src_ids: optional (num_src,) int map into the feature table: the op reads ``x[src_ids]`` without
+            materializing it (fused gather; from host memory when the table is unified/pinned). The
+            table gets no gradient.
+        plan: an `AggregationPlan` overriding the CUDA launch parameters (`plan_aggregation` gives the
+            default); ignored on the CPU.
+
+    Returns:
+        (num_dst, F) or (num_dst, H, D), x's dtype, on x's (or src_ids') device; accumulates in float32.
+    """
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+    if norm not in NORMS:
+        raise ValueError(f"norm must be None or 'gcn', got {norm!r}")
+    if norm == "gcn" and reduce != "sum":
+        raise ValueError(f"norm='gcn' is a normalized sum; use reduce='sum' (got {reduce!r})")
+    _inputs.check_float(x, "x")
+    csr = as_csr(graph)
+    if src_ids is not None:
+        if x.requires_grad and torch.is_grad_enabled():
+            raise FeatureShapeError(
+                "aggregate with src_ids reads the feature table in place and gives it no gradient, but the "
+                "table requires grad; gather first (x[src_ids]) or detach the table"
+            )
+        table = _inputs.resolve_table(x, src_ids)
+        ids = _inputs.check_ids(src_ids, table.shape[0], csr.num_src, "src_ids")
+        device = ids.device
+        xf, tail = _inputs.flat_features(table, "the feature table")
+    else:
+        ids = None
+        device = x.device
+        if x.shape[0] != csr.num_src:
+            raise FeatureShapeError(
+                f"x has {x.shape[0]} rows but the graph has {csr.num_src} source nodes; pass x of shape "
+                f"(num_src_nodes, F) (for a block: the features of its source nodes)"
+            )
+        xf, tail = _inputs.flat_features(x, "x")
+    _inputs.check_graph_device(csr, device)
+    heads = 1
+    w = None
+    if edge_weight is not None:
+        heads = _inputs.edge_weight_heads(edge_weight, csr.num_edges, tail, device)
+        w = edge_weight.reshape(csr.num_edges, heads).contiguous()
+    row_scale = col_scale = None
+    sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if reduce == "mean":
+        row_scale = csr.row_scale("mean", sdt)
+    elif norm == "gcn":
+        row_scale = csr.row_scale("gcn", sdt)
+        col_scale = csr.col_scale_gcn(sdt)
+    spec = AggSpec("max" if reduce == "max" else "sum", row_scale, col_scale, heads, ids, plan)
+    out = _AggregateFn.apply(xf, w, csr, spec, _inputs.backend_for(device))
+    return out.view(csr.num_dst, *tail)

@@ -1,0 +1,304 @@
+"""datapath.ops.aggregate against a float64 dense/loop reference, on CPU and GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from datapath.ops import (
+    CSRGraph,
+    DeviceMismatchError,
+    FeatureShapeError,
+    GraphFormatError,
+    GraphIndexError,
+    UnsupportedDtypeError,
+    aggregate,
+    plan_aggregation,
+)
+from datapath.ops._random_graph import power_law_csr
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+TOL = {torch.float32: (2e-5, 2e-5), torch.float64: (1e-10, 1e-10),
+       torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def make_graph(device: str, num_dst: int = 120, num_src: int = 150, num_edges: int = 900, seed: int = 0,
+               index_dtype: torch.dtype = torch.int64) -> CSRGraph:
+    return power_law_csr(num_dst, num_src, num_edges, seed=seed, index_dtype=index_dtype, device=device)
+
+
+def dense_adj(g: CSRGraph, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """(num_dst, num_src) float64 matrix, duplicates summed; weight (E,) float64."""
+    ip, ix = g.indptr.cpu(), g.indices.cpu().long()
+    rows = torch.repeat_interleave(torch.arange(g.num_dst_nodes), ip[1:] - ip[:-1])
+    w = torch.ones(ix.numel(), dtype=torch.float64) if weight is None else weight.cpu().to(torch.float64)
+    a = torch.zeros(g.num_dst_nodes, g.num_src_nodes, dtype=torch.float64)
+    a.index_put_((rows, ix), w, accumulate=True)
+    return a
+
+
+def ref_aggregate(g: CSRGraph, x: torch.Tensor, reduce: str, weight: torch.Tensor | None = None,
+                  norm: str | None = None) -> torch.Tensor:
+    """float64 reference on the CPU (autograd-capable in x and weight)."""
+    ip, ix = g.indptr.cpu(), g.indices.cpu().long()
+    deg_in = (ip[1:] - ip[:-1]).clamp(min=1).to(torch.float64)
+    if reduce == "max":
+        rows = []
+        for d in range(g.num_dst_nodes):
+            lo, hi = int(ip[d]), int(ip[d + 1])
+            if lo == hi:
+                rows.append(torch.zeros(x.shape[1], dtype=torch.float64))
+                continue
+            msg = x[ix[lo:hi]]
+            if weight is not None:
+                msg = msg * weight[lo:hi, None]
+            rows.append(msg.max(0).values)
+        return torch.stack(rows)
+    if weight is not None:
+        rows = torch.repeat_interleave(torch.arange(g.num_dst_nodes), ip[1:] - ip[:-1])
+        a = torch.zeros(g.num_dst_nodes, g.num_src_nodes, dtype=torch.float64)
+        a = a.index_put((rows, ix), weight, accumulate=True)
+    else:
+        a = dense_adj(g)
+    if norm == "gcn":
+        deg_out = torch.bincount(ix, minlength=g.num_src_nodes).clamp(min=1).to(torch.float64)
+        a = a / deg_in.sqrt()[:, None] / deg_out.sqrt()[None, :]
+    out = a @ x
+    if reduce == "mean":
+        out = out / deg_in[:, None]
+    return out
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    rtol, atol = TOL[dtype]
+    scale = max(1.0, float(ref.detach().abs().max()))
+    torch.testing.assert_close(got.detach().cpu().to(torch.float64), ref.detach().to(torch.float64),
+                               rtol=rtol, atol=atol * scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
+@pytest.mark.parametrize("width", [1, 3, 16, 37, 128, 602])
+def test_forward_backward_fp32(device: str, reduce: str, width: int) -> None:
+    g = make_graph(device, seed=width)
+    torch.manual_seed(width)
+    x = torch.randn(g.num_src_nodes, width, device=device, requires_grad=True)
+    out = aggregate(g, x, reduce)
+    gy = torch.randn_like(out)
+    out.backward(gy)
+    x64 = x.detach().cpu().double().requires_grad_()
+    ref = ref_aggregate(g, x64, reduce)
+    ref.backward(gy.cpu().double())
+    assert out.shape == (g.num_dst_nodes, width) and out.dtype == torch.float32 and out.device == x.device
+    assert_close(out, ref, torch.float32)
+    assert_close(x.grad, x64.grad, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
+@pytest.mark.parametrize("width", [5, 64])
+def test_edge_weight_forward_backward(device: str, reduce: str, width: int) -> None:
+    g = make_graph(device, seed=3 + width)
+    e = g.indices.numel()
+    torch.manual_seed(1)
+    x = torch.randn(g.num_src_nodes, width, device=device, requires_grad=True)
+    w = (torch.rand(e, device=device) + 0.1).requires_grad_()
+    out = aggregate(g, x, reduce, edge_weight=w)
+    gy = torch.randn_like(out)
+    out.backward(gy)
+    x64 = x.detach().cpu().double().requires_grad_()
+    w64 = w.detach().cpu().double().requires_grad_()
+    ref = ref_aggregate(g, x64, reduce, w64)
+    ref.backward(gy.cpu().double())
+    assert_close(out, ref, torch.float32)
+    assert_close(x.grad, x64.grad, torch.float32)
+    assert_close(w.grad, w64.grad, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("width", [1, 20, 602])
+def test_gcn_norm(device: str, width: int) -> None:
+    g = make_graph(device, seed=11)
+    torch.manual_seed(2)
+    x = torch.randn(g.num_src_nodes, width, device=device, requires_grad=True)
+    w = (torch.rand(g.indices.numel(), device=device) + 0.5).requires_grad_()
+    out = aggregate(g, x, norm="gcn", edge_weight=w)
+    gy = torch.randn_like(out)
+    out.backward(gy)
+    x64 = x.detach().cpu().double().requires_grad_()
+    w64 = w.detach().cpu().double().requires_grad_()
+    ref = ref_aggregate(g, x64, "sum", w64, norm="gcn")
+    ref.backward(gy.cpu().double())
+    assert_close(out, ref, torch.float32)
+    assert_close(x.grad, x64.grad, torch.float32)
+    assert_close(w.grad, w64.grad, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
+@pytest.mark.parametrize("width", [8, 37, 256])
+def test_low_precision_accumulates_in_fp32(device: str, dtype: torch.dtype, reduce: str, width: int) -> None:
+    g = make_graph(device, num_edges=1500, seed=5)
+    torch.manual_seed(3)
+    x = torch.randn(g.num_src_nodes, width, device=device).to(dtype).requires_grad_()
+    out = aggregate(g, x, reduce)
+    assert out.dtype == dtype
+    gy = torch.randn(out.shape, device=device).to(dtype)
+    out.backward(gy)
+    x64 = x.detach().cpu().double().requires_grad_()
+    ref = ref_aggregate(g, x64, reduce)
+    ref.backward(gy.cpu().double())
+    assert_close(out, ref, dtype)
+    assert x.grad.dtype == dtype
+    assert_close(x.grad, x64.grad, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_multi_head_edge_weight(device: str) -> None:
+    g = make_graph(device, seed=7)
+    heads, d = 4, 6
+    torch.manual_seed(4)
+    x = torch.randn(g.num_src_nodes, heads, d, device=device, requires_grad=True)
+    w = torch.rand(g.indices.numel(), heads, device=device, requires_grad=True)
+    out = aggregate(g, x, "sum", edge_weight=w)
+    assert out.shape == (g.num_dst_nodes, heads, d)
+    gy = torch.randn_like(out)
+    out.backward(gy)
+    x64 = x.detach().cpu().double().requires_grad_()
+    w64 = w.detach().cpu().double().requires_grad_()
+    ref = torch.stack([ref_aggregate(g, x64[:, h], "sum", w64[:, h]) for h in range(heads)], 1)
+    ref.backward(gy.cpu().double())
+    assert_close(out, ref, torch.float32)
+    assert_close(x.grad, x64.grad, torch.float32)
+    assert_close(w.grad, w64.grad, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int32_indices_and_tuple_graph(device: str) -> None:
+    g = make_graph(device, index_dtype=torch.int32, seed=9)
+    x = torch.randn(g.num_src_nodes, 12, device=device)
+    tup = (g.indptr.to(torch.int32), g.indices, g.num_src_nodes)
+    ref = ref_aggregate(g, x.cpu().double(), "mean")
+    assert_close(aggregate(g, x, "mean"), ref, torch.float32)
+    assert_close(aggregate(tup, x, "mean"), ref, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_graph_and_all_isolated(device: str) -> None:
+    g = CSRGraph(torch.zeros(6, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.int64, device=device),
+                 4, 5)
+    x = torch.randn(4, 7, device=device, requires_grad=True)
+    for reduce in ("sum", "mean", "max"):
+        out = aggregate(g, x, reduce)
+        assert out.shape == (5, 7) and bool((out == 0).all())
+        out.sum().backward()
+        assert bool((x.grad == 0).all())
+        x.grad = None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_src_ids_matches_gather_then_aggregate(device: str) -> None:
+    g = make_graph(device, seed=13)
+    torch.manual_seed(5)
+    table = torch.randn(1000, 100)
+    if device == "cuda":
+        from datapath._runtime import pinned_empty
+        pinned = pinned_empty(table.shape, table.dtype)
+        pinned.copy_(table)
+        table = pinned
+    ids = torch.randperm(1000)[: g.num_src_nodes].to(device)
+    for reduce in ("sum", "mean", "max"):
+        want = aggregate(g, table.to(device)[ids], reduce)
+        for fused in ("auto", "push", "pull"):
+            plan = plan_aggregation(g, 100, fused=fused)
+            got = aggregate(g, table, reduce, src_ids=ids, plan=plan)
+            assert_close(got, want.double().cpu(), torch.float32)
+    w = torch.rand(g.indices.numel(), device=device)
+    got = aggregate(g, table, "sum", edge_weight=w, norm="gcn", src_ids=ids)
+    assert_close(got, aggregate(g, table.to(device)[ids], "sum", w, "gcn").double().cpu(), torch.float32)
+
+
+def test_fused_src_ids_rejects_grad_and_bad_ids() -> None:
+    g = make_graph("cpu")
+    table = torch.randn(500, 8, requires_grad=True)
+    ids = torch.randperm(500)[: g.num_src_nodes]
+    with pytest.raises(FeatureShapeError, match="gradient"):
+        aggregate(g, table, src_ids=ids)
+    bad = ids.clone()
+    bad[3] = 500
+    with pytest.raises(GraphIndexError, match="500"):
+        aggregate(g, table.detach(), src_ids=bad)
+    with pytest.raises(FeatureShapeError, match="shape"):
+        aggregate(g, table.detach(), src_ids=ids[:-1])
+
+
+def test_input_validation() -> None:
+    g = make_graph("cpu")
+    x = torch.randn(g.num_src_nodes, 4)
+    with pytest.raises(FeatureShapeError, match="source nodes"):
+        aggregate(g, x[:-1])
+    with pytest.raises(UnsupportedDtypeError):
+        aggregate(g, x.long())
+    with pytest.raises(ValueError, match="reduce"):
+        aggregate(g, x, "median")
+    with pytest.raises(ValueError, match="gcn"):
+        aggregate(g, x, "max", norm="gcn")
+    with pytest.raises(FeatureShapeError, match="edges"):
+        aggregate(g, x, edge_weight=torch.rand(3))
+    bad = CSRGraph(g.indptr, g.indices.clone(), g.num_src_nodes, g.num_dst_nodes)
+    bad.indices[5] = g.num_src_nodes
+    with pytest.raises(GraphIndexError, match="num_src_nodes"):
+        aggregate(bad, x)
+    with pytest.raises(GraphFormatError, match="num_dst_nodes"):
+        aggregate(CSRGraph(g.indptr[:-1], g.indices, g.num_src_nodes, g.num_dst_nodes), x)
+    with pytest.raises(GraphFormatError, match="start at 0"):
+        aggregate((g.indptr + 1, g.indices, g.num_src_nodes), x)
+    dec = g.indptr.clone()
+    dec[3] = int(dec[5]) + 1  # row 3 gets a negative length
+    with pytest.raises(GraphFormatError):
+        aggregate((dec, g.indices, g.num_src_nodes), x)
+    with pytest.raises(GraphFormatError, match="tuple"):
+        aggregate((g.indptr, g.indices), x)
+    with pytest.raises(GraphFormatError, match="indptr"):
+        aggregate(object(), x)
+    with pytest.raises(FeatureShapeError, match="heads"):
+        aggregate(g, x, edge_weight=torch.rand(g.indices.numel(), 3))
+
+
+def test_cache_is_reused_and_invalidated() -> None:
+    g = make_graph("cpu")
+    x = torch.randn(g.num_src_nodes, 4, requires_grad=True)
+    aggregate(g, x, "mean").sum().backward()
+    cache = g._datapath_cache
+    assert "edge_dst" in cache and "row_scale_mean_torch.float32" in cache
+    first = cache["edge_dst"]
+    aggregate(g, x, "mean")
+    assert g._datapath_cache["edge_dst"] is first
+    g.indices[0] = (g.indices[0] + 1) % g.num_src_nodes  # in-place change: the cache must drop
+    out = aggregate(g, x.detach(), "sum", norm="gcn")  # gcn uses the (changed) source degrees
+    assert g._datapath_cache.get("edge_dst") is not first
+    assert_close(out, ref_aggregate(g, x.detach().double(), "sum", norm="gcn"), torch.float32)
+
+
+@pytest.mark.gpu
+def test_device_mismatch_is_reported(cuda_device: torch.device) -> None:
+    g = make_graph("cpu")
+    with pytest.raises(DeviceMismatchError, match="move"):
+        aggregate(g, torch.randn(g.num_src_nodes, 4, device=cuda_device))
+
+
+def test_plan_model_and_overrides() -> None:
+    g = make_graph("cpu")
+    p16 = plan_aggregation(g, 16)
+    assert (p16.vec, p16.dw, p16.passes) == (4, 4, 1)
+    p602 = plan_aggregation(g, 602)
+    assert p602.vec == 2 and p602.dw == 32 and p602.passes == 10
+    assert p602.work_per_thread == p602.ngs * p602.passes
+    ph = plan_aggregation(g, 128, torch.bfloat16)
+    assert ph.vec == 8 and ph.dw == 16
+    p = p16.replace(ngs=3, backward="atomic")
+    assert p.ngs == 3 and p.backward == "atomic" and p.work_per_thread == 3
+    with pytest.raises(ValueError, match="dw"):
+        p16.replace(dw=3)
+    with pytest.raises(ValueError, match="vec"):
+        plan_aggregation(g, 6, vec=4)
