@@ -1,0 +1,354 @@
+"""Datasets: synthetic power-law graphs with learnable labels, presets shaped like the seed datasets, `.npy` dirs.
+
+The generator is a degree-corrected planted-partition model (a stochastic block
+model whose node weights follow a power law):
+
+- each node gets a community (its label) and a weight ``w ~ Pareto(alpha)``, so
+  degrees follow a power law like real web and citation graphs;
+- an edge picks its first end with probability proportional to ``w``; the other end
+  comes, with probability ``homophily``, from the same community (again in
+  proportion to ``w``), otherwise from the whole graph; edges are made undirected,
+  deduplicated, without self loops;
+- features are ``signal * centroid[label] + noise`` (Gaussian), so one node's own
+  features predict its label only weakly, and averaging over its (mostly
+  same-community) neighbours helps: accuracy measures whether message passing works.
+
+Everything is drawn from `torch.Generator`s seeded by ``(seed, chunk)``: the same
+spec, seed and device type give the same dataset on any machine, however many
+threads generate it.  On a GPU machine generation runs on the GPU (fast for
+products-size graphs); the result lives in host memory.
+
+A dataset directory holds ``indptr.npy``, ``indices.npy``, ``features.npy``,
+``labels.npy``, ``train_idx.npy``, ``val_idx.npy``, ``test_idx.npy`` and ``meta.json``;
+`load_dataset` memory-maps it (no generator needed).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from datapath.loaders._placement import host_of
+from datapath.loaders.errors import DatasetError
+from datapath.loaders.graph import Graph
+
+log = logging.getLogger("datapath.loaders.datasets")
+
+_FILES = ("indptr.npy", "indices.npy", "features.npy", "labels.npy", "train_idx.npy", "val_idx.npy",
+          "test_idx.npy", "meta.json")
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Shape and statistics of a synthetic dataset.
+
+    ``num_edges`` counts undirected edges before deduplication; the CSR holds both
+    directions (about twice as many entries).
+    """
+
+    name: str
+    num_nodes: int
+    num_edges: int
+    num_features: int
+    num_classes: int
+    homophily: float = 0.7
+    alpha: float = 2.3
+    signal: float = 0.35
+    train_frac: float = 0.5
+    val_frac: float = 0.1
+    test_frac: float = 0.2
+    seed: int = 0
+
+
+PRESETS: dict[str, SyntheticSpec] = {
+    # the quick-start default: generated in a few seconds on a laptop CPU
+    "tiny": SyntheticSpec("tiny", 20_000, 200_000, 64, 8, homophily=0.7, signal=0.12,
+                          train_frac=0.5, val_frac=0.25, test_frac=0.25),
+    # shaped like Reddit (DGL): 233K nodes, 114.6M directed edges, 602 features, 41 classes
+    "reddit": SyntheticSpec("reddit", 232_965, 57_307_946, 602, 41, homophily=0.7, signal=0.045,
+                            train_frac=0.66, val_frac=0.10, test_frac=0.24),
+    # shaped like ogbn-products: 2.45M nodes, 61.9M undirected edges, 100 features, 47 classes
+    "products": SyntheticSpec("products", 2_449_029, 61_859_140, 100, 47, homophily=0.7, signal=0.1,
+                              train_frac=0.08, val_frac=0.02, test_frac=0.90),
+}
+PAPERS_FEATURES = 128
+PAPERS_AVG_DEGREE = 14.5  # undirected edges per node of ogbn-papers100M (1.6B / 111M)
+
+
+def papers_spec(memory_gb: float, seed: int = 0) -> SyntheticSpec:
+    """A papers100M-shaped spec (128 features, 172 classes) scaled so features + graph take ``memory_gb``.
+
+    Per node: 512 bytes of float32 features, about 2 * 14.5 * 4 bytes of int32 CSR
+    indices, 8 bytes of indptr and 8 of label; capped at papers100M's 111M nodes.
+    """
+    per_node = PAPERS_FEATURES * 4 + 2 * PAPERS_AVG_DEGREE * 4 + 16
+    n = int(min(111_059_956, memory_gb * 2**30 / per_node))
+    if n < 1000:
+        raise DatasetError(f"memory_gb={memory_gb} is too small for a papers-shaped graph")
+    return SyntheticSpec("papers", n, int(n * PAPERS_AVG_DEGREE), PAPERS_FEATURES, 172, homophily=0.7,
+                         signal=0.09, train_frac=0.011, val_frac=0.001, test_frac=0.002, seed=seed)
+
+
+def preset_spec(name: str, *, memory_gb: float | None = None, seed: int = 0) -> SyntheticSpec:
+    """The spec of preset ``name`` (``tiny``, ``reddit``, ``products``, ``papers``)."""
+    if name == "papers":
+        if memory_gb is None:
+            import psutil  # noqa: PLC0415
+
+            memory_gb = psutil.virtual_memory().total / 2**30 / 4
+        return papers_spec(memory_gb, seed)
+    if name not in PRESETS:
+        raise DatasetError(f"unknown dataset preset {name!r}; choose one of {sorted([*PRESETS, 'papers'])} "
+                           f"or give a dataset directory")
+    return dataclasses.replace(PRESETS[name], seed=seed)
+
+
+@dataclass
+class Dataset:
+    """A node-classification dataset.
+
+    Attributes:
+        graph: the `Graph` (host memory; memory-mapped when loaded from a directory).
+        features: (N, F) float32 host tensor.
+        labels: (N,) int64 host tensor.
+        train_idx / val_idx / test_idx: int64 node ids.
+        num_classes: number of label values.
+        meta: the spec and generation facts (written to ``meta.json``).
+    """
+
+    name: str
+    graph: Graph
+    features: torch.Tensor
+    labels: torch.Tensor
+    train_idx: torch.Tensor
+    val_idx: torch.Tensor
+    test_idx: torch.Tensor
+    num_classes: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_features(self) -> int:
+        return int(self.features.shape[1])
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the dataset as a directory of ``.npy`` files plus ``meta.json``."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.graph.save(d)
+        for name in ("features", "labels", "train_idx", "val_idx", "test_idx"):
+            np.save(d / f"{name}.npy", host_of(getattr(self, name)).cpu().numpy())
+        meta = {**self.meta, "name": self.name, "num_classes": self.num_classes,
+                "num_nodes": self.graph.num_nodes, "num_edges": self.graph.num_edges,
+                "num_features": self.num_features}
+        (d / "meta.json").write_text(json.dumps(meta, indent=1))
+        return d
+
+
+def load_dataset(directory: str | Path, *, mmap: bool = True, validate: bool = True) -> Dataset:
+    """Load a dataset directory (memory-mapped copy-on-write: features larger than RAM stay on disk)."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise DatasetError(f"{d} is not a directory; run `datapath prepare-dataset NAME {d}` first")
+    missing = [f for f in _FILES if not (d / f).is_file()]
+    if missing:
+        raise DatasetError(f"dataset directory {d} lacks {', '.join(missing)}; re-create it with prepare-dataset")
+    meta = json.loads((d / "meta.json").read_text())
+    graph = Graph.load(d, mmap=mmap, validate=validate)
+    mode = "c" if mmap else None
+    arrays = {n: torch.from_numpy(np.load(d / f"{n}.npy", mmap_mode=mode))
+              for n in ("features", "labels", "train_idx", "val_idx", "test_idx")}
+    feats = arrays["features"]
+    if feats.dim() != 2 or feats.shape[0] != graph.num_nodes:
+        raise DatasetError(f"features.npy has shape {tuple(feats.shape)}; expected ({graph.num_nodes}, F)")
+    if arrays["labels"].shape != (graph.num_nodes,):
+        raise DatasetError(f"labels.npy has shape {tuple(arrays['labels'].shape)}; expected ({graph.num_nodes},)")
+    for split in ("train_idx", "val_idx", "test_idx"):
+        t = arrays[split]
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= graph.num_nodes):
+            raise DatasetError(f"{split}.npy holds node ids outside [0, {graph.num_nodes})")
+    return Dataset(meta.get("name", d.name), graph, feats, arrays["labels"].long(), arrays["train_idx"].long(),
+                   arrays["val_idx"].long(), arrays["test_idx"].long(), int(meta["num_classes"]), meta)
+
+
+# -- generation ------------------------------------------------------------------------------
+def _gen(seed: int, stream: int, chunk: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + stream * 65_537 + chunk) % (2**63))
+    return g
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    return tqdm(total=total, desc=desc, unit="chunk", disable=not enabled, leave=False)
+
+
+class _Communities:
+    """Node weights and communities, with cumulative weights for sampling ends of edges."""
+
+    def __init__(self, spec: SyntheticSpec, device: torch.device) -> None:
+        n, c = spec.num_nodes, spec.num_classes
+        g = _gen(spec.seed, 0, 0, device)
+        self.labels = torch.randint(0, c, (n,), generator=g, device=device)
+        u = torch.rand(n, generator=g, device=device, dtype=torch.float64)
+        w = (1.0 - u).pow(-1.0 / (spec.alpha - 1.0))
+        self.weight = w.clamp(max=float(w.median()) * math.sqrt(n))  # cap the largest hubs
+        self.cum = torch.cumsum(self.weight, 0)
+        self.total = float(self.cum[-1])
+        order = torch.sort(self.labels, stable=True).indices
+        self.order = order
+        self.cum_sorted = torch.cumsum(self.weight[order], 0)
+        counts = torch.bincount(self.labels, minlength=c)
+        ends = torch.cumsum(counts, 0)
+        starts = ends - counts
+        zero = torch.zeros(1, dtype=torch.float64, device=device)
+        cs = torch.cat([zero, self.cum_sorted])
+        self.comm_lo = cs[starts]
+        self.comm_hi = cs[ends]
+
+    def edges(self, m: int, homophily: float, g: torch.Generator) -> torch.Tensor:
+        """(2, m) int64 random edge ends (undirected, self loops possible)."""
+        dev = self.cum.device
+        n = self.cum.numel()
+        u = torch.rand(m, generator=g, device=dev, dtype=torch.float64) * self.total
+        a = torch.searchsorted(self.cum, u).clamp_(max=n - 1)
+        same = torch.rand(m, generator=g, device=dev) < homophily
+        v = torch.rand(m, generator=g, device=dev, dtype=torch.float64)
+        comm = self.labels[a]
+        lo, hi = self.comm_lo[comm], self.comm_hi[comm]
+        b_same = self.order[torch.searchsorted(self.cum_sorted, lo + v * (hi - lo)).clamp_(max=n - 1)]
+        b_any = torch.searchsorted(self.cum, v * self.total).clamp_(max=n - 1)
+        return torch.stack([a, torch.where(same, b_same, b_any)])
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def generate(spec: SyntheticSpec | str, *, device: str | torch.device | None = None, progress: bool = True,
+             features_out: np.ndarray | torch.Tensor | None = None, chunk_edges: int = 1 << 24,
+             chunk_rows: int = 1 << 18) -> Dataset:
+    """Generate the synthetic dataset ``spec`` (a `SyntheticSpec` or preset name) in host memory.
+
+    Args:
+        device: where to compute (default: the GPU when there is one). The result is the
+            same for the same spec, seed and device type.
+        progress: show tqdm bars.
+        features_out: optional (N, F) float32 host array to write the features into
+            (a ``np.lib.format.open_memmap`` for datasets larger than RAM, or pinned memory).
+        chunk_edges / chunk_rows: work per parallel chunk.
+    """
+    if isinstance(spec, str):
+        spec = preset_spec(spec)
+    dev = torch.device(device) if device is not None else _default_device()
+    t0 = time.perf_counter()
+    comm = _Communities(spec, dev)
+    n = spec.num_nodes
+    # edges, in parallel chunks
+    n_chunks = max(1, -(-spec.num_edges // chunk_edges))
+    sizes = [min(chunk_edges, spec.num_edges - i * chunk_edges) for i in range(n_chunks)]
+    keys_parts: list[torch.Tensor] = [torch.empty(0)] * n_chunks
+
+    def edge_chunk(i: int) -> None:
+        e = comm.edges(sizes[i], spec.homophily, _gen(spec.seed, 1, i, dev))
+        e = e[:, e[0] != e[1]]
+        keys_parts[i] = torch.cat([e[1] * n + e[0], e[0] * n + e[1]])  # both directions, key = dst*n + src
+
+    _run_chunks(edge_chunk, n_chunks, dev, f"{spec.name}: edges", progress)
+    keys = torch.unique(torch.cat(keys_parts))  # sorted by (dst, src): CSR order, duplicates gone
+    del keys_parts
+    dst = torch.div(keys, n, rounding_mode="floor")
+    idx_dtype = torch.int32 if n < 2**31 else torch.int64
+    indices = (keys - dst * n).to(idx_dtype)
+    del keys
+    counts = torch.bincount(dst, minlength=n)
+    del dst
+    indptr = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(counts, 0, out=indptr[1:])
+    graph = Graph(indptr.cpu(), indices.cpu(), validate=False)
+    del indices, indptr, counts
+    # features, in parallel row chunks
+    if features_out is None:
+        feats = torch.empty((n, spec.num_features), dtype=torch.float32)
+    else:
+        feats = torch.as_tensor(features_out)
+        if tuple(feats.shape) != (n, spec.num_features) or feats.dtype != torch.float32:
+            raise DatasetError(f"features_out must be ({n}, {spec.num_features}) float32")
+    centroids = torch.randn(spec.num_classes, spec.num_features, generator=_gen(spec.seed, 2, 0, dev), device=dev)
+    n_row_chunks = max(1, -(-n // chunk_rows))
+
+    def feature_chunk(i: int) -> None:
+        lo, hi = i * chunk_rows, min(n, (i + 1) * chunk_rows)
+        g = _gen(spec.seed, 3, i, dev)
+        x = torch.randn(hi - lo, spec.num_features, generator=g, device=dev)
+        x.add_(centroids[comm.labels[lo:hi]], alpha=spec.signal)
+        feats[lo:hi].copy_(x)
+
+    _run_chunks(feature_chunk, n_row_chunks, dev, f"{spec.name}: features", progress)
+    labels = comm.labels.cpu()
+    perm = torch.randperm(n, generator=_gen(spec.seed, 4, 0, torch.device("cpu")))
+    n_train, n_val = int(spec.train_frac * n), int(spec.val_frac * n)
+    n_test = min(int(spec.test_frac * n), n - n_train - n_val)
+    splits = (perm[:n_train].sort().values, perm[n_train:n_train + n_val].sort().values,
+              perm[n_train + n_val:n_train + n_val + n_test].sort().values)
+    meta = {"generator": "degree-corrected planted partition", "spec": dataclasses.asdict(spec),
+            "device": dev.type, "seconds": round(time.perf_counter() - t0, 2)}
+    log.info("generated %s: %d nodes, %d CSR edges, %d features in %.1f s", spec.name, n, graph.num_edges,
+             spec.num_features, meta["seconds"])
+    return Dataset(spec.name, graph, feats, labels, *splits, spec.num_classes, meta)
+
+
+def _run_chunks(fn: Any, n: int, dev: torch.device, desc: str, progress: bool) -> None:
+    """Run ``fn(i)`` for i in range(n): a thread pool on the CPU (torch releases the GIL), in order on a GPU."""
+    with _progress(n, desc, progress) as bar:
+        if dev.type == "cuda":
+            for i in range(n):
+                fn(i)
+                bar.update(1)
+            return
+        workers = min(n, max(1, os.cpu_count() or 1))
+        with cf.ThreadPoolExecutor(max_workers=workers) as pool:
+            for fut in cf.as_completed([pool.submit(fn, i) for i in range(n)]):
+                fut.result()
+                bar.update(1)
+
+
+def prepare_dataset(name: str, directory: str | Path, *, memory_gb: float | None = None, seed: int = 0,
+                    device: str | None = None, progress: bool = True) -> Path:
+    """Generate preset ``name`` and write it to ``directory`` (features streamed into a memory-mapped .npy)."""
+    spec = preset_spec(name, memory_gb=memory_gb, seed=seed)
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    feats = np.lib.format.open_memmap(d / "features.npy", mode="w+", dtype=np.float32,
+                                      shape=(spec.num_nodes, spec.num_features))
+    ds = generate(spec, device=device, progress=progress, features_out=feats)
+    feats.flush()
+    ds.graph.save(d)
+    for split in ("labels", "train_idx", "val_idx", "test_idx"):
+        np.save(d / f"{split}.npy", getattr(ds, split).numpy())
+    meta = {**ds.meta, "name": ds.name, "num_classes": ds.num_classes, "num_nodes": ds.graph.num_nodes,
+            "num_edges": ds.graph.num_edges, "num_features": ds.num_features}
+    (d / "meta.json").write_text(json.dumps(meta, indent=1))
+    return d
+
+
+def get_dataset(name_or_dir: str | Path, *, device: str | None = None, progress: bool = True,
+                memory_gb: float | None = None, seed: int = 0) -> Dataset:
+    """A dataset directory (loaded, memory-mapped) or a preset name (generated in memory)."""
+    p = Path(name_or_dir)
+    if p.is_dir():
+        return load_dataset(p)
+    name = str(name_or_dir)
+    if name not in PRESETS and name != "papers":
+        raise DatasetError(f"{name!r} is neither a dataset directory nor a preset ({sorted([*PRESETS, 'papers'])})")
+    return generate(preset_spec(name, memory_gb=memory_gb, seed=seed), device=device, progress=progress)

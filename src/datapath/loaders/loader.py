@@ -1,0 +1,257 @@
+"""`NeighborLoader`: mini-batches of sampled blocks with their input features and labels.
+
+On a GPU, with the graph and features in unified memory, everything happens on the
+GPU: the kernel samples from the pinned graph over PCIe, blocks are built on the GPU,
+and the feature rows are gathered zero-copy (`datapath.unified_tensor.gather`).  A
+background thread prepares the next batch on a side CUDA stream while the current
+one trains; the consumer's stream waits on the batch's event and every tensor is
+``record_stream``-ed, so the caching allocator never reuses memory still in use.
+
+With the graph in CPU memory the sampling runs on the CPU (vectorized), features
+are gathered by the CPU and copied to ``device``: the DGL/PyG default pipeline.
+On a machine without CUDA the same API works with ``device="cpu"``.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from datapath.loaders._placement import gather_rows, placement_of
+from datapath.loaders.block import Block
+from datapath.loaders.errors import LoaderError
+from datapath.loaders.graph import Graph
+from datapath.loaders.sampler import NeighborSampler
+
+log = logging.getLogger("datapath.loaders.loader")
+
+
+@dataclass
+class Batch:
+    """One mini-batch.
+
+    Attributes:
+        blocks: one `Block` per layer, input layer first, on the loader's device.
+        x: (blocks[0].num_src_nodes, F) input features, or None without ``features``.
+        y: (B,) labels of the seeds, or None without ``labels``.
+        seeds: (B,) int64 global ids of the seed nodes (``blocks[-1].dst_nodes``).
+        sample_s / gather_s: wall seconds the producer spent sampling and gathering.
+    """
+
+    blocks: list[Block]
+    x: torch.Tensor | None
+    y: torch.Tensor | None
+    seeds: torch.Tensor
+    sample_s: float = 0.0
+    gather_s: float = 0.0
+    _event: torch.cuda.Event | None = field(default=None, repr=False)
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [t for b in self.blocks for t in b.tensors()] + [self.seeds]
+        return out + [t for t in (self.x, self.y) if t is not None]
+
+    @property
+    def input_nodes(self) -> torch.Tensor:
+        """(N_in,) int64 ids of the nodes whose features form ``x``."""
+        return self.blocks[0].src_nodes
+
+
+class NeighborLoader:
+    """Iterates over ``seeds`` in batches, sampling blocks and loading features and labels.
+
+    Args:
+        graph: the `Graph` (cpu, unified or cuda memory; unified or cuda for GPU sampling).
+        seeds: (S,) distinct node ids to train on (int64/int32, any device).
+        sampler: a `NeighborSampler` (or a list of fanouts).
+        batch_size: seeds per batch.
+        shuffle: a new permutation each epoch (seeded by ``seed`` and the epoch number).
+        drop_last: skip the last incomplete batch.
+        features: (N, F) node features: unified (zero-copy GPU gather), cuda, or cpu
+            (CPU gather then copy).
+        labels: (N,) node labels, placed like ``features``.
+        device: where batches go: ``"cuda"`` or ``"cpu"``; default cuda when available.
+        seed: seeds the shuffling and the sampler's random streams (with the epoch
+            and batch number), so every run with the same seed sees the same batches.
+        prefetch: batches prepared ahead by a background thread (0: prepare in the
+            calling thread, on its current stream).
+
+    Sampling runs on the GPU when ``device`` is cuda and the graph is in unified or cuda
+    memory; otherwise on the CPU.  Each ``iter(loader)`` is one epoch.
+    """
+
+    def __init__(self, graph: Graph, seeds: torch.Tensor, sampler: NeighborSampler | list[int],
+                 batch_size: int = 1024, shuffle: bool = False, drop_last: bool = False, *,
+                 features: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                 device: str | torch.device | None = None, seed: int = 0, prefetch: int = 1) -> None:
+        if not isinstance(sampler, NeighborSampler):
+            sampler = NeighborSampler(sampler, seed=seed)
+        if batch_size < 1:
+            raise LoaderError(f"batch_size must be >= 1, got {batch_size}")
+        if prefetch < 0:
+            raise LoaderError(f"prefetch must be >= 0, got {prefetch}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type not in ("cpu", "cuda"):
+            raise LoaderError(f"device must be cpu or cuda, got {self.device}")
+        self.graph = graph
+        self.sampler = sampler
+        self.batch_size = int(batch_size)
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.seed = int(seed)
+        self.prefetch = int(prefetch)
+        self.epoch = 0
+        self.sample_device = (self.device if self.device.type == "cuda" and graph.placement in ("unified", "cuda")
+                              else torch.device("cpu"))
+        for name, t in (("features", features), ("labels", labels)):
+            if t is not None and t.shape[0] != graph.num_nodes:
+                raise LoaderError(f"{name} has {t.shape[0]} rows but the graph has {graph.num_nodes} nodes")
+            if t is not None:
+                placement_of(t)
+        self.features = features
+        self.labels = labels
+        seeds = torch.as_tensor(seeds)
+        if seeds.dim() != 1 or seeds.dtype not in (torch.int32, torch.int64):
+            raise LoaderError("seeds must be a 1-D int32/int64 tensor of node ids")
+        seeds = seeds.to("cpu", torch.int64)
+        if seeds.numel():
+            lo, hi = (int(v) for v in torch.aminmax(seeds))
+            if lo < 0 or hi >= graph.num_nodes:
+                raise LoaderError(f"seed ids range over [{lo}, {hi}] but the graph has {graph.num_nodes} nodes")
+            if torch.unique(seeds).numel() != seeds.numel():
+                raise LoaderError("seeds contain duplicates; pass each node once (torch.unique(seeds))")
+        self.seeds = seeds
+
+    def __len__(self) -> int:
+        n = self.seeds.numel()
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` epoch number ``epoch`` (its shuffle and random streams)."""
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[Batch]:
+        epoch = self.epoch
+        self.epoch += 1
+        order = self.seeds
+        if self.shuffle:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = self.seeds[torch.randperm(self.seeds.numel(), generator=gen)]
+        batches = [order[i * self.batch_size:(i + 1) * self.batch_size] for i in range(len(self))]
+        steps = [epoch * len(self) + i for i in range(len(batches))]
+        if self.prefetch == 0:
+            return (self._make(b, s) for b, s in zip(batches, steps))
+        return _PrefetchIter(self, list(zip(batches, steps)))
+
+    # -- one batch ---------------------------------------------------------------------------
+    def _make(self, seeds_cpu: torch.Tensor, step: int) -> Batch:
+        t0 = time.perf_counter()
+        seeds = seeds_cpu.to(self.sample_device, non_blocking=True)
+        blocks = self.sampler._sample(self.graph, seeds, step)
+        t1 = time.perf_counter()
+        x = gather_rows(self.features, blocks[0].src_nodes) if self.features is not None else None
+        y = gather_rows(self.labels, seeds) if self.labels is not None else None
+        if self.device != self.sample_device:
+            blocks = [b.to(self.device, non_blocking=False) for b in blocks]
+            seeds = seeds.to(self.device)
+        x = x.to(self.device) if x is not None else None
+        y = y.to(self.device) if y is not None else None
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(blocking=True)
+            event.record()
+            event.synchronize()
+        t2 = time.perf_counter()
+        return Batch(blocks, x, y, seeds, t1 - t0, t2 - t1, event)
+
+
+class _PrefetchIter:
+    """Prepares batches in a background thread (on a side CUDA stream) while the consumer trains."""
+
+    _DONE = object()
+
+    def __init__(self, loader: NeighborLoader, work: list[tuple[torch.Tensor, int]]) -> None:
+        self._loader = loader
+        self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch)
+        self._stop = threading.Event()
+        self._cuda = loader.device.type == "cuda"
+        self._stream = torch.cuda.Stream(loader.device) if self._cuda else None
+        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True,
+                                        name="datapath-neighbor-loader")
+        self._thread.start()
+
+    def _put(self, item: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, work: list[tuple[torch.Tensor, int]]) -> None:
+        try:
+            if self._cuda:
+                torch.cuda.set_device(self._loader.device)
+            for seeds, step in work:
+                if self._stop.is_set():
+                    return
+                if self._cuda:
+                    with torch.cuda.stream(self._stream):
+                        batch = self._loader._make(seeds, step)
+                else:
+                    batch = self._loader._make(seeds, step)
+                if not self._put(batch):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            self._put(exc)
+            return
+        self._put(self._DONE)
+
+    def __iter__(self) -> "_PrefetchIter":
+        return self
+
+    def __next__(self) -> Batch:
+        if self._stop.is_set():
+            raise StopIteration
+        item = self._queue.get()
+        if item is self._DONE:
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        batch: Batch = item
+        if self._cuda:
+            cur = torch.cuda.current_stream(self._loader.device)
+            if batch._event is not None:
+                cur.wait_event(batch._event)
+            for t in batch.tensors():
+                if t.device.type == "cuda":
+                    t.record_stream(cur)
+        return batch
+
+    def close(self) -> None:
+        """Stop the producer thread (called at the end, on errors, and when the iterator is dropped)."""
+        self._stop.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

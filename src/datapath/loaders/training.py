@@ -1,0 +1,140 @@
+"""Training and evaluation loops over a `NeighborLoader`, with the epoch's time breakdown.
+
+Used by ``datapath train-gnn`` and ``benchmarks/gnn_epoch.py``.  Nothing here waits
+on the GPU during an epoch (loss and accuracy accumulate on the device; train time
+is measured with CUDA events read at the end), so batch preparation overlaps training.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import psutil
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from datapath.loaders.loader import NeighborLoader
+
+
+@dataclass
+class EpochStats:
+    """What one epoch took.
+
+    ``epoch_s`` is wall time.  ``sample_s`` and ``gather_s`` are the producer's wall time
+    in sampling and in gathering features/labels (overlapped with training when the
+    loader prefetches); ``train_s`` is the forward+backward+step time (GPU time by CUDA
+    events, wall time on the CPU); ``wait_s`` is how long training waited for batches.
+    ``cpu_s`` is the process's CPU time (user+system, all threads).
+    """
+
+    batches: int
+    epoch_s: float
+    sample_s: float
+    gather_s: float
+    train_s: float
+    wait_s: float
+    cpu_s: float
+    loss: float
+    train_acc: float
+    peak_gpu_bytes: int | None
+    losses: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _cpu_seconds(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim.Optimizer,
+                max_batches: int | None = None, progress: Any = None) -> EpochStats:
+    """One epoch (or its first ``max_batches`` batches) of cross-entropy training.
+
+    ``progress``: an optional tqdm bar, advanced once per batch.
+    """
+    cuda = loader.device.type == "cuda"
+    proc = psutil.Process()
+    if cuda:
+        torch.cuda.synchronize(loader.device)
+        torch.cuda.reset_peak_memory_stats(loader.device)
+    model.train()
+    dev = loader.device
+    loss_sum = torch.zeros((), device=dev)
+    correct = torch.zeros((), dtype=torch.int64, device=dev)
+    seen = 0
+    losses: list[torch.Tensor] = []
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    sample_s = gather_s = wait_s = train_wall = 0.0
+    n = 0
+    cpu0, t0 = _cpu_seconds(proc), time.perf_counter()
+    it = iter(loader)
+    try:
+        while max_batches is None or n < max_batches:
+            tw = time.perf_counter()
+            batch = next(it, None)
+            if batch is None:
+                break
+            tt = time.perf_counter()
+            wait_s += tt - tw
+            if cuda:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
+            out = model(batch.blocks, batch.x)
+            loss = F.cross_entropy(out, batch.y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            if cuda:
+                ev[1].record()
+                events.append(ev)
+            else:
+                train_wall += time.perf_counter() - tt
+            d = loss.detach()
+            loss_sum += d
+            losses.append(d)
+            correct += (out.detach().argmax(1) == batch.y).sum()
+            seen += batch.y.numel()
+            sample_s += batch.sample_s
+            gather_s += batch.gather_s
+            n += 1
+            if progress is not None:
+                progress.update(1)
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+    if cuda:
+        torch.cuda.synchronize(dev)
+    epoch_s = time.perf_counter() - t0
+    cpu_s = _cpu_seconds(proc) - cpu0
+    train_s = sum(a.elapsed_time(b) for a, b in events) / 1e3 if cuda else train_wall
+    loss_list = torch.stack(losses).tolist() if losses else []
+    return EpochStats(
+        batches=n, epoch_s=epoch_s, sample_s=sample_s, gather_s=gather_s, train_s=train_s, wait_s=wait_s,
+        cpu_s=cpu_s, loss=float(loss_sum) / max(n, 1), train_acc=int(correct) / max(seen, 1),
+        peak_gpu_bytes=torch.cuda.max_memory_allocated(dev) if cuda else None, losses=loss_list,
+    )
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: NeighborLoader, max_batches: int | None = None) -> float:
+    """Accuracy of ``model`` on the loader's seeds (sampled neighbourhoods, as in training)."""
+    model.eval()
+    correct = torch.zeros((), dtype=torch.int64, device=loader.device)
+    seen = 0
+    it = iter(loader)
+    try:
+        for i, batch in enumerate(it):
+            if max_batches is not None and i >= max_batches:
+                break
+            correct += (model(batch.blocks, batch.x).argmax(1) == batch.y).sum()
+            seen += batch.y.numel()
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+    return int(correct) / max(seen, 1)
