@@ -33,12 +33,34 @@ def _cupy() -> Any:
     return cupy
 
 
+# NVRTC compiles without the C++ standard library headers: the fixed-width integer
+# types that kernels use are defined here and the includes that would provide them
+# are dropped, so the same sources also build with nvcc.
+_PRELUDE = """
+typedef signed char int8_t; typedef unsigned char uint8_t;
+typedef short int16_t; typedef unsigned short uint16_t;
+typedef int int32_t; typedef unsigned int uint32_t;
+typedef long long int64_t; typedef unsigned long long uint64_t;
+typedef unsigned long long uintptr_t; typedef long long intptr_t;
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+#ifndef NAN
+#define NAN __int_as_float(0x7fffffff)
+#endif
+"""
+_STD_INCLUDES = ("#include <cstdint>", "#include <stdint.h>", "#include <cstddef>", "#include <stddef.h>",
+                 "#include <cmath>", "#include <math.h>", "#include <cfloat>", "#include <float.h>")
+
+
 def kernel_source(filename: str) -> str:
-    """The text of ``datapath/kernels/<filename>``."""
+    """The text of ``datapath/kernels/<filename>`` as NVRTC compiles it (with the prelude)."""
     try:
-        return importlib.resources.files("datapath.kernels").joinpath(filename).read_text()
+        text = importlib.resources.files("datapath.kernels").joinpath(filename).read_text()
     except FileNotFoundError as exc:
         raise KernelLoadError(f"no kernel source datapath/kernels/{filename}") from exc
+    lines = [line for line in text.splitlines() if line.strip() not in _STD_INCLUDES]
+    return _PRELUDE + "\n".join(lines) + "\n"
 
 
 @functools.lru_cache(maxsize=None)
