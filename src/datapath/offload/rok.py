@@ -1,0 +1,601 @@
+"""Recompute-offload-keep (ROK) curves: where each activation strategy lands in memory and speed.
+
+`sweep` runs a model for a few training steps under each strategy and
+micro-batch size and records, per run (a *point*):
+
+- the activation memory peak: on CUDA, ``max_memory_allocated`` during the
+  measured steps minus what was allocated when they began (parameters,
+  gradients, which are kept allocated between steps, and optimizer state), so
+  saved activations plus the temporaries of forward and backward; on a CPU,
+  the same quantity counted by a dispatch mode that adds up the bytes of every
+  storage created by a torch op on this thread while it is alive (a CPU has no
+  allocator statistics; storages made in other threads or outside torch ops are
+  not seen);
+- the step time (median of the measured steps) and the model throughput:
+  algorithmic FLOPs of a step (3 x forward, recomputation not counted) per
+  second, the FLOPs from the workload's analytic count or, for a user model,
+  3 x the forward FLOPs counted by `torch.utils.flop_counter`;
+- for offload strategies, the offloader's statistics (bytes written...).
+
+A point that runs out of memory is recorded as ``"oom"`` and the larger
+micro-batches of that strategy are skipped. The result gives the efficient
+frontier, the best point under a memory budget, a JSON document and a PNG.
+
+Strategies: ``keep``; ``recompute`` (layerwise ``torch.utils.checkpoint``,
+non-reentrant); ``offload-host``/``offload-ssd``/``offload-tiered`` (policy
+"all") and ``offload-host-adaptive``/``offload-ssd-adaptive`` (`datapath.offload`);
+``recompute+offload-host``/``recompute+offload-ssd`` (reentrant checkpointing,
+so the layer inputs it saves go through the offloader); ``save-on-cpu``
+(`torch.autograd.graph.save_on_cpu`, PyTorch's own host offload, for reference).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import logging
+import math
+import statistics
+import tempfile
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
+
+from datapath._runtime.errors import DatapathError
+from datapath.offload.presets import TransformerConfig, Workload, build_workload, get_preset
+
+__all__ = [
+    "DEFAULT_STRATEGIES", "STRATEGIES", "RokError", "RokPoint", "RokResult", "Strategy", "Workload",
+    "load_model_factory", "sweep",
+]
+
+log = logging.getLogger("datapath.offload.rok")
+
+
+class RokError(DatapathError, ValueError):
+    """A ROK sweep was asked for something it cannot do (unknown strategy, bad factory, no layers)."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How activations are handled in a run.
+
+    ``recompute``: None, "checkpoint" (non-reentrant) or "reentrant" (its saved layer
+    inputs pass through saved-tensor hooks, so an offloader can move them);
+    ``offload``: keyword arguments for `datapath.offload.offload`, or None;
+    ``save_on_cpu``: PyTorch's `save_on_cpu(pin_memory=True)`.
+    """
+
+    name: str
+    recompute: str | None = None
+    offload: dict[str, Any] | None = None
+    save_on_cpu: bool = False
+    min_warmup: int = 1
+
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("keep"),
+    Strategy("recompute", recompute="checkpoint"),
+    Strategy("offload-host", offload={"target": "host", "policy": "all"}),
+    Strategy("offload-host-adaptive", offload={"target": "host", "policy": "adaptive"}, min_warmup=2),
+    Strategy("offload-ssd", offload={"target": "ssd", "policy": "all"}),
+    Strategy("offload-ssd-adaptive", offload={"target": "ssd", "policy": "adaptive"}, min_warmup=2),
+    Strategy("offload-tiered", offload={"target": "tiered", "policy": "all"}),
+    Strategy("recompute+offload-host", recompute="reentrant", offload={"target": "host", "policy": "all"}),
+    Strategy("recompute+offload-ssd", recompute="reentrant", offload={"target": "ssd", "policy": "all"}),
+    Strategy("save-on-cpu", save_on_cpu=True),
+)}
+DEFAULT_STRATEGIES: tuple[str, ...] = (
+    "keep", "recompute", "offload-host", "offload-ssd-adaptive", "recompute+offload-host",
+)
+
+
+@dataclass
+class RokPoint:
+    """One run: a strategy at a micro-batch size. Bytes are bytes, times seconds, FLOP/s per second."""
+
+    strategy: str
+    micro_batch: int
+    status: str  # "ok", "oom", "skipped" or "error"
+    step_time_s: float | None = None
+    step_times_s: list[float] = field(default_factory=list)
+    activation_peak_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    baseline_bytes: int | None = None
+    flops_per_step: float | None = None
+    throughput_flops: float | None = None
+    samples_per_s: float | None = None
+    activation_estimate_bytes: float | None = None
+    bytes_offloaded_per_step: float | None = None
+    offload_stats: dict[str, Any] | None = None
+    memory_measure: str = ""
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def _frontier(points: Sequence[RokPoint]) -> list[RokPoint]:
+    """Pareto-efficient points: no other point has a lower-or-equal peak and a higher throughput."""
+    ok = sorted((p for p in points if p.ok), key=lambda p: (p.activation_peak_bytes, -(p.throughput_flops or 0)))
+    out: list[RokPoint] = []
+    best = -math.inf
+    for p in ok:
+        if (p.throughput_flops or 0.0) > best:
+            out.append(p)
+            best = p.throughput_flops or 0.0
+    return out
+
+
+@dataclass
+class RokResult:
+    """All points of a sweep, with the workload and machine they ran on."""
+
+    workload: dict[str, Any]
+    device: str
+    dtype: str
+    points: list[RokPoint]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def frontier(self) -> list[RokPoint]:
+        return _frontier(self.points)
+
+    def best_under(self, budget_bytes: float) -> RokPoint | None:
+        """The fastest point whose activation peak fits in ``budget_bytes``, or None."""
+        fits = [p for p in self.points if p.ok and (p.activation_peak_bytes or 0) <= budget_bytes]
+        return max(fits, key=lambda p: p.throughput_flops or 0.0, default=None)
+
+    def point(self, strategy: str, micro_batch: int) -> RokPoint | None:
+        return next((p for p in self.points if p.strategy == strategy and p.micro_batch == micro_batch), None)
+
+    def to_dict(self, budget_bytes: float | None = None) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "workload": self.workload,
+            "device": self.device,
+            "dtype": self.dtype,
+            "settings": self.settings,
+            "points": [asdict(p) for p in self.points],
+            "frontier": [{"strategy": p.strategy, "micro_batch": p.micro_batch} for p in self.frontier()],
+        }
+        if budget_bytes is not None:
+            best = self.best_under(budget_bytes)
+            doc["budget_bytes"] = budget_bytes
+            doc["best_under_budget"] = None if best is None else asdict(best)
+        return doc
+
+    def table_rows(self) -> list[dict[str, Any]]:
+        """One row per point: strategy, micro-batch, status, activation peak (GB), step (s), TFLOP/s..."""
+        front = {(p.strategy, p.micro_batch) for p in self.frontier()}
+        rows = []
+        for p in self.points:
+            rows.append({
+                "strategy": p.strategy,
+                "mb": p.micro_batch,
+                "status": p.status,
+                "act_peak_GB": None if p.activation_peak_bytes is None else p.activation_peak_bytes / 1e9,
+                "step_s": p.step_time_s,
+                "TFLOP/s": None if p.throughput_flops is None else p.throughput_flops / 1e12,
+                "offloaded_GB": None if p.bytes_offloaded_per_step is None else p.bytes_offloaded_per_step / 1e9,
+                "frontier": "*" if (p.strategy, p.micro_batch) in front else "",
+            })
+        return rows
+
+    def format_table(self, budget_bytes: float | None = None) -> str:
+        """The points as an aligned text table, and the best strategy under the budget."""
+        text = _format_rows(self.table_rows())
+        if budget_bytes is not None:
+            best = self.best_under(budget_bytes)
+            if best is None:
+                text += f"\nno point fits an activation budget of {budget_bytes / 1e9:.3g} GB"
+            else:
+                assert best.throughput_flops is not None and best.activation_peak_bytes is not None
+                text += (f"\nbest under {budget_bytes / 1e9:.3g} GB: {best.strategy} at micro-batch "
+                         f"{best.micro_batch} ({best.throughput_flops / 1e12:.4g} TFLOP/s, activation peak "
+                         f"{best.activation_peak_bytes / 1e9:.3g} GB)")
+        return text
+
+    def plot(self, path: str | Path, budget_bytes: float | None = None, title: str | None = None) -> Path:
+        """Save the ROK curve as a PNG: x activation peak (GB), y model TFLOP/s, frontier dashed."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        markers = dict(zip(STRATEGIES, "os^vD<>ph*"))
+        fig, ax = plt.subplots(figsize=(7.5, 5))
+        for strat in dict.fromkeys(p.strategy for p in self.points):
+            pts = [p for p in self.points if p.strategy == strat and p.ok]
+            if not pts:
+                continue
+            xs = [p.activation_peak_bytes / 1e9 for p in pts]  # type: ignore[operator]
+            ys = [p.throughput_flops / 1e12 for p in pts]  # type: ignore[operator]
+            ax.scatter(xs, ys, marker=markers.get(strat, "o"), s=50, label=strat, alpha=0.85)
+            for p, x, y in zip(pts, xs, ys):
+                ax.annotate(f"b{p.micro_batch}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        front = self.frontier()
+        if front:
+            fx = [p.activation_peak_bytes / 1e9 for p in front]  # type: ignore[operator]
+            fy = [p.throughput_flops / 1e12 for p in front]  # type: ignore[operator]
+            ax.step(fx, fy, where="post", linestyle="--", color="gray", linewidth=1, label="efficient frontier")
+        if budget_bytes is not None:
+            ax.axvline(budget_bytes / 1e9, color="red", linewidth=0.8, linestyle=":", label="budget")
+        ax.set_xlabel("activation memory peak (GB)")
+        ax.set_ylabel("model throughput (TFLOP/s)")
+        ax.set_title(title or f"ROK curve: {self.workload.get('name', '')} on {self.device}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+
+def _format_rows(rows: Sequence[dict[str, Any]]) -> str:
+    if not rows:
+        return "(no points)"
+    cols = list(rows[0])
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    cells = [[fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of storages created by torch ops (this thread) while they are alive; keeps the peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._keys: set[int] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._keys.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            st = t.untyped_storage()
+            key, nbytes = id(st), st.nbytes()
+            if nbytes == 0 or key in self._keys or st.data_ptr() in inputs:
+                continue  # empty, already counted, or an input's storage returned (views, in-place ops)
+            self._keys.add(key)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(st, self._free, key, nbytes)
+        return out
+
+
+class _Checkpointed(nn.Module):
+    """Runs ``inner`` under `torch.utils.checkpoint` (layerwise full recomputation)."""
+
+    def __init__(self, inner: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self.reentrant = reentrant
+
+    def forward(self, *args: Any) -> Any:
+        return checkpoint(self.inner, *args, use_reentrant=self.reentrant)
+
+
+def _layer_lists(workload: Workload) -> list[nn.ModuleList]:
+    if workload.layer_lists:
+        return list(workload.layer_lists)
+    lists = [m for m in workload.model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise RokError("recompute needs the model's layers: set Workload.layer_lists "
+                       "(no nn.ModuleList found in the model)")
+    return [max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))]
+
+
+@contextlib.contextmanager
+def _recompute(workload: Workload, mode: str) -> Iterator[None]:
+    """Wrap every layer of the workload's layer lists in `_Checkpointed` for the duration."""
+    lists = _layer_lists(workload)
+    saved = [list(lst) for lst in lists]
+    try:
+        for lst in lists:
+            for i, layer in enumerate(list(lst)):
+                lst[i] = _Checkpointed(layer, reentrant=mode == "reentrant")
+        yield
+    finally:
+        for lst, orig in zip(lists, saved):
+            for i, layer in enumerate(orig):
+                lst[i] = layer
+
+
+def _loss(workload: Workload, batch: tuple[Any, ...]) -> torch.Tensor:
+    if workload.loss_fn is not None:
+        return workload.loss_fn(workload.model, batch)
+    out = workload.model(*batch)
+    if hasattr(out, "loss") and out.loss is not None:
+        out = out.loss
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if not isinstance(out, torch.Tensor):
+        raise RokError(f"the model returned {type(out).__name__}; give Workload.loss_fn")
+    return out if out.ndim == 0 else out.float().mean()
+
+
+def _sdpa_cpu_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):  # type: ignore[no-untyped-def]
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def measure_flops_per_step(workload: Workload, micro_batch: int) -> float:
+    """3 x the forward FLOPs counted by `torch.utils.flop_counter` (CPU FlashAttention included)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    custom = {}
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is not None:
+        custom[op] = _sdpa_cpu_flops
+    batch = workload.make_batch(micro_batch)
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=custom) as fc:
+        _loss(workload, batch)
+    return 3.0 * float(fc.get_total_flops())
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    msg = str(exc).lower()
+    return isinstance(exc, (RuntimeError, MemoryError)) and (
+        "out of memory" in msg or "can't allocate memory" in msg or isinstance(exc, MemoryError))
+
+
+def _stats_dict(cache: Any) -> dict[str, Any] | None:
+    """The offloader's statistics as a plain dict (whatever shape its stats object has)."""
+    if cache is None:
+        return None
+    stats = getattr(cache, "stats", None)
+    if callable(stats):
+        stats = stats()
+    if stats is None:
+        stats = cache
+    if isinstance(stats, dict):
+        d = dict(stats)
+    elif hasattr(stats, "__dataclass_fields__"):
+        d = asdict(stats)
+    else:
+        d = {k: getattr(stats, k) for k in dir(stats)
+             if not k.startswith("_") and isinstance(getattr(stats, k, None), (int, float, str, bool))}
+    return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool)) or v is None}
+
+
+@contextlib.contextmanager
+def _strategy_context(workload: Workload, strat: Strategy, ssd_path: str | None,
+                      offload_options: dict[str, Any]) -> Iterator[Any]:
+    with contextlib.ExitStack() as stack:
+        if strat.recompute:
+            stack.enter_context(_recompute(workload, strat.recompute))
+        cache = None
+        if strat.offload is not None:
+            try:
+                offload_mod = importlib.import_module("datapath.offload")
+                offload_fn = offload_mod.offload
+            except (ImportError, AttributeError) as exc:
+                raise RokError("strategy {!r} needs datapath.offload.offload, which is not available: {}"
+                               .format(strat.name, exc)) from exc
+            kwargs = {**offload_options, **strat.offload}
+            if strat.offload["target"] in ("ssd", "tiered"):
+                kwargs["path"] = ssd_path
+            cache = stack.enter_context(offload_fn(workload.model, **kwargs))
+        if strat.save_on_cpu:
+            stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()))
+        yield cache
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run_point(workload: Workload, opt: torch.optim.Optimizer, strat: Strategy, micro_batch: int, *,
+               device: torch.device, steps: int, warmup: int, ssd_path: str | None,
+               offload_options: dict[str, Any]) -> RokPoint:
+    point = RokPoint(strat.name, micro_batch, "ok")
+    batch = workload.make_batch(micro_batch)
+    warmup = max(warmup, strat.min_warmup)
+
+    def step() -> None:
+        loss = _loss(workload, batch)
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # gradients stay allocated: part of the baseline
+
+    with _strategy_context(workload, strat, ssd_path, offload_options) as cache:
+        for _ in range(warmup):
+            step()
+        _sync(device)
+        before = _stats_dict(cache) or {}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            point.baseline_bytes = torch.cuda.memory_allocated(device)
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+            point.peak_allocated_bytes = peak
+            point.activation_peak_bytes = peak - (point.baseline_bytes or 0)
+            point.memory_measure = "cuda max_memory_allocated - allocated at step start"
+        else:  # one more step, counted (not timed)
+            with _LiveBytes() as live:
+                step()
+            point.activation_peak_bytes = live.peak
+            point.memory_measure = "cpu: peak live bytes of storages created by torch ops in the step"
+        after = _stats_dict(cache)
+    point.step_times_s = times
+    point.step_time_s = statistics.median(times)
+    point.samples_per_s = micro_batch / point.step_time_s
+    if after is not None:
+        point.offload_stats = after
+        key = next((k for k in ("bytes_offloaded", "bytes_written", "offloaded_bytes") if k in after), None)
+        if key is not None and isinstance(after[key], (int, float)):
+            n_steps = steps + (0 if device.type == "cuda" else 1)
+            delta = after[key] - before.get(key, 0)
+            point.bytes_offloaded_per_step = delta / n_steps
+    return point
+
+
+def _cleanup(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def load_model_factory(spec: str) -> Callable[..., Any]:
+    """Import ``'package.module:function'`` and return the function."""
+    mod_name, sep, fn_name = spec.partition(":")
+    if not sep or not mod_name or not fn_name:
+        raise RokError(f"--model-factory wants 'module:function', got {spec!r}")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise RokError(f"cannot import {mod_name!r} for the model factory: {exc}; "
+                       "is it on PYTHONPATH?") from exc
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise RokError(f"{mod_name!r} has no callable {fn_name!r}")
+    return fn
+
+
+def _as_workload(obj: Any) -> Workload:
+    if isinstance(obj, Workload):
+        return obj
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], nn.Module) and callable(obj[1]):
+        return Workload(model=obj[0], make_batch=obj[1])
+    raise RokError("a model factory must return a datapath.offload.rok.Workload or a tuple "
+                   f"(model, make_batch); got {type(obj).__name__}")
+
+
+def sweep(model: Workload | TransformerConfig | str | Callable[..., Any],
+          strategies: Sequence[str] = DEFAULT_STRATEGIES,
+          micro_batches: Sequence[int] = (1, 2, 4), *,
+          steps: int = 3, warmup: int = 1, device: torch.device | str | None = None,
+          dtype: torch.dtype | None = None, ssd_path: str | Path | None = None,
+          offload_options: dict[str, Any] | None = None, lr: float = 1e-5,
+          progress: Callable[[RokPoint], None] | None = None) -> RokResult:
+    """Run every (strategy, micro-batch) point and return a `RokResult`.
+
+    ``model``: a `Workload`; a `presets.TransformerConfig` or preset name (built
+    here with random weights); or a factory ``f(device, dtype)`` returning a
+    `Workload` or ``(model, make_batch)``. Each point runs ``warmup`` steps then
+    ``steps`` timed steps of forward, backward and SGD. ``device`` defaults to CUDA
+    when available; ``dtype`` to bfloat16 on CUDA and float32 on a CPU.
+    ``ssd_path``: directory for the ssd/tiered targets (default: a temporary
+    directory, removed afterwards). ``offload_options`` go to every offload
+    strategy (e.g. ``min_bytes``, ``keep_last_modules``). ``progress(point)`` is
+    called after each point.
+    """
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise RokError(f"unknown strategies {unknown}; known: {', '.join(STRATEGIES)}")
+    mbs = sorted({int(m) for m in micro_batches})
+    if not mbs or mbs[0] <= 0 or steps <= 0 or warmup < 0:
+        raise RokError("micro_batches must be positive integers, steps > 0, warmup >= 0")
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+
+    if isinstance(model, str):
+        model = get_preset(model)
+    if isinstance(model, TransformerConfig):
+        workload = build_workload(model, dev, dtype)
+    elif isinstance(model, Workload):
+        workload = model
+    elif callable(model):
+        workload = _as_workload(model(dev, dtype))
+    else:
+        raise RokError(f"cannot sweep a {type(model).__name__}")
+
+    opt = torch.optim.SGD([p for p in workload.model.parameters() if p.requires_grad], lr=lr)
+    flops_cache: dict[int, float] = {}
+
+    def flops(mb: int) -> float:
+        if mb not in flops_cache:
+            flops_cache[mb] = (workload.flops_per_step(mb) if workload.flops_per_step
+                               else measure_flops_per_step(workload, mb))
+        return flops_cache[mb]
+
+    tmp = None
+    if ssd_path is None and any((STRATEGIES[s].offload or {}).get("target") in ("ssd", "tiered")
+                                for s in strategies):
+        tmp = tempfile.TemporaryDirectory(prefix="datapath-rok-")
+        ssd_path = tmp.name
+    points: list[RokPoint] = []
+    try:
+        for name in strategies:
+            strat = STRATEGIES[name]
+            blocked = False
+            for mb in mbs:
+                if blocked:
+                    points.append(RokPoint(name, mb, "skipped", error="out of memory at a smaller micro-batch"))
+                    continue
+                try:
+                    point = _run_point(workload, opt, strat, mb, device=dev, steps=steps, warmup=warmup,
+                                       ssd_path=None if ssd_path is None else str(ssd_path),
+                                       offload_options=dict(offload_options or {}))
+                except RokError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - recorded in the point, the sweep goes on
+                    oom = _is_oom(exc)
+                    point = RokPoint(name, mb, "oom" if oom else "error", error=f"{type(exc).__name__}: {exc}"[:500])
+                    blocked = oom
+                    (log.info if oom else log.warning)("%s at micro-batch %d: %s", name, mb, point.error)
+                    del exc
+                finally:
+                    opt.zero_grad(set_to_none=False)
+                    _cleanup(dev)
+                if point.ok and point.step_time_s:
+                    point.flops_per_step = flops(mb)
+                    point.throughput_flops = point.flops_per_step / point.step_time_s
+                if workload.activation_estimate is not None:
+                    point.activation_estimate_bytes = workload.activation_estimate(mb)
+                points.append(point)
+                if progress is not None:
+                    progress(point)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+    return RokResult(
+        workload={"name": workload.name, **workload.info},
+        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        dtype=str(dtype).replace("torch.", ""),
+        points=points,
+        settings={"strategies": list(strategies), "micro_batches": mbs, "steps": steps, "warmup": warmup,
+                  "offload_options": {k: v for k, v in (offload_options or {}).items()}, "optimizer": f"SGD(lr={lr})"},
+    )
