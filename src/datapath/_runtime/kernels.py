@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,12 +99,20 @@ def launch(kernel: Any, grid: int | tuple[int, ...], block: int | tuple[int, ...
            args: tuple[Any, ...], shared_mem: int = 0,
            stream: torch.cuda.Stream | None = None) -> None:
     """Launch ``kernel`` on ``stream`` (default: PyTorch's current stream)."""
-    cupy = _cupy()
     s = stream if stream is not None else torch.cuda.current_stream()
     grid = grid if isinstance(grid, tuple) else (int(grid),)
     block = block if isinstance(block, tuple) else (int(block),)
-    with cupy.cuda.ExternalStream(s.cuda_stream, s.device.index):
+    with _cupy_stream(s.cuda_stream, s.device.index):
         kernel(grid, block, args, shared_mem=shared_mem)
+
+
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(handle: int, device: int) -> Any:
+    """CuPy's view of the CUDA stream ``handle`` (cached: made once per stream)."""
+    cupy = _cupy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # ExternalStream: deprecated in CuPy 14, still right
+        return cupy.cuda.ExternalStream(handle, device)
 
 
 @functools.lru_cache(maxsize=None)
