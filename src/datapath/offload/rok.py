@@ -204,15 +204,10 @@ class RokResult:
                          f"{best.activation_peak_bytes / 1e9:.3g} GB)")
         return text
 
-    def plot(self, path: str | Path, budget_bytes: float | None = None, title: str | None = None) -> Path:
-        """Save the ROK curve as a PNG: x activation peak (GB), y model TFLOP/s, frontier dashed."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    def plot_on(self, ax: Any, budget_bytes: float | None = None, title: str | None = None) -> None:
+        """Draw the ROK curve on a matplotlib axis: x activation peak (GB), y model TFLOP/s,
+        one marker per strategy, micro-batches annotated, the efficient frontier dashed."""
         markers = dict(zip(STRATEGIES, "os^vD<>ph*"))
-        fig, ax = plt.subplots(figsize=(7.5, 5))
         for strat in dict.fromkeys(p.strategy for p in self.points):
             pts = [p for p in self.points if p.strategy == strat and p.ok]
             if not pts:
@@ -234,6 +229,16 @@ class RokResult:
         ax.set_title(title or f"ROK curve: {self.workload.get('name', '')} on {self.device}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+
+    def plot(self, path: str | Path, budget_bytes: float | None = None, title: str | None = None) -> Path:
+        """Save the ROK curve (`plot_on`) as a PNG at ``path``."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7.5, 5))
+        self.plot_on(ax, budget_bytes, title)
         fig.tight_layout()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -380,6 +385,8 @@ def _stats_dict(cache: Any) -> dict[str, Any] | None:
         stats = stats()
     if stats is None:
         stats = cache
+    if hasattr(stats, "as_dict"):
+        stats = stats.as_dict()
     if isinstance(stats, dict):
         d = dict(stats)
     elif hasattr(stats, "__dataclass_fields__"):

@@ -1,0 +1,168 @@
+"""B4 / SSDTrain Fig. 5.12: recompute-offload-keep (ROK) curves of BERT stacks, and the ssd-plan check.
+
+For each BERT configuration, every strategy and micro-batch is run for a few
+training steps (bf16, SGD) and placed on the ROK plane (activation peak,
+model TFLOP/s). The bar (issue 6): at the same micro-batch, offload points reach
+>= 95% of keep's throughput at a lower activation peak than recompute's. The
+ssd-plan estimate of activation bytes is compared with what the offloader
+wrote (bar: within 10%).
+
+Run:  PYTHONPATH=src:. python benchmarks/rok.py [--quick]
+Writes benchmarks/results/rok.json and rok.png (one panel per configuration).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from typing import Any
+
+import torch
+
+from benchmarks._common import RESULTS_DIR, print_table, write_result
+from datapath._runtime import device_label
+from datapath.offload.presets import build_workload, get_preset
+from datapath.offload.rok import RokResult, sweep
+from datapath.offload.ssd_plan import activation_breakdown
+
+OFFLOAD_PREFIX = ("offload-", "recompute+offload-")
+
+
+def _bar_rows(name: str, res: RokResult) -> list[dict[str, Any]]:
+    """Each offload point against keep (throughput) and recompute (activation peak) at its micro-batch."""
+    rows = []
+    for p in res.points:
+        if not p.strategy.startswith(OFFLOAD_PREFIX) or not p.ok:
+            continue
+        keep, rec = res.point("keep", p.micro_batch), res.point("recompute", p.micro_batch)
+        tput = p.throughput_flops / keep.throughput_flops if keep and keep.ok else None
+        mem = p.activation_peak_bytes / rec.activation_peak_bytes if rec and rec.ok else None
+        rows.append({
+            "config": name, "strategy": p.strategy, "mb": p.micro_batch,
+            "act_peak_GB": p.activation_peak_bytes / 1e9,
+            "TFLOP/s": p.throughput_flops / 1e12,
+            "tput_vs_keep": tput,
+            "peak_vs_recompute": mem,
+            "offloaded_GB": None if p.bytes_offloaded_per_step is None else p.bytes_offloaded_per_step / 1e9,
+            "bar_met": bool(tput is not None and mem is not None and tput >= 0.95 and mem < 1.0),
+        })
+    return rows
+
+
+def _estimate_rows(name: str, res: RokResult, cfg: Any, dtype: torch.dtype, device: str) -> list[dict[str, Any]]:
+    """ssd-plan's activation bytes against what the offloader wrote, for policy-"all" points.
+
+    What the offloader may leave on the device (tensors under min_bytes, the last
+    modules it keeps, tensors saved in backward by recomputation) is reported by its
+    counters; the estimate compared is of the tensors it was asked to write: all
+    saved activations (`activation_breakdown`'s total) less those kept by policy.
+    """
+    rows = []
+    for p in res.points:
+        if p.strategy not in ("offload-host", "offload-ssd") or not p.ok or p.bytes_offloaded_per_step is None:
+            continue
+        st = p.offload_stats or {}
+        est_total = activation_breakdown(cfg.shape(p.micro_batch, dtype, device))["total"]
+        records = max(1, int(st.get("records", 1)))
+        kept = sum(float(st.get(k, 0)) for k in ("bytes_kept_policy", "bytes_kept_small")) / records
+        est_written = est_total - kept
+        rows.append({
+            "config": name, "strategy": p.strategy, "mb": p.micro_batch,
+            "estimate_total_GB": est_total / 1e9,
+            "kept_by_policy_GB": kept / 1e9,
+            "estimate_written_GB": est_written / 1e9,
+            "offloaded_GB": p.bytes_offloaded_per_step / 1e9,
+            "ratio": p.bytes_offloaded_per_step / est_written if est_written > 0 else None,
+            "within_10pct": bool(est_written > 0 and abs(p.bytes_offloaded_per_step / est_written - 1) <= 0.10),
+        })
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small models, < 1 minute")
+    ap.add_argument("--configs", help="comma-separated presets (default: bert-h12288-l3,bert-h14336-l3)")
+    ap.add_argument("--micro-batches", default=None, help="default 2,4,8,16 (quick: 1,2,4)")
+    ap.add_argument("--strategies", default="keep,recompute,offload-host,offload-host-adaptive,"
+                                            "offload-ssd-adaptive,recompute+offload-host")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--budget-gb", type=float, default=None, help="activation budget for the verdict")
+    ap.add_argument("--ssd-path", default=None, help="directory for the ssd target (default: a temp dir)")
+    args = ap.parse_args()
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if args.configs:
+        configs = args.configs.split(",")
+    elif args.quick:
+        configs = ["bert-small", "bert:h=2048,l=3,s=512"] if cuda else ["bert-tiny", "bert:h=128,l=3,s=64,v=1024"]
+    else:
+        configs = ["bert-h12288-l3", "bert-h14336-l3"]
+    mbs = [int(x) for x in (args.micro_batches or ("1,2,4" if args.quick else "2,4,8,16")).split(",")]
+    strategies = args.strategies.split(",")
+
+    results: dict[str, RokResult] = {}
+    bar_rows: list[dict[str, Any]] = []
+    est_rows: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    for spec in configs:
+        cfg = get_preset(spec)
+        name = cfg.label
+        t0 = time.perf_counter()
+        workload = build_workload(cfg, device, dtype)
+        res = sweep(workload, strategies, mbs, steps=args.steps, warmup=args.warmup, device=device,
+                    dtype=dtype, ssd_path=args.ssd_path,
+                    progress=lambda p: print(f"  {name} {p.strategy} mb={p.micro_batch}: {p.status}"
+                                             + (f" {p.throughput_flops / 1e12:.1f} TFLOP/s" if p.ok else "")
+                                             + (f" peak {p.activation_peak_bytes / 1e9:.2f} GB" if p.ok else ""),
+                                             flush=True))
+        print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
+        results[name] = res
+        bar_rows += _bar_rows(name, res)
+        est_rows += _estimate_rows(name, res, cfg, dtype, device)
+        del workload
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    budget = None if args.budget_gb is None else args.budget_gb * 1e9
+    payload = {
+        "configs": {n: r.to_dict(budget) for n, r in results.items()},
+        "bar": {
+            "rows": bar_rows,
+            "offload_points": len(bar_rows),
+            "met": sum(r["bar_met"] for r in bar_rows),
+        },
+        "estimate_check": {"rows": est_rows, "all_within_10pct": bool(est_rows) and all(r["within_10pct"] for r in est_rows)},
+        "wall_s": time.perf_counter() - t_start,
+    }
+    path = write_result("rok", payload)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 5), squeeze=False)
+    for ax, (n, r), tag in zip(axes[0], results.items(), "abcdefgh"):
+        r.plot_on(ax, budget, title=f"({tag}) {n}, {device_label()}")
+    fig.tight_layout()
+    png = RESULTS_DIR / "rok.png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path} and {png}")
+
+    for n, r in results.items():
+        print(f"\n{n}")
+        print(r.format_table(budget))
+    if est_rows:
+        print("\nssd-plan activation estimate vs bytes the offloader wrote (per step)")
+        print_table(est_rows)
+    print("\nbar: offload >= 0.95 x keep throughput and < recompute activation peak, same micro-batch")
+    print_table(bar_rows)
+
+
+if __name__ == "__main__":
+    main()
