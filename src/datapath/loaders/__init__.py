@@ -1,18 +1,35 @@
 """Out-of-core GNN data loading: graphs, GPU neighbor sampling, zero-copy feature loading, datasets.
 
-    graph = Graph.load("products/").to("unified")          # pinned in place, read by the GPU over PCIe
-    feats = datapath.unified_tensor.as_unified(features)    # same for the node features
+    graph = Graph.load("products/").to("unified")            # pinned in place, read by the GPU over PCIe
+    feats = torch.from_numpy(np.load(...)).to("unified")      # the node features too
     loader = NeighborLoader(graph, train_idx, NeighborSampler([15, 10, 5]), batch_size=1024,
-                            features=feats, labels=labels, device="cuda")
-    for batch in loader:
-        out = model(batch.blocks, batch.x)                  # blocks: input layer first
+                            shuffle=True, features=feats, labels=labels, device="cuda")
+    for batch in loader:                                      # sampled and gathered on the GPU, prefetched
+        out = model(batch.blocks, batch.x)                    # blocks: input layer first
         loss = F.cross_entropy(out, batch.y)
+
+Blocks convert to PyG's form with ``block.to_pyg()`` -> ``(edge_index, (num_src, num_dst))``.
 """
 from datapath.loaders.block import Block
+from datapath.loaders.datasets import (
+    PRESETS,
+    Dataset,
+    SyntheticSpec,
+    generate,
+    get_dataset,
+    load_dataset,
+    papers_spec,
+    prepare_dataset,
+    preset_spec,
+)
 from datapath.loaders.errors import DatasetError, InvalidGraphError, LoaderError
 from datapath.loaders.graph import Graph, validate_csr
+from datapath.loaders.loader import Batch, NeighborLoader
 from datapath.loaders.sampler import NeighborSampler
+from datapath.loaders.training import EpochStats, evaluate, train_epoch
 
 __all__ = [
-    "Block", "DatasetError", "Graph", "InvalidGraphError", "LoaderError", "NeighborSampler", "validate_csr",
+    "PRESETS", "Batch", "Block", "Dataset", "DatasetError", "EpochStats", "Graph", "InvalidGraphError",
+    "LoaderError", "NeighborLoader", "NeighborSampler", "SyntheticSpec", "evaluate", "generate", "get_dataset",
+    "load_dataset", "papers_spec", "prepare_dataset", "preset_spec", "train_epoch", "validate_csr",
 ]

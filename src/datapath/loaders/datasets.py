@@ -15,7 +15,7 @@ model whose node weights follow a power law):
 
 Everything is drawn from `torch.Generator`s seeded by ``(seed, chunk)``: the same
 spec, seed and device type give the same dataset on any machine, however many
-threads generate it.  On a GPU machine generation runs on the GPU (fast for
+threads generate it (the chunk sizes are part of the recipe).  On a GPU machine generation runs on the GPU (fast for
 products-size graphs); the result lives in host memory.
 
 A dataset directory holds ``indptr.npy``, ``indices.npy``, ``features.npy``,

@@ -88,6 +88,9 @@ class GraphSAGE(_BlockModel):
 class GAT(_BlockModel):
     """GAT: ``num_layers`` GATConv layers (``heads`` heads of ``hidden_channels // heads``, concatenated),
     ELU and dropout between them, one head on the output layer.
+
+    Every destination also attends to itself (a self loop per destination row, as PyG's
+    GATConv adds by default), so a node's own features always enter its output.
     """
 
     def __init__(self, in_channels: int, hidden_channels: int, out_channels: int, num_layers: int = 3,
@@ -107,10 +110,12 @@ class GAT(_BlockModel):
         self.dropout = dropout
 
     def _conv(self, i: int, block: Any, h: torch.Tensor) -> torch.Tensor:
-        if self.backend == "pyg":  # PyG's GATConv adds self loops by default; blocks already hold dst = src[:n_dst]
+        if self.backend == "pyg":  # PyG's GATConv adds the self loops itself
             edge_index, size = block.to_pyg()
             return self.convs[i]((h, h[: block.num_dst_nodes]), edge_index, size=size)
-        return super()._conv(i, block, h)
+        from datapath.ops import add_self_loops  # noqa: PLC0415
+
+        return self.convs[i](add_self_loops(block), h)
 
     def forward(self, blocks: Sequence[Any], x: torch.Tensor) -> torch.Tensor:
         self._check(blocks, x)

@@ -1,0 +1,111 @@
+"""Synthetic datasets: determinism, shape, power law, learnable labels, .npy directories."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from datapath.loaders import (
+    PRESETS,
+    DatasetError,
+    SyntheticSpec,
+    generate,
+    get_dataset,
+    load_dataset,
+    papers_spec,
+    prepare_dataset,
+    preset_spec,
+)
+
+SMALL = SyntheticSpec("small", 3000, 30000, 16, 5, homophily=0.8, signal=0.2, seed=4)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return generate(SMALL, device="cpu", progress=False)
+
+
+def test_deterministic_and_seed_dependent(small) -> None:
+    other = generate(dataclasses.replace(SMALL, seed=5), device="cpu", progress=False)
+    same = generate(SMALL, device="cpu", progress=False)
+    for name in ("features", "labels", "train_idx"):
+        assert torch.equal(getattr(small, name), getattr(same, name))
+    assert torch.equal(small.graph.indices, same.graph.indices)
+    assert not torch.equal(small.features, other.features)
+
+
+def test_structure(small) -> None:
+    g = small.graph
+    ei = g.edge_index()
+    assert g.num_nodes == 3000 and small.features.shape == (3000, 16) and small.num_classes == 5
+    assert (ei[0] != ei[1]).all(), "no self loops"
+    keys = ei[1] * 3000 + ei[0]
+    assert keys.unique().numel() == keys.numel(), "no duplicate edges"
+    rev = ei[0] * 3000 + ei[1]
+    assert torch.equal(keys.sort().values, rev.sort().values), "undirected: both directions present"
+    deg = g.in_degrees().float()
+    assert deg.max() > 8 * deg.median(), "power-law degrees have hubs"
+    homophily = (small.labels[ei[0]] == small.labels[ei[1]]).float().mean()
+    assert 0.75 < homophily < 0.9  # planted 0.8 (plus chance agreements)
+    splits = torch.cat([small.train_idx, small.val_idx, small.test_idx])
+    assert splits.unique().numel() == splits.numel()
+
+
+def test_labels_are_learnable_from_neighbourhoods(small) -> None:
+    """Mean of neighbour features predicts the label much better than a node's own features."""
+    g = small.graph
+    ei = g.edge_index()
+    agg = torch.zeros_like(small.features).index_add_(0, ei[1], small.features[ei[0]])
+    agg /= g.in_degrees().clamp(min=1)[:, None].float()
+    cent = torch.stack([small.features[small.train_idx][small.labels[small.train_idx] == c].mean(0)
+                        for c in range(5)])
+    y = small.labels[small.test_idx]
+    own = ((small.features[small.test_idx] @ cent.T).argmax(1) == y).float().mean()
+    nbr = ((agg[small.test_idx] @ cent.T).argmax(1) == y).float().mean()
+    assert 0.3 < own < 0.6 and nbr > own + 0.15  # chance is 0.2
+
+
+def test_save_and_load(small, tmp_path) -> None:
+    small.save(tmp_path / "d")
+    back = load_dataset(tmp_path / "d")
+    assert torch.equal(back.features, small.features) and torch.equal(back.labels, small.labels)
+    assert torch.equal(back.graph.indices, small.graph.indices) and back.num_classes == 5
+    assert isinstance(np.load(tmp_path / "d" / "features.npy", mmap_mode="r"), np.memmap)
+    assert get_dataset(tmp_path / "d").graph.num_edges == small.graph.num_edges
+
+
+def test_prepare_dataset_writes_a_loadable_directory(tmp_path) -> None:
+    d = prepare_dataset("tiny", tmp_path / "tiny", device="cpu", progress=False)
+    ds = load_dataset(d)
+    ref = generate("tiny", device="cpu", progress=False)
+    assert torch.equal(ds.features, ref.features) and torch.equal(ds.graph.indptr, ref.graph.indptr)
+    assert json.loads((d / "meta.json").read_text())["spec"]["name"] == "tiny"
+
+
+def test_broken_directories(tmp_path, small) -> None:
+    with pytest.raises(DatasetError, match="prepare-dataset"):
+        load_dataset(tmp_path / "nowhere")
+    small.save(tmp_path / "d")
+    (tmp_path / "d" / "labels.npy").unlink()
+    with pytest.raises(DatasetError, match="labels.npy"):
+        load_dataset(tmp_path / "d")
+    small.save(tmp_path / "e")
+    np.save(tmp_path / "e" / "train_idx.npy", np.array([0, 10**6]))
+    with pytest.raises(DatasetError, match="train_idx"):
+        load_dataset(tmp_path / "e")
+
+
+def test_presets_and_papers_scaling() -> None:
+    assert preset_spec("products").num_nodes == 2_449_029 and PRESETS["products"].num_features == 100
+    assert preset_spec("reddit").num_features == 602
+    p = papers_spec(64.0)
+    feat_bytes = p.num_nodes * p.num_features * 4
+    assert 0.7 * 64 * 2**30 < feat_bytes < 64 * 2**30 and p.num_features == 128
+    assert papers_spec(10_000).num_nodes == 111_059_956
+    with pytest.raises(DatasetError, match="unknown"):
+        preset_spec("cora")
+    with pytest.raises(DatasetError, match="too small"):
+        papers_spec(1e-6)

@@ -1,0 +1,136 @@
+"""NeighborLoader: coverage of the seeds, features/labels, prefetch, shuffling, placements."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from datapath.loaders import Graph, LoaderError, NeighborLoader, NeighborSampler
+
+
+def _data(n: int = 1500, e: int = 20000, f: int = 24, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    graph = Graph.from_edge_index(torch.randint(0, n, (2, e), generator=g), n)
+    feats = torch.randn(n, f, generator=g)
+    labels = torch.randint(0, 7, (n,), generator=g)
+    seeds = torch.randperm(n, generator=g)[: n // 2]
+    return graph, feats, labels, seeds
+
+
+def _collect(loader):
+    return [(b.seeds.cpu(), [(blk.src_nodes.cpu(), blk.indices.cpu()) for blk in b.blocks],
+             b.x.cpu(), b.y.cpu()) for b in loader]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_epoch_covers_seeds_with_right_features(prefetch: int, drop_last: bool) -> None:
+    graph, feats, labels, seeds = _data()
+    loader = NeighborLoader(graph, seeds, NeighborSampler([5, 3]), batch_size=128, shuffle=True,
+                            drop_last=drop_last, features=feats, labels=labels, device="cpu", prefetch=prefetch)
+    batches = list(loader)
+    assert len(batches) == len(loader) == (750 // 128 if drop_last else -(-750 // 128))
+    seen = torch.cat([b.seeds for b in batches])
+    assert seen.unique().numel() == seen.numel()
+    if not drop_last:
+        assert torch.equal(seen.sort().values, seeds.sort().values)
+    for b in batches:
+        assert torch.equal(b.x, feats[b.input_nodes])
+        assert torch.equal(b.y, labels[b.seeds])
+        assert torch.equal(b.blocks[-1].dst_nodes, b.seeds)
+        assert b.x.shape == (b.blocks[0].num_src_nodes, 24)
+
+
+def test_shuffle_is_seeded_and_changes_per_epoch() -> None:
+    graph, feats, labels, seeds = _data()
+    mk = lambda: NeighborLoader(graph, seeds, NeighborSampler([4], seed=1), 100, shuffle=True,  # noqa: E731
+                                features=feats, labels=labels, device="cpu", seed=5)
+    a, b = mk(), mk()
+    e0a, e0b = _collect(a), _collect(b)
+    for x, y in zip(e0a, e0b):
+        assert torch.equal(x[0], y[0]) and torch.equal(x[2], y[2])
+    e1a = _collect(a)
+    assert not torch.equal(e0a[0][0], e1a[0][0])
+    b.set_epoch(1)
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(e1a, _collect(b)))
+    plain = NeighborLoader(graph, seeds, NeighborSampler([4]), 100, device="cpu")
+    assert torch.equal(torch.cat([bt.seeds for bt in plain]), seeds)
+
+
+def test_prefetch_matches_synchronous() -> None:
+    graph, feats, labels, seeds = _data(seed=1)
+    mk = lambda p: NeighborLoader(graph, seeds, NeighborSampler([6, 2], seed=2), 64, shuffle=True,  # noqa: E731
+                                  features=feats, labels=labels, device="cpu", prefetch=p)
+    for (s0, b0, x0, y0), (s1, b1, x1, y1) in zip(_collect(mk(0)), _collect(mk(3))):
+        assert torch.equal(s0, s1) and torch.equal(x0, x1) and torch.equal(y0, y1)
+        assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(b0, b1))
+
+
+def test_unified_features_on_cpu_machine_path() -> None:
+    import datapath.unified_tensor as ut
+
+    graph, feats, labels, seeds = _data(seed=2)
+    loader = NeighborLoader(graph.to("unified"), seeds, [4, 4], 200, features=ut.as_unified(feats),
+                            labels=ut.as_unified(labels), device="cpu")
+    for b in loader:
+        assert torch.equal(b.x, feats[b.input_nodes]) and torch.equal(b.y, labels[b.seeds])
+
+
+def test_producer_errors_reach_the_consumer() -> None:
+    graph, feats, labels, seeds = _data(seed=3)
+
+    class Broken(NeighborSampler):
+        def _sample(self, graph, seeds, step):
+            if step == 2:
+                raise RuntimeError("sampler exploded")
+            return super()._sample(graph, seeds, step)
+
+    loader = NeighborLoader(graph, seeds, Broken([3]), 100, device="cpu", prefetch=2)
+    it = iter(loader)
+    next(it), next(it)
+    with pytest.raises(RuntimeError, match="exploded"):
+        next(it)
+
+
+def test_abandoned_iterator_stops_its_thread() -> None:
+    graph, feats, labels, seeds = _data(seed=4)
+    it = iter(NeighborLoader(graph, seeds, [3], 10, features=feats, device="cpu", prefetch=2))
+    next(it)
+    it.close()
+    assert not it._thread.is_alive()
+
+
+def test_bad_configuration() -> None:
+    graph, feats, labels, seeds = _data(seed=5)
+    with pytest.raises(LoaderError, match="duplicates"):
+        NeighborLoader(graph, torch.tensor([1, 2, 1]), [2], device="cpu")
+    with pytest.raises(LoaderError, match="seed ids"):
+        NeighborLoader(graph, torch.tensor([1, 5000]), [2], device="cpu")
+    with pytest.raises(LoaderError, match="rows"):
+        NeighborLoader(graph, seeds, [2], features=feats[:10], device="cpu")
+    with pytest.raises(LoaderError, match="batch_size"):
+        NeighborLoader(graph, seeds, [2], batch_size=0, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph_on, feats_on", [("unified", "unified"), ("cuda", "cuda"), ("cpu", "cpu"),
+                                                ("unified", "cpu"), ("cpu", "unified")])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_gpu_batches_equal_cpu_batches(cuda_device, graph_on, feats_on, prefetch) -> None:
+    from datapath.loaders._placement import to_placement
+
+    graph, feats, labels, seeds = _data(n=4000, e=80000, f=37, seed=6)
+    mk = lambda g, f, l, dev, p: NeighborLoader(g, seeds, NeighborSampler([7, 4, 2], seed=3), 256,  # noqa: E731
+                                                shuffle=True, features=f, labels=l, device=dev, prefetch=p)
+    ref = _collect(mk(graph, feats, labels, "cpu", 0))
+    loader = mk(graph.to(graph_on), to_placement(feats, feats_on), to_placement(labels, feats_on), "cuda", prefetch)
+    assert loader.sample_device.type == ("cuda" if graph_on != "cpu" else "cpu")
+    got = []
+    for b in loader:
+        assert b.x.device.type == "cuda" and b.y.device.type == "cuda"
+        assert all(blk.device.type == "cuda" for blk in b.blocks)
+        # the consumer's stream uses the batch right away: the event + record_stream make this safe
+        got.append((b.seeds.cpu(), [(blk.src_nodes.cpu(), blk.indices.cpu()) for blk in b.blocks],
+                    (b.x * 1).cpu(), b.y.cpu()))
+    for (s0, b0, x0, y0), (s1, b1, x1, y1) in zip(ref, got, strict=True):
+        assert torch.equal(s0, s1) and torch.equal(x0, x1) and torch.equal(y0, y1)
+        assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(b0, b1))
