@@ -171,7 +171,7 @@ def test_cli_rok_model_factory(tmp_path, monkeypatch, capsys) -> None:
 
 @pytest.mark.gpu
 def test_gpu_keep_recompute_and_oom() -> None:
-    res = sweep("bert-small", ["keep", "recompute"], [1, 4], steps=2, device="cuda")
+    res = sweep("bert:h=1024,l=4,s=512,v=1024", ["keep", "recompute"], [1, 4], steps=2, device="cuda")
     keep4, rec4 = res.point("keep", 4), res.point("recompute", 4)
     assert keep4.ok and rec4.ok
     assert rec4.activation_peak_bytes < 0.6 * keep4.activation_peak_bytes

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import inspect
 import logging
 import math
 import statistics
@@ -399,7 +400,7 @@ def _stats_dict(cache: Any) -> dict[str, Any] | None:
 
 @contextlib.contextmanager
 def _strategy_context(workload: Workload, strat: Strategy, ssd_path: str | None,
-                      offload_options: dict[str, Any]) -> Iterator[Any]:
+                      offload_options: dict[str, Any], device: torch.device) -> Iterator[Any]:
     with contextlib.ExitStack() as stack:
         if strat.recompute:
             stack.enter_context(_recompute(workload, strat.recompute))
@@ -414,6 +415,8 @@ def _strategy_context(workload: Workload, strat: Strategy, ssd_path: str | None,
             kwargs = {**offload_options, **strat.offload}
             if strat.offload["target"] in ("ssd", "tiered"):
                 kwargs["path"] = ssd_path
+            if device.type == "cpu" and "offload_cpu_tensors" in inspect.signature(offload_fn).parameters:
+                kwargs.setdefault("offload_cpu_tensors", True)  # on a CPU-only machine, activations are CPU tensors
             cache = stack.enter_context(offload_fn(workload.model, **kwargs))
         if strat.save_on_cpu:
             stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()))
@@ -439,7 +442,7 @@ def _run_point(workload: Workload, opt: torch.optim.Optimizer, strat: Strategy, 
         opt.step()
         opt.zero_grad(set_to_none=False)  # gradients stay allocated: part of the baseline
 
-    with _strategy_context(workload, strat, ssd_path, offload_options) as cache:
+    with _strategy_context(workload, strat, ssd_path, offload_options, device) as cache:
         for _ in range(warmup):
             step()
         _sync(device)
