@@ -8,6 +8,9 @@ Ways (BENCHMARKS.md, B1):
   dp_shiftmask / dp_unaligned                                  our kernel, the ablation schemes
   ideal        bytes / pinned cudaMemcpy bandwidth measured in this run
 
+Tables have N = 4M rows (BENCHMARKS.md: N >= 4M) except where the 32 GiB pinned buffer
+holds fewer (8 KB rows: 4M, 16 KB rows: 2M); a last sweep varies the table size.
+
 Run:  PYTHONPATH=src:. python benchmarks/gather.py [--quick]
 Writes benchmarks/results/gather.json and gather.png.
 """
@@ -40,25 +43,27 @@ def _memcpy_gbps(buf: torch.Tensor, nbytes: int) -> float:
     return nbytes / ms / 1e6
 
 
-def _ways(table: torch.Tensor, idx_cpu: torch.Tensor, idx_cuda: torch.Tensor, include_py: bool) -> dict:
+def _ways(table: torch.Tensor, sets: list[torch.Tensor], sets_cuda: list[torch.Tensor],
+          include_py: bool) -> dict[str, list]:
+    """For each way, one callable per index set."""
     unified = as_unified(table)
     alias = cuda_alias(table)
-    fns = {
-        "datapath": lambda: unified[idx_cuda],
-        "dp_shiftmask": lambda: gather(unified, idx_cuda, mode="shift_mask"),
-        "dp_unaligned": lambda: gather(unified, idx_cuda, mode="unaligned"),
-        "naive_zc": lambda: torch.index_select(alias, 0, idx_cuda),
+    ways: dict[str, list] = {
+        "datapath": [lambda i=i: unified[i] for i in sets_cuda],
+        "dp_shiftmask": [lambda i=i: gather(unified, i, mode="shift_mask") for i in sets_cuda],
+        "dp_unaligned": [lambda i=i: gather(unified, i, mode="unaligned") for i in sets_cuda],
+        "naive_zc": [lambda i=i: torch.index_select(alias, 0, i) for i in sets_cuda],
     }
     if include_py:
-        out_pinned = pinned_empty((idx_cpu.numel(), table.shape[1]), table.dtype)
+        out_pinned = pinned_empty((sets[0].numel(), table.shape[1]), table.dtype)
 
-        def py_pinned() -> torch.Tensor:
-            torch.index_select(table, 0, idx_cpu, out=out_pinned)
+        def py_pinned(i: torch.Tensor) -> torch.Tensor:
+            torch.index_select(table, 0, i, out=out_pinned)
             return out_pinned.to("cuda", non_blocking=True)
 
-        fns["py"] = lambda: table[idx_cpu].to("cuda")
-        fns["py_pinned"] = py_pinned
-    return fns
+        ways["py"] = [lambda i=i: table[i].to("cuda") for i in sets]
+        ways["py_pinned"] = [lambda i=i: py_pinned(i) for i in sets]
+    return ways
 
 
 def run(quick: bool) -> dict:
@@ -78,28 +83,37 @@ def run(quick: bool) -> dict:
     max_bytes = (256 << 20) if quick else (4 << 30)
     rows: list[dict] = []
 
-    def measure(row_bytes: int, m: int, include_py: bool, sweep: str) -> None:
+    def measure(row_bytes: int, m: int, include_py: bool, sweep: str, table_rows: int = 4 << 20) -> None:
         width = row_bytes // 4
-        n = buf.numel() // width
+        n = min(table_rows, buf.numel() // width)
         table = buf[: n * width].view(n, width)
-        idx_cpu = torch.randint(0, n, (m,))
-        idx_cuda = idx_cpu.cuda()
+        # several index sets, rotated between repetitions, so that no run is served from L2
+        sets = [torch.randint(0, n, (m,)) for _ in range(4)]
+        sets_cuda = [x.cuda() for x in sets]
+        turn = [0]
+
+        def next_set() -> int:
+            turn[0] = (turn[0] + 1) % len(sets)
+            return turn[0]
+
+        idx_cpu, idx_cuda = sets[0], sets_cuda[0]
         nbytes = m * row_bytes
         ideal_ms = nbytes / (peak * 1e6)
         rec = {"sweep": sweep, "row_bytes": row_bytes, "rows": m, "table_rows": n,
                "bytes": nbytes, "ideal_ms": ideal_ms, "ideal_GBps": peak}
         reps = 3 if nbytes > (1 << 30) else 10
-        for name, fn in _ways(table, idx_cpu, idx_cuda, include_py).items():
+        for name, fns in _ways(table, sets, sets_cuda, include_py).items():
             if name.startswith("py") and nbytes > (1 << 30):
                 warm, rep = 1, 2
             else:
                 warm, rep = 2, reps
-            ms = cuda_time_ms(fn, warmup=warm, repeat=rep)
+            ms = cuda_time_ms(lambda: fns[next_set()](), warmup=warm, repeat=rep)
             rec[f"{name}_ms"] = ms
             rec[f"{name}_GBps"] = nbytes / ms / 1e6
         want = table[idx_cpu[:1000]].view(torch.int32)  # random bytes: compare bits (NaNs are not equal)
         got = gather(as_unified(table), idx_cuda[:1000]).cpu().view(torch.int32)
         assert torch.equal(got, want), "datapath gather wrong"
+        rec["table_bytes"] = n * row_bytes
         rows.append(rec)
         print(f"  {sweep:5s} row {row_bytes:6d} B x {m:8d}: datapath {rec['datapath_GBps']:.1f} GB/s "
               f"({rec['datapath_GBps'] / peak:.2f} of memcpy), naive_zc {rec['naive_zc_GBps']:.1f}"
@@ -114,6 +128,11 @@ def run(quick: bool) -> dict:
     align_m = 65536 if quick else 262144
     for rb in range(2048, 2077, 4):
         measure(rb, align_m, include_py=False, sweep="align")
+    # the same gathers from ever larger tables: small rows are limited by address
+    # translation (one page per random row), not by the kernel: naive_zc shows it too
+    for rb in (256, 512, 1024):
+        for gib in ((1, 2) if quick else (1, 4, 16, 32)):
+            measure(rb, align_m, include_py=False, sweep=f"table{gib}G", table_rows=(gib << 30) // rb)
 
     # the bars of issue 2
     size_rows = [r for r in rows if r["sweep"] == "size" and r["rows"] >= 65536]
@@ -136,7 +155,7 @@ def plot(result: dict) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(18, 4.8))
     m_plot = max(r["rows"] for r in rows if r["sweep"] == "size" and "py_ms" in r)
     sel = [r for r in rows if r["sweep"] == "size" and r["rows"] == m_plot]
     xs = [r["row_bytes"] for r in sel]
@@ -157,6 +176,16 @@ def plot(result: dict) -> None:
     b.set_xlabel("row size (bytes)")
     b.set_title(f"alignment sweep, {al[0]['rows']} rows")
     b.legend(fontsize=8)
+    for rb, style in ((256, "o-"), (512, "s-"), (1024, "^-")):
+        ts = [r for r in rows if r["sweep"].startswith("table") and r["row_bytes"] == rb]
+        c.plot([r["table_bytes"] / 2**30 for r in ts], [r["datapath_GBps"] for r in ts], style, label=f"datapath {rb} B")
+        c.plot([r["table_bytes"] / 2**30 for r in ts], [r["naive_zc_GBps"] for r in ts], style.replace("-", ":"),
+               label=f"naive_zc {rb} B", alpha=0.6)
+    c.axhline(result["memcpy_GBps"], color="k", lw=1, ls=":")
+    c.set_xscale("log", base=2)
+    c.set_xlabel("table size (GiB)")
+    c.set_title("small rows vs table size (page translation)")
+    c.legend(fontsize=7)
     fig.suptitle(f"B1 zero-copy gather on {device_label()}")
     fig.tight_layout()
     fig.savefig(RESULTS_DIR / "gather.png", dpi=110)

@@ -62,14 +62,15 @@ def _raise_if_bad(flag: torch.Tensor, n_rows: int) -> None:
         raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {n_rows}")
 
 
-def _host_of(table: torch.Tensor) -> torch.Tensor:
+def _host_of(table: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(host tensor, known to be pinned) for a unified or CPU table."""
     from datapath.unified_tensor.tensor import UnifiedTensor  # noqa: PLC0415 - import cycle
 
-    if isinstance(table, UnifiedTensor):
-        return table._host
+    if isinstance(table, UnifiedTensor):  # pinned by construction whenever CUDA is present
+        return table._host, True
     if table.device.type != "cpu":
         raise TypeError(f"gather/scatter need a unified or CPU table, got one on {table.device}")
-    return table
+    return table, False
 
 
 def _check_index(idx: torch.Tensor) -> None:
@@ -94,12 +95,13 @@ def _row_layout(host: torch.Tensor) -> tuple[int, int] | None:
     """(row_bytes, row_stride_bytes) if each row is contiguous in memory, else None."""
     if host.dim() == 0:
         return None
+    expected = 1
+    for size, stride in zip(reversed(host.shape[1:]), reversed(host.stride()[1:])):
+        if size != 1 and stride != expected:
+            return None
+        expected *= size
     es = host.element_size()
-    inner = host[0] if host.shape[0] else torch.empty(host.shape[1:], dtype=host.dtype)
-    if host.shape[0] and not inner.is_contiguous():
-        return None
-    row_elems = int(np.prod(host.shape[1:], dtype=np.int64)) if host.dim() > 1 else 1
-    return row_elems * es, host.stride(0) * es
+    return expected * es, host.stride(0) * es
 
 
 def _word_bytes(*values: int) -> int:
@@ -126,26 +128,52 @@ def _launch_rows(direction: str, host: torch.Tensor, idx: torch.Tensor, dev_rows
     tpb = config.threads_per_block
     groups_per_block = tpb // g
     blocks = max(1, min(-(-m // groups_per_block), kernels.multiprocessor_count(idx.device.index) * 8))
-    isuf = "i32" if idx.dtype == torch.int32 else "i64"
-    fn = kernels.get_function("gather.cu", f"{direction}_w{w}_m{GATHER_MODES[mode]}_{isuf}")
-    flag = torch.full((1,), _NO_ERROR, dtype=torch.int64, device=idx.device)
+    fn = _kernel(direction, w, GATHER_MODES[mode], idx.dtype == torch.int32)
     stream = torch.cuda.current_stream(idx.device)
+    sync = config.sync_bounds_check
+    flag = _stream_flag(stream) if sync else torch.full((1,), _NO_ERROR, dtype=torch.int64, device=idx.device)
     kernels.launch(
         fn, blocks, tpb,
         (kernels.ptr(host), np.int64(n_rows), np.int64(row_stride), np.int64(row_bytes),
          kernels.ptr(idx), np.int64(m), kernels.ptr(dev_rows), np.int32(g), kernels.ptr(flag)),
         stream=stream,
     )
-    in_flight.hold(stream, host, idx, dev_rows)
-    if config.sync_bounds_check:
-        _raise_if_bad(flag, n_rows)
+    if sync:  # reading the flag waits for the kernel: nothing can be freed under it
+        bad = int(flag.item())
+        if bad != _NO_ERROR:
+            flag.fill_(_NO_ERROR)
+            raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {n_rows}")
     else:
+        in_flight.hold(stream, host, idx, dev_rows)
         _pending.add(flag, n_rows)
 
 
-def _prepare_cuda_index(host: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+_kernel_cache: dict[tuple[str, int, int, bool, int], object] = {}
+_flag_cache: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _kernel(direction: str, width: int, mode: int, int32: bool) -> object:
+    key = (direction, width, mode, int32, torch.cuda.current_device())
+    fn = _kernel_cache.get(key)
+    if fn is None:
+        fn = kernels.get_function("gather.cu", f"{direction}_w{width}_m{mode}_{'i32' if int32 else 'i64'}")
+        _kernel_cache[key] = fn
+    return fn
+
+
+def _stream_flag(stream: torch.cuda.Stream) -> torch.Tensor:
+    """The error flag reused by synchronously checked launches on ``stream`` (one per stream)."""
+    key = (stream.device.index, stream.cuda_stream)
+    flag = _flag_cache.get(key)
+    if flag is None:
+        flag = torch.full((1,), _NO_ERROR, dtype=torch.int64, device=stream.device)
+        _flag_cache[key] = flag
+    return flag
+
+
+def _prepare_cuda_index(host: torch.Tensor, idx: torch.Tensor, pinned: bool) -> torch.Tensor:
     _check_index(idx)
-    if not host.is_pinned():
+    if not pinned and not host.is_pinned():
         raise ValueError(
             "the GPU gather reads the table over PCIe and needs pinned memory: make it with "
             "t.to('unified') or datapath.unified_tensor.as_unified(t)"
@@ -169,7 +197,7 @@ def gather(table: torch.Tensor, idx: torch.Tensor, mode: str | None = None,
     Returns:
         (*idx.shape, *rest) tensor on ``idx``'s device (a plain CPU tensor for a CPU ``idx``).
     """
-    host = _host_of(table)
+    host, pinned = _host_of(table)
     if host.dim() == 0:
         raise IndexError("cannot gather rows of a 0-dimensional tensor")
     rest = tuple(host.shape[1:])
@@ -181,7 +209,7 @@ def gather(table: torch.Tensor, idx: torch.Tensor, mode: str | None = None,
         return torch.index_select(host, 0, rows).reshape(*idx.shape, *rest)
     if idx.device.type != "cuda":
         raise TypeError(f"indices must be on CPU or CUDA, got {idx.device}")
-    flat = _prepare_cuda_index(host, idx)
+    flat = _prepare_cuda_index(host, idx, pinned)
     shape = (*idx.shape, *rest)
     if out is None:
         out = torch.empty((flat.numel(), *rest), dtype=host.dtype, device=idx.device)
@@ -225,7 +253,7 @@ def scatter(table: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, mode: st
     With repeated indices, which of the rows lands is unspecified (as in PyTorch).
     GPU writes are asynchronous: synchronize the stream before reading the table on the CPU.
     """
-    host = _host_of(table)
+    host, pinned = _host_of(table)
     if host.dim() == 0:
         raise IndexError("cannot scatter rows into a 0-dimensional tensor")
     rest = tuple(host.shape[1:])
@@ -237,7 +265,7 @@ def scatter(table: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, mode: st
         src = rows.to("cpu").expand(*idx.shape, *rest).reshape(-1, *rest)
         host.index_copy_(0, flat, src)
         return
-    flat = _prepare_cuda_index(host, idx)
+    flat = _prepare_cuda_index(host, idx, pinned)
     if not flat.numel():
         return
     src = rows.to(idx.device).expand(*idx.shape, *rest).reshape(flat.numel(), *rest).contiguous()
