@@ -1,0 +1,65 @@
+"""Counters of a `TensorCache`: what was offloaded, kept, deduplicated, forwarded, and how fast."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class OffloadStats:
+    """Cumulative counters since the cache was built (or `TensorCache.reset_stats`).
+
+    Byte counts are of storages (what moves) except ``bytes_deduplicated`` and
+    the ``bytes_kept_*`` counters, which count the saved tensor views.
+    """
+
+    records: int = 0               # forward passes seen (one per micro-batch)
+    packs: int = 0                 # saved tensors offered by autograd
+    unpacks: int = 0               # saved tensors handed back to autograd
+    storages_offloaded: int = 0    # storages queued for the target
+    bytes_offloaded: int = 0       # bytes written to the target (host memory or files)
+    bytes_loaded: int = 0          # bytes read back to the device
+    bytes_deduplicated: int = 0    # saved views whose storage was already in the cache (not written again)
+    dedup_hits: int = 0
+    bytes_forwarded: int = 0       # storages handed back from memory while queued or being stored
+    stores_cancelled: int = 0      # queued stores dropped because the tensor was needed (or freed) first
+    bytes_kept_param: int = 0      # parameters, buffers and views of them
+    bytes_kept_small: int = 0      # storages under min_bytes
+    bytes_kept_cpu: int = 0        # CPU tensors (unless offload_cpu_tensors)
+    bytes_kept_policy: int = 0     # last modules / beyond the adaptive plan
+    bytes_kept_backward: int = 0   # saved during backward (checkpoint recomputation, double backward)
+    bytes_kept_budget: int = 0     # the host budget or disk budget was full
+    bytes_kept_error: int = 0      # the store failed and on_error="keep" kept the tensor
+    bytes_kept_other: int = 0      # tensor subclasses, sparse, quantized, meta tensors
+    store_errors: int = 0
+    load_errors: int = 0
+    write_seconds: float = 0.0     # busy time of the store path
+    read_seconds: float = 0.0      # busy time of the load path
+    unpack_wait_seconds: float = 0.0  # time autograd was blocked in unpack waiting for a load
+    files_created: int = 0
+    files_removed: int = 0
+    peak_disk_bytes: int = 0
+    peak_host_bytes: int = 0
+    prefetch_order: list[tuple[int, int]] = field(default_factory=list)  # (record, segment) as issued
+
+    @property
+    def write_bandwidth(self) -> float:
+        """Achieved store bandwidth in bytes/s (0 when nothing was stored)."""
+        return self.bytes_offloaded / self.write_seconds if self.write_seconds > 0 else 0.0
+
+    @property
+    def read_bandwidth(self) -> float:
+        """Achieved load bandwidth in bytes/s (0 when nothing was loaded)."""
+        return self.bytes_loaded / self.read_seconds if self.read_seconds > 0 else 0.0
+
+    @property
+    def bytes_kept(self) -> int:
+        return (self.bytes_kept_param + self.bytes_kept_small + self.bytes_kept_cpu + self.bytes_kept_policy
+                + self.bytes_kept_backward + self.bytes_kept_budget + self.bytes_kept_error + self.bytes_kept_other)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["prefetch_order"] = [list(x) for x in self.prefetch_order[-64:]]
+        d["write_bandwidth"] = self.write_bandwidth
+        d["read_bandwidth"] = self.read_bandwidth
+        return d

@@ -1,0 +1,102 @@
+"""Small models and a step runner shared by the offload tests (CPU and GPU)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class GPTBlock(nn.Module):
+    """Pre-LN decoder block; q, k, v are views of one fused qkv projection."""
+
+    def __init__(self, h: int, heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(h)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.ln2 = nn.LayerNorm(h)
+        self.fc1 = nn.Linear(h, 4 * h)
+        self.fc2 = nn.Linear(4 * h, h)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # non-contiguous views of the qkv storage
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # saves the three views
+        x = x + self.drop(self.proj(o.transpose(1, 2).reshape(b, s, h)))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Embedding, GPT blocks in a ModuleList, final norm, LM head tied to the embedding."""
+
+    def __init__(self, vocab: int = 96, h: int = 32, heads: int = 4, layers: int = 3, dropout: float = 0.1,
+                 tied: bool = True, use_checkpoint: str | None = None) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, h)
+        self.blocks = nn.ModuleList(GPTBlock(h, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(h)
+        self.head = nn.Linear(h, vocab, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+        self.use_checkpoint = use_checkpoint
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for blk in self.blocks:
+            if self.use_checkpoint is None:
+                x = blk(x)
+            else:
+                x = checkpoint(blk, x, use_reentrant=self.use_checkpoint == "reentrant")
+        return self.head(self.ln(x))
+
+
+def mlp(width: int = 64, depth: int = 4) -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def run_steps(model: nn.Module, batches: list[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+              ctx: Any = None, between: Callable[[], None] | None = None
+              ) -> list[tuple[torch.Tensor, list[torch.Tensor | None]]]:
+    """Train-like steps (seeded per step for dropout): per step the loss and every parameter's grad."""
+    out = []
+    for i, batch in enumerate(batches):
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(1000 + i)
+        if ctx is not None:
+            with ctx:
+                loss = loss_fn(model, batch)
+                if between is not None:
+                    between()
+                loss.backward()
+        else:
+            loss = loss_fn(model, batch)
+            loss.backward()
+        out.append((loss.detach().clone(), [None if p.grad is None else p.grad.clone()
+                                             for p in model.parameters()]))
+        with torch.no_grad():  # change the weights like an optimizer would
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.sub_(1e-2 * p.grad)
+    return out
+
+
+def assert_identical(ref: list[Any], got: list[Any]) -> None:
+    assert len(ref) == len(got)
+    for step, ((l0, g0), (l1, g1)) in enumerate(zip(ref, got)):
+        assert torch.equal(l0, l1), f"step {step}: loss {l0.item()} != {l1.item()}"
+        assert len(g0) == len(g1)
+        for k, (a, b) in enumerate(zip(g0, g1)):
+            assert (a is None) == (b is None), f"step {step}: grad {k} presence differs"
+            if a is not None:
+                assert torch.equal(a, b), f"step {step}: grad {k} differs (max {(a - b).abs().max().item()})"
