@@ -22,8 +22,6 @@
 // bits on the CPU, so both paths produce identical samples.  Degrees must stay
 // below 2^32 (the host checks).
 
-#include <cstdint>
-
 typedef unsigned long long u64;
 
 namespace {

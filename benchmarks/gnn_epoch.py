@@ -1,0 +1,274 @@
+"""B2: GNN training epoch with the graph and features in host memory (PyTorch-Direct Fig. 4.8).
+
+Ways (same model, same seed, same batches: the CPU and GPU samplers draw identical samples):
+
+- ``py``           graph and features in pageable host memory; CPU sampling, CPU gather, copy to the
+                   GPU (the DGL/PyG default pipeline; our vectorized CPU sampler);
+- ``datapath``     graph and features in unified memory (pinned in place); GPU sampling over PCIe,
+                   zero-copy GPU gather, next batch prepared on a side stream;
+- ``gpu_resident`` graph and features copied to GPU memory (the lower bound when they fit).
+
+Per way: time of a fixed number of batches (the epoch is cut to ``--batches`` batches after
+``--warmup`` batches; the per-batch time times the full epoch's batch count gives the
+extrapolated epoch time), process CPU time (psutil), peak GPU memory, the per-batch losses and
+the validation accuracy, plus a synchronized per-stage breakdown (sample / gather+copy / train)
+measured on ``--profile-batches`` further batches.
+
+    PYTHONPATH=src:. python benchmarks/gnn_epoch.py            # products + reddit, GraphSAGE + GAT
+    PYTHONPATH=src:. python benchmarks/gnn_epoch.py --quick    # small graphs, < 1 minute
+    PYTHONPATH=src:. python benchmarks/gnn_epoch.py --full     # adds the papers shape (~40 GB features)
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import logging
+import time
+from typing import Any
+
+import torch
+
+from datapath.loaders._cuda_sched import use_blocking_sync
+
+BLOCKING_SYNC = use_blocking_sync() if torch.cuda.is_available() else False  # before CUDA starts
+
+from benchmarks._common import RESULTS_DIR, print_table, write_result  # noqa: E402
+from datapath.loaders import (  # noqa: E402
+    NeighborLoader,
+    NeighborSampler,
+    SyntheticSpec,
+    evaluate,
+    generate,
+    papers_spec,
+    preset_spec,
+    profile_batches,
+    train_epoch,
+)
+from datapath.loaders._placement import to_placement  # noqa: E402
+from datapath.nn.models import build_model  # noqa: E402
+
+log = logging.getLogger("datapath.bench.gnn_epoch")
+
+WAYS = ("py", "datapath", "gpu_resident")
+PLACEMENT = {"py": "cpu", "datapath": "unified", "gpu_resident": "cuda"}
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small graphs and few batches (< 1 minute)")
+    p.add_argument("--full", action="store_true", help="also the papers shape with --papers-feature-gb of features")
+    p.add_argument("--datasets", default=None, help="comma list of products, reddit, papers")
+    p.add_argument("--models", default="sage,gat")
+    p.add_argument("--ways", default=",".join(WAYS))
+    p.add_argument("--batches", type=int, default=None, help="timed batches per way [40; quick 10]")
+    p.add_argument("--warmup", type=int, default=None, help="untimed batches first [5; quick 3]")
+    p.add_argument("--profile-batches", type=int, default=None, help="batches of the stage breakdown [8]")
+    p.add_argument("--eval-nodes", type=int, default=8192)
+    p.add_argument("--papers-feature-gb", type=float, default=40.0)
+    p.add_argument("--fanouts", default="15,10,5")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    args.batches = args.batches or (10 if args.quick else 40)
+    args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
+    args.profile_batches = args.profile_batches or (3 if args.quick else 8)
+    if args.datasets is None:
+        args.datasets = "products,reddit" + (",papers" if args.full else "")
+    return args
+
+
+def dataset_spec(name: str, args: argparse.Namespace) -> SyntheticSpec:
+    if name == "papers":
+        per_node = 128 * 4 + 2 * 14.5 * 4 + 16
+        spec = papers_spec(args.papers_feature_gb * per_node / 512, seed=args.seed)
+    else:
+        spec = preset_spec(name, seed=args.seed)
+    if args.quick:  # same shape statistics, 1/20 of the nodes and edges
+        spec = dataclasses.replace(spec, name=f"{spec.name}-quick", num_nodes=max(spec.num_nodes // 20, 10_000),
+                                   num_edges=max(spec.num_edges // 20, 100_000))
+    return spec
+
+
+def run_way(way: str, model_name: str, ds: Any, placed: dict[str, Any], args: argparse.Namespace,
+            device: torch.device) -> dict[str, Any]:
+    fanouts = [int(f) for f in args.fanouts.split(",")]
+    graph, feats, labels = placed["graph"], placed["features"], placed["labels"]
+    torch.manual_seed(args.seed)
+    model = build_model(model_name, ds.num_features, args.hidden, ds.num_classes, len(fanouts),
+                        dropout=0.5, heads=args.heads).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    loader = NeighborLoader(graph, ds.train_idx, NeighborSampler(fanouts, seed=args.seed), args.batch_size,
+                            shuffle=True, features=feats, labels=labels, device=device, seed=args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    val = ds.val_idx[torch.randperm(ds.val_idx.numel(), generator=gen)[: args.eval_nodes]]
+    val_loader = NeighborLoader(graph, val, NeighborSampler(fanouts, seed=args.seed + 1), args.batch_size,
+                                features=feats, labels=labels, device=device)
+    warm = train_epoch(model, loader, opt, max_batches=args.warmup)
+    st = train_epoch(model, loader, opt, max_batches=args.batches)
+    acc = evaluate(model, val_loader)
+    twin = copy.deepcopy(model)  # profiled on a copy so that the stage breakdown leaves the model alone
+    prof = profile_batches(twin, loader, torch.optim.Adam(twin.parameters(), lr=args.lr), args.profile_batches)
+    per_batch = st.epoch_s / max(st.batches, 1)
+    return {
+        "way": way, "model": model_name, "sample_on": loader.sample_device.type,
+        "graph_in": graph.placement, "features_in": PLACEMENT[way],
+        "batches_timed": st.batches, "batches_per_epoch": len(loader), "warmup_batches": warm.batches,
+        "time_s": st.epoch_s, "per_batch_s": per_batch, "epoch_s_extrapolated": per_batch * len(loader),
+        "cpu_s": st.cpu_s, "cpu_s_per_batch": st.cpu_s / max(st.batches, 1),
+        "overlapped_stage_s": {"sample": st.sample_s, "gather": st.gather_s, "train": st.train_s,
+                               "wait_for_data": st.wait_s},
+        "serial_breakdown_per_batch_s": prof,
+        "peak_gpu_bytes": st.peak_gpu_bytes, "loss": st.loss, "losses": st.losses,
+        "train_acc": st.train_acc, "val_acc": acc,
+    }
+
+
+def place(ds: Any, way: str) -> dict[str, Any]:
+    where = PLACEMENT[way]
+    t0 = time.perf_counter()
+    out = {"graph": ds.graph.to(where), "features": to_placement(ds.features, where),
+           "labels": to_placement(ds.labels, where)}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def plot(results: list[dict[str, Any]], path: Any) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["dataset"], r["model"]) for r in results}, key=lambda g: (g[0], g[1] != "sage"))
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 4.2), squeeze=False)
+    colors = {"sample": "#8c8c8c", "gather": "#d62728", "train": "#1f77b4"}
+    for ax, (dsn, model) in zip(axes[0], groups):
+        rows = [r for r in results if r["dataset"] == dsn and r["model"] == model]
+        rows.sort(key=lambda r: WAYS.index(r["way"]))
+        for i, r in enumerate(rows):
+            prof = r["serial_breakdown_per_batch_s"]
+            n = r["batches_per_epoch"]
+            bottom = 0.0
+            for part, key in (("sample", "sample_s"), ("gather", "gather_s"), ("train", "train_s")):
+                h = prof[key] * n
+                ax.bar(i, h, bottom=bottom, color=colors[part], width=0.6,
+                       label=f"{part} (serial)" if i == 0 else None)
+                bottom += h
+            ax.plot([i - 0.35, i + 0.35], [r["epoch_s_extrapolated"]] * 2, color="k", lw=2,
+                    label="epoch (overlapped)" if i == 0 else None)
+            base = next((x for x in rows if x["way"] == "py"), None)
+            if base is not None and r["way"] != "py":
+                ax.text(i, r["epoch_s_extrapolated"], f"{base['epoch_s_extrapolated'] / r['epoch_s_extrapolated']:.2f}x",
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(rows)), [r["way"].replace("_", "\n") for r in rows], fontsize=8)
+        ax.set_title(f"{dsn} {model}", fontsize=9)
+        ax.set_ylabel("epoch time (s)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("B2 GNN epoch: stage breakdown (serial) and overlapped epoch time", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    ways = [w for w in args.ways.split(",") if cuda or w == "py"]
+    if not cuda:
+        log.warning("no CUDA: running only the 'py' way on the CPU (a smoke test, not B2)")
+    results: list[dict[str, Any]] = []
+    datasets: dict[str, Any] = {}
+    t_start = time.perf_counter()
+    for name in args.datasets.split(","):
+        spec = dataset_spec(name, args)
+        t0 = time.perf_counter()
+        try:
+            ds = generate(spec, progress=False)
+        except (RuntimeError, MemoryError) as exc:  # papers may not fit
+            log.error("generating %s failed: %s", spec.name, exc)
+            datasets[spec.name] = {"error": str(exc)}
+            continue
+        gen_s = time.perf_counter() - t0
+        datasets[spec.name] = {"spec": dataclasses.asdict(spec), "generate_s": gen_s,
+                               "num_nodes": ds.graph.num_nodes, "num_edges": ds.graph.num_edges,
+                               "feature_bytes": ds.features.numel() * 4, "place_s": {}}
+        print(f"{spec.name}: {ds.graph.num_nodes:,} nodes, {ds.graph.num_edges:,} edges, "
+              f"{ds.features.numel() * 4 / 2**30:.1f} GiB features, generated in {gen_s:.1f} s", flush=True)
+        for way in ways:
+            try:
+                placed = place(ds, way)
+            except (RuntimeError, MemoryError) as exc:
+                log.error("%s: placing for %s failed: %s", spec.name, way, exc)
+                datasets[spec.name]["place_s"][way] = f"failed: {exc}"
+                continue
+            datasets[spec.name]["place_s"][way] = placed.pop("seconds")
+            for model_name in args.models.split(","):
+                t0 = time.perf_counter()
+                r = run_way(way, model_name, ds, placed, args, device)
+                r["dataset"] = spec.name
+                results.append(r)
+                write_result("gnn_epoch", {"partial": True, "datasets": datasets, "results": results})
+                print(f"  {way:>12} {model_name}: {r['per_batch_s'] * 1e3:7.1f} ms/batch, "
+                      f"cpu {r['cpu_s_per_batch'] * 1e3:7.1f} ms/batch, val acc {r['val_acc']:.3f} "
+                      f"({time.perf_counter() - t0:.1f} s)", flush=True)
+            del placed
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        del ds
+        gc.collect()
+    summary = summarize(results)
+    payload = {
+        "description": "B2 GNN training epoch (PyTorch-Direct Fig. 4.8): py vs datapath vs gpu_resident",
+        "config": {k: v for k, v in vars(args).items()}, "cuda_blocking_sync": BLOCKING_SYNC,
+        "epoch_note": (f"each way trains {args.warmup} warm-up batches, then {args.batches} timed batches of the "
+                       f"shuffled epoch; epoch_s_extrapolated = per-batch time x batches per epoch"),
+        "datasets": datasets, "results": results, "summary": summary,
+        "total_s": time.perf_counter() - t_start,
+    }
+    path = write_result("gnn_epoch", payload)
+    if results:
+        plot(results, RESULTS_DIR / "gnn_epoch.png")
+    print(f"wrote {path}")
+    rows = []
+    for r in results:
+        prof = r["serial_breakdown_per_batch_s"]
+        rows.append({"dataset": r["dataset"], "model": r["model"], "way": r["way"],
+                     "ms/batch": r["per_batch_s"] * 1e3, "epoch_s": r["epoch_s_extrapolated"],
+                     "sample": prof["sample_s"] * 1e3, "gather": prof["gather_s"] * 1e3,
+                     "train": prof["train_s"] * 1e3, "cpu_ms/b": r["cpu_s_per_batch"] * 1e3,
+                     "gpu_GiB": (r["peak_gpu_bytes"] or 0) / 2**30, "val_acc": r["val_acc"]})
+    print_table(rows)
+    print_table(summary)
+
+
+def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The bars: speedup over py, ratio to gpu_resident, CPU-time ratio, accuracy spread."""
+    out = []
+    for dsn, model in sorted({(r["dataset"], r["model"]) for r in results}):
+        by = {r["way"]: r for r in results if r["dataset"] == dsn and r["model"] == model}
+        d, py, res = by.get("datapath"), by.get("py"), by.get("gpu_resident")
+        row: dict[str, Any] = {"dataset": dsn, "model": model}
+        if d and py:
+            row["speedup_vs_py"] = py["per_batch_s"] / d["per_batch_s"]
+            row["cpu_ratio_vs_py"] = d["cpu_s_per_batch"] / py["cpu_s_per_batch"]
+        if d and res:
+            row["ratio_vs_resident"] = d["per_batch_s"] / res["per_batch_s"]
+        accs = [r["val_acc"] for r in by.values()]
+        row["val_acc_spread"] = max(accs) - min(accs)
+        if d and py:
+            row["max_loss_diff"] = max((abs(a - b) for a, b in zip(d["losses"], py["losses"])), default=0.0)
+        out.append(row)
+    return out
+
+
+if __name__ == "__main__":
+    main()
