@@ -4,7 +4,9 @@ Ways (BENCHMARKS.md, B1):
   py           feats[idx_cpu].to("cuda")                       CPU gather + pageable copy
   py_pinned    index_select(feats, 0, idx, out=pinned) + copy  CPU gather + pinned DMA
   naive_zc     index_select on a CUDA alias of pinned memory   zero copy, no alignment care
-  datapath     feats_unified[idx_cuda]                          our kernel, circular shift
+  datapath     feats_unified[idx_cuda]                          our kernel, circular shift, rows visited
+                                                                in sorted order on large tables
+  dp_nosort    the same in the caller's index order
   dp_shiftmask / dp_unaligned                                  our kernel, the ablation schemes
   ideal        bytes / pinned cudaMemcpy bandwidth measured in this run
 
@@ -50,6 +52,7 @@ def _ways(table: torch.Tensor, sets: list[torch.Tensor], sets_cuda: list[torch.T
     alias = cuda_alias(table)
     ways: dict[str, list] = {
         "datapath": [lambda i=i: unified[i] for i in sets_cuda],
+        "dp_nosort": [lambda i=i: gather(unified, i, sort=False) for i in sets_cuda],
         "dp_shiftmask": [lambda i=i: gather(unified, i, mode="shift_mask") for i in sets_cuda],
         "dp_unaligned": [lambda i=i: gather(unified, i, mode="unaligned") for i in sets_cuda],
         "naive_zc": [lambda i=i: torch.index_select(alias, 0, i) for i in sets_cuda],
@@ -159,7 +162,7 @@ def plot(result: dict) -> None:
     m_plot = max(r["rows"] for r in rows if r["sweep"] == "size" and "py_ms" in r)
     sel = [r for r in rows if r["sweep"] == "size" and r["rows"] == m_plot]
     xs = [r["row_bytes"] for r in sel]
-    for way, style in [("datapath", "o-"), ("dp_shiftmask", "s--"), ("dp_unaligned", "^--"),
+    for way, style in [("datapath", "o-"), ("dp_nosort", "o:"), ("dp_shiftmask", "s--"), ("dp_unaligned", "^--"),
                        ("naive_zc", "x-"), ("py_pinned", "d-"), ("py", "v-")]:
         a.plot(xs, [r[f"{way}_GBps"] for r in sel], style, label=way)
     a.axhline(result["memcpy_GBps"], color="k", lw=1, ls=":", label="ideal (pinned memcpy)")
@@ -170,7 +173,8 @@ def plot(result: dict) -> None:
     a.legend(fontsize=8)
     al = [r for r in rows if r["sweep"] == "align"]
     xs = [r["row_bytes"] for r in al]
-    for way, style in [("datapath", "o-"), ("dp_shiftmask", "s--"), ("dp_unaligned", "^--"), ("naive_zc", "x-")]:
+    for way, style in [("datapath", "o-"), ("dp_nosort", "o:"), ("dp_shiftmask", "s--"), ("dp_unaligned", "^--"),
+                       ("naive_zc", "x-")]:
         b.plot(xs, [r[f"{way}_GBps"] for r in al], style, label=way)
     b.axhline(result["memcpy_GBps"], color="k", lw=1, ls=":", label="ideal")
     b.set_xlabel("row size (bytes)")
@@ -179,8 +183,10 @@ def plot(result: dict) -> None:
     for rb, style in ((256, "o-"), (512, "s-"), (1024, "^-")):
         ts = [r for r in rows if r["sweep"].startswith("table") and r["row_bytes"] == rb]
         c.plot([r["table_bytes"] / 2**30 for r in ts], [r["datapath_GBps"] for r in ts], style, label=f"datapath {rb} B")
+        c.plot([r["table_bytes"] / 2**30 for r in ts], [r["dp_nosort_GBps"] for r in ts], style.replace("-", "--"),
+               label=f"dp_nosort {rb} B", alpha=0.7)
         c.plot([r["table_bytes"] / 2**30 for r in ts], [r["naive_zc_GBps"] for r in ts], style.replace("-", ":"),
-               label=f"naive_zc {rb} B", alpha=0.6)
+               label=f"naive_zc {rb} B", alpha=0.5)
     c.axhline(result["memcpy_GBps"], color="k", lw=1, ls=":")
     c.set_xscale("log", base=2)
     c.set_xlabel("table size (GiB)")
@@ -199,7 +205,7 @@ def main() -> None:
     path = write_result("gather", result)
     plot(result)
     table = [{"sweep": r["sweep"], "row_B": r["row_bytes"], "rows": r["rows"],
-              "datapath": r["datapath_GBps"], "shiftmask": r["dp_shiftmask_GBps"],
+              "datapath": r["datapath_GBps"], "nosort": r["dp_nosort_GBps"], "shiftmask": r["dp_shiftmask_GBps"],
               "unaligned": r["dp_unaligned_GBps"], "naive_zc": r["naive_zc_GBps"],
               "py_pinned": r.get("py_pinned_GBps", ""), "py": r.get("py_GBps", ""),
               "dp/ideal": r["datapath_GBps"] / result["memcpy_GBps"]} for r in result["rows"]]

@@ -32,12 +32,12 @@ def _poisoned_out(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _check(table: torch.Tensor, idx: torch.Tensor, mode: str) -> None:
+def _check(table: torch.Tensor, idx: torch.Tensor, mode: str, sort: bool | None = None) -> None:
     want = table[idx.cpu().long()]
     out = _poisoned_out(tuple(want.shape), table.dtype)
-    got = gather(table, idx, mode=mode, out=out)
+    got = gather(table, idx, mode=mode, out=out, sort=sort)
     assert got.data_ptr() == out.data_ptr()
-    assert torch.equal(got.cpu(), want), (mode, table.dtype, tuple(table.shape))
+    assert torch.equal(got.cpu(), want), (mode, table.dtype, tuple(table.shape), sort)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -66,6 +66,25 @@ def test_row_counts_zero_to_a_million() -> None:
     table = _random_table(1 << 21, 5, torch.float32, seed=9)
     for m in (0, 1, 31, 32, 33, 4095, 65537, 1_000_000):
         _check(table, torch.randint(0, table.shape[0], (m,), device="cuda"), "circular")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8, torch.bfloat16])
+def test_sorted_visit_order(mode: str, dtype: torch.dtype) -> None:
+    # rows visited in sorted index order land in the caller's positions
+    for width in (1, 7, 64, 513):
+        table = _random_table(3000, width, dtype, seed=width)
+        idx = torch.randint(-3000, 3000, (5000,), device="cuda", dtype=torch.int32)
+        idx[100:200] = 42  # repeats
+        _check(table, idx, mode, sort=True)
+        _check(table, idx, mode, sort=False)
+        ref = table.clone()
+        perm = torch.randperm(3000, device="cuda")[:1000]
+        rows = _random_table(1000, width, dtype, seed=width + 7).cuda()
+        scatter(table, perm, rows, mode=mode, sort=True)
+        torch.cuda.synchronize()
+        ref[perm.cpu()] = rows.cpu()
+        assert torch.equal(table, ref)
 
 
 def test_index_kinds() -> None:

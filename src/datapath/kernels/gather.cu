@@ -20,6 +20,12 @@
 // and both base addresses.  Each lane keeps UNROLL loads in flight before it
 // stores them, so there are enough bytes in flight to cover PCIe latency.
 //
+// Locality: when `order` is given, the indices arrive sorted and order[k] is the
+// position of sorted index k in the caller's index array (its output row).
+// Consecutive warps then read nearby table rows, which share address
+// translations: random rows from a table of many GB otherwise cost a
+// translation miss each, and that, not PCIe, limits small rows.
+//
 // Bounds: an index i is valid in [-n_rows, n_rows) (negatives wrap, as in
 // PyTorch).  An invalid index never reaches memory: the gather writes zeros
 // into that output row, the scatter skips it, and the bad value is stored in
@@ -114,7 +120,8 @@ __device__ __forceinline__ void move_row(char* host_row, char* dev_row, long lon
 
 template <int W, int MODE, int DIR, typename I>
 __device__ void rows_kernel(char* __restrict__ table, long long n_rows, long long row_stride,
-                            long long row_bytes, const I* __restrict__ idx, long long n_idx,
+                            long long row_bytes, const I* __restrict__ idx,
+                            const long long* __restrict__ order, long long n_idx,
                             char* __restrict__ dev, int G, long long* err) {
     const long long n = row_bytes / W;  // words per row
     const int lane = threadIdx.x % G;
@@ -123,7 +130,7 @@ __device__ void rows_kernel(char* __restrict__ table, long long n_rows, long lon
     const long long n_groups = static_cast<long long>(gridDim.x) * groups_per_block;
     for (long long pos = group; pos < n_idx; pos += n_groups) {
         long long r = resolve(idx, pos, n_rows, err);
-        char* dev_row = dev + pos * row_bytes;
+        char* dev_row = dev + (order ? order[pos] : pos) * row_bytes;
         if (r < 0) {
             if (DIR == 0) {  // never read: zero the output row
                 using T = typename Word<W>::T;
@@ -141,9 +148,9 @@ __device__ void rows_kernel(char* __restrict__ table, long long n_rows, long lon
 #define DP_DEFINE(W, MODE, DIR, NAME, I, ISUF)                                                   \
     extern "C" __global__ void NAME##_w##W##_m##MODE##_##ISUF(                                   \
         char* table, long long n_rows, long long row_stride, long long row_bytes, const I* idx, \
-        long long n_idx, char* dev, int G, long long* err) {                                    \
-        rows_kernel<W, MODE, DIR, I>(table, n_rows, row_stride, row_bytes, idx, n_idx, dev, G, \
-                                     err);                                                      \
+        const long long* order, long long n_idx, char* dev, int G, long long* err) {            \
+        rows_kernel<W, MODE, DIR, I>(table, n_rows, row_stride, row_bytes, idx, order, n_idx,  \
+                                     dev, G, err);                                              \
     }
 
 #define DP_MODES(W, DIR, NAME, I, ISUF) \

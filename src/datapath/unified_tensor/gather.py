@@ -111,8 +111,16 @@ def _word_bytes(*values: int) -> int:
     return 1
 
 
+def _sorts(m: int, table_bytes: int, sort: bool | None) -> bool:
+    """Whether to visit the rows in sorted index order (see ``UnifiedConfig.sort_indices``)."""
+    choice = config.sort_indices if sort is None else sort
+    if choice == "auto":
+        return m >= config.sort_min_rows and table_bytes >= config.sort_min_table_bytes
+    return bool(choice)
+
+
 def _launch_rows(direction: str, host: torch.Tensor, idx: torch.Tensor, dev_rows: torch.Tensor,
-                 mode: str | None) -> None:
+                 mode: str | None, sort: bool | None = None) -> None:
     """Run the gather (host -> dev_rows) or scatter (dev_rows -> host) kernel for flat CUDA ``idx``."""
     layout = _row_layout(host)
     if layout is None:
@@ -128,6 +136,9 @@ def _launch_rows(direction: str, host: torch.Tensor, idx: torch.Tensor, dev_rows
     tpb = config.threads_per_block
     groups_per_block = tpb // g
     blocks = max(1, min(-(-m // groups_per_block), kernels.multiprocessor_count(idx.device.index) * 8))
+    order = None
+    if _sorts(m, n_rows * row_stride, sort):
+        idx, order = torch.sort(idx)
     fn = _kernel(direction, w, GATHER_MODES[mode], idx.dtype == torch.int32)
     stream = torch.cuda.current_stream(idx.device)
     sync = config.sync_bounds_check
@@ -135,7 +146,8 @@ def _launch_rows(direction: str, host: torch.Tensor, idx: torch.Tensor, dev_rows
     kernels.launch(
         fn, blocks, tpb,
         (kernels.ptr(host), np.int64(n_rows), np.int64(row_stride), np.int64(row_bytes),
-         kernels.ptr(idx), np.int64(m), kernels.ptr(dev_rows), np.int32(g), kernels.ptr(flag)),
+         kernels.ptr(idx), kernels.ptr(0 if order is None else order), np.int64(m),
+         kernels.ptr(dev_rows), np.int32(g), kernels.ptr(flag)),
         stream=stream,
     )
     if sync:  # reading the flag waits for the kernel: nothing can be freed under it
@@ -144,7 +156,7 @@ def _launch_rows(direction: str, host: torch.Tensor, idx: torch.Tensor, dev_rows
             flag.fill_(_NO_ERROR)
             raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {n_rows}")
     else:
-        in_flight.hold(stream, host, idx, dev_rows)
+        in_flight.hold(stream, host, idx, dev_rows, order)
         _pending.add(flag, n_rows)
 
 
@@ -184,7 +196,7 @@ def _prepare_cuda_index(host: torch.Tensor, idx: torch.Tensor, pinned: bool) -> 
 
 
 def gather(table: torch.Tensor, idx: torch.Tensor, mode: str | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, sort: bool | None = None) -> torch.Tensor:
     """``table[idx]`` for row indices ``idx``.
 
     Args:
@@ -193,6 +205,7 @@ def gather(table: torch.Tensor, idx: torch.Tensor, mode: str | None = None,
         mode: alignment scheme for the GPU kernel (default ``config.gather_mode``).
         out: optional contiguous CUDA tensor of the result's shape and dtype to write into
             (a preallocated batch buffer); GPU path only.
+        sort: visit rows in sorted index order (True/False; default ``config.sort_indices``).
 
     Returns:
         (*idx.shape, *rest) tensor on ``idx``'s device (a plain CPU tensor for a CPU ``idx``).
@@ -229,7 +242,7 @@ def gather(table: torch.Tensor, idx: torch.Tensor, mode: str | None = None,
             in_flight.hold(torch.cuda.current_stream(idx.device), host)
         else:
             with torch.cuda.device(idx.device):
-                _launch_rows("gather", host, flat, out, mode)
+                _launch_rows("gather", host, flat, out, mode, sort)
     return out.view(shape)
 
 
@@ -241,7 +254,8 @@ def _bounds_check_cuda(flat: torch.Tensor, n_rows: int) -> None:
             raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {n_rows}")
 
 
-def scatter(table: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, mode: str | None = None) -> None:
+def scatter(table: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, mode: str | None = None,
+            sort: bool | None = None) -> None:
     """``table[idx] = rows``, writing into the table's host memory.
 
     Args:
@@ -277,5 +291,5 @@ def scatter(table: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, mode: st
         in_flight.hold(torch.cuda.current_stream(idx.device), host)
         return
     with torch.cuda.device(idx.device):
-        _launch_rows("scatter", host, flat, src, mode)
+        _launch_rows("scatter", host, flat, src, mode, sort)
 
