@@ -498,6 +498,7 @@ class TensorCache:
                 self.stats.bytes_forwarded += e.nbytes
             elif e.state == STORED:
                 self._submit_load(e)
+                self.stats.loads_on_demand += 1
             if rec.segments and not rec.segments[e.segment].prefetched:
                 self._prefetch_range(rec, e.segment)  # no module hooks fired: prefetch from here on
             forwarded = e.state == STORING or (e.state == RESIDENT and e.alloc_stream is None)
@@ -516,7 +517,7 @@ class TensorCache:
         with self._lock:
             self.stats.unpack_wait_seconds += waited
             if e.error is not None:
-                raise e.error
+                raise _fresh(e.error)
             data, ev, stream = e.gpu, e.ready_event, e.alloc_stream
         assert data is not None, f"offloaded storage {e.sid} has no data in state {e.state}"
         if data.is_cuda:
@@ -759,6 +760,7 @@ class TensorCache:
                 self.stats.bytes_forwarded += e.nbytes
             elif e.state == STORED:
                 self._submit_load(e)
+                self.stats.loads_prefetched += 1
 
     def _forward_pending(self, e: _Entry) -> None:
         """Cancel the queued store of ``e``: its bytes stay in memory (lock held)."""
@@ -936,6 +938,7 @@ class TensorCache:
                 f"{exc.__class__.__name__}: {exc}")
             if err is not exc:
                 err.__cause__ = exc
+            err.__traceback__ = None  # kept in the entry: no frames (and no reference cycle through them)
             with self._lock:
                 self.stats.load_errors += 1
                 e.error = err
@@ -1096,6 +1099,15 @@ class TensorCache:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+def _fresh(err: BaseException) -> BaseException:
+    """A new exception like ``err`` to raise (the stored one stays free of this thread's frames)."""
+    if isinstance(err, OffloadError):
+        new = OffloadError(err.message, errno=err.errno, filename=err.filename)
+        new.__cause__ = err.__cause__
+        return new
+    return err
 
 
 def _auto_units(model: nn.Module) -> list[nn.Module]:

@@ -14,6 +14,9 @@ from datapath.offload.cache import TensorCache
 def offload(model: nn.Module | None = None, target: str = "host", path: str | None = None, *,
             policy: str = "all", min_bytes: int = 1 << 20, keep_last_modules: int = 1,
             units: Iterable[nn.Module] | None = None, cache: TensorCache | None = None,
+            on_error: str = "raise", offload_cpu_tensors: bool = False,
+            host_budget_bytes: int | None = None, max_disk_bytes: int | None = None,
+            engine: str = "auto", verify: bool = False,
             schedule_hints: bool = True, **options: Any) -> Iterator[TensorCache]:
     """Offload the activations autograd saves inside the ``with`` block.
 
@@ -30,16 +33,18 @@ def offload(model: nn.Module | None = None, target: str = "host", path: str | No
     to each block): the adaptive policy profiles the first step and plans the
     next ones.  ``model`` gets the scope hooks (units: the blocks of its largest
     ``ModuleList``/``Sequential`` unless ``units`` is given) and its parameters
-    and buffers are never offloaded.  Other keyword arguments go to `TensorCache`
-    (``on_error``, ``host_budget_bytes``, ``max_disk_bytes``, ``engine``, ``verify``,
-    ``offload_cpu_tensors``, ...).  A cache made here is closed at the end of the
+    and buffers are never offloaded.  The options are `TensorCache`'s
+    (``on_error``, ``offload_cpu_tensors``, ``host_budget_bytes``, ``max_disk_bytes``,
+    ``engine``, ``verify``; more in ``options``: ``prefetch_distance``, ``io_threads``, ...).  A cache made here is closed at the end of the
     block; with ``cache=`` the caller closes it.  ``schedule_hints`` patches
     Megatron-core's and DeepSpeed's pipeline schedules when they are importable.
     """
     own = cache is None
     if cache is None:
         cache = TensorCache(target=target, path=path, policy=policy, min_bytes=min_bytes,
-                            keep_last_modules=keep_last_modules, **options)
+                            keep_last_modules=keep_last_modules, on_error=on_error,
+                            offload_cpu_tensors=offload_cpu_tensors, host_budget_bytes=host_budget_bytes,
+                            max_disk_bytes=max_disk_bytes, engine=engine, verify=verify, **options)
     elif options:
         raise TypeError(f"options {sorted(options)} are for a new TensorCache; not allowed with cache=")
     attached = False

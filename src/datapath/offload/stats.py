@@ -19,6 +19,8 @@ class OffloadStats:
     storages_offloaded: int = 0    # storages queued for the target
     bytes_offloaded: int = 0       # bytes written to the target (host memory or files)
     bytes_loaded: int = 0          # bytes read back to the device
+    loads_prefetched: int = 0      # loads started by a prefetch (backward pre-hook or hint)
+    loads_on_demand: int = 0       # loads started only when autograd asked for the tensor
     bytes_deduplicated: int = 0    # saved views whose storage was already in the cache (not written again)
     dedup_hits: int = 0
     bytes_forwarded: int = 0       # storages handed back from memory while queued or being stored

@@ -1,0 +1,170 @@
+"""The cache's counters prove what it did: dedup, parameters kept, forwarding, prefetch order, files freed."""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from _offload_models import GPTBlock, assert_identical, mlp, run_steps
+from datapath.offload import TensorCache
+
+
+def _saved_storages(model: nn.Module, x: torch.Tensor, min_bytes: int) -> dict[int, int]:
+    """Storages (data_ptr -> nbytes) of the non-parameter tensors autograd saves in one forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+    keep: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params and st.nbytes() >= min_bytes:
+            seen[st.data_ptr()] = st.nbytes()
+            keep.append(t)  # keep alive so addresses stay unique
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).square().mean()
+    return seen
+
+
+def test_every_activation_storage_written_once_parameters_never(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[GPTBlock(32, 4) for _ in range(3)])
+    x = torch.randn(4, 16, 32)
+    expected = _saved_storages(model, x, 1)
+    cache = TensorCache("ssd", str(tmp_path), min_bytes=1, offload_cpu_tensors=True, keep_last_modules=0,
+                        io_chunk_bytes=8192)
+    cache.attach(model)
+    with cache:
+        loss = model(x).square().mean()
+        cache.wait_io()  # every store has finished before the backward starts
+        assert len(cache.files()) == len(expected)
+        loss.backward()
+    st = cache.stats
+    assert st.storages_offloaded == len(expected)
+    assert st.bytes_offloaded == sum(expected.values())
+    assert st.bytes_loaded == st.bytes_offloaded
+    assert st.bytes_kept_param > 0  # weights (and their transposes) were saved, and kept
+    assert st.dedup_hits > 0 and st.bytes_deduplicated > 0  # q, k, v views of one qkv storage
+    assert st.files_created == st.files_removed == len(expected)
+    assert cache.files() == []
+    cache.close()
+
+
+def test_dedup_one_write_for_a_storage_saved_by_several_ops() -> None:
+    torch.manual_seed(1)
+    lin = nn.Linear(64, 64)
+    x = torch.randn(128, 64)
+    cache = TensorCache("host", min_bytes=1024, offload_cpu_tensors=True, keep_last_modules=0)
+    with cache:
+        y = lin(x)                       # saved: x (by the linear)
+        a = y.sin()                      # saves y
+        b = y.cos()                      # saves y again: same storage
+        c = y[:, :32] * y[:, 32:]        # saves two views of y
+        loss = (a * b).sum() + c.sum()   # saves a and b
+        cache.wait_io()
+        loss.backward()
+    st = cache.stats
+    ybytes = 128 * 64 * 4
+    assert st.storages_offloaded == 4    # x, y, a, b: each storage once
+    assert st.bytes_offloaded == 4 * ybytes
+    assert st.dedup_hits == 3            # y by cos, both halves of y
+    assert st.bytes_deduplicated == ybytes + 2 * ybytes // 2
+    ref_lin = copy.deepcopy(lin)
+    for p in ref_lin.parameters():
+        p.grad = None
+    y = ref_lin(x)
+    ((y.sin() * y.cos()).sum() + (y[:, :32] * y[:, 32:]).sum()).backward()
+    assert torch.equal(ref_lin.weight.grad, lin.weight.grad)
+    cache.close()
+
+
+def test_forwarding_returns_tensors_still_being_stored(tmp_path) -> None:
+    torch.manual_seed(2)
+    model = mlp(64, 4)
+    batches = [torch.randn(64, 64)]
+    ref = run_steps(copy.deepcopy(model), batches, lambda m, x: m(x).pow(2).mean())
+    cache = TensorCache("ssd", str(tmp_path), min_bytes=0, offload_cpu_tensors=True, keep_last_modules=0,
+                        io_chunk_bytes=8192)
+    gate = threading.Event()
+    engine = cache.ssd.posix
+    real = engine._pwrite
+
+    def held(fd: int, mv: memoryview, off: int) -> int:  # the disk is "slow": nothing finishes until the gate
+        gate.wait()
+        return real(fd, mv, off)
+
+    engine._pwrite = held
+    cache.attach(model)
+    got = run_steps(model, batches, lambda m, x: m(x).pow(2).mean(), ctx=cache)
+    assert_identical(ref, got)
+    st = cache.stats
+    assert st.bytes_forwarded > 0 and st.stores_cancelled > 0  # handed back from memory, queued stores dropped
+    assert st.bytes_loaded == 0                                 # nothing was read back
+    gate.set()
+    cache.wait_io()
+    assert cache.files() == []                                  # the store that was running cleaned up
+    cache.close()
+
+
+def test_prefetch_in_reverse_forward_order_before_backward_needs_it() -> None:
+    torch.manual_seed(3)
+    model = mlp(64, 6)  # 13 units in a Sequential
+    x = torch.randn(64, 64)
+    cache = TensorCache("host", min_bytes=0, offload_cpu_tensors=True, keep_last_modules=2)
+    cache.attach(model)
+    with cache:
+        model(x).pow(2).mean().backward()  # first step: learns how many units the forward has
+        cache.reset_stats()
+        loss = model(x).pow(2).mean()
+        cache.wait_io()
+        loss.backward()
+    st = cache.stats
+    segs = [s for r, s in st.prefetch_order]
+    assert len(segs) >= 6
+    assert segs == sorted(segs, reverse=True)   # reverse forward order
+    assert st.loads_on_demand == 0              # every load was started ahead of its unpack
+    assert st.loads_prefetched == st.storages_offloaded > 0
+    assert st.bytes_kept_policy > 0             # the last two units stayed in memory
+    cache.close()
+
+
+def test_inplace_modification_of_a_saved_tensor_is_an_error() -> None:
+    w = torch.randn(32, 32, requires_grad=True)
+    cache = TensorCache("host", min_bytes=0, offload_cpu_tensors=True, keep_last_modules=0)
+    with cache:
+        y = (w * 2).exp()   # exp saves its result
+        y.mul_(3)           # autograd forbids this; the offloader must not turn it into a wrong gradient
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+    cache.close()
+
+
+def test_microbatch_hints_interleaved_schedule() -> None:
+    torch.manual_seed(4)
+    model = mlp(64, 3)
+    xs = [torch.randn(32, 64) for _ in range(2)]
+    ref = copy.deepcopy(model)
+    for x in xs:
+        ref(x).pow(2).mean().backward()
+    cache = TensorCache("host", min_bytes=0, offload_cpu_tensors=True, keep_last_modules=1)
+    cache.attach(model)
+    with cache:
+        losses = []
+        for i, x in enumerate(xs):          # forward of both micro-batches first (pipeline warm-up)
+            cache.set_microbatch(i)
+            losses.append(model(x).pow(2).mean())
+        cache.wait_io()
+        for i in range(2):                  # then their backwards
+            cache.set_microbatch(i)
+            cache.prefetch_last_module()
+            cache.begin_backward()
+            losses[i].backward()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert cache.stats.records == 2
+    assert cache.stats.loads_on_demand == 0
+    cache.close()
