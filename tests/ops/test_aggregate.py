@@ -302,3 +302,27 @@ def test_plan_model_and_overrides() -> None:
         p16.replace(dw=3)
     with pytest.raises(ValueError, match="vec"):
         plan_aggregation(g, 6, vec=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("override", [
+    {"ngs": 1}, {"ngs": 3, "threads_per_block": 32}, {"ngs": 32, "threads_per_block": 256},
+    {"dw": 8}, {"backward": "atomic"}, {"backward": "atomic", "ngs": 2},
+])
+@pytest.mark.parametrize("width", [4, 50, 130])
+def test_plan_overrides_give_the_same_result(device: str, override: dict, width: int) -> None:
+    g = make_graph(device, num_dst=200, num_edges=3000, seed=17)
+    torch.manual_seed(6)
+    x = torch.randn(g.num_src_nodes, width, device=device, requires_grad=True)
+    w = torch.rand(g.indices.numel(), device=device, requires_grad=True)
+    plan = plan_aggregation(g, width, **override)
+    out = aggregate(g, x, "mean", edge_weight=w, plan=plan)
+    gy = torch.randn_like(out)
+    out.backward(gy)
+    x64 = x.detach().cpu().double().requires_grad_()
+    w64 = w.detach().cpu().double().requires_grad_()
+    ref = ref_aggregate(g, x64, "mean", w64)
+    ref.backward(gy.cpu().double())
+    assert_close(out, ref, torch.float32)
+    assert_close(x.grad, x64.grad, torch.float32)
+    assert_close(w.grad, w64.grad, torch.float32)

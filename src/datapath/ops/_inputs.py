@@ -65,6 +65,8 @@ def resolve_table(x: torch.Tensor, src_ids: torch.Tensor) -> torch.Tensor:
     """The feature table as a tensor on ``src_ids``' device (a CUDA alias of pinned host memory if needed)."""
     if is_unified(x):
         x = host_table(x)
+    if not x.is_contiguous():
+        raise FeatureShapeError("the feature table read through src_ids must be contiguous (rows of F values)")
     if src_ids.device.type == "cuda" and x.device.type == "cpu":
         if not x.is_pinned():
             raise DeviceMismatchError(

@@ -28,6 +28,7 @@ class AggSpec:
     heads: int                              # columns of the edge weight (1 for (E,) weights)
     src_ids: torch.Tensor | None            # (num_src,) int64 rows of the feature table, or None
     plan: Any = None                        # the CUDA launch plan (AggregationPlan); unused here
+    table_on_host: bool = False             # src_ids index a pinned host table (read over PCIe)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -78,12 +78,14 @@ def aggregate(graph: Any, x: torch.Tensor, reduce: str = "sum", edge_weight: tor
                 "aggregate with src_ids reads the feature table in place and gives it no gradient, but the "
                 "table requires grad; gather first (x[src_ids]) or detach the table"
             )
+        on_host = src_ids.device.type == "cuda" and (_inputs.is_unified(x) or x.device.type == "cpu")
         table = _inputs.resolve_table(x, src_ids)
         ids = _inputs.check_ids(src_ids, table.shape[0], csr.num_src, "src_ids")
         device = ids.device
         xf, tail = _inputs.flat_features(table, "the feature table")
     else:
         ids = None
+        on_host = False
         device = x.device
         if x.shape[0] != csr.num_src:
             raise FeatureShapeError(
@@ -104,6 +106,6 @@ def aggregate(graph: Any, x: torch.Tensor, reduce: str = "sum", edge_weight: tor
     elif norm == "gcn":
         row_scale = csr.row_scale("gcn", sdt)
         col_scale = csr.col_scale_gcn(sdt)
-    spec = AggSpec("max" if reduce == "max" else "sum", row_scale, col_scale, heads, ids, plan)
+    spec = AggSpec("max" if reduce == "max" else "sum", row_scale, col_scale, heads, ids, plan, on_host)
     out = _AggregateFn.apply(xf, w, csr, spec, _inputs.backend_for(device))
     return out.view(csr.num_dst, *tail)

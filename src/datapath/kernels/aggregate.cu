@@ -1,0 +1,415 @@
+// GNN aggregation kernels: neighbor-group SpMM (GNNAdvisor), scatter (atomic / fused push),
+// max aggregation, SDDMM (per-edge dot products) and edge softmax.
+//
+// Compiled per variant through NVRTC options:
+//   DP_KIND  element type of features: 0 float, 1 half, 2 bfloat16, 3 double
+//   DP_VEC   elements per vector load (VEC * sizeof(T) <= 16 bytes)
+//   DP_IDX_64  defined: the CSR `indices` are int64 (else int32)
+// Accumulation is in float (double for DP_KIND 3).  Half and bfloat16 are handled
+// as raw 16-bit words converted with PTX cvt, so no CUDA headers are needed.
+//
+// Work mapping (GNNAdvisor §4): the CSR rows are cut into neighbor groups of at most
+// `ngs` edges (grp_row / grp_beg arrays, built once per graph and cached by the host).
+// A team of `dw` lanes (dimension workers, a power of two <= 32, so teams never straddle
+// a warp) owns one group; lane l covers columns [c0 + l*VEC, c0 + l*VEC + VEC) of each
+// pass c0 = 0, dw*VEC, ...  Reads of a neighbor row are coalesced vector loads.
+// Partial sums of the teams of a block that work on the same row are combined in
+// shared memory (warp-aware accumulation); the first team of the run (the leader)
+// writes the row, with a plain store when all the row's groups are in the block and
+// an atomic add only when they span blocks.
+
+#ifndef DP_KIND
+#define DP_KIND 0
+#endif
+#ifndef DP_VEC
+#define DP_VEC 1
+#endif
+
+#if DP_KIND == 0
+typedef float T;
+typedef float A;
+#elif DP_KIND == 3
+typedef double T;
+typedef double A;
+#else
+typedef unsigned short T;
+typedef float A;
+#endif
+#ifdef DP_IDX_64
+typedef long long I;
+#else
+typedef int I;
+#endif
+constexpr int VEC = DP_VEC;
+constexpr int WBYTES = VEC * (int)sizeof(T);
+
+namespace {
+
+template <int B> struct Word;
+template <> struct Word<16> { typedef uint4 type; };
+template <> struct Word<8> { typedef uint2 type; };
+template <> struct Word<4> { typedef unsigned int type; };
+template <> struct Word<2> { typedef unsigned short type; };
+typedef typename Word<WBYTES>::type W;
+
+union Pack {
+    W w;
+    T v[VEC];
+};
+
+__device__ __forceinline__ A to_acc(T v) {
+#if DP_KIND == 1
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+#elif DP_KIND == 2
+    return __uint_as_float(static_cast<unsigned int>(v) << 16);
+#else
+    return v;
+#endif
+}
+
+__device__ __forceinline__ T from_acc(A v) {
+#if DP_KIND == 1
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return h;
+#elif DP_KIND == 2
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return h;
+#else
+    return v;
+#endif
+}
+
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, A out[VEC]) {
+    Pack pk;
+    pk.w = __ldg(reinterpret_cast<const W*>(p));
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out[i] = to_acc(pk.v[i]);
+}
+
+__device__ __forceinline__ void store_vec(T* p, const A in[VEC]) {
+    Pack pk;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) pk.v[i] = from_acc(in[i]);
+    *reinterpret_cast<W*>(p) = pk.w;
+}
+
+__device__ __forceinline__ void atomic_add_vec(A* p, const A v[VEC]) {
+#if DP_KIND != 3 && __CUDA_ARCH__ >= 900
+    if constexpr (VEC == 4) {
+        atomicAdd(reinterpret_cast<float4*>(p), make_float4(v[0], v[1], v[2], v[3]));
+    } else if constexpr (VEC == 2) {
+        atomicAdd(reinterpret_cast<float2*>(p), make_float2(v[0], v[1]));
+    } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) atomicAdd(p + i, v[i]);
+    }
+#else
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) atomicAdd(p + i, v[i]);
+#endif
+}
+
+// The per-edge multiplier: weight[e, head] * nbr_scale[neighbor] (1 when absent).
+__device__ __forceinline__ A edge_coef(const A* __restrict__ w, const long long* __restrict__ perm,
+                                       long long k, int heads, int head, const A* __restrict__ nbr_scale,
+                                       long long nbr) {
+    A c = 1;
+    if (w != nullptr) {
+        long long e = perm != nullptr ? perm[k] : k;
+        c = w[e * heads + head];
+    }
+    if (nbr_scale != nullptr) c *= nbr_scale[nbr];
+    return c;
+}
+
+constexpr int UNROLL = 4;
+
+__device__ __forceinline__ A a_exp(A v) {
+#if DP_KIND == 3
+    return exp(v);
+#else
+    return expf(v);
+#endif
+}
+
+__device__ __forceinline__ A a_max(A a, A b) { return a > b ? a : b; }
+
+}  // namespace
+
+// out[r, :] (+)= row_scale[r] * sum_{k in group} coef(k) * x[map(indices[k]), :]
+// out is an accumulation buffer (A), zero-initialised by the host.
+extern "C" __global__ void agg_pull(const long long* __restrict__ indptr, const I* __restrict__ indices,
+                                    const long long* __restrict__ perm, const int* __restrict__ grp_row,
+                                    const long long* __restrict__ grp_beg, long long n_groups, int ngs,
+                                    const T* __restrict__ x, const long long* __restrict__ src_map,
+                                    const A* __restrict__ w, int heads, int head_dim,
+                                    const A* __restrict__ nbr_scale, const A* __restrict__ row_scale,
+                                    A* __restrict__ out, int F, int dw, int combine) {
+    extern __shared__ unsigned char smem_raw[];
+    const int teams = blockDim.x / dw;
+    const int team = threadIdx.x / dw;
+    const int lane = threadIdx.x % dw;
+    A* part = reinterpret_cast<A*>(smem_raw);                       // [teams][dw*VEC]
+    int* rows_s = reinterpret_cast<int*>(part + (size_t)teams * dw * VEC);  // [teams]
+
+    const long long g = static_cast<long long>(blockIdx.x) * teams + team;
+    const bool valid = g < n_groups;
+    int row = -1;
+    long long beg = 0, end = 0;
+    if (valid) {
+        row = grp_row[g];
+        beg = grp_beg[g];
+        end = min(beg + ngs, indptr[row + 1]);
+    }
+    // Leader / run-length / atomic decisions (uniform per team).
+    bool leader = valid;
+    int run = 1;
+    bool atomic = false;
+    if (combine) {
+        if (lane == 0) rows_s[team] = row;
+        __syncthreads();
+        leader = valid && (team == 0 || rows_s[team - 1] != row);
+        if (leader) {
+            while (team + run < teams && rows_s[team + run] == row) ++run;
+            const long long first = static_cast<long long>(blockIdx.x) * teams;
+            const bool starts_before = team == 0 && g > 0 && grp_row[g - 1] == row;
+            const long long after = g + run;
+            const bool ends_after = team + run == teams && after < n_groups && grp_row[after] == row;
+            atomic = starts_before || ends_after;
+            (void)first;
+        }
+    }
+    const A rs = (valid && row_scale != nullptr) ? row_scale[row] : A(1);
+    for (int c0 = 0; c0 < F; c0 += dw * VEC) {
+        const int col = c0 + lane * VEC;
+        const bool active = valid && col < F;
+        A acc[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] = 0;
+        if (active) {
+            const int head = col / head_dim;
+            long long k = beg;
+            for (; k + UNROLL <= end; k += UNROLL) {
+                A v[UNROLL][VEC];
+                A c[UNROLL];
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const long long s = static_cast<long long>(indices[k + u]);
+                    const long long src = src_map != nullptr ? src_map[s] : s;
+                    c[u] = edge_coef(w, perm, k + u, heads, head, nbr_scale, s);
+                    load_vec(x + src * F + col, v[u]);
+                }
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) acc[i] += c[u] * v[u][i];
+            }
+            for (; k < end; ++k) {
+                const long long s = static_cast<long long>(indices[k]);
+                const long long src = src_map != nullptr ? src_map[s] : s;
+                const A c = edge_coef(w, perm, k, heads, head, nbr_scale, s);
+                A v[VEC];
+                load_vec(x + src * F + col, v);
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[i] += c * v[i];
+            }
+        }
+        if (combine) {
+            A* mine = part + (static_cast<size_t>(team) * dw + lane) * VEC;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) mine[i] = acc[i];
+            __syncthreads();
+            if (leader && active) {
+                for (int j = 1; j < run; ++j) {
+                    const A* other = part + (static_cast<size_t>(team + j) * dw + lane) * VEC;
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) acc[i] += other[i];
+                }
+            }
+            __syncthreads();
+        }
+        if (leader && active) {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[i] *= rs;
+            A* o = out + static_cast<long long>(row) * F + col;
+            if (atomic) {
+                atomic_add_vec(o, acc);
+            } else {
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) o[i] = acc[i];
+            }
+        }
+    }
+}
+
+// Push: for every row r of the CSR, y = in_scale[r] * x[map(r)], then for each neighbor c:
+// out[c, :] += coef(k) * y (atomics).  The gradient of x by atomics, and the fused
+// gather-aggregate that reads each (host) source row once.  With `align` set, lanes start
+// at the 128-byte line below the row start and the row's head is read last (circular
+// shift, PyTorch-Direct), so every warp access covers whole aligned lines.
+extern "C" __global__ void agg_push(const long long* __restrict__ indptr, const I* __restrict__ indices,
+                                    const long long* __restrict__ perm, const int* __restrict__ grp_row,
+                                    const long long* __restrict__ grp_beg, long long n_groups, int ngs,
+                                    const T* __restrict__ x, const long long* __restrict__ row_map,
+                                    const A* __restrict__ w, int heads, int head_dim,
+                                    const A* __restrict__ nbr_scale, const A* __restrict__ in_scale,
+                                    A* __restrict__ out, int F, int dw, int align) {
+    const int teams = blockDim.x / dw;
+    const long long g = static_cast<long long>(blockIdx.x) * teams + threadIdx.x / dw;
+    const int lane = threadIdx.x % dw;
+    if (g >= n_groups) return;
+    const int row = grp_row[g];
+    const long long beg = grp_beg[g];
+    const long long end = min(beg + ngs, indptr[row + 1]);
+    const long long src = row_map != nullptr ? row_map[row] : row;
+    const T* xr = x + src * F;
+    const int nv = F / VEC;
+    int shift = 0;
+    if (align) {
+        shift = static_cast<int>((reinterpret_cast<unsigned long long>(xr) % 128) / WBYTES);
+        if (shift >= nv) shift %= nv;
+    }
+    const A sc = in_scale != nullptr ? in_scale[row] : A(1);
+    for (int q0 = 0; q0 < nv; q0 += dw) {
+        const int q = q0 + lane;
+        if (q >= nv) break;
+        int j = q - shift;
+        if (j < 0) j += nv;
+        const int col = j * VEC;
+        A v[VEC];
+        load_vec(xr + col, v);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) v[i] *= sc;
+        const int head = col / head_dim;
+        for (long long k = beg; k < end; ++k) {
+            const long long c = static_cast<long long>(indices[k]);
+            const A cf = edge_coef(w, perm, k, heads, head, nbr_scale, c);
+            A m[VEC];
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) m[i] = cf * v[i];
+            atomic_add_vec(out + c * F + col, m);
+        }
+    }
+}
+
+// Max aggregation, a team per destination row: out[r, f] = max_k coef(k) * x[map(s_k), f]
+// and argmax[r, f] = the CSR position of the first maximal edge; empty rows give 0 / -1.
+extern "C" __global__ void agg_max(const long long* __restrict__ indptr, const I* __restrict__ indices,
+                                   long long n_rows, const T* __restrict__ x,
+                                   const long long* __restrict__ src_map, const A* __restrict__ w,
+                                   int heads, int head_dim, T* __restrict__ out,
+                                   long long* __restrict__ argmax, int F, int dw) {
+    const int teams = blockDim.x / dw;
+    const long long r = static_cast<long long>(blockIdx.x) * teams + threadIdx.x / dw;
+    const int lane = threadIdx.x % dw;
+    if (r >= n_rows) return;
+    const long long beg = indptr[r], end = indptr[r + 1];
+    for (int c0 = 0; c0 < F; c0 += dw * VEC) {
+        const int col = c0 + lane * VEC;
+        if (col >= F) break;
+        const int head = col / head_dim;
+        A best[VEC];
+        long long arg[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+            best[i] = 0;
+            arg[i] = -1;
+        }
+        for (long long k = beg; k < end; ++k) {
+            const long long s = static_cast<long long>(indices[k]);
+            const long long src = src_map != nullptr ? src_map[s] : s;
+            const A c = edge_coef(w, nullptr, k, heads, head, nullptr, 0);
+            A v[VEC];
+            load_vec(x + src * F + col, v);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) {
+                const A m = c * v[i];
+                if (arg[i] < 0 || m > best[i]) {
+                    best[i] = m;
+                    arg[i] = k;
+                }
+            }
+        }
+        store_vec(out + r * F + col, best);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) argmax[r * F + col + i] = arg[i];
+    }
+}
+
+// SDDMM: out[k, h] = scale * <a[row, h, :], b[map(indices[k]), h, :]> for every edge k of the
+// group's row; scale = row_scale[row] * col_scale[s] when given.  A team of dw lanes per
+// group; each (edge, head) dot product is reduced across the team with shuffles.
+extern "C" __global__ void sddmm_dot(const long long* __restrict__ indptr, const I* __restrict__ indices,
+                                     const int* __restrict__ grp_row, const long long* __restrict__ grp_beg,
+                                     long long n_groups, int ngs, const T* __restrict__ a,
+                                     const T* __restrict__ b, const long long* __restrict__ b_map,
+                                     const A* __restrict__ row_scale, const A* __restrict__ col_scale,
+                                     int heads, int head_dim, T* __restrict__ out, int dw) {
+    const int teams = blockDim.x / dw;
+    const long long g = static_cast<long long>(blockIdx.x) * teams + threadIdx.x / dw;
+    const int lane = threadIdx.x % dw;
+    const bool valid = g < n_groups;
+    // keep whole warps alive for the shuffles; invalid teams compute on row 0 and never write
+    const int row = valid ? grp_row[g] : 0;
+    const long long beg = valid ? grp_beg[g] : 0;
+    const long long end = valid ? min(beg + ngs, indptr[row + 1]) : 0;
+    const int F = heads * head_dim;
+    const unsigned mask = dw == 32 ? 0xffffffffu : (((1u << dw) - 1u) << ((threadIdx.x % 32) / dw * dw));
+    const A rs = (valid && row_scale != nullptr) ? row_scale[row] : A(1);
+    const T* ar = a + static_cast<long long>(row) * F;
+    for (long long k = beg; k < end; ++k) {
+        const long long s = static_cast<long long>(indices[k]);
+        const long long src = b_map != nullptr ? b_map[s] : s;
+        const T* br = b + src * F;
+        const A sc = rs * (col_scale != nullptr ? col_scale[s] : A(1));
+        for (int h = 0; h < heads; ++h) {
+            A p = 0;
+            for (int c = h * head_dim + lane; c < (h + 1) * head_dim; c += dw) p += to_acc(ar[c]) * to_acc(br[c]);
+            for (int off = dw / 2; off > 0; off >>= 1) p += __shfl_xor_sync(mask, p, off, dw);
+            if (lane == 0) out[k * heads + h] = from_acc(p * sc);
+        }
+    }
+}
+
+// Edge softmax over the edges of each row, per head: a warp per row.
+extern "C" __global__ void edge_softmax_fwd(const long long* __restrict__ indptr, long long n_rows, int heads,
+                                            const T* __restrict__ s, T* __restrict__ p) {
+    const long long r = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (r >= n_rows) return;
+    const long long beg = indptr[r], end = indptr[r + 1];
+    for (int h = 0; h < heads; ++h) {
+        A m = static_cast<A>(__int_as_float(0xff800000));  // -inf
+        for (long long k = beg + lane; k < end; k += 32) m = a_max(m, to_acc(s[k * heads + h]));
+        for (int off = 16; off > 0; off >>= 1) m = a_max(m, __shfl_xor_sync(0xffffffffu, m, off));
+        A z = 0;
+        for (long long k = beg + lane; k < end; k += 32) z += a_exp(to_acc(s[k * heads + h]) - m);
+        for (int off = 16; off > 0; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
+        const A inv = A(1) / z;
+        for (long long k = beg + lane; k < end; k += 32)
+            p[k * heads + h] = from_acc(a_exp(to_acc(s[k * heads + h]) - m) * inv);
+    }
+}
+
+// Its backward: ds = p * (g - sum_row(p * g)).
+extern "C" __global__ void edge_softmax_bwd(const long long* __restrict__ indptr, long long n_rows, int heads,
+                                            const T* __restrict__ p, const T* __restrict__ gr,
+                                            T* __restrict__ ds) {
+    const long long r = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (r >= n_rows) return;
+    const long long beg = indptr[r], end = indptr[r + 1];
+    for (int h = 0; h < heads; ++h) {
+        A t = 0;
+        for (long long k = beg + lane; k < end; k += 32) t += to_acc(p[k * heads + h]) * to_acc(gr[k * heads + h]);
+        for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+        for (long long k = beg + lane; k < end; k += 32) {
+            const A pk = to_acc(p[k * heads + h]);
+            ds[k * heads + h] = from_acc(pk * (to_acc(gr[k * heads + h]) - t));
+        }
+    }
+}
