@@ -65,14 +65,14 @@ def mlp(width: int = 64, depth: int = 4) -> nn.Module:
 
 
 def run_steps(model: nn.Module, batches: list[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-              ctx: Any = None, between: Callable[[], None] | None = None
+              ctx: Any = None, between: Callable[[], None] | None = None, seed0: int = 1000
               ) -> list[tuple[torch.Tensor, list[torch.Tensor | None]]]:
     """Train-like steps (seeded per step for dropout): per step the loss and every parameter's grad."""
     out = []
     for i, batch in enumerate(batches):
         for p in model.parameters():
             p.grad = None
-        torch.manual_seed(1000 + i)
+        torch.manual_seed(seed0 + i)
         if ctx is not None:
             with ctx:
                 loss = loss_fn(model, batch)

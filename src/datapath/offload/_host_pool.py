@@ -29,9 +29,19 @@ def round_up(n: int, a: int = ALIGN) -> int:
 
 def aligned_empty(nbytes: int, *, pinned: bool) -> torch.Tensor:
     """A 1-D ``uint8`` host tensor of ``nbytes`` whose first byte is 4 KiB aligned."""
-    raw = pinned_empty((nbytes + ALIGN,), torch.uint8) if pinned else torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    if pinned:  # cudaHostAlloc blocks are page aligned: no slack needed (the allocator rounds to 2^k)
+        raw = pinned_empty((nbytes,), torch.uint8)
+        if raw.data_ptr() % ALIGN == 0:
+            return raw
+        raw = pinned_empty((nbytes + ALIGN,), torch.uint8)
+    else:
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip: skip + nbytes]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass(eq=False)
@@ -113,7 +123,9 @@ class HostPool:
                 if off is not None:
                     return self._block(si, off, size, nbytes)
         # pin outside the lock: cudaHostAlloc of a large slab takes a while
-        slab = _Slab(max(self.slab_bytes, size), self.pinned)
+        # PyTorch's pinned allocator hands out power-of-two blocks: ask for a whole one
+        want = max(self.slab_bytes, size)
+        slab = _Slab(_pow2(want) if self.pinned else want, self.pinned)
         with self._lock:
             self._slabs.append(slab)
             si = len(self._slabs) - 1

@@ -1,0 +1,125 @@
+"""On CUDA: bit-identical results under a non-default stream, the peak-memory reduction, the kvikio path."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from _offload_models import GPTBlock, assert_identical, run_steps
+from datapath.offload import TensorCache
+
+pytestmark = pytest.mark.gpu
+
+
+def _model(h: int = 256, layers: int = 4, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[GPTBlock(h, 4, dropout=0.1) for _ in range(layers)]).to("cuda", dtype)
+
+
+def _loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with sdpa_kernel(SDPBackend.MATH):  # deterministic backward, so equality is meaningful
+        return m(x).float().square().mean()
+
+
+def _batches(h: int = 256, n: int = 3, b: int = 8, s: int = 128, dtype: torch.dtype = torch.float32):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return [torch.randn(b, s, h, device="cuda", dtype=dtype, generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("target,policy", [("host", "all"), ("host", "adaptive"), ("ssd", "all"),
+                                           ("ssd", "adaptive"), ("tiered", "all")])
+def test_cuda_identical_on_a_side_stream(target: str, policy: str, tmp_path) -> None:
+    model = _model()
+    batches = _batches()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ref_model = copy.deepcopy(model)
+        ref = run_steps(ref_model, batches, _loss)
+        ref2 = run_steps(copy.deepcopy(model), batches, _loss)
+        assert_identical(ref, ref2)  # the reference itself is deterministic
+        ref += run_steps(ref_model, batches[:1], _loss, seed0=2000)
+        cache = TensorCache(target, str(tmp_path) if target != "host" else None, policy=policy, min_bytes=0,
+                            engine="posix", verify=True, io_chunk_bytes=1 << 20,
+                            host_budget_bytes=(8 << 20) if target == "tiered" else None)
+        cache.attach(model)
+        got = run_steps(model, batches, _loss, ctx=cache)
+        # one more step where every store finishes first, so every storage is reloaded from the target
+        got += run_steps(model, batches[:1], _loss, ctx=cache, between=cache.wait_io, seed0=2000)
+    torch.cuda.synchronize()
+    assert_identical(ref, got)
+    st = cache.stats
+    assert st.bytes_offloaded > 0 and st.bytes_loaded > 0
+    cache.wait_io()
+    assert cache.files() == []
+    cache.close()
+    if cache.directory:
+        assert not os.path.exists(cache.directory)
+
+
+def test_cuda_wait_io_step_identical(tmp_path) -> None:
+    model = _model()
+    batches = _batches()
+    ref = run_steps(copy.deepcopy(model), batches, _loss)
+    cache = TensorCache("ssd", str(tmp_path), min_bytes=0, keep_last_modules=0, engine="posix", verify=True)
+    cache.attach(model)
+    got = run_steps(model, batches, _loss, ctx=cache, between=cache.wait_io)
+    assert_identical(ref, got)
+    assert cache.stats.bytes_loaded == cache.stats.bytes_offloaded > 0
+    assert cache.stats.loads_on_demand == 0
+    cache.close()
+
+
+def _activation_peak(model: nn.Module, x: torch.Tensor, cache: TensorCache | None) -> int:
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    if cache is None:
+        _loss(model, x).backward()
+    else:
+        with cache:
+            loss = _loss(model, x)
+            cache.wait_io()
+            loss.backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.parametrize("target", ["host", "ssd"])
+def test_cuda_peak_memory_reduced(target: str, tmp_path) -> None:
+    h = 1024
+    model = _model(h, layers=6, dtype=torch.bfloat16)
+    x = _batches(h, n=1, b=8, s=512, dtype=torch.bfloat16)[0]
+    keep = _activation_peak(model, x, None)
+    cache = TensorCache(target, str(tmp_path) if target == "ssd" else None, engine="posix", keep_last_modules=1)
+    cache.attach(model)
+    _activation_peak(model, x, cache)  # first step: learns the number of units
+    off = _activation_peak(model, x, cache)
+    print(f"\nactivation peak keep {keep / 2**20:.1f} MiB, {target} {off / 2**20:.1f} MiB "
+          f"({100 * (1 - off / keep):.0f}% lower), offloaded {cache.stats.bytes_offloaded / 2**20:.0f} MiB")
+    assert off < 0.6 * keep
+    cache.close()
+
+
+def test_kvikio_path(tmp_path) -> None:
+    pytest.importorskip("kvikio")
+    from datapath.offload._io_engine import kvikio_usable
+
+    why = kvikio_usable(str(tmp_path))
+    if why is not None:
+        pytest.skip(f"kvikio imports but is not usable here: {why}")
+    model = _model()
+    batches = _batches()
+    ref = run_steps(copy.deepcopy(model), batches, _loss)
+    cache = TensorCache("ssd", str(tmp_path), min_bytes=0, engine="kvikio")
+    assert cache.engine == "kvikio"
+    cache.attach(model)
+    got = run_steps(model, batches, _loss, ctx=cache, between=cache.wait_io)
+    assert_identical(ref, got)
+    assert cache.stats.bytes_loaded > 0 and cache.files() == []
+    cache.close()
