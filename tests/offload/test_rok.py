@@ -183,3 +183,34 @@ def test_gpu_keep_recompute_and_oom() -> None:
     assert "OutOfMemoryError" in res.points[1].error
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() < 1e9  # nothing leaked by the failed point
+
+
+def test_offload_strategies_cpu(tmp_path) -> None:
+    """The offload strategies through `datapath.offload` on CPU tensors (offload_cpu_tensors)."""
+    cfg = get_preset("bert:h=128,l=3,s=64,v=1024")
+    res = sweep(cfg, ["keep", "offload-host", "offload-ssd", "recompute+offload-host"], [2], steps=1,
+                device="cpu", ssd_path=tmp_path, offload_options={"min_bytes": 0, "keep_last_modules": 0})
+    keep, host, ssd, rec = (res.point(s, 2) for s in ("keep", "offload-host", "offload-ssd",
+                                                       "recompute+offload-host"))
+    assert all(p.ok for p in (keep, host, ssd, rec)), [p.error for p in res.points]
+    # every saved activation goes to the host target: what it wrote is what ssd-plan estimates
+    assert host.bytes_offloaded_per_step == pytest.approx(host.activation_estimate_bytes, rel=0.01)
+    assert host.offload_stats_per_step["bytes_loaded"] > 0
+    assert host.activation_peak_bytes < 0.8 * keep.activation_peak_bytes
+    # the disk target wrote files (some stores may be forwarded instead) and removed them
+    assert 0 < ssd.bytes_offloaded_per_step <= 1.01 * ssd.activation_estimate_bytes
+    assert list(tmp_path.iterdir()) == []
+    # with reentrant recomputation only the layer inputs (and the head's tensors) are saved and offloaded
+    assert 0 < rec.bytes_offloaded_per_step < 0.6 * host.bytes_offloaded_per_step
+    assert keep.offload_stats is None and keep.bytes_offloaded_per_step is None
+
+
+@pytest.mark.gpu
+def test_gpu_offload_host_point() -> None:
+    cfg = get_preset("bert:h=1024,l=4,s=512,v=1024")
+    res = sweep(cfg, ["keep", "offload-host"], [4], steps=2, device="cuda",
+                offload_options={"min_bytes": 0, "keep_last_modules": 0})
+    keep, host = res.point("keep", 4), res.point("offload-host", 4)
+    assert keep.ok and host.ok, [p.error for p in res.points]
+    assert host.activation_peak_bytes < 0.7 * keep.activation_peak_bytes
+    assert host.bytes_offloaded_per_step == pytest.approx(host.activation_estimate_bytes, rel=0.05)

@@ -117,7 +117,8 @@ class RokPoint:
     samples_per_s: float | None = None
     activation_estimate_bytes: float | None = None
     bytes_offloaded_per_step: float | None = None
-    offload_stats: dict[str, Any] | None = None
+    offload_stats: dict[str, Any] | None = None  # the offloader's counters at the end of the point
+    offload_stats_per_step: dict[str, float] | None = None  # counter increments per measured step
     memory_measure: str = ""
     error: str | None = None
 
@@ -415,8 +416,11 @@ def _strategy_context(workload: Workload, strat: Strategy, ssd_path: str | None,
             kwargs = {**offload_options, **strat.offload}
             if strat.offload["target"] in ("ssd", "tiered"):
                 kwargs["path"] = ssd_path
-            if device.type == "cpu" and "offload_cpu_tensors" in inspect.signature(offload_fn).parameters:
+            params = inspect.signature(offload_fn).parameters
+            if device.type == "cpu" and "offload_cpu_tensors" in params:
                 kwargs.setdefault("offload_cpu_tensors", True)  # on a CPU-only machine, activations are CPU tensors
+            if "units" in params and "units" not in kwargs:
+                kwargs["units"] = [m for lst in _layer_lists(workload) for m in lst]  # every layer is a scope
             cache = stack.enter_context(offload_fn(workload.model, **kwargs))
         if strat.save_on_cpu:
             stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()))
@@ -472,11 +476,15 @@ def _run_point(workload: Workload, opt: torch.optim.Optimizer, strat: Strategy, 
     point.samples_per_s = micro_batch / point.step_time_s
     if after is not None:
         point.offload_stats = after
+        n_steps = steps + (0 if device.type == "cuda" else 1)
+        point.offload_stats_per_step = {
+            k: (v - before.get(k, 0)) / n_steps for k, v in after.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(before.get(k, 0), (int, float))
+            and (k.startswith(("bytes_", "storages_", "stores_", "loads_")) or k.endswith("_seconds"))
+        }
         key = next((k for k in ("bytes_offloaded", "bytes_written", "offloaded_bytes") if k in after), None)
-        if key is not None and isinstance(after[key], (int, float)):
-            n_steps = steps + (0 if device.type == "cuda" else 1)
-            delta = after[key] - before.get(key, 0)
-            point.bytes_offloaded_per_step = delta / n_steps
+        if key is not None:
+            point.bytes_offloaded_per_step = point.offload_stats_per_step.get(key)
     return point
 
 
