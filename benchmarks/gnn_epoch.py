@@ -25,12 +25,23 @@ import copy
 import dataclasses
 import gc
 import logging
+import os
 import time
 from typing import Any
 
 import torch
+import torch.utils.backend_registration as _backend_registration
 
-from datapath.loaders._cuda_sched import use_blocking_sync
+# Importing datapath registers the "unified" device in PyTorch's PrivateUse1 slot. PyTorch then
+# takes PrivateUse1 for the process's accelerator, and torch 2.11-2.13 drops the streams of CUDA
+# autograd nodes: every CUDA backward fails (pytorch/pytorch#161129). B2 trains on CUDA, so unless
+# DATAPATH_B2_REGISTER_UNIFIED=1 the registration is skipped here; the loaders need no unified
+# device (unified memory = pinned host memory, read by datapath.unified_tensor.gather).
+UNIFIED_DEVICE_REGISTERED = os.environ.get("DATAPATH_B2_REGISTER_UNIFIED") == "1"
+if not UNIFIED_DEVICE_REGISTERED:
+    _backend_registration._setup_privateuseone_for_python_backend = lambda *a, **k: None
+
+from datapath.loaders._cuda_sched import use_blocking_sync  # noqa: E402
 
 BLOCKING_SYNC = use_blocking_sync() if torch.cuda.is_available() else False  # before CUDA starts
 
@@ -47,6 +58,7 @@ from datapath.loaders import (  # noqa: E402
     train_epoch,
 )
 from datapath.loaders._placement import to_placement  # noqa: E402
+from datapath.loaders.training import check_cuda_autograd  # noqa: E402
 from datapath.nn.models import build_model  # noqa: E402
 
 log = logging.getLogger("datapath.bench.gnn_epoch")
@@ -62,10 +74,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--datasets", default=None, help="comma list of products, reddit, papers")
     p.add_argument("--models", default="sage,gat")
     p.add_argument("--ways", default=",".join(WAYS))
-    p.add_argument("--batches", type=int, default=None, help="timed batches per way [40; quick 10]")
+    p.add_argument("--batches", type=int, default=None, help="timed batches per way [30; quick 10]")
     p.add_argument("--warmup", type=int, default=None, help="untimed batches first [5; quick 3]")
-    p.add_argument("--profile-batches", type=int, default=None, help="batches of the stage breakdown [8]")
-    p.add_argument("--eval-nodes", type=int, default=8192)
+    p.add_argument("--profile-batches", type=int, default=None, help="batches of the stage breakdown [6]")
+    p.add_argument("--eval-nodes", type=int, default=4096)
     p.add_argument("--papers-feature-gb", type=float, default=40.0)
     p.add_argument("--fanouts", default="15,10,5")
     p.add_argument("--hidden", type=int, default=256)
@@ -73,10 +85,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default="gnn_epoch", help="result file name (results/NAME.json, NAME.png)")
     args = p.parse_args()
-    args.batches = args.batches or (10 if args.quick else 40)
+    args.batches = args.batches or (10 if args.quick else 30)
     args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
-    args.profile_batches = args.profile_batches or (3 if args.quick else 8)
+    args.profile_batches = args.profile_batches or (3 if args.quick else 6)
     if args.datasets is None:
         args.datasets = "products,reddit" + (",papers" if args.full else "")
     return args
@@ -169,17 +182,32 @@ def plot(results: list[dict[str, Any]], path: Any) -> None:
         ax.set_xticks(range(len(rows)), [r["way"].replace("_", "\n") for r in rows], fontsize=8)
         ax.set_title(f"{dsn} {model}", fontsize=9)
         ax.set_ylabel("epoch time (s)")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("B2 GNN epoch: stage breakdown (serial) and overlapped epoch time", fontsize=10)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.suptitle("B2 GNN epoch (extrapolated from the timed batches): stage breakdown measured serially, "
+                 "black line = measured overlapped epoch; label = speedup over py", fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.94))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _release_memory(cuda: bool) -> None:
+    """Give cached GPU memory and cached pinned host memory back between datasets and ways."""
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        host_empty = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty is not None:
+            host_empty()
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse()
     cuda = torch.cuda.is_available()
+    if cuda:
+        check_cuda_autograd()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     ways = [w for w in args.ways.split(",") if cuda or w == "py"]
     if not cuda:
@@ -197,6 +225,7 @@ def main() -> None:
             datasets[spec.name] = {"error": str(exc)}
             continue
         gen_s = time.perf_counter() - t0
+        _release_memory(cuda)
         datasets[spec.name] = {"spec": dataclasses.asdict(spec), "generate_s": gen_s,
                                "num_nodes": ds.graph.num_nodes, "num_edges": ds.graph.num_edges,
                                "feature_bytes": ds.features.numel() * 4, "place_s": {}}
@@ -215,28 +244,31 @@ def main() -> None:
                 r = run_way(way, model_name, ds, placed, args, device)
                 r["dataset"] = spec.name
                 results.append(r)
-                write_result("gnn_epoch", {"partial": True, "datasets": datasets, "results": results})
+                write_result(args.name, {"partial": True, "datasets": datasets, "results": results})
                 print(f"  {way:>12} {model_name}: {r['per_batch_s'] * 1e3:7.1f} ms/batch, "
                       f"cpu {r['cpu_s_per_batch'] * 1e3:7.1f} ms/batch, val acc {r['val_acc']:.3f} "
                       f"({time.perf_counter() - t0:.1f} s)", flush=True)
             del placed
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+            _release_memory(cuda)
         del ds
-        gc.collect()
+        _release_memory(cuda)
     summary = summarize(results)
     payload = {
         "description": "B2 GNN training epoch (PyTorch-Direct Fig. 4.8): py vs datapath vs gpu_resident",
         "config": {k: v for k, v in vars(args).items()}, "cuda_blocking_sync": BLOCKING_SYNC,
+        "unified_device_registered": UNIFIED_DEVICE_REGISTERED,
+        "unified_note": ("datapath's PrivateUse1 'unified' device was left unregistered: its registration breaks "
+                         "CUDA autograd (pytorch#161129); unified memory = pinned host memory read zero-copy by "
+                         "datapath.unified_tensor.gather"),
+        "loader_note": "all ways use the same NeighborLoader, one batch prefetched by a background thread",
         "epoch_note": (f"each way trains {args.warmup} warm-up batches, then {args.batches} timed batches of the "
                        f"shuffled epoch; epoch_s_extrapolated = per-batch time x batches per epoch"),
         "datasets": datasets, "results": results, "summary": summary,
         "total_s": time.perf_counter() - t_start,
     }
-    path = write_result("gnn_epoch", payload)
+    path = write_result(args.name, payload)
     if results:
-        plot(results, RESULTS_DIR / "gnn_epoch.png")
+        plot(results, RESULTS_DIR / f"{args.name}.png")
     print(f"wrote {path}")
     rows = []
     for r in results:

@@ -65,16 +65,6 @@ def test_prefetch_matches_synchronous() -> None:
         assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(b0, b1))
 
 
-def test_unified_features_on_cpu_machine_path() -> None:
-    import datapath.unified_tensor as ut
-
-    graph, feats, labels, seeds = _data(seed=2)
-    loader = NeighborLoader(graph.to("unified"), seeds, [4, 4], 200, features=ut.as_unified(feats),
-                            labels=ut.as_unified(labels), device="cpu")
-    for b in loader:
-        assert torch.equal(b.x, feats[b.input_nodes]) and torch.equal(b.y, labels[b.seeds])
-
-
 def test_producer_errors_reach_the_consumer() -> None:
     graph, feats, labels, seeds = _data(seed=3)
 

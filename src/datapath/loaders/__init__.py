@@ -22,14 +22,14 @@ from datapath.loaders.datasets import (
     prepare_dataset,
     preset_spec,
 )
-from datapath.loaders.errors import DatasetError, InvalidGraphError, LoaderError
+from datapath.loaders.errors import CudaAutogradUnavailableError, DatasetError, InvalidGraphError, LoaderError
 from datapath.loaders.graph import Graph, validate_csr
 from datapath.loaders.loader import Batch, NeighborLoader
 from datapath.loaders.sampler import NeighborSampler
 from datapath.loaders.training import EpochStats, evaluate, profile_batches, train_epoch
 
 __all__ = [
-    "PRESETS", "Batch", "Block", "Dataset", "DatasetError", "EpochStats", "Graph", "InvalidGraphError",
+    "PRESETS", "Batch", "Block", "CudaAutogradUnavailableError", "Dataset", "DatasetError", "EpochStats", "Graph", "InvalidGraphError",
     "LoaderError", "NeighborLoader", "NeighborSampler", "SyntheticSpec", "evaluate", "generate", "get_dataset",
     "load_dataset", "papers_spec", "prepare_dataset", "preset_spec", "profile_batches", "train_epoch",
     "validate_csr",

@@ -71,6 +71,16 @@ def _fmt_bytes(n: int | None) -> str:
 
 
 def train_gnn(args: argparse.Namespace) -> int:
+    from datapath.loaders.errors import CudaAutogradUnavailableError  # noqa: PLC0415
+
+    try:
+        return _train_gnn(args)
+    except CudaAutogradUnavailableError as exc:
+        print(f"error: {exc}")
+        return 1
+
+
+def _train_gnn(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
     from tqdm.auto import tqdm  # noqa: PLC0415
 

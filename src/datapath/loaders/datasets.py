@@ -265,8 +265,10 @@ def generate(spec: SyntheticSpec | str, *, device: str | torch.device | None = N
         keys_parts[i] = torch.cat([e[1] * n + e[0], e[0] * n + e[1]])  # both directions, key = dst*n + src
 
     _run_chunks(edge_chunk, n_chunks, dev, f"{spec.name}: edges", progress)
-    keys = torch.unique(torch.cat(keys_parts))  # sorted by (dst, src): CSR order, duplicates gone
-    del keys_parts
+    all_keys = torch.cat(keys_parts)
+    keys_parts.clear()
+    keys = torch.unique(all_keys)  # sorted by (dst, src): CSR order, duplicates gone
+    del all_keys
     dst = torch.div(keys, n, rounding_mode="floor")
     idx_dtype = torch.int32 if n < 2**31 else torch.int64
     indices = (keys - dst * n).to(idx_dtype)

@@ -19,3 +19,12 @@ class DatasetError(DatapathError, ValueError):
 
 class LoaderError(DatapathError, ValueError):
     """A sampler or loader was configured wrongly (fanouts, seeds, batch size, placement)."""
+
+
+class CudaAutogradUnavailableError(DatapathError, RuntimeError):
+    """CUDA training cannot run in this process: PyTorch's accelerator is not CUDA.
+
+    Registering a PrivateUse1 backend (datapath's "unified" device) makes it PyTorch's
+    accelerator; torch 2.11-2.13 then drops the streams of CUDA autograd nodes and every
+    CUDA backward fails with an internal assert (pytorch/pytorch#161129).
+    """

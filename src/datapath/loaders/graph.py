@@ -183,8 +183,8 @@ class Graph:
     def load(cls, directory: str | Path, *, mmap: bool = True, validate: bool = True) -> "Graph":
         """Load a graph written by `save` (memory-mapped by default: nothing is read until used).
 
-        The arrays are mapped copy-on-write, so `to("unified")` can pin them in place
-        without ever writing to the files.
+        The arrays are mapped copy-on-write: writing to the tensors never touches the
+        files, and ``datapath.unified_tensor.as_unified`` can pin them in place.
         """
         d = Path(directory)
         missing = [f for f in _NPY_FILES if not (d / f).is_file()]
@@ -213,8 +213,9 @@ class Graph:
     def to(self, where: str) -> "Graph":
         """A graph in ``where`` (``"cpu"``, ``"unified"``, ``"cuda"``); ``self`` when it is already there.
 
-        ``"unified"`` pins the host arrays in place (no copy; a memory-mapped graph is
-        paged in and pinned).
+        ``"unified"`` copies the arrays into pinned, GPU-mapped host memory (plain host
+        memory without CUDA).  To pin in place instead, build the graph from
+        ``datapath.unified_tensor.as_unified`` tensors.
         """
         if where not in PLACEMENTS:
             raise InvalidGraphError(f"a graph can live in {PLACEMENTS}, not {where!r}")

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from datapath._runtime import kernels
+from datapath._runtime.pinned import pinned_empty
 from datapath.loaders import _rng
 from datapath.loaders._placement import host_of, kernel_view
 from datapath.loaders._relabel import relabel, relabel_dense
@@ -146,9 +147,7 @@ class NeighborSampler:
                 f"call graph.to('unified') once (pins in place), or pass CPU seeds"
             )
         dev = seeds.device
-        indptr = kernel_view(graph.indptr)
-        indices = kernel_view(graph.indices)
-        eids = kernel_view(graph.edge_ids) if graph.edge_ids is not None else None
+        indptr, indices, eids = _kernel_views(graph)
         suffix = f"i{32 if indptr.dtype == torch.int32 else 64}_i{32 if indices.dtype == torch.int32 else 64}"
         fn = kernels.get_function("sample.cu", f"sample_neighbors_{suffix}")
         sms = kernels.multiprocessor_count(dev.index)
@@ -198,9 +197,21 @@ class NeighborSampler:
         return blocks
 
 
+def _kernel_views(graph: Graph) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """CUDA views of the graph's CSR for the kernel (aliases of unified memory), cached on the graph."""
+    key = (id(graph.indptr), id(graph.indices), id(graph.edge_ids))  # the graph keeps them alive
+    cached = getattr(graph, "_datapath_kernel_views", None)
+    if cached is None or cached[0] != key:
+        views = (kernel_view(graph.indptr), kernel_view(graph.indices),
+                 kernel_view(graph.edge_ids) if graph.edge_ids is not None else None)
+        cached = (key, views)
+        graph._datapath_kernel_views = cached
+    return cached[1]
+
+
 def _fetch_sizes(sizes: torch.Tensor) -> list[int]:
     """Copy a small CUDA int64 tensor to the host, waiting on a blocking event (no busy spin)."""
-    host = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True)
+    host = pinned_empty(tuple(sizes.shape), sizes.dtype)
     host.copy_(sizes, non_blocking=True)
     ev = torch.cuda.Event(blocking=True)
     ev.record()

@@ -15,7 +15,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from datapath.loaders.errors import CudaAutogradUnavailableError
 from datapath.loaders.loader import NeighborLoader
+
+
+def check_cuda_autograd() -> None:
+    """Raise `CudaAutogradUnavailableError` when a CUDA backward would hit pytorch#161129."""
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if acc is not None and acc.type != "cuda":
+        raise CudaAutogradUnavailableError(
+            f"CUDA training cannot run in this process: PyTorch's accelerator is {acc.type!r} (a PrivateUse1 "
+            f"backend, datapath's 'unified' device, was registered), and torch {torch.__version__} then drops "
+            f"the streams of CUDA autograd nodes, so backward() fails with an internal assert "
+            f"(pytorch/pytorch#161129). Keep the PrivateUse1 backend unregistered in training processes "
+            f"(benchmarks/gnn_epoch.py shows how) until datapath registers the device lazily."
+        )
 
 
 @dataclass
@@ -59,6 +73,7 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
     cuda = loader.device.type == "cuda"
     proc = psutil.Process()
     if cuda:
+        check_cuda_autograd()
         torch.cuda.synchronize(loader.device)
         torch.cuda.reset_peak_memory_stats(loader.device)
     model.train()
@@ -153,6 +168,8 @@ def profile_batches(model: nn.Module, loader: NeighborLoader, optimizer: torch.o
                           device=loader.device, seed=loader.seed, prefetch=0)
     sync.set_epoch(loader.epoch)
     cuda = loader.device.type == "cuda"
+    if cuda:
+        check_cuda_autograd()
     model.train()
     totals = {"sample_s": 0.0, "gather_s": 0.0, "train_s": 0.0}
     n = 0
