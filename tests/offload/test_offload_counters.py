@@ -168,3 +168,27 @@ def test_microbatch_hints_interleaved_schedule() -> None:
     assert cache.stats.records == 2
     assert cache.stats.loads_on_demand == 0
     cache.close()
+
+
+def test_max_inflight_bytes_bounds_unstored_memory(tmp_path) -> None:
+    torch.manual_seed(5)
+    model = mlp(64, 4)
+    batches = [torch.randn(64, 64) for _ in range(2)]
+    ref = run_steps(copy.deepcopy(model), batches, lambda m, x: m(x).pow(2).mean())
+    bound = 3 * 64 * 64 * 4  # three activation storages
+    cache = TensorCache("ssd", str(tmp_path), min_bytes=0, offload_cpu_tensors=True, keep_last_modules=0,
+                        io_chunk_bytes=8192, max_inflight_bytes=bound)
+    real = cache.ssd.posix._pwrite
+
+    def slow(fd: int, mv: memoryview, off: int) -> int:  # a slow disk: the forward must wait for it
+        import time
+        time.sleep(0.003)
+        return real(fd, mv, off)
+    cache.ssd.posix._pwrite = slow
+    cache.attach(model)
+    got = run_steps(model, batches, lambda m, x: m(x).pow(2).mean(), ctx=cache)
+    assert_identical(ref, got)
+    st = cache.stats
+    assert st.store_wait_seconds > 0
+    assert 0 < st.peak_inflight_bytes <= bound
+    cache.close()

@@ -88,7 +88,7 @@ class _Entry:
 
     __slots__ = ("sid", "nbytes", "device", "record", "segment", "target", "state", "src", "tensor", "version",
                  "pack_event", "pack_stream", "gpu", "loc", "crc", "ready", "ready_event", "alloc_stream",
-                 "handles", "released", "forwarded", "cancelled", "modified", "error", "name", "__weakref__")
+                 "handles", "released", "forwarded", "cancelled", "modified", "error", "name", "counted", "__weakref__")
 
     def __init__(self, sid: int, nbytes: int, device: torch.device, record: "_Record", segment: int,
                  target: Any, src: torch.Tensor, tensor: torch.Tensor) -> None:
@@ -117,6 +117,7 @@ class _Entry:
         self.modified = False
         self.error: BaseException | None = None
         self.name = f"{sid}.act"
+        self.counted = True  # its bytes count against max_inflight_bytes until its store ends
 
 
 class _Handle:
@@ -205,6 +206,9 @@ class TensorCache:
         engine: ``"auto"`` (kvikio when it imports and works with the GPU, else POSIX), ``"kvikio"``, ``"posix"``.
         io_threads, io_chunk_bytes: the POSIX engine's thread count and transfer size.
         verify: checksum every stored storage (CRC32 on the host side) and check it on reload.
+        max_inflight_bytes: bound on the device bytes waiting to be stored; a pack hook that would
+            exceed it waits for stores to finish (forward slows to the target's bandwidth, the
+            memory peak stays low).  None: no bound.
         units: modules whose calls form the scopes (default: the blocks of the largest ModuleList/Sequential).
     """
 
@@ -214,7 +218,7 @@ class TensorCache:
                  host_budget_bytes: int | None = None, max_disk_bytes: int | None = None,
                  engine: str = "auto", io_threads: int = 4, io_chunk_bytes: int = 16 << 20,
                  host_slab_bytes: int = 256 << 20, verify: bool = False, stall_tolerance: float = 0.02,
-                 replan_threshold: float = 0.25) -> None:
+                 replan_threshold: float = 0.25, max_inflight_bytes: int | None = None) -> None:
         if target not in TARGETS:
             raise OffloadConfigError(f"target must be one of {TARGETS}, got {target!r}")
         if policy not in POLICIES:
@@ -242,6 +246,9 @@ class TensorCache:
         self.profile: StepProfile | None = None
 
         self._lock = threading.RLock()
+        self._space = threading.Condition(self._lock)
+        self.max_inflight_bytes = max_inflight_bytes
+        self._inflight_bytes = 0
         self._attr = f"_datapath_sid_{uuid.uuid4().hex[:10]}"
         self._ids = itertools.count(1)
         self._rids = itertools.count(1)
@@ -446,6 +453,12 @@ class TensorCache:
             if not self._decide(rec, seg, idx):
                 st.bytes_kept_policy += view_bytes
                 return t.detach()
+            if self.max_inflight_bytes is not None and self._inflight_bytes + nbytes > self.max_inflight_bytes:
+                t0 = time.perf_counter()
+                self._space.wait_for(lambda: self._inflight_bytes == 0 or self._pending_error is not None or
+                                     self._inflight_bytes + nbytes <= self.max_inflight_bytes)  # type: ignore[operator]
+                self.stats.store_wait_seconds += time.perf_counter() - t0
+                self._raise_pending()
             target = next((p for p in self._placement if p.reserve(nbytes)), None)
             if target is None:
                 st.bytes_kept_budget += view_bytes
@@ -458,10 +471,13 @@ class TensorCache:
                 e.pack_stream = stream
             setattr(storage, self._attr, e.sid)
             self._entries[e.sid] = e
+            self._inflight_bytes += nbytes
+            st.peak_inflight_bytes = max(st.peak_inflight_bytes, self._inflight_bytes)
             seg.entries.append(e)
             rec.live += 1
             rec.entries_made += 1
             st.storages_offloaded += 1
+            st.bytes_queued += nbytes
             self._store_worker(target).submit(functools.partial(self._store_job, e))
             return _Handle(self, e, t)
 
@@ -762,8 +778,16 @@ class TensorCache:
                 self._submit_load(e)
                 self.stats.loads_prefetched += 1
 
+    def _uncount(self, e: _Entry) -> None:
+        """The store of ``e`` is over (done, failed or cancelled): free its share of max_inflight_bytes."""
+        if e.counted:
+            e.counted = False
+            self._inflight_bytes -= e.nbytes
+            self._space.notify_all()
+
     def _forward_pending(self, e: _Entry) -> None:
         """Cancel the queued store of ``e``: its bytes stay in memory (lock held)."""
+        self._uncount(e)
         e.cancelled = True
         e.forwarded = True
         e.target.unreserve(e.nbytes)
@@ -845,6 +869,7 @@ class TensorCache:
         return None
 
     def _finish_store(self, e: _Entry, res: Any, secs: float) -> None:
+        self._uncount(e)
         st = self.stats
         rec = e.record
         st.write_seconds += secs
@@ -882,6 +907,7 @@ class TensorCache:
         if err is not exc:
             err.__cause__ = exc
         with self._lock:
+            self._uncount(e)
             self.stats.store_errors += 1
             if loc is not None:
                 e.loc = loc
@@ -989,6 +1015,7 @@ class TensorCache:
             rec = e.record
             rec.live -= 1
             if e.state == PENDING:
+                self._uncount(e)
                 e.cancelled = True
                 e.target.unreserve(e.nbytes)
                 e.src = e.tensor = None

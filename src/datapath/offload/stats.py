@@ -17,6 +17,7 @@ class OffloadStats:
     packs: int = 0                 # saved tensors offered by autograd
     unpacks: int = 0               # saved tensors handed back to autograd
     storages_offloaded: int = 0    # storages queued for the target
+    bytes_queued: int = 0          # their bytes (what was chosen for offloading, whatever timing did next)
     bytes_offloaded: int = 0       # bytes written to the target (host memory or files)
     bytes_loaded: int = 0          # bytes read back to the device
     loads_prefetched: int = 0      # loads started by a prefetch (backward pre-hook or hint)
@@ -38,6 +39,8 @@ class OffloadStats:
     write_seconds: float = 0.0     # busy time of the store path
     read_seconds: float = 0.0      # busy time of the load path
     unpack_wait_seconds: float = 0.0  # time autograd was blocked in unpack waiting for a load
+    store_wait_seconds: float = 0.0   # time pack hooks waited for stores (max_inflight_bytes)
+    peak_inflight_bytes: int = 0      # most bytes waiting to be stored at once
     files_created: int = 0
     files_removed: int = 0
     peak_disk_bytes: int = 0
