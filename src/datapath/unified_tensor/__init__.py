@@ -11,11 +11,15 @@ from datapath.unified_tensor._config import UnifiedConfig, config
 from datapath.unified_tensor._device import register as _register
 from datapath.unified_tensor.gather import check_errors, gather, scatter
 from datapath.unified_tensor.memory import as_unified, host_tensor, is_unified, set_affinity
+from datapath.unified_tensor.shared import (
+    SharedTableError, attach, cleanup_stale, share, shared_tables, shm_dir, unlink,
+)
 from datapath.unified_tensor.tensor import UnifiedTensor
 
 _register()
 
 __all__ = [
-    "UnifiedConfig", "UnifiedTensor", "as_unified", "check_errors", "config", "gather",
-    "host_tensor", "is_unified", "scatter", "set_affinity",
+    "SharedTableError", "UnifiedConfig", "UnifiedTensor", "as_unified", "attach", "check_errors",
+    "cleanup_stale", "config", "gather", "host_tensor", "is_unified", "scatter", "set_affinity", "share",
+    "shared_tables", "shm_dir", "unlink",
 ]
