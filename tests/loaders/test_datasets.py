@@ -37,6 +37,13 @@ def test_deterministic_and_seed_dependent(small) -> None:
     assert not torch.equal(small.features, other.features)
 
 
+def test_large_graphs_deduplicate_in_destination_ranges(small) -> None:
+    """The path for more than 2^31 edge entries (sorted in pieces) builds the same graph."""
+    pieces = generate(SMALL, device="cpu", progress=False, sort_limit=7000)
+    assert torch.equal(pieces.graph.indptr, small.graph.indptr)
+    assert torch.equal(pieces.graph.indices, small.graph.indices)
+
+
 def test_structure(small) -> None:
     g = small.graph
     ei = g.edge_index()

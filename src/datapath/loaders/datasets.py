@@ -237,7 +237,7 @@ def _default_device() -> torch.device:
 
 def generate(spec: SyntheticSpec | str, *, device: str | torch.device | None = None, progress: bool = True,
              features_out: np.ndarray | torch.Tensor | None = None, chunk_edges: int = 1 << 24,
-             chunk_rows: int = 1 << 18) -> Dataset:
+             chunk_rows: int = 1 << 18, sort_limit: int = 1 << 30) -> Dataset:
     """Generate the synthetic dataset ``spec`` (a `SyntheticSpec` or preset name) in host memory.
 
     Args:
@@ -247,6 +247,8 @@ def generate(spec: SyntheticSpec | str, *, device: str | torch.device | None = N
         features_out: optional (N, F) float32 host array to write the features into
             (a ``np.lib.format.open_memmap`` for datasets larger than RAM, or pinned memory).
         chunk_edges / chunk_rows: work per parallel chunk.
+        sort_limit: most edge keys deduplicated by one sort (CUB sorts at most 2^31 items);
+            larger graphs are deduplicated in destination ranges (same result).
     """
     if isinstance(spec, str):
         spec = preset_spec(spec)
@@ -265,20 +267,10 @@ def generate(spec: SyntheticSpec | str, *, device: str | torch.device | None = N
         keys_parts[i] = torch.cat([e[1] * n + e[0], e[0] * n + e[1]])  # both directions, key = dst*n + src
 
     _run_chunks(edge_chunk, n_chunks, dev, f"{spec.name}: edges", progress)
-    all_keys = torch.cat(keys_parts)
+    indptr, indices = _csr_from_keys(keys_parts, n, sort_limit)
     keys_parts.clear()
-    keys = torch.unique(all_keys)  # sorted by (dst, src): CSR order, duplicates gone
-    del all_keys
-    dst = torch.div(keys, n, rounding_mode="floor")
-    idx_dtype = torch.int32 if n < 2**31 else torch.int64
-    indices = (keys - dst * n).to(idx_dtype)
-    del keys
-    counts = torch.bincount(dst, minlength=n)
-    del dst
-    indptr = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(counts, 0, out=indptr[1:])
     graph = Graph(indptr.cpu(), indices.cpu(), validate=False)
-    del indices, indptr, counts
+    del indices, indptr
     # features, in parallel row chunks
     if features_out is None:
         feats = torch.empty((n, spec.num_features), dtype=torch.float32)
@@ -308,6 +300,48 @@ def generate(spec: SyntheticSpec | str, *, device: str | torch.device | None = N
     log.info("generated %s: %d nodes, %d CSR edges, %d features in %.1f s", spec.name, n, graph.num_edges,
              spec.num_features, meta["seconds"])
     return Dataset(spec.name, graph, feats, labels, *splits, spec.num_classes, meta)
+
+
+def _csr_from_keys(parts: list[torch.Tensor], n: int, sort_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR (indptr (n+1,) int64, indices int32/int64) of the distinct edge keys ``dst * n + src`` in ``parts``.
+
+    Keys are sorted and deduplicated by destination ranges holding at most ``sort_limit``
+    keys each, so graphs with more than 2^31 edge entries can be built on a GPU.
+    """
+    dev = parts[0].device
+    idx_dtype = torch.int32 if n < 2**31 else torch.int64
+    total = sum(p.numel() for p in parts)
+    if total <= sort_limit:
+        ranges = [(0, n)]
+    else:  # histogram of destinations in coarse buckets, grouped greedily into ranges
+        coarse = min(n, max(64, 8 * -(-total // sort_limit)))
+        hist = torch.zeros(coarse, dtype=torch.int64, device=dev)
+        for p in parts:
+            hist += torch.bincount(torch.div(p, n, rounding_mode="floor") * coarse // n, minlength=coarse)
+        bounds = [-(-b * n // coarse) for b in range(coarse + 1)]  # first node of each coarse bucket
+        ranges, start, acc = [], 0, 0
+        for b, c in enumerate(hist.tolist()):
+            if acc and acc + c > sort_limit:
+                ranges.append((bounds[start], bounds[b]))
+                start, acc = b, 0
+            acc += c
+        ranges.append((bounds[start], n))
+    counts = torch.zeros(n, dtype=torch.int64, device=dev)
+    pieces = []
+    for lo, hi in ranges:
+        if (lo, hi) == (0, n):
+            sel = torch.cat(parts)
+        else:
+            sel = torch.cat([p[(p >= lo * n) & (p < hi * n)] for p in parts])
+        keys = torch.unique(sel)  # sorted by (dst, src): CSR order, duplicates gone
+        del sel
+        dst = torch.div(keys, n, rounding_mode="floor")
+        pieces.append((keys - dst * n).to(idx_dtype))
+        counts[lo:hi] = torch.bincount(dst - lo, minlength=hi - lo)
+        del keys, dst
+    indptr = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(counts, 0, out=indptr[1:])
+    return indptr, torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
 def _run_chunks(fn: Any, n: int, dev: torch.device, desc: str, progress: bool) -> None:
