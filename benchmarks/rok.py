@@ -14,16 +14,27 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
 from typing import Any
 
 import torch
+import torch.utils.backend_registration as _backend_registration
 
-from benchmarks._common import RESULTS_DIR, print_table, write_result
-from datapath._runtime import device_label
-from datapath.offload.presets import build_workload, get_preset
-from datapath.offload.rok import RokResult, sweep
-from datapath.offload.ssd_plan import activation_breakdown
+# Importing datapath registers the "unified" device by renaming PyTorch's PrivateUse1 backend; from
+# then on at::getAccelerator() names it instead of CUDA and every CUDA backward fails inside PyTorch
+# (pytorch#161129). This benchmark trains on CUDA and uses no unified tensor, so unless
+# DATAPATH_ROK_KEEP_PRIVATEUSE1=1 it skips the rename (the unified device is unusable in this process).
+WORKAROUNDS: list[str] = []
+if os.environ.get("DATAPATH_ROK_KEEP_PRIVATEUSE1") != "1" and torch.cuda.is_available():
+    _backend_registration._setup_privateuseone_for_python_backend = lambda *a, **k: None  # type: ignore[assignment]
+    WORKAROUNDS.append("PrivateUse1 rename for the 'unified' device skipped (pytorch#161129 breaks CUDA backward)")
+
+from benchmarks._common import RESULTS_DIR, print_table, write_result  # noqa: E402
+from datapath._runtime import device_label  # noqa: E402
+from datapath.offload.presets import build_workload, get_preset  # noqa: E402
+from datapath.offload.rok import RokResult, sweep  # noqa: E402
+from datapath.offload.ssd_plan import activation_breakdown  # noqa: E402
 
 OFFLOAD_PREFIX = ("offload-", "recompute+offload-")
 
@@ -93,10 +104,10 @@ def _plot(results: dict[str, RokResult], budget: float | None, device: str) -> N
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small models, < 1 minute")
-    ap.add_argument("--configs", help="comma-separated presets (default: bert-h12288-l3,bert-h14336-l3)")
-    ap.add_argument("--micro-batches", default=None, help="default 2,4,8,16 (quick: 1,2,4)")
+    ap.add_argument("--configs", help="comma-separated presets (default: bert-h16384-l3,bert-h20480-l3)")
+    ap.add_argument("--micro-batches", default=None, help="default 1,2,4,8 (quick: 1,2,4)")
     ap.add_argument("--strategies", default="keep,recompute,offload-host,offload-host-adaptive,"
-                                            "offload-ssd-adaptive,recompute+offload-host")
+                                            "recompute+offload-host")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--budget-gb", type=float, default=None, help="activation budget for the verdict")
@@ -111,8 +122,8 @@ def main() -> None:
     elif args.quick:
         configs = ["bert-small", "bert:h=2048,l=3,s=512"] if cuda else ["bert-tiny", "bert:h=128,l=3,s=64,v=1024"]
     else:
-        configs = ["bert-h12288-l3", "bert-h14336-l3"]
-    mbs = [int(x) for x in (args.micro_batches or ("1,2,4" if args.quick else "2,4,8,16")).split(",")]
+        configs = ["bert-h16384-l3", "bert-h20480-l3"]
+    mbs = [int(x) for x in (args.micro_batches or ("1,2,4" if args.quick else "1,2,4,8")).split(",")]
     strategies = args.strategies.split(",")
 
     results: dict[str, RokResult] = {}
@@ -133,6 +144,7 @@ def main() -> None:
                 and all(r["within_10pct"] for r in est_rows if r["run"] == "check"),
             },
             "wall_s": time.perf_counter() - t_start,
+            "workarounds": WORKAROUNDS,
         }
         write_result("rok", payload)
         _plot(results, budget, device)

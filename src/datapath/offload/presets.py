@@ -109,6 +109,10 @@ PRESETS: dict[str, TransformerConfig] = {
     "bert-h12288-l3": _p("bert", 12288, 3, 1024),
     "bert-h14336-l3": _p("bert", 14336, 3, 1024),
     "bert-h16384-l2": _p("bert", 16384, 2, 1024),
+    # scaled to one H200: its compute outruns PCIe 5 by more than the A100 outran its SSDs, and the
+    # bandwidth offloading needs falls as 1/hidden (ssd-plan), so the hidden size grows instead
+    "bert-h16384-l3": _p("bert", 16384, 3, 1024),
+    "bert-h20480-l3": _p("bert", 20480, 3, 1024),
     "gpt-h8192-l4": _p("gpt", 8192, 4, 1024),
     "gpt-h12288-l3": _p("gpt", 12288, 3, 1024),
     "gpt-h16384-l2": _p("gpt", 16384, 2, 1024),

@@ -494,6 +494,22 @@ def _cleanup(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _check_cuda_autograd() -> None:
+    """Fail fast when CUDA backward cannot work in this process.
+
+    Once a PrivateUse1 backend is registered, ``at::getAccelerator()`` names it
+    instead of CUDA and autograd nodes on CUDA get no stream: every CUDA backward
+    then trips ``opt_ready_stream && opt_parent_stream`` (pytorch#161129).
+    """
+    acc = getattr(torch, "accelerator", None)
+    cur = acc.current_accelerator() if acc is not None and hasattr(acc, "current_accelerator") else None
+    if cur is not None and cur.type != "cuda":
+        raise RokError(
+            f"PyTorch's accelerator in this process is {cur.type!r}, not 'cuda' (a PrivateUse1 backend was "
+            "registered), and with it every CUDA backward fails inside PyTorch (pytorch#161129). Run the sweep "
+            "in a process where that backend is not registered.")
+
+
 def load_model_factory(spec: str) -> Callable[..., Any]:
     """Import ``'package.module:function'`` and return the function."""
     mod_name, sep, fn_name = spec.partition(":")
@@ -547,6 +563,8 @@ def sweep(model: Workload | TransformerConfig | str | Callable[..., Any],
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if dev.type == "cuda":
+        _check_cuda_autograd()
 
     if isinstance(model, str):
         model = get_preset(model)
