@@ -90,6 +90,14 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, A out[VEC]) {
     for (int i = 0; i < VEC; ++i) out[i] = to_acc(pk.v[i]);
 }
 
+// Plain (coherent) load, for rows that may live in mapped host memory.
+__device__ __forceinline__ void load_vec_sys(const T* p, A out[VEC]) {
+    Pack pk;
+    pk.w = *reinterpret_cast<const W*>(p);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out[i] = to_acc(pk.v[i]);
+}
+
 __device__ __forceinline__ void store_vec(T* p, const A in[VEC]) {
     Pack pk;
 #pragma unroll
@@ -281,7 +289,7 @@ extern "C" __global__ void agg_push(const long long* __restrict__ indptr, const 
         if (j < 0) j += nv;
         const int col = j * VEC;
         A v[VEC];
-        load_vec(xr + col, v);
+        load_vec_sys(xr + col, v);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) v[i] *= sc;
         const int head = col / head_dim;

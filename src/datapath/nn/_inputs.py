@@ -37,10 +37,11 @@ class LayerInputs:
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``table[ids]`` on ``ids``' device: a unified/pinned table is read zero-copy by the GPU."""
-    if is_unified(table):
+    resolved = resolve_table(table, ids)  # validates (pinned, contiguous, devices)
+    if is_unified(table) or (table.device.type == "cpu" and ids.device.type == "cuda"):
         from datapath.unified_tensor import gather  # noqa: PLC0415
         return gather(table, ids)
-    return resolve_table(table, ids).index_select(0, ids)
+    return resolved.index_select(0, ids)
 
 
 def layer_inputs(graph: Any, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],

@@ -57,25 +57,40 @@ class _Groups:
     beg: torch.Tensor      # (G,) int64 first CSR position of each group
     count: int             # G
     max_per_row: int       # most groups of one row
+    multi_rows: torch.Tensor  # (M,) int64 rows with more than one group (their output is accumulated)
 
 
 def _groups(csr: CSRView, which: str, indptr: torch.Tensor, num_rows: int, ngs: int) -> _Groups:
-    """Neighbor groups of at most ``ngs`` edges per row (cached on the graph)."""
+    """Neighbor groups of at most ``ngs`` edges per row, one (empty) group for an empty row (cached)."""
     def make() -> _Groups:
         dev = indptr.device
-        deg = indptr[1:] - indptr[:-1]
-        ng = torch.div(deg + (ngs - 1), ngs, rounding_mode="floor")
-        cum = torch.cumsum(ng, 0)
         if num_rows == 0:
-            return _Groups(torch.empty(0, dtype=torch.int32, device=dev),
-                           torch.empty(0, dtype=torch.int64, device=dev), 0, 0)
+            e = torch.empty(0, dtype=torch.int64, device=dev)
+            return _Groups(e.int(), e, 0, 0, e)
+        deg = indptr[1:] - indptr[:-1]
+        ng = torch.div(deg + (ngs - 1), ngs, rounding_mode="floor").clamp_(min=1)
+        cum = torch.cumsum(ng, 0)
         g, mx = torch.stack([cum[-1], ng.max()]).tolist()
         row = torch.repeat_interleave(torch.arange(num_rows, device=dev, dtype=torch.int32), ng, output_size=g)
         rl = row.long()
         within = torch.arange(g, device=dev) - (cum - ng)[rl]
         beg = indptr[rl] + within * ngs
-        return _Groups(row, beg, int(g), int(mx))
+        multi = torch.nonzero(ng > 1).squeeze(1) if mx > 1 else torch.empty(0, dtype=torch.int64, device=dev)
+        return _Groups(row, beg, int(g), int(mx), multi)
     return csr.cached(f"groups_{which}_{ngs}", make)
+
+
+def _sorted_push_groups(t_indptr: torch.Tensor, row_map: torch.Tensor) -> _Groups:
+    """One group per transposed row that has edges, visited in ascending table-row order.
+
+    Consecutive warps then read nearby host rows (address-translation locality, as the
+    unified gather does), and rows without edges are never read.
+    """
+    order = torch.argsort(row_map)
+    deg = (t_indptr[1:] - t_indptr[:-1]).index_select(0, order)
+    order = order[deg > 0]
+    e = torch.empty(0, dtype=torch.int64, device=order.device)
+    return _Groups(order.to(torch.int32), t_indptr.index_select(0, order), int(order.numel()), 1, e)
 
 
 def _plan(spec: AggSpec, num_edges: int, num_rows: int, feat: int, dtype: torch.dtype) -> AggregationPlan:
@@ -83,7 +98,7 @@ def _plan(spec: AggSpec, num_edges: int, num_rows: int, feat: int, dtype: torch.
         if spec.plan.feat_dim != feat:
             raise ValueError(f"the plan is for width {spec.plan.feat_dim} but the features have {feat} columns")
         return spec.plan
-    return plan_for(num_edges, num_rows, feat, torch.empty((), dtype=dtype).element_size())
+    return plan_for(num_edges, num_rows, feat, dtype.itemsize)
 
 
 def _vec_dw(plan: AggregationPlan, feat: int, head_dim: int, elem: int, *tensors: torch.Tensor) -> tuple[int, int]:
@@ -102,15 +117,18 @@ def _pull(csr: CSRView, which: str, indptr: torch.Tensor, indices: torch.Tensor,
     """(num_rows, F) accumulation-dtype result of the neighbor-group pull kernel."""
     feat = x.shape[1]
     acc = acc_dtype(x.dtype)
-    out = torch.zeros(num_rows, feat, dtype=acc, device=x.device)
     grp = _groups(csr, which, indptr, num_rows, plan.ngs)
     if grp.count == 0 or feat == 0:
-        return out
+        return torch.zeros(num_rows, feat, dtype=acc, device=x.device)
+    # every row is written by its leader team; rows of several groups may be accumulated atomically
+    out = torch.empty(num_rows, feat, dtype=acc, device=x.device)
+    if grp.multi_rows.numel():
+        out.index_fill_(0, grp.multi_rows, 0)
     vec, dw = _vec_dw(plan, feat, feat // heads, x.element_size(), x)
     tpb = max(plan.threads_per_block, dw)
     teams = tpb // dw
     combine = 1 if grp.max_per_row > 1 else 0
-    smem = (tpb * vec * torch.empty((), dtype=acc).element_size() + teams * 4) if combine else 0
+    smem = (tpb * vec * acc.itemsize + teams * 4) if combine else 0
     blocks = -(-grp.count // teams)
     kern = _fn("agg_pull", x.dtype, vec, indices.dtype)
     kernels.launch(kern, blocks, tpb, (
@@ -123,12 +141,13 @@ def _pull(csr: CSRView, which: str, indptr: torch.Tensor, indices: torch.Tensor,
 def _push(csr: CSRView, which: str, indptr: torch.Tensor, indices: torch.Tensor, perm: torch.Tensor | None,
           num_rows: int, num_out: int, x: torch.Tensor, row_map: torch.Tensor | None, w: torch.Tensor | None,
           heads: int, nbr_scale: torch.Tensor | None, in_scale: torch.Tensor | None, plan: AggregationPlan,
-          ngs: int, align: bool) -> torch.Tensor:
+          ngs: int, align: bool, grp: _Groups | None = None) -> torch.Tensor:
     """(num_out, F) accumulation-dtype result of the scatter kernel (atomics)."""
     feat = x.shape[1]
     acc = acc_dtype(x.dtype)
     out = torch.zeros(num_out, feat, dtype=acc, device=x.device)
-    grp = _groups(csr, which, indptr, num_rows, ngs)
+    if grp is None:
+        grp = _groups(csr, which, indptr, num_rows, ngs)
     if grp.count == 0 or feat == 0:
         return out
     vec, dw = _vec_dw(plan, feat, feat // heads, x.element_size(), x)
@@ -161,7 +180,8 @@ def forward(csr: CSRView, x: torch.Tensor, weight: torch.Tensor | None,
     if spec.src_ids is not None and fused == "push":
         t_indptr, t_indices, t_perm = csr.transpose()
         out = _push(csr, "t", t_indptr, t_indices, t_perm, csr.num_src, csr.num_dst, x, spec.src_ids, w,
-                    spec.heads, None, spec.col_scale, plan, _PUSH_NGS, align=True)
+                    spec.heads, None, spec.col_scale, plan, _PUSH_NGS, align=True,
+                    grp=_sorted_push_groups(t_indptr, spec.src_ids))
         if spec.row_scale is not None:
             out.mul_(spec.row_scale.unsqueeze(1))
     else:

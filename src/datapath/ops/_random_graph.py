@@ -8,10 +8,11 @@ from datapath.ops._graph import CSRGraph
 
 def power_law_csr(num_dst: int, num_src: int, num_edges: int, *, alpha: float = 1.2, zero_rows: float = 0.05,
                   self_loops: bool = True, index_dtype: torch.dtype = torch.int64, seed: int = 0,
-                  device: str | torch.device = "cpu") -> CSRGraph:
+                  device: str | torch.device = "cpu", src_alpha: float | None = None) -> CSRGraph:
     """A CSR of ``num_dst`` rows over ``num_src`` sources with about ``num_edges`` edges.
 
-    Row lengths and source popularity both follow power laws (Zipf exponent ``alpha``), so a
+    Row lengths (Zipf exponent ``alpha / 2``) and source popularity (``src_alpha``, default
+    ``alpha``) follow power laws, so a
     few rows are very long, sources repeat within rows (duplicate edges), a ``zero_rows``
     fraction of rows is empty and unpopular sources get no edge (isolated).  With
     ``self_loops`` every 7th non-empty row ``d < num_src`` gets the edge ``d -> d``.
@@ -31,7 +32,7 @@ def power_law_csr(num_dst: int, num_src: int, num_edges: int, *, alpha: float = 
     indptr = torch.zeros(num_dst + 1, dtype=torch.int64)
     torch.cumsum(deg, 0, out=indptr[1:])
     e = int(indptr[-1])
-    pop = torch.arange(1, num_src + 1, dtype=torch.float64).pow(-alpha)
+    pop = torch.arange(1, num_src + 1, dtype=torch.float64).pow(-(alpha if src_alpha is None else src_alpha))
     perm = torch.randperm(num_src, generator=g)
     indices = perm[torch.multinomial(pop, e, replacement=True, generator=g)] if e else torch.empty(0, dtype=torch.int64)
     if self_loops and e:
