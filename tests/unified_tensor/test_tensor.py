@@ -10,7 +10,7 @@ import torch
 
 import datapath
 from datapath.unified_tensor import (
-    UnifiedTensor, as_unified, gather, host_tensor, is_unified, scatter, set_affinity,
+    UnifiedTensor, as_unified, gather, host_tensor, is_unified, scatter, set_affinity, to_unified,
 )
 
 gpu = pytest.mark.gpu
@@ -22,21 +22,58 @@ def table() -> torch.Tensor:
     return torch.randn(37, 11, generator=g)
 
 
-def test_to_unified_and_factories(table: torch.Tensor) -> None:
+def test_to_unified(table: torch.Tensor) -> None:
     u = table.to("unified")
     assert isinstance(u, UnifiedTensor) and u.is_unified and is_unified(u)
-    assert u.device.type == "unified"
+    assert not table.is_unified
     assert torch.equal(u.cpu(), table)
+    assert type(u.cpu()) is torch.Tensor and type(u.to("cpu")) is torch.Tensor
     assert u.to("unified") is u
-    for make in (torch.empty, torch.zeros, torch.ones, torch.rand, torch.randn):
-        t = make(4, 5, device="unified")
-        assert t.is_unified and t.shape == (4, 5) and t.dtype == torch.float32
-    assert torch.equal(torch.zeros(3, device="unified").cpu(), torch.zeros(3))
-    assert torch.equal(torch.ones(3, device="unified").cpu(), torch.ones(3))
-    r = torch.rand(1000, device="unified").cpu()
-    assert 0.0 <= r.min() and r.max() < 1.0 and r.std() > 0.2
-    assert torch.full((2,), 7, device="unified").tolist() == [7, 7]
-    assert torch.empty(0, 3, device="unified").shape == (0, 3)
+    h = u.to("unified", torch.float64)
+    assert h.is_unified and h.dtype == torch.float64 and torch.equal(h.cpu(), table.double())
+    assert torch.device("cpu") == u.device  # host memory, as PyTorch's C++ side sees it
+    assert torch.equal(to_unified(table.t()).cpu(), table.t())
+
+
+_REGISTERED_SCRIPT = r"""
+import torch, datapath
+from datapath.unified_tensor import device_registered
+assert device_registered()
+t = torch.randn(5, 3)
+u = t.to("unified")
+assert u.device.type == "unified" and u.is_unified, u.device
+for make in (torch.empty, torch.zeros, torch.ones, torch.rand, torch.randn):
+    x = make(4, 5, device="unified")
+    assert x.is_unified and x.device.type == "unified" and x.shape == (4, 5), make
+assert torch.equal(torch.zeros(3, device="unified").cpu(), torch.zeros(3))
+assert torch.equal(torch.ones(3, device="unified").cpu(), torch.ones(3))
+r = torch.rand(1000, device="unified").cpu()
+assert 0.0 <= r.min() and r.max() < 1.0 and r.std() > 0.2
+assert torch.full((2,), 7, device="unified").tolist() == [7, 7]
+assert torch.equal((u * 2).cpu(), t * 2) and (u * 2).device.type == "unified"
+assert torch.equal(u[torch.tensor([4, 0])].cpu(), t[[4, 0]])
+assert type(u.cpu()) is torch.Tensor
+print("registered-ok")
+"""
+
+
+def test_registered_device_table() -> None:
+    """With the opt-in registration, the device string works everywhere (checked in a fresh process)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DATAPATH_UNIFIED_DEVICE": "1"}
+    out = subprocess.run([sys.executable, "-c", _REGISTERED_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "registered-ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_default_import_leaves_pytorch_accelerator_alone() -> None:
+    from datapath.unified_tensor import device_registered
+
+    assert not device_registered()
+    assert torch._C._get_privateuse1_backend_name() == "privateuseone"
 
 
 def test_ops_follow_host_affinity(table: torch.Tensor) -> None:
@@ -115,7 +152,7 @@ def test_inplace_ops_write_host_memory(table: torch.Tensor) -> None:
 def test_conversions(table: torch.Tensor) -> None:
     u = table.to("unified")
     c = u.cpu()
-    assert type(c) is torch.Tensor and c.device.type == "cpu"
+    assert type(c) is torch.Tensor and c.device.type == "cpu" and not c.is_unified
     c[0, 0] = -99.0  # a copy
     assert u.cpu()[0, 0] != -99.0
     n = u.numpy()  # a view, as for CPU tensors
@@ -125,7 +162,7 @@ def test_conversions(table: torch.Tensor) -> None:
     assert u.tolist() == u.cpu().tolist()
     assert torch.equal(copy.deepcopy(u).cpu(), u.cpu())
     assert torch.equal(pickle.loads(pickle.dumps(u)).cpu(), u.cpu())
-    assert "device='unified:0'" in repr(u)
+    assert "unified" in repr(u) and "affinity='host'" in repr(u)
 
 
 def test_as_unified_shares_memory() -> None:
@@ -170,7 +207,7 @@ def test_pin_limit_error() -> None:
 
 
 def test_top_level_exports() -> None:
-    assert datapath.is_unified(torch.zeros(1, device="unified"))
+    assert datapath.is_unified(torch.zeros(1).to("unified"))
     assert datapath.as_unified is as_unified
 
 
@@ -251,3 +288,16 @@ def test_registration_keeps_cuda_pinning_working() -> None:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(t), batch_size=16, pin_memory=True)
     batch = next(iter(loader))[0]
     assert batch.is_pinned() and torch.equal(batch, t[:16])
+
+
+@gpu
+def test_cuda_training_works_after_import() -> None:
+    # the opt-in PrivateUse1 registration would break this (pytorch#161129); the default import must not
+    assert torch.accelerator.current_accelerator().type == "cuda"
+    u = torch.randn(100, 16).to("unified")
+    w = torch.randn(16, 4, device="cuda", requires_grad=True)
+    idx = torch.randint(0, 100, (32,), device="cuda")
+    loss = (u[idx] @ w).square().sum()
+    loss.backward()
+    ref = (u.cpu()[idx.cpu()] @ w.detach().cpu())
+    assert torch.allclose(w.grad.cpu(), 2 * u.cpu()[idx.cpu()].t() @ ref, rtol=1e-4, atol=1e-3)

@@ -1,9 +1,21 @@
-"""Registration of the ``"unified"`` device (PyTorch's PrivateUse1 slot, backed from Python).
+"""The ``"unified"`` device name.
 
-After `register()`, ``torch.device("unified")`` exists, ``Tensor.to("unified")``,
-``Tensor.is_unified`` and the factory functions (``torch.empty/zeros/ones/rand/randn``
-with ``device="unified"``) produce `UnifiedTensor`s.  Registration happens once, when
-datapath is imported.
+Two levels:
+
+- Always, from ``import datapath``: ``t.to("unified")`` returns a `UnifiedTensor`
+  (a copy in pinned host memory) and ``t.is_unified`` tells one apart.  The
+  tensor's ``device`` is ``cpu`` as far as PyTorch's C++ side is concerned (its
+  memory *is* host memory); its ``__torch_dispatch__`` applies the placement rules.
+- Opt-in, `register_device()` (or ``DATAPATH_UNIFIED_DEVICE=1`` before the import):
+  PyTorch's PrivateUse1 slot is renamed ``"unified"`` and backed from Python, so
+  ``torch.device("unified")``, ``torch.empty/zeros/ones/rand/randn(...,
+  device="unified")`` work and new unified tensors report ``device.type ==
+  "unified"``.  The price, in PyTorch 2.8 and later: a named PrivateUse1 backend
+  becomes the process's default accelerator, and autograd then finds no stream for
+  CUDA nodes, so every CUDA ``backward()`` in the process fails
+  (``opt_ready_stream && opt_parent_stream``, pytorch/pytorch#161129), and the
+  registration cannot be undone.  Register the device only in processes that do
+  no CUDA training (data preparation, inference).
 """
 from __future__ import annotations
 
@@ -112,8 +124,75 @@ def _route_pinning_to_cuda() -> None:
     torch.Tensor.is_pinned = is_pinned  # type: ignore[method-assign]
 
 
+def device_registered() -> bool:
+    """True once `register_device` has named PrivateUse1 ``"unified"`` in this process."""
+    return bool(_library)
+
+
+def _wants_unified(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    dev = args[0] if args else kwargs.get("device")
+    if dev.__class__ is str:
+        return dev.startswith(NAME)
+    return isinstance(dev, torch.device) and dev.type == NAME
+
+
+def _wants_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    dev = args[0] if args else kwargs.get("device")
+    if dev.__class__ is str:
+        return dev == "cpu"
+    return isinstance(dev, torch.device) and dev.type == "cpu"
+
+
+def install_to_unified() -> None:
+    """Make ``Tensor.to("unified")`` and ``Tensor.is_unified`` work (no device registration needed)."""
+    from datapath.unified_tensor.tensor import UnifiedTensor, to_unified  # noqa: PLC0415
+
+    if getattr(torch.Tensor.to, "_datapath_routed", False):
+        return
+    orig_to = torch.Tensor.to
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args or "device" in kwargs:
+            if _wants_unified(args, kwargs):
+                dtype = kwargs.get("dtype")
+                if dtype is None and len(args) > 1 and isinstance(args[1], torch.dtype):
+                    dtype = args[1]
+                return to_unified(self, dtype)
+            if isinstance(self, UnifiedTensor) and _wants_cpu(args, kwargs):
+                # PyTorch would hand back the same tensor ("already on the CPU"); give a plain copy
+                return orig_to(self.cpu(), *args, **kwargs)
+        return orig_to(self, *args, **kwargs)
+
+    to._datapath_routed = True  # type: ignore[attr-defined]
+    to.__doc__ = orig_to.__doc__
+    torch.Tensor.to = to  # type: ignore[method-assign]
+    _set_is_unified(UnifiedTensor)
+
+
+def _set_is_unified(cls: type) -> None:
+    torch.Tensor.is_unified = property(  # type: ignore[attr-defined]
+        lambda self: isinstance(self, cls), doc="True for a tensor in unified (pinned, GPU-mapped) host memory."
+    )
+
+
+def register_device() -> None:
+    """Name PyTorch's PrivateUse1 device ``"unified"`` (idempotent; cannot be undone).
+
+    Read the module docstring first: in PyTorch >= 2.8 this breaks CUDA autograd in
+    the whole process.
+    """
+    from datapath.unified_tensor.tensor import UnifiedTensor  # noqa: PLC0415
+
+    if "is_unified" in vars(torch.Tensor) and not _library:
+        delattr(torch.Tensor, "is_unified")  # PyTorch generates its own; ours is put back below
+    try:
+        register()
+    finally:
+        _set_is_unified(UnifiedTensor)
+
+
 def register() -> None:
-    """Register the ``"unified"`` device once per process (idempotent)."""
+    """Register the PrivateUse1 backend as ``"unified"`` once per process (idempotent)."""
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     with _lock:

@@ -96,9 +96,14 @@ class UnifiedTensor(torch.Tensor):
     def tolist(self) -> Any:  # noqa: D102 - same as torch.Tensor.tolist
         return self._host.tolist()
 
+    def cpu(self, memory_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:
+        """A plain CPU tensor with a copy of the data (as ``cuda_t.cpu()`` gives)."""
+        return self._host.clone(memory_format=memory_format)
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         body = repr(self._host)
-        return f"{body[:-1]}, device='{self.device}', affinity='{self._affinity}')"
+        where = f"device='{self.device}'" if self.device.type == "unified" else "unified"
+        return f"{body[:-1]}, {where}, affinity='{self._affinity}')"
 
     def __reduce_ex__(self, protocol: int) -> Any:
         return (_rebuild, (self._host.clone(), self._affinity))
@@ -123,13 +128,30 @@ def _rebuild(host: torch.Tensor, affinity: str) -> UnifiedTensor:
     return _wrap_new(host, affinity)
 
 
-_DEVICE_CACHE: list[torch.device] = []
+_CPU = torch.device("cpu")
 
 
 def _unified_device() -> torch.device:
-    if not _DEVICE_CACHE:
-        _DEVICE_CACHE.append(torch.device("unified", 0))
-    return _DEVICE_CACHE[0]
+    """``unified:0`` once the device name is registered, else ``cpu`` (see `_device`)."""
+    from datapath.unified_tensor._device import device_registered  # noqa: PLC0415
+
+    return torch.device("unified", 0) if device_registered() else _CPU
+
+
+def to_unified(t: torch.Tensor, dtype: torch.dtype | None = None,
+               affinity: Affinity = "host") -> "UnifiedTensor":
+    """A unified copy of ``t`` (any device), optionally converted to ``dtype``; ``t`` itself if nothing changes.
+
+    Unified tensors carry no autograd history: the copy is detached.
+    """
+    if isinstance(t, UnifiedTensor):
+        if dtype is None or dtype == t.dtype:
+            return t
+        return _wrap_new(t._host.to(dtype), t._affinity)
+    src = t.detach()
+    host = pinned_empty(tuple(src.shape), dtype or src.dtype)
+    host.copy_(src)
+    return UnifiedTensor(host, affinity)
 
 
 def _wrap_new(t: torch.Tensor, affinity: Affinity = "host") -> UnifiedTensor:
