@@ -7,6 +7,7 @@ Ways (BENCHMARKS.md, B1):
   datapath     feats_unified[idx_cuda]                          our kernel, circular shift, rows visited
                                                                 in sorted order on large tables
   dp_nosort    the same in the caller's index order
+  dp_async     datapath with the bounds check raised by the next call (no wait per call)
   dp_shiftmask / dp_unaligned                                  our kernel, the ablation schemes
   ideal        bytes / pinned cudaMemcpy bandwidth measured in this run
 
@@ -26,7 +27,7 @@ import torch
 import datapath  # noqa: F401  (registers the unified device)
 from benchmarks._common import RESULTS_DIR, cuda_time_ms, print_table, write_result
 from datapath._runtime import cuda_alias, device_label, pinned_empty, require_cuda
-from datapath.unified_tensor import as_unified, gather
+from datapath.unified_tensor import as_unified, check_errors, config, gather
 
 
 def _fill(buf: torch.Tensor) -> None:
@@ -50,8 +51,16 @@ def _ways(table: torch.Tensor, sets: list[torch.Tensor], sets_cuda: list[torch.T
     """For each way, one callable per index set."""
     unified = as_unified(table)
     alias = cuda_alias(table)
+    def unchecked(i: torch.Tensor) -> torch.Tensor:
+        config.sync_bounds_check = False  # bounds still checked, the error raised by a later call
+        try:
+            return unified[i]
+        finally:
+            config.sync_bounds_check = True
+
     ways: dict[str, list] = {
         "datapath": [lambda i=i: unified[i] for i in sets_cuda],
+        "dp_async": [lambda i=i: unchecked(i) for i in sets_cuda],
         "dp_nosort": [lambda i=i: gather(unified, i, sort=False) for i in sets_cuda],
         "dp_shiftmask": [lambda i=i: gather(unified, i, mode="shift_mask") for i in sets_cuda],
         "dp_unaligned": [lambda i=i: gather(unified, i, mode="unaligned") for i in sets_cuda],
@@ -116,6 +125,7 @@ def run(quick: bool) -> dict:
         want = table[idx_cpu[:1000]].view(torch.int32)  # random bytes: compare bits (NaNs are not equal)
         got = gather(as_unified(table), idx_cuda[:1000]).cpu().view(torch.int32)
         assert torch.equal(got, want), "datapath gather wrong"
+        check_errors()
         rec["table_bytes"] = n * row_bytes
         rows.append(rec)
         print(f"  {sweep:5s} row {row_bytes:6d} B x {m:8d}: datapath {rec['datapath_GBps']:.1f} GB/s "
@@ -131,6 +141,13 @@ def run(quick: bool) -> dict:
     align_m = 65536 if quick else 262144
     for rb in range(2048, 2077, 4):
         measure(rb, align_m, include_py=False, sweep="align")
+    # grid size: blocks per SM (the default leaves room for kernels running beside the gather)
+    default_bps = config.blocks_per_sm
+    for bps in (1, 2, 4, 8):
+        config.blocks_per_sm = bps
+        for rb in (512, 2052):
+            measure(rb, align_m, include_py=False, sweep=f"grid{bps}")
+    config.blocks_per_sm = default_bps
     # the same gathers from ever larger tables: small rows are limited by address
     # translation (one page per random row), not by the kernel: naive_zc shows it too
     for rb in (256, 512, 1024):
@@ -148,7 +165,7 @@ def run(quick: bool) -> dict:
         "speedup_vs_naive_zc_2052B": next(r["naive_zc_ms"] / r["datapath_ms"] for r in rows
                                           if r["sweep"] == "align" and r["row_bytes"] == 2052),
     }
-    return {"quick": quick, "table_buffer_bytes": buf_bytes, "memcpy_GBps": peak, "rows": rows, "bars": bars}
+    return {"quick": quick, "table_buffer_bytes": buf_bytes, "blocks_per_sm": default_bps, "memcpy_GBps": peak, "rows": rows, "bars": bars}
 
 
 def plot(result: dict) -> None:
@@ -205,7 +222,8 @@ def main() -> None:
     path = write_result("gather", result)
     plot(result)
     table = [{"sweep": r["sweep"], "row_B": r["row_bytes"], "rows": r["rows"],
-              "datapath": r["datapath_GBps"], "nosort": r["dp_nosort_GBps"], "shiftmask": r["dp_shiftmask_GBps"],
+              "datapath": r["datapath_GBps"], "async": r["dp_async_GBps"], "nosort": r["dp_nosort_GBps"],
+              "shiftmask": r["dp_shiftmask_GBps"],
               "unaligned": r["dp_unaligned_GBps"], "naive_zc": r["naive_zc_GBps"],
               "py_pinned": r.get("py_pinned_GBps", ""), "py": r.get("py_GBps", ""),
               "dp/ideal": r["datapath_GBps"] / result["memcpy_GBps"]} for r in result["rows"]]

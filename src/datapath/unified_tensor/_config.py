@@ -24,6 +24,9 @@ class UnifiedConfig:
             not block: out-of-range rows come back as zeros, and the error is raised
             by the next gather/scatter or by ``check_errors()``.
         threads_per_block: CUDA block size of the gather/scatter kernels.
+        blocks_per_sm: grid size of the kernels, in blocks per multiprocessor.  Two
+            keep enough bytes in flight to cover PCIe latency while leaving most of
+            the GPU to kernels that run beside the gather (training on another stream).
         sort_indices: visit the rows in sorted index order (``True``/``False``), or
             ``"auto"``: when at least ``sort_min_rows`` rows are moved from a table of at
             least ``sort_min_table_bytes``.  Random rows of a multi-GB table each cost an
@@ -34,6 +37,7 @@ class UnifiedConfig:
     gather_mode: GatherMode = "circular"
     sync_bounds_check: bool = True
     threads_per_block: int = 256
+    blocks_per_sm: int = 2
     sort_indices: bool | Literal["auto"] = "auto"
     sort_min_rows: int = 4096
     sort_min_table_bytes: int = 256 << 20
@@ -41,6 +45,8 @@ class UnifiedConfig:
     def __setattr__(self, name: str, value: object) -> None:
         if name == "gather_mode" and value not in GATHER_MODES:
             raise ValueError(f"gather_mode must be one of {sorted(GATHER_MODES)}, got {value!r}")
+        if name == "blocks_per_sm" and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"blocks_per_sm must be a positive int, got {value!r}")
         if name == "threads_per_block" and (not isinstance(value, int) or value % 32 or not 32 <= value <= 1024):
             raise ValueError(f"threads_per_block must be a multiple of 32 in [32, 1024], got {value!r}")
         super().__setattr__(name, value)

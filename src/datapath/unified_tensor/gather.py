@@ -135,7 +135,8 @@ def _launch_rows(direction: str, host: torch.Tensor, idx: torch.Tensor, dev_rows
     g = 32 if words >= 32 else 1 << max(0, (words - 1).bit_length())
     tpb = config.threads_per_block
     groups_per_block = tpb // g
-    blocks = max(1, min(-(-m // groups_per_block), kernels.multiprocessor_count(idx.device.index) * 8))
+    max_blocks = kernels.multiprocessor_count(idx.device.index) * config.blocks_per_sm
+    blocks = max(1, min(-(-m // groups_per_block), max_blocks))
     order = None
     if _sorts(m, n_rows * row_stride, sort):
         idx, order = torch.sort(idx)
