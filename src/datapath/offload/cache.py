@@ -179,6 +179,9 @@ class _Record:
         self.t0: Any = None
         self.t_bwd0: Any = None
         self.tensors: list[tuple[int, int, Any]] = []  # profiling: (segment, nbytes, ready mark)
+        self.pace = False          # pace the CPU to the GPU at unit boundaries (CUDA models)
+        self.pace_fwd: Any = None  # event at the start of the last unit's forward
+        self.pace_bwd: Any = None  # event at the start of the last unit's backward
         self.bytes_written = 0
         self.write_s = 0.0
         self.bytes_read = 0
@@ -209,6 +212,12 @@ class TensorCache:
         max_inflight_bytes: bound on the device bytes waiting to be stored; a pack hook that would
             exceed it waits for stores to finish (forward slows to the target's bandwidth, the
             memory peak stays low).  None: no bound.
+        pace: on CUDA, keep the CPU at most about one unit ahead of the GPU (wait at unit boundaries,
+            and for the end of the forward before the backward starts).  The allocator counts
+            memory in CPU order: without pacing the CPU can launch the whole backward before the
+            GPU has stored anything, and the stores free nothing in time.
+        profile_after: forward passes run with ``policy="all"`` before the adaptive policy profiles
+            one (the first pays one-time costs: pinning the host pool, library initialisation).
         units: modules whose calls form the scopes (default: the blocks of the largest ModuleList/Sequential).
     """
 
@@ -218,7 +227,8 @@ class TensorCache:
                  host_budget_bytes: int | None = None, max_disk_bytes: int | None = None,
                  engine: str = "auto", io_threads: int = 4, io_chunk_bytes: int = 16 << 20,
                  host_slab_bytes: int = 256 << 20, verify: bool = False, stall_tolerance: float = 0.02,
-                 replan_threshold: float = 0.25, max_inflight_bytes: int | None = None) -> None:
+                 replan_threshold: float = 0.25, max_inflight_bytes: int | None = None,
+                 pace: bool = True, profile_after: int = 1) -> None:
         if target not in TARGETS:
             raise OffloadConfigError(f"target must be one of {TARGETS}, got {target!r}")
         if policy not in POLICIES:
@@ -248,6 +258,9 @@ class TensorCache:
         self._lock = threading.RLock()
         self._space = threading.Condition(self._lock)
         self.max_inflight_bytes = max_inflight_bytes
+        self.pace = pace
+        self.profile_after = int(profile_after)
+        self._records_total = 0
         self._inflight_bytes = 0
         self._attr = f"_datapath_sid_{uuid.uuid4().hex[:10]}"
         self._ids = itertools.count(1)
@@ -559,6 +572,7 @@ class TensorCache:
     def _on_unit_enter(self, name: str, module: nn.Module, args: Any) -> None:
         if _in_backward():
             return
+        wait_ev = None
         with self._lock:
             rec = self._record
             if rec is None or rec.backward_started:
@@ -571,6 +585,14 @@ class TensorCache:
                 if rec.profiling:
                     seg.t_start = self._mark(None)
                 rec.segments.append(seg)
+                if rec.pace:
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    wait_ev, rec.pace_fwd = rec.pace_fwd, ev
+        if wait_ev is not None:
+            # pacing: launch unit k only once the GPU has started unit k-1, so that "now" on the CPU
+            # is "now" on the GPU within a unit (stores have had their time, memory is freed in order)
+            wait_ev.synchronize()
 
     def _on_unit_exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
         if _in_backward():
@@ -593,11 +615,22 @@ class TensorCache:
                     fn.register_prehook(functools.partial(self._on_unit_backward, rec, seg.index))
 
     def _on_unit_backward(self, rec: _Record, j: int, grad_outputs: Any) -> None:
+        wait_ev = None
         with self._lock:
             seg = rec.segments[j]
             if seg.bwd_fired:
                 return
             seg.bwd_fired = True
+            if rec.pace:
+                ev = torch.cuda.Event()
+                ev.record()
+                # the first backward unit waits for the whole forward (the memory peak forms here);
+                # later ones for the GPU to reach the previous unit's backward
+                wait_ev = ev if rec.pace_bwd is None else rec.pace_bwd
+                rec.pace_bwd = ev
+        if wait_ev is not None:
+            wait_ev.synchronize()
+        with self._lock:
             if rec.profiling:
                 seg.t_bwd = self._mark(None)
             if not rec.backward_started:
@@ -624,12 +657,15 @@ class TensorCache:
     def _start_record(self, microbatch: int | None = None) -> _Record:
         self._maybe_plan()
         self._drop_idle_record(self._record)
-        profiling = self.policy == "adaptive" and self.plan is None and self._profiling_record is None
+        profiling = (self.policy == "adaptive" and self.plan is None and self._profiling_record is None
+                     and self._records_total >= self.profile_after)
+        self._records_total += 1
         adaptive_ready = self.policy == "adaptive" and self.plan is not None
         rec = _Record(next(self._rids), profiling,
                       self.plan.cutoff if adaptive_ready else None,
                       self.plan.prefetch_distance if adaptive_ready else self.prefetch_distance,
                       self._expected_units, microbatch if microbatch is not None else self._mb)
+        rec.pace = self.pace and torch.cuda.is_available() and bool(self._models) and self._cuda_model()
         if profiling:
             self._profiling_record = rec
             rec.t0 = self._mark(None)
@@ -700,6 +736,9 @@ class TensorCache:
         prof = self._build_profile(rec)
         self.profile = prof
         self.plan = plan_offload(prof, stall_tolerance=self.stall_tolerance)
+        if self.plan.cutoff == 0:
+            log.info("adaptive offload: nothing can be offloaded in time at %.2f GB/s write, %.2f GB/s read",
+                     prof.write_bandwidth / 1e9, prof.read_bandwidth / 1e9)
         log.info("adaptive offload plan: %d of %d storages (%.2f of %.2f GB), prefetch %d unit(s) ahead; "
                  "write %.2f GB/s, read %.2f GB/s, predicted stall %.1f ms",
                  self.plan.cutoff, len(prof.tensors), self.plan.bytes_planned / 1e9, self.plan.bytes_total / 1e9,

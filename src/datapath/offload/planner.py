@@ -142,11 +142,13 @@ def simulate(profile: StepProfile, cutoff: int, distance: int, write_bw: float, 
 
 
 def plan_offload(profile: StepProfile, *, stall_tolerance: float = 0.02, safety: float = 0.9,
-                 max_distance: int = 2, write_bandwidth: float | None = None,
+                 max_distance: int | None = None, write_bandwidth: float | None = None,
                  read_bandwidth: float | None = None) -> OffloadPlan:
     """The longest prefix of ``profile.tensors`` that can be offloaded without slowing the step.
 
-    Bandwidths default to the profile's measured ones, scaled by ``safety``.
+    Bandwidths default to the profile's measured ones, scaled by ``safety``.  Every prefetch
+    distance up to ``max_distance`` units (default: all) is tried; the most bytes win, the
+    shortest distance among equals (loads held in memory for the least time).
     """
     w = (write_bandwidth or profile.write_bandwidth) * safety
     r = (read_bandwidth or profile.read_bandwidth or profile.write_bandwidth) * safety
@@ -155,7 +157,8 @@ def plan_offload(profile: StepProfile, *, stall_tolerance: float = 0.02, safety:
     budget = stall_tolerance * step
     best = (0, 1, 0.0)
     if w > 0 and r > 0 and profile.tensors:
-        for d in range(1, max_distance + 1):
+        n_units = sum(1 for seg in profile.segments if seg.is_unit)
+        for d in range(1, max(1, max_distance or n_units) + 1):
             lo, hi = 0, len(profile.tensors)  # feasibility is monotone in the prefix length
             while lo < hi:
                 mid = (lo + hi + 1) // 2
