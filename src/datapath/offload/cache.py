@@ -1073,6 +1073,7 @@ class TensorCache:
     def set_microbatch(self, index: int) -> None:
         """Hint: the next forward (or backward) is for micro-batch ``index`` (pipeline schedules)."""
         with self._lock:
+            self.stats.microbatch_hints += 1
             self._mb = index
             rec = self._by_mb.get(index)
             if rec is None or rec.complete:

@@ -14,6 +14,7 @@ class OffloadStats:
     """
 
     records: int = 0               # forward passes seen (one per micro-batch)
+    microbatch_hints: int = 0      # set_microbatch calls (pipeline schedule hints)
     packs: int = 0                 # saved tensors offered by autograd
     unpacks: int = 0               # saved tensors handed back to autograd
     storages_offloaded: int = 0    # storages queued for the target
