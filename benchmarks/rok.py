@@ -32,8 +32,8 @@ if os.environ.get("DATAPATH_ROK_KEEP_PRIVATEUSE1") != "1" and torch.cuda.is_avai
 
 from benchmarks._common import RESULTS_DIR, print_table, write_result  # noqa: E402
 from datapath._runtime import device_label  # noqa: E402
-from datapath.offload.presets import build_workload, get_preset  # noqa: E402
-from datapath.offload.rok import RokResult, sweep  # noqa: E402
+from datapath.offload.presets import TransformerConfig, build_workload, get_preset  # noqa: E402
+from datapath.offload.rok import RokPoint, RokResult, sweep  # noqa: E402
 from datapath.offload.ssd_plan import activation_breakdown  # noqa: E402
 
 OFFLOAD_PREFIX = ("offload-", "recompute+offload-")
@@ -62,32 +62,108 @@ def _bar_rows(name: str, res: RokResult) -> list[dict[str, Any]]:
 
 def _estimate_rows(name: str, res: RokResult, check: RokResult, cfg: Any, dtype: torch.dtype,
                    device: str) -> list[dict[str, Any]]:
-    """ssd-plan's activation bytes per step against what the offloader wrote per step.
+    """ssd-plan's activation bytes per step against what the offloader took and wrote per step.
 
-    ``check``: offload-host with ``min_bytes=0, keep_last_modules=0``, so the offloader
-    is asked to write every saved activation: compared with `activation_breakdown`'s
-    total (the bar: within 10%). The sweep's policy-"all" points (defaults: the last
-    layer and storages under 1 MiB kept) are listed with the share of the estimate they
-    wrote, for information.
+    ``check``: offload-host with ``min_bytes=0, keep_last_modules=0``, so every saved
+    activation is handed to the offloader: `activation_breakdown`'s total is compared
+    with the bytes it queued for writing (``bytes_queued``) and with the bytes it
+    actually wrote (``bytes_offloaded``; stores cancelled because the tensor was
+    needed first are not written). The sweep's policy-"all" points (defaults: the
+    last layer and storages under 1 MiB kept) are listed for information.
     """
     rows = []
     for kind, result in (("check", check), ("sweep", res)):
         for p in result.points:
             if p.strategy not in ("offload-host", "offload-ssd") or not p.ok or p.bytes_offloaded_per_step is None:
                 continue
+            per = p.offload_stats_per_step or {}
             est = activation_breakdown(cfg.shape(p.micro_batch, dtype, device))["total"]
-            ratio = p.bytes_offloaded_per_step / est
+            queued = per.get("bytes_queued")
             rows.append({
                 "config": name, "run": kind, "strategy": p.strategy, "mb": p.micro_batch,
                 "estimate_GB": est / 1e9,
-                "offloaded_GB": p.bytes_offloaded_per_step / 1e9,
-                "ratio": ratio,
-                "within_10pct": bool(abs(ratio - 1) <= 0.10) if kind == "check" else None,
+                "queued_GB": None if queued is None else queued / 1e9,
+                "written_GB": p.bytes_offloaded_per_step / 1e9,
+                "forwarded_GB": per.get("bytes_forwarded", 0.0) / 1e9,
+                "queued_vs_est": None if queued is None else queued / est,
+                "written_vs_est": p.bytes_offloaded_per_step / est,
+                "queued_within_10pct": (bool(abs(queued / est - 1) <= 0.10)
+                                        if kind == "check" and queued is not None else None),
+                "written_within_10pct": bool(abs(p.bytes_offloaded_per_step / est - 1) <= 0.10)
+                if kind == "check" else None,
             })
     return rows
 
 
-def _plot(results: dict[str, RokResult], budget: float | None, device: str) -> None:
+def _summary(bar_rows: list[dict[str, Any]], est_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    checks = [r for r in est_rows if r["run"] == "check"]
+    by_strategy: dict[str, dict[str, int]] = {}
+    for r in bar_rows:
+        d = by_strategy.setdefault(r["strategy"], {"points": 0, "tput_within_5pct": 0, "peak_below_recompute": 0,
+                                                   "both": 0})
+        d["points"] += 1
+        d["tput_within_5pct"] += bool(r["tput_vs_keep"] is not None and r["tput_vs_keep"] >= 0.95)
+        d["peak_below_recompute"] += bool(r["peak_vs_recompute"] is not None and r["peak_vs_recompute"] < 1.0)
+        d["both"] += bool(r["bar_met"])
+    return {
+        "bar": {"rows": bar_rows, "offload_points": len(bar_rows), "met": sum(r["bar_met"] for r in bar_rows),
+                "by_strategy": by_strategy},
+        "estimate_check": {
+            "rows": est_rows,
+            "queued_within_10pct": bool(checks) and all(r["queued_within_10pct"] for r in checks),
+            "written_within_10pct": bool(checks) and all(r["written_within_10pct"] for r in checks),
+        },
+    }
+
+
+def _load(doc_configs: dict[str, Any]) -> dict[str, RokResult]:
+    out = {}
+    fields = set(RokPoint.__dataclass_fields__)
+    for n, d in doc_configs.items():
+        pts = [RokPoint(**{k: v for k, v in p.items() if k in fields}) for p in d["points"]]
+        out[n] = RokResult(d["workload"], d["device"], d["dtype"], pts, d.get("settings", {}))
+    return out
+
+
+def _reanalyze(path: str, budget: float | None) -> None:
+    """Recompute the bar and estimate tables and the plot from a rok.json (no GPU needed)."""
+    import json
+
+    with open(path) as f:
+        doc = json.load(f)
+    results, checks = _load(doc["configs"]), _load(doc["estimate_check_runs"])
+    dtype = getattr(torch, next(iter(results.values())).dtype)
+    device = "cuda" if doc["machine"].get("gpu") else "cpu"
+    bar_rows: list[dict[str, Any]] = []
+    est_rows: list[dict[str, Any]] = []
+    for n, r in results.items():
+        bar_rows += _bar_rows(n, r)
+        wl = r.workload
+        cfg = TransformerConfig(**{k: wl[k] for k in TransformerConfig.__dataclass_fields__ if k in wl})
+        est_rows += _estimate_rows(n, r, checks[n], cfg, dtype, device)
+    doc.update(_summary(bar_rows, est_rows))
+    doc["reanalyzed"] = "bar and estimate tables recomputed from the measured points by benchmarks/rok.py --reanalyze"
+    if budget is None:
+        budget = doc["configs"][next(iter(results))].get("budget_bytes")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / "rok.json").write_text(json.dumps(doc, indent=1, default=str))
+    _plot(results, budget, doc["machine"]["gpu"]["name"] if doc["machine"].get("gpu") else "cpu")
+    _report(results, budget, bar_rows, est_rows)
+
+
+def _report(results: dict[str, RokResult], budget: float | None, bar_rows: list[dict[str, Any]],
+            est_rows: list[dict[str, Any]]) -> None:
+    for n, r in results.items():
+        print(f"\n{n}")
+        print(r.format_table(budget))
+    if est_rows:
+        print("\nssd-plan activation estimate vs bytes the offloader queued / wrote (per step)")
+        print_table(est_rows)
+    print("\nbar: offload >= 0.95 x keep throughput and < recompute activation peak, same micro-batch")
+    print_table(bar_rows)
+
+
+def _plot(results: dict[str, RokResult], budget: float | None, label: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,7 +171,7 @@ def _plot(results: dict[str, RokResult], budget: float | None, device: str) -> N
 
     fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 5), squeeze=False)
     for ax, (n, r), tag in zip(axes[0], results.items(), "abcdefgh"):
-        r.plot_on(ax, budget, title=f"({tag}) {n}, {device_label() if device == 'cuda' else 'cpu'}")
+        r.plot_on(ax, budget, title=f"({tag}) {n}, {label}")
     fig.tight_layout()
     fig.savefig(RESULTS_DIR / "rok.png", dpi=120)
     plt.close(fig)
@@ -112,7 +188,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--budget-gb", type=float, default=None, help="activation budget for the verdict")
     ap.add_argument("--ssd-path", default=None, help="directory for the ssd target (default: a temp dir)")
+    ap.add_argument("--reanalyze", metavar="ROK_JSON", help="recompute tables and plot from a result file")
     args = ap.parse_args()
+    if args.reanalyze:
+        _reanalyze(args.reanalyze, None if args.budget_gb is None else args.budget_gb * 1e9)
+        return
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -137,17 +217,12 @@ def main() -> None:
         payload = {
             "configs": {n: r.to_dict(budget) for n, r in results.items()},
             "estimate_check_runs": {n: r.to_dict() for n, r in checks.items()},
-            "bar": {"rows": bar_rows, "offload_points": len(bar_rows), "met": sum(r["bar_met"] for r in bar_rows)},
-            "estimate_check": {
-                "rows": est_rows,
-                "bar_within_10pct": bool([r for r in est_rows if r["run"] == "check"])
-                and all(r["within_10pct"] for r in est_rows if r["run"] == "check"),
-            },
+            **_summary(bar_rows, est_rows),
             "wall_s": time.perf_counter() - t_start,
             "workarounds": WORKAROUNDS,
         }
         write_result("rok", payload)
-        _plot(results, budget, device)
+        _plot(results, budget, device_label() if cuda else "cpu")
 
     for spec in configs:
         cfg = get_preset(spec)
@@ -175,14 +250,7 @@ def main() -> None:
 
     print(f"wrote {RESULTS_DIR / 'rok.json'} and {RESULTS_DIR / 'rok.png'}")
 
-    for n, r in results.items():
-        print(f"\n{n}")
-        print(r.format_table(budget))
-    if est_rows:
-        print("\nssd-plan activation estimate vs bytes the offloader wrote (per step)")
-        print_table(est_rows)
-    print("\nbar: offload >= 0.95 x keep throughput and < recompute activation peak, same micro-batch")
-    print_table(bar_rows)
+    _report(results, budget, bar_rows, est_rows)
 
 
 if __name__ == "__main__":
