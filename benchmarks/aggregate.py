@@ -43,7 +43,7 @@ if os.environ.get("DATAPATH_AGG_KEEP_PRIVATEUSE1") != "1" and torch.cuda.is_avai
     WORKAROUNDS.append("PrivateUse1 rename for the 'unified' device skipped (pytorch#161129 breaks CUDA backward)")
 
 import datapath  # noqa: E402, F401
-from benchmarks._common import RESULTS_DIR  # noqa: E402, cuda_time_ms, print_table, write_result
+from benchmarks._common import RESULTS_DIR, cuda_time_ms, print_table, write_result  # noqa: E402
 from datapath._runtime import cuda_alias, device_label, pinned_empty, require_cuda  # noqa: E402
 from datapath.ops import CSRGraph, aggregate, plan_aggregation  # noqa: E402
 from datapath.ops._random_graph import power_law_csr  # noqa: E402
@@ -175,7 +175,6 @@ def bench_spmm(graphs: dict[str, CSRGraph], widths: tuple[int, ...], repeat: int
                   f"{res['cusparse_pret'][1]:.3f}, index_add {res['index_add'][1]:.3f}, atomic-bwd "
                   f"{res['dp_atomic'][1]:.3f})", flush=True)
             del x, gy
-        del a, at
         if checkpoint is not None:
             checkpoint()
     return rows
