@@ -30,17 +30,6 @@ import time
 from typing import Any
 
 import torch
-import torch.utils.backend_registration as _backend_registration
-
-# Importing datapath registers the "unified" device by renaming PyTorch's PrivateUse1 backend; from
-# torch 2.8 on that makes PrivateUse1 the process's accelerator and every CUDA backward trips
-# `opt_ready_stream && opt_parent_stream` (pytorch#161129).  This benchmark needs CUDA backward and
-# no unified tensor (its host table is plain pinned memory, the same memory a unified tensor holds),
-# so it skips the rename unless DATAPATH_AGG_KEEP_PRIVATEUSE1=1.
-WORKAROUNDS: list[str] = []
-if os.environ.get("DATAPATH_AGG_KEEP_PRIVATEUSE1") != "1" and torch.cuda.is_available():
-    _backend_registration._setup_privateuseone_for_python_backend = lambda *a, **k: None  # type: ignore[assignment]
-    WORKAROUNDS.append("PrivateUse1 rename for the 'unified' device skipped (pytorch#161129 breaks CUDA backward)")
 
 import datapath  # noqa: E402, F401
 from benchmarks._common import RESULTS_DIR, cuda_time_ms, print_table, write_result  # noqa: E402
@@ -400,7 +389,7 @@ def main() -> None:
     widths = (16, 128) if args.quick else WIDTHS
     repeat = 5
     graphs = {n: make_graph(n, *DATASETS[n], seed=i) for i, n in enumerate(names)}
-    out: dict[str, Any] = {"quick": args.quick, "workarounds": WORKAROUNDS, "summary": {}, "spmm": [], "fused": {}, "variants": [],
+    out: dict[str, Any] = {"quick": args.quick, "summary": {}, "spmm": [], "fused": {}, "variants": [],
                            "layers": [], "model_sweep": [], "skipped": [], "errors": {}}
 
     def part(name: str, fn: Any) -> Any:

@@ -30,16 +30,6 @@ import time
 from typing import Any
 
 import torch
-import torch.utils.backend_registration as _backend_registration
-
-# Importing datapath registers the "unified" device in PyTorch's PrivateUse1 slot. PyTorch then
-# takes PrivateUse1 for the process's accelerator, and torch 2.11-2.13 drops the streams of CUDA
-# autograd nodes: every CUDA backward fails (pytorch/pytorch#161129). B2 trains on CUDA, so unless
-# DATAPATH_B2_REGISTER_UNIFIED=1 the registration is skipped here; the loaders need no unified
-# device (unified memory = pinned host memory, read by datapath.unified_tensor.gather).
-UNIFIED_DEVICE_REGISTERED = os.environ.get("DATAPATH_B2_REGISTER_UNIFIED") == "1"
-if not UNIFIED_DEVICE_REGISTERED:
-    _backend_registration._setup_privateuseone_for_python_backend = lambda *a, **k: None
 
 from datapath.loaders._cuda_sched import use_blocking_sync  # noqa: E402
 
@@ -256,10 +246,6 @@ def main() -> None:
     payload = {
         "description": "B2 GNN training epoch (PyTorch-Direct Fig. 4.8): py vs datapath vs gpu_resident",
         "config": {k: v for k, v in vars(args).items()}, "cuda_blocking_sync": BLOCKING_SYNC,
-        "unified_device_registered": UNIFIED_DEVICE_REGISTERED,
-        "unified_note": ("datapath's PrivateUse1 'unified' device was left unregistered: its registration breaks "
-                         "CUDA autograd (pytorch#161129); unified memory = pinned host memory read zero-copy by "
-                         "datapath.unified_tensor.gather"),
         "loader_note": "all ways use the same NeighborLoader, one batch prefetched by a background thread",
         "epoch_note": (f"each way trains {args.warmup} warm-up batches, then {args.batches} timed batches of the "
                        f"shuffled epoch; epoch_s_extrapolated = per-batch time x batches per epoch"),
