@@ -419,6 +419,8 @@ def _strategy_context(workload: Workload, strat: Strategy, ssd_path: str | None,
             params = inspect.signature(offload_fn).parameters
             if device.type == "cpu" and "offload_cpu_tensors" in params:
                 kwargs.setdefault("offload_cpu_tensors", True)  # on a CPU-only machine, activations are CPU tensors
+            if "schedule_hints" in params:
+                kwargs.setdefault("schedule_hints", False)  # plain training loop: no pipeline schedule to patch
             if "units" in params and "units" not in kwargs:
                 kwargs["units"] = [m for lst in _layer_lists(workload) for m in lst]  # every layer is a scope
             cache = stack.enter_context(offload_fn(workload.model, **kwargs))
