@@ -14,27 +14,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import time
 from typing import Any
 
 import torch
-import torch.utils.backend_registration as _backend_registration
 
-# Importing datapath registers the "unified" device by renaming PyTorch's PrivateUse1 backend; from
-# then on at::getAccelerator() names it instead of CUDA and every CUDA backward fails inside PyTorch
-# (pytorch#161129). This benchmark trains on CUDA and uses no unified tensor, so unless
-# DATAPATH_ROK_KEEP_PRIVATEUSE1=1 it skips the rename (the unified device is unusable in this process).
-WORKAROUNDS: list[str] = []
-if os.environ.get("DATAPATH_ROK_KEEP_PRIVATEUSE1") != "1" and torch.cuda.is_available():
-    _backend_registration._setup_privateuseone_for_python_backend = lambda *a, **k: None  # type: ignore[assignment]
-    WORKAROUNDS.append("PrivateUse1 rename for the 'unified' device skipped (pytorch#161129 breaks CUDA backward)")
-
-from benchmarks._common import RESULTS_DIR, print_table, write_result  # noqa: E402
-from datapath._runtime import device_label  # noqa: E402
-from datapath.offload.presets import TransformerConfig, build_workload, get_preset  # noqa: E402
-from datapath.offload.rok import RokPoint, RokResult, sweep  # noqa: E402
-from datapath.offload.ssd_plan import activation_breakdown  # noqa: E402
+from benchmarks._common import RESULTS_DIR, print_table, write_result
+from datapath._runtime import device_label
+from datapath.offload.presets import TransformerConfig, build_workload, get_preset
+from datapath.offload.rok import RokPoint, RokResult, sweep
+from datapath.offload.ssd_plan import activation_breakdown
 
 OFFLOAD_PREFIX = ("offload-", "recompute+offload-")
 
@@ -219,7 +208,6 @@ def main() -> None:
             "estimate_check_runs": {n: r.to_dict() for n, r in checks.items()},
             **_summary(bar_rows, est_rows),
             "wall_s": time.perf_counter() - t_start,
-            "workarounds": WORKAROUNDS,
         }
         write_result("rok", payload)
         _plot(results, budget, device_label() if cuda else "cpu")
