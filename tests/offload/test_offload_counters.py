@@ -179,10 +179,11 @@ def test_max_inflight_bytes_bounds_unstored_memory(tmp_path) -> None:
     cache = TensorCache("ssd", str(tmp_path), min_bytes=0, offload_cpu_tensors=True, keep_last_modules=0,
                         io_chunk_bytes=8192, max_inflight_bytes=bound)
     real = cache.ssd.posix._pwrite
+    gate = threading.Event()
+    threading.Timer(0.2, gate.set).start()  # the disk accepts nothing for 0.2 s: the forward must wait
 
-    def slow(fd: int, mv: memoryview, off: int) -> int:  # a slow disk: the forward must wait for it
-        import time
-        time.sleep(0.003)
+    def slow(fd: int, mv: memoryview, off: int) -> int:
+        gate.wait()
         return real(fd, mv, off)
     cache.ssd.posix._pwrite = slow
     cache.attach(model)
