@@ -40,6 +40,11 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of data, sampling and model [0]")
     p.add_argument("--prefetch", type=int, default=1, help="batches prepared ahead by a background thread [1]")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="data parallel: spawn N processes, one per GPU (N CPU processes with gloo on a machine "
+                        "without CUDA), DDP over one shared host copy of graph and features; --batch-size is "
+                        "then per process (global batch = N x batch). Under torchrun the job's processes are used "
+                        "(RANK/WORLD_SIZE/LOCAL_RANK); --gpus may be left out")
     p.add_argument("--json", type=Path, default=None, help="also write the per-epoch numbers to this JSON file")
     p.set_defaults(func=train_gnn)
 
@@ -74,10 +79,49 @@ def train_gnn(args: argparse.Namespace) -> int:
     from datapath.loaders.errors import CudaAutogradUnavailableError  # noqa: PLC0415
 
     try:
+        if args.gpus is not None or _under_torchrun():
+            return _train_gnn_distributed(args)
         return _train_gnn(args)
     except CudaAutogradUnavailableError as exc:
         print(f"error: {exc}")
         return 1
+
+
+def _under_torchrun() -> bool:
+    import os  # noqa: PLC0415
+
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def _train_gnn_distributed(args: argparse.Namespace) -> int:
+    """``train-gnn --gpus N`` / under torchrun: `datapath.loaders.distributed.run_training`."""
+    import torch  # noqa: PLC0415
+
+    from datapath.loaders.distributed import DistributedError, TrainConfig, run_training  # noqa: PLC0415
+
+    if args.gpus is not None and args.gpus < 1:
+        print(f"error: --gpus must be >= 1, got {args.gpus}")
+        return 2
+    if "cuda" in (args.features_on, args.graph_on) or "cpu" in (args.features_on, args.graph_on):
+        print("error: with --gpus (or torchrun) the graph and features stay in one shared host copy read "
+              "zero-copy by every GPU; leave --features-on/--graph-on out (or set them to unified)")
+        return 2
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and args.gpus is not None and args.gpus > torch.cuda.device_count():
+        print(f"error: --gpus {args.gpus} but this machine has {torch.cuda.device_count()} GPUs")
+        return 2
+    cfg = TrainConfig(dataset=args.dataset, model=args.model, epochs=args.epochs, batch_size=args.batch_size,
+                      fanouts=tuple(int(f) for f in args.fanouts.split(",")), hidden=args.hidden,
+                      heads=args.heads, dropout=args.dropout, lr=args.lr, device=device,
+                      max_batches=args.max_batches, eval_nodes=args.eval_nodes, memory_gb=args.memory_gb,
+                      seed=args.seed, prefetch=args.prefetch, progress=not args.no_progress,
+                      json=str(args.json) if args.json is not None else None)
+    try:
+        run_training(cfg, args.gpus)
+    except DistributedError as exc:
+        print(f"error: {exc}")
+        return 1
+    return 0
 
 
 def _train_gnn(args: argparse.Namespace) -> int:

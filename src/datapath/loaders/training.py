@@ -7,6 +7,7 @@ is measured with CUDA events read at the end), so batch preparation overlaps tra
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -16,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from datapath.loaders.errors import CudaAutogradUnavailableError
-from datapath.loaders.loader import NeighborLoader
+from datapath.loaders.loader import Batch, NeighborLoader
+
+LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
 
 
 def check_cuda_autograd() -> None:
@@ -65,10 +68,12 @@ def _cpu_seconds(proc: psutil.Process) -> float:
 
 
 def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim.Optimizer,
-                max_batches: int | None = None, progress: Any = None) -> EpochStats:
+                max_batches: int | None = None, progress: Any = None, loss_fn: LossFn | None = None) -> EpochStats:
     """One epoch (or its first ``max_batches`` batches) of cross-entropy training.
 
     ``progress``: an optional tqdm bar, advanced once per batch.
+    ``loss_fn(out, batch)``: the loss to minimise (default: mean cross-entropy of ``out``
+    against ``batch.y``); data-parallel training passes its share of the global batch's mean.
     """
     cuda = loader.device.type == "cuda"
     proc = psutil.Process()
@@ -99,7 +104,7 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 ev[0].record()
             out = model(batch.blocks, batch.x)
-            loss = F.cross_entropy(out, batch.y)
+            loss = F.cross_entropy(out, batch.y) if loss_fn is None else loss_fn(out, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

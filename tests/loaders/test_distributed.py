@@ -1,0 +1,215 @@
+"""Data-parallel GNN training over one shared copy of the data: 2 gloo processes == 1 process with the global batch."""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from datapath.loaders import NeighborLoader, NeighborSampler, SyntheticSpec, generate, load_dataset, train_epoch
+from datapath.loaders.distributed import (
+    DistContext,
+    DistributedError,
+    DistributedNeighborLoader,
+    TrainConfig,
+    global_mean_loss,
+    init_distributed,
+    launch,
+    make_optimizer,
+    shared_dataset,
+    train_worker,
+)
+from datapath.nn.models import build_model
+from datapath.unified_tensor import shared_tables
+
+N_TRAIN = 357  # global batches of 128, 128 and 101 seeds: the last one splits 51 / 50
+RANK_BATCH = 64
+
+
+@pytest.fixture(scope="module")
+def dataset_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = SyntheticSpec("dist-test", 3000, 24_000, 24, 5, homophily=0.7, signal=0.3, train_frac=0.3,
+                         val_frac=0.1, test_frac=0.1, seed=5)
+    ds = generate(spec, device="cpu", progress=False)
+    ds = dataclasses.replace(ds, train_idx=ds.train_idx[:N_TRAIN])
+    return ds.save(tmp_path_factory.mktemp("ds") / "dist-test")
+
+
+@pytest.fixture(scope="module")
+def shm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("shm")
+    old = os.environ.get("DATAPATH_SHM_DIR")
+    os.environ["DATAPATH_SHM_DIR"] = str(d)  # inherited by the spawned ranks
+    yield d
+    if old is None:
+        os.environ.pop("DATAPATH_SHM_DIR", None)
+    else:
+        os.environ["DATAPATH_SHM_DIR"] = old
+
+
+def _cfg(dataset_dir: Path) -> TrainConfig:
+    return TrainConfig(dataset=str(dataset_dir), model="sage", epochs=2, batch_size=RANK_BATCH, fanouts=(6, 4),
+                       hidden=32, dropout=0.0, lr=0.2, optimizer="sgd", device="cpu", seed=3, prefetch=1,
+                       return_state=True, evaluate=True, eval_nodes=200)
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(dataset_dir: Path, shm: Path) -> list[dict]:
+    t0 = time.perf_counter()
+    res = launch(train_worker, 2, (_cfg(dataset_dir),))
+    assert time.perf_counter() - t0 < 60
+    return res
+
+
+def _reference(dataset_dir: Path, cfg: TrainConfig) -> tuple[dict, list[float]]:
+    """One process, same model and seeds, batch = 2 x RANK_BATCH, plain NeighborLoader and mean loss."""
+    ds = load_dataset(dataset_dir)
+    loader = NeighborLoader(ds.graph, ds.train_idx, NeighborSampler(list(cfg.fanouts), seed=cfg.seed),
+                            2 * RANK_BATCH, shuffle=True, features=ds.features, labels=ds.labels, device="cpu",
+                            seed=cfg.seed, prefetch=0)
+    torch.manual_seed(cfg.seed)
+    net = build_model("sage", ds.num_features, cfg.hidden, ds.num_classes, len(cfg.fanouts), dropout=0.0)
+    opt = make_optimizer(cfg.optimizer, net.parameters(), cfg.lr)
+    losses = []
+    for _ in range(cfg.epochs):
+        losses += train_epoch(net, loader, opt).losses
+    return net.state_dict(), losses
+
+
+def test_two_ranks_train_like_one_process_with_the_global_batch(two_rank_run: list[dict], dataset_dir: Path) -> None:
+    cfg = _cfg(dataset_dir)
+    ref_state, ref_losses = _reference(dataset_dir, cfg)
+    r0, r1 = two_rank_run
+    assert (r0["world_size"], r0["backend"], r1["rank"]) == (2, "gloo", 1)
+    hist0, hist1 = r0["history"], r1["history"]
+    assert [h["ranks"][0]["batches"] for h in hist0] == [3, 3]
+    # each rank trained on its part of each global batch: 64+64+51 and 64+64+50 seeds
+    assert [h["ranks"][0]["seeds"] for h in hist0] == [179, 179]
+    assert [h["ranks"][1]["seeds"] for h in hist0] == [178, 178]
+    # the ranks' losses (world * sum / global batch) average to the one-process mean loss, step by step
+    got = [(a + b) / 2 for h in hist0 for a, b in zip(h["ranks"][0]["losses"], h["ranks"][1]["losses"])]
+    np.testing.assert_allclose(got, ref_losses, rtol=1e-5, atol=1e-6)
+    assert ref_losses[-1] < ref_losses[0]
+    # and after 6 SGD steps the parameters are those of the one-process run
+    assert set(r0["state"]) == set(ref_state)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(r0["state"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+    assert r0["test_acc"] is not None and 0.0 <= r0["test_acc"] <= 1.0
+    assert r0["history"][-1]["aggregate"]["seeds"] == N_TRAIN
+
+
+def test_one_shared_copy_of_the_data_and_removed_after_the_job(two_rank_run: list[dict], dataset_dir: Path,
+                                                                 shm: Path) -> None:
+    ds = load_dataset(dataset_dir)
+    one_copy = sum(t.numel() * t.element_size() for t in (
+        ds.graph.indptr, ds.graph.indices, ds.features, ds.labels, ds.train_idx, ds.val_idx, ds.test_idx))
+    for r in two_rank_run:
+        mem = r["memory"]
+        assert mem["segment"]["tables"] == 7 and mem["segment"]["nbytes"] == one_copy
+        # every rank maps each table exactly once: its arrays ARE the shared pages, no private copy
+        assert mem["shared_mappings"] == 7
+        assert one_copy <= mem["shared_mapped"] <= one_copy + 7 * 4096
+        assert mem["rss"] > 0 and mem["uss"] > 0 and mem["shared_pss"] <= mem["shared_rss"]
+    # the pages both ranks touched are counted half in each rank's PSS
+    total_pss = sum(r["memory"]["shared_pss"] for r in two_rank_run)
+    assert total_pss <= max(r["memory"]["shared_rss"] for r in two_rank_run) + 4096
+    assert list(shm.iterdir()) == [] and shared_tables() == {}
+
+
+def test_loader_splits_every_global_batch(dataset_dir: Path) -> None:
+    ds = load_dataset(dataset_dir)
+    kw = dict(features=ds.features, labels=ds.labels, device="cpu", seed=1, prefetch=0)
+    ref = NeighborLoader(ds.graph, ds.train_idx, [5, 3], 3 * 40, shuffle=True, **kw)
+    parts = [DistributedNeighborLoader(ds.graph, ds.train_idx, [5, 3], 40, shuffle=True, rank=r, world_size=3,
+                                       **kw) for r in range(3)]
+    assert len(ref) == len(parts[0]) == 3
+    for epoch in range(2):
+        for full, *split in zip(ref, *parts, strict=True):
+            assert torch.equal(torch.cat([b.seeds for b in split]), full.seeds)
+            assert {b.global_batch_size for b in split} == {full.seeds.numel()}
+            for b in split:  # a node's sampled neighbours do not depend on how the batch was split
+                pos = {int(v): i for i, v in enumerate(full.blocks[-1].src_nodes)}
+                assert torch.equal(b.y, ds.labels[b.seeds])
+                assert torch.equal(b.x, ds.features[b.input_nodes])
+                blk, fb = b.blocks[-1], full.blocks[-1]
+                for j, s in enumerate(b.seeds.tolist()):
+                    fj = int((full.seeds == s).nonzero())
+                    mine = blk.src_nodes[blk.indices[blk.indptr[j]:blk.indptr[j + 1]].long()]
+                    theirs = fb.src_nodes[fb.indices[fb.indptr[fj]:fb.indptr[fj + 1]].long()]
+                    assert torch.equal(mine, theirs) and all(int(v) in pos for v in mine)
+    # a last global batch smaller than the number of ranks is dropped on every rank
+    small = DistributedNeighborLoader(ds.graph, ds.train_idx[:81], [2], 40, rank=1, world_size=2, **kw)
+    assert len(small) == 1 and small.seeds_in(5) == 40
+    with pytest.raises(DistributedError, match="rank"):
+        DistributedNeighborLoader(ds.graph, ds.train_idx, [2], 4, rank=2, world_size=2, **kw)
+
+
+def test_global_mean_loss_needs_rank_batches(dataset_dir: Path) -> None:
+    ds = load_dataset(dataset_dir)
+    b = next(iter(NeighborLoader(ds.graph, ds.train_idx, [2], 8, features=ds.features, labels=ds.labels,
+                                 device="cpu", prefetch=0)))
+    with pytest.raises(DistributedError, match="DistributedNeighborLoader"):
+        global_mean_loss(2)(torch.randn(8, 5), b)
+
+
+def _fail_after_sharing(dataset_dir: str) -> None:
+    ctx = init_distributed("cpu")
+    shared_dataset(ctx, lambda: load_dataset(dataset_dir))
+    if ctx.rank == 1:
+        raise RuntimeError("rank 1 breaks down")
+    torch.distributed.barrier()  # rank 0 waits for a rank that never comes
+
+
+def test_a_failed_rank_stops_the_job_and_leaves_no_shared_files(dataset_dir: Path, shm: Path) -> None:
+    t0 = time.perf_counter()
+    with pytest.raises(DistributedError, match="(?s)rank [01] of 2 failed.*(rank 1 breaks down|Connection closed)"):
+        launch(_fail_after_sharing, 2, (str(dataset_dir),), grace_period=1.0)
+    assert time.perf_counter() - t0 < 45
+    assert list(shm.iterdir()) == []
+
+
+def _share_and_die(dataset_dir: str) -> None:
+    ctx = DistContext(0, 1, 0, 1, torch.device("cpu"), "gloo")
+    shared_dataset(ctx, lambda: load_dataset(dataset_dir), prefix="killed")
+    os.kill(os.getpid(), signal.SIGKILL)  # no clean-up runs (as for a rank killed under torchrun)
+
+
+def test_tables_of_a_killed_owner_are_removed_by_the_next_job(dataset_dir: Path, shm: Path) -> None:
+    p = mp.get_context("spawn").Process(target=_share_and_die, args=(str(dataset_dir),))
+    p.start()
+    p.join(120)
+    assert p.exitcode == -signal.SIGKILL
+    assert len([f for f in shm.iterdir() if f.name.startswith("datapath-killed.")]) == 14  # 7 tables, data + meta
+    ctx = DistContext(0, 1, 0, 1, torch.device("cpu"), "gloo")
+    ds = shared_dataset(ctx, lambda: load_dataset(dataset_dir), prefix="next")
+    assert not any(f.name.startswith("datapath-killed.") for f in shm.iterdir())
+    assert set(shared_tables()) == {f"next.{k}" for k in ("indptr", "indices", "features", "labels", "train_idx",
+                                                          "val_idx", "test_idx")}
+    from datapath.unified_tensor import unlink
+
+    for name in list(shared_tables()):
+        unlink(name)
+    del ds
+
+
+@pytest.mark.gpu
+def test_gpu_two_ranks_nccl_match_one_process(dataset_dir: Path, shm: Path) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    cfg = dataclasses.replace(_cfg(dataset_dir), device="cuda")
+    r0, r1 = launch(train_worker, 2, (cfg,))
+    assert r0["backend"] == "nccl" and r1["device"] == "cuda:1"
+    ref_state, ref_losses = _reference(dataset_dir, cfg)  # on the CPU: the GPU sampler draws the same samples
+    got = [(a + b) / 2 for h in r0["history"] for a, b in zip(h["ranks"][0]["losses"], h["ranks"][1]["losses"])]
+    np.testing.assert_allclose(got, ref_losses, rtol=1e-4, atol=1e-5)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(r0["state"][k], v, rtol=1e-3, atol=1e-4, msg=k)
+    for r in (r0, r1):  # pinned by each rank (cudaHostRegister touches every page: all resident)
+        assert r["memory"]["shared_mappings"] == 7 and r["memory"]["shared_rss"] >= r["memory"]["segment"]["nbytes"] - 7 * 4096
+    assert list(shm.iterdir()) == []
