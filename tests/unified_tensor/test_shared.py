@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,8 +18,13 @@ from datapath.unified_tensor import (
 
 
 @pytest.fixture(autouse=True)
-def _private_shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DATAPATH_SHM_DIR", str(tmp_path))
+def _private_shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # a private directory in /dev/shm (RAM-backed, as in use: CUDA can pin its pages), else tmp_path
+    shm = Path("/dev/shm")
+    d = Path(tempfile.mkdtemp(prefix="datapath-test-", dir=shm)) if shm.is_dir() else tmp_path
+    monkeypatch.setenv("DATAPATH_SHM_DIR", str(d))
+    yield
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _child(name: str, shm: str, q: "mp.Queue") -> None:
@@ -30,14 +38,14 @@ def _child(name: str, shm: str, q: "mp.Queue") -> None:
     t[0] = torch.full((t.shape[1],), -7.0)  # visible to the parent: same pages
 
 
-def test_share_attach_across_processes(tmp_path: Path) -> None:
+def test_share_attach_across_processes() -> None:
     x = torch.randn(64, 9)
     u = share(x, "feats")
     assert u.is_unified and torch.equal(u.cpu(), x)
     assert "feats" in shared_tables()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=("feats", str(tmp_path), q))
+    p = ctx.Process(target=_child, args=("feats", os.environ["DATAPATH_SHM_DIR"], q))
     p.start()
     rows = torch.from_numpy(q.get(timeout=120))
     p.join(timeout=120)
@@ -57,7 +65,8 @@ def test_dtypes_round_trip() -> None:
         assert torch.equal(gather(got, torch.tensor([0, 16])), x[[0, 16]])
 
 
-def test_errors_and_stale_cleanup(tmp_path: Path) -> None:
+def test_errors_and_stale_cleanup() -> None:
+    tmp_path = Path(os.environ["DATAPATH_SHM_DIR"])
     share(torch.randn(4, 2), "a")
     with pytest.raises(SharedTableError, match="exists"):
         share(torch.randn(4, 2), "a")
@@ -89,3 +98,16 @@ def test_gpu_gather_from_shared_table() -> None:
     v[torch.tensor([0], device="cuda")] = torch.ones(1, 37, device="cuda")
     torch.cuda.synchronize()
     assert torch.equal(u.cpu()[0], torch.ones(37))
+
+
+@pytest.mark.gpu
+def test_gpu_as_unified_of_a_disk_file_falls_back_to_a_copy(tmp_path: Path) -> None:
+    import numpy as np
+
+    from datapath.unified_tensor import as_unified
+
+    arr = np.lib.format.open_memmap(tmp_path / "x.npy", mode="w+", dtype=np.float32, shape=(300, 8))
+    arr[:] = np.random.default_rng(0).standard_normal((300, 8))
+    u = as_unified(arr)  # regular-file mapping: cannot be pinned in place, copied once
+    idx = torch.randint(0, 300, (100,), device="cuda")
+    assert torch.equal(u[idx].cpu(), torch.from_numpy(np.asarray(arr))[idx.cpu()])

@@ -71,6 +71,14 @@ def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
         ) from exc
 
 
+class HostRegisterError(PinnedMemoryError):
+    """``cudaHostRegister`` refused a range; ``code`` is the CUDA error number."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class HostRegistration:
     """Keeps a range of existing host memory registered with CUDA; unregisters on `release` or GC."""
 
@@ -87,9 +95,11 @@ class HostRegistration:
                 err = torch.cuda.cudart().cudaHostRegister(base, nbytes, _HOST_REGISTER_FLAGS)
                 code = int(getattr(err, "value", err))
                 if code != 0:
-                    raise PinnedMemoryError(
+                    raise HostRegisterError(
+                        code,
                         f"cudaHostRegister of {nbytes / 2**30:.2f} GiB at {base:#x} failed with CUDA error "
-                        f"{code}; the memory may already be registered, or the machine cannot pin that much."
+                        f"{code}; the memory may already be registered, be a file-backed mapping (Linux pins "
+                        f"page-cache pages of regular files for no device), or be more than the machine can pin.",
                     )
             self._active[base] = count + 1
         self._finalizer = weakref.finalize(self, HostRegistration._unregister, base)

@@ -4,15 +4,22 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from datapath._runtime.pinned import register_in_place
-from datapath.unified_tensor.tensor import Affinity, UnifiedTensor
+import logging
+
+from datapath._runtime.pinned import HostRegisterError, register_in_place
+from datapath.unified_tensor.tensor import Affinity, UnifiedTensor, to_unified
+
+log = logging.getLogger("datapath.unified_tensor.memory")
+_CUDA_ERROR_INVALID_VALUE = 1
 
 
 def as_unified(t: torch.Tensor | np.ndarray, affinity: Affinity = "host") -> UnifiedTensor:
     """The same memory as CPU tensor (or numpy array / memmap) ``t``, pinned in place, as a unified tensor.
 
-    No copy is made: tables of tens of GB loaded with numpy or ``np.load(mmap_mode=...)``
-    become GPU-readable where they lie.  The memory is unpinned when the last unified
+    No copy is made: tables of tens of GB loaded with numpy become GPU-readable where
+    they lie, and so do ``/dev/shm`` mappings (`share`/`attach`).  One exception: a
+    mapping of a regular file on disk (``np.load(..., mmap_mode="r+")``) cannot be
+    pinned by Linux, so it is copied once into pinned memory (logged).  The memory is unpinned when the last unified
     tensor made from it (views included) is freed.  Without CUDA nothing is pinned and
     the unified tensor simply shares ``t``'s memory.
 
@@ -26,7 +33,17 @@ def as_unified(t: torch.Tensor | np.ndarray, affinity: Affinity = "host") -> Uni
         return t if t.affinity == affinity else t.with_affinity(affinity)
     if t.device.type != "cpu":
         raise ValueError(f"as_unified pins host memory in place; got a tensor on {t.device} (use t.to('unified'))")
-    handle = register_in_place(t)
+    try:
+        handle = register_in_place(t)
+    except HostRegisterError as exc:
+        if exc.code != _CUDA_ERROR_INVALID_VALUE:
+            raise
+        # A MAP_SHARED mapping of a regular file (an np.load(mmap_mode=...) on disk): Linux does not let
+        # devices pin page-cache pages long-term.  The data must be resident to be read over PCIe anyway,
+        # so it is copied once into pinned memory.
+        log.warning("memory at %#x could not be pinned in place (%s); copying %.2f GiB into pinned memory",
+                    t.data_ptr(), exc, t.numel() * t.element_size() / 2**30)
+        return to_unified(t, affinity=affinity)
     return UnifiedTensor(t, affinity, (handle,) if handle is not None else ())
 
 
