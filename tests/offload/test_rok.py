@@ -193,10 +193,15 @@ def test_offload_strategies_cpu(tmp_path) -> None:
     keep, host, ssd, rec = (res.point(s, 2) for s in ("keep", "offload-host", "offload-ssd",
                                                        "recompute+offload-host"))
     assert all(p.ok for p in (keep, host, ssd, rec)), [p.error for p in res.points]
-    # every saved activation goes to the host target: what it wrote is what ssd-plan estimates
-    assert host.bytes_offloaded_per_step == pytest.approx(host.activation_estimate_bytes, rel=0.01)
-    assert host.offload_stats_per_step["bytes_loaded"] > 0
-    assert host.activation_peak_bytes < 0.8 * keep.activation_peak_bytes
+    # every saved activation is handed to the host target: what it queued is what ssd-plan estimates.
+    # How much of it was written before backward wanted it back (the rest is forwarded from memory)
+    # depends on thread timing, so the peak is checked only when most of it was written.
+    st = host.offload_stats_per_step
+    assert st["bytes_queued"] == pytest.approx(host.activation_estimate_bytes, rel=0.01)
+    assert 0 < host.bytes_offloaded_per_step <= st["bytes_queued"]
+    assert st["bytes_loaded"] + st["bytes_forwarded"] > 0
+    if host.bytes_offloaded_per_step > 0.9 * st["bytes_queued"]:
+        assert host.activation_peak_bytes < 0.8 * keep.activation_peak_bytes
     # the disk target wrote files (some stores may be forwarded instead) and removed them
     assert 0 < ssd.bytes_offloaded_per_step <= 1.01 * ssd.activation_estimate_bytes
     assert list(tmp_path.iterdir()) == []
