@@ -379,6 +379,9 @@ class TensorCache:
         keys: set[tuple[str, int, int]] = set()
 
         def add(t: torch.Tensor) -> None:
+            to_local = getattr(t, "to_local", None)
+            if to_local is not None:  # a DTensor (FSDP2's sharded parameters): its local shard's storage
+                t = to_local()
             if t.device.type != "meta":
                 keys.add((t.device.type, t.device.index or 0, t.untyped_storage().data_ptr()))
 
