@@ -34,26 +34,26 @@ def _ut() -> Any:
 
 
 def _is_ut(t: torch.Tensor) -> bool:
-    return t.device.type not in ("cpu", "cuda") and _ut().is_unified(t)
+    return _ut().is_unified(t)
 
 
 def placement_of(t: torch.Tensor) -> str:
     """``"cuda"``, ``"unified"`` (a unified tensor, or pinned CPU memory) or ``"cpu"`` (pageable)."""
+    if _is_ut(t):  # before the device test: a unified tensor reports the cpu device
+        return "unified"
     if t.device.type == "cuda":
         return "cuda"
     if t.device.type == "cpu":
         return "unified" if torch.cuda.is_available() and t.is_pinned() else "cpu"
-    if _is_ut(t):
-        return "unified"
     raise LoaderError(f"tensors on device {t.device} are not supported; use cpu, unified or cuda")
 
 
 def host_of(t: torch.Tensor) -> torch.Tensor:
     """The CPU tensor holding ``t``'s data (zero copy) for cpu and unified tensors."""
-    if t.device.type == "cpu":
-        return t
     if _is_ut(t):
         return _ut().host_tensor(t)
+    if t.device.type == "cpu":
+        return t
     raise LoaderError(f"host_of needs a host tensor, got one on {t.device}")
 
 
