@@ -221,8 +221,7 @@ def launch(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *,
             while not pctx.join(grace_period=grace_period):
                 pass
         except ProcessException as exc:
-            raise DistributedError(f"rank {exc.error_index} of {nprocs} failed (the others were stopped):\n"
-                                   f"{exc}") from None
+            raise DistributedError(_failure_report(pctx, exc, nprocs)) from None
         finally:
             for name in shared_tables():
                 if name.startswith(prefix + "."):
@@ -233,6 +232,24 @@ def launch(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *,
             with open(os.path.join(outdir, f"rank{r}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
     return results
+
+
+def _failure_report(pctx: Any, exc: Exception, nprocs: int) -> str:
+    """What every failed rank said (its traceback), the first failure first."""
+    first = getattr(exc, "error_index", None)
+    parts = {}
+    for i, path in enumerate(getattr(pctx, "error_files", [])):
+        try:
+            with open(path, "rb") as f:
+                parts[i] = pickle.load(f)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            continue
+    if first is not None and first not in parts:
+        parts[first] = str(exc)
+    ranks = sorted(parts, key=lambda r: (r != first, r))
+    body = "".join(f"\n-- rank {r}:\n{parts[r].strip()}\n" for r in ranks)
+    return (f"rank {first} of {nprocs} failed (the others were stopped); ranks that raised: "
+            f"{', '.join(map(str, sorted(parts)))}{body}")
 
 
 def new_prefix() -> str:
@@ -378,7 +395,7 @@ def memory_footprint(prefix: str | None = None) -> dict[str, Any]:
     if prefix:
         from datapath.unified_tensor import shm_dir  # noqa: PLC0415
 
-        pat = re.compile(re.escape(str(shm_dir() / f"datapath-{prefix}.")))
+        pat = re.compile(re.escape(os.path.join(os.path.realpath(shm_dir()), f"datapath-{prefix}.")))
         m = _smaps_of(pat)
         out.update(shared_rss=m["rss"], shared_pss=m["pss"], shared_mapped=m["size"], shared_mappings=m["mappings"],
                    segment=segment_bytes(prefix))
