@@ -71,6 +71,73 @@ def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
         ) from exc
 
 
+def _mapping_file(addr: int) -> str | None:
+    """The file behind the mapping that holds ``addr`` (None for anonymous memory), from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= addr < hi:
+                    path = parts[5].strip() if len(parts) == 6 else ""
+                    return path if path.startswith("/") else None
+    except OSError:
+        return None
+    return None
+
+
+def _mount_type(path: str) -> str:
+    """Filesystem type of the mount holding ``path`` (longest matching mount point in /proc/mounts)."""
+    best, fstype = "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 3 and (path == fields[1] or path.startswith(fields[1].rstrip("/") + "/")):
+                    if len(fields[1]) > len(best):
+                        best, fstype = fields[1], fields[2]
+    except OSError:
+        pass
+    return fstype
+
+
+def pinnable_in_place(t: torch.Tensor) -> bool:
+    """False when ``t``'s memory is a mapping of a file on a disk filesystem.
+
+    Linux lets a device pin page-cache pages long-term only for RAM-backed files
+    (tmpfs such as /dev/shm, hugetlbfs); ``cudaHostRegister`` of an ``np.load(...,
+    mmap_mode=...)`` of a file on ext4/xfs fails with an invalid-value error.
+    """
+    path = _mapping_file(t.untyped_storage().data_ptr())
+    return path is None or _mount_type(path) in ("tmpfs", "hugetlbfs", "ramfs")
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's last-error state after a failed runtime call (else PyTorch reports it at its next launch)."""
+    import ctypes  # noqa: PLC0415
+
+    for lib in _cudart_paths():
+        try:
+            ctypes.CDLL(lib).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+
+
+def _cudart_paths() -> list[str]:
+    """Paths of the CUDA runtime libraries loaded in this process."""
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                p = line.rsplit(maxsplit=1)[-1]
+                if "libcudart" in p and p not in paths:
+                    paths.append(p)
+    except OSError:
+        pass
+    return paths or ["libcudart.so"]
+
+
 class HostRegisterError(PinnedMemoryError):
     """``cudaHostRegister`` refused a range; ``code`` is the CUDA error number."""
 
@@ -95,6 +162,7 @@ class HostRegistration:
                 err = torch.cuda.cudart().cudaHostRegister(base, nbytes, _HOST_REGISTER_FLAGS)
                 code = int(getattr(err, "value", err))
                 if code != 0:
+                    _clear_cuda_error()
                     raise HostRegisterError(
                         code,
                         f"cudaHostRegister of {nbytes / 2**30:.2f} GiB at {base:#x} failed with CUDA error "

@@ -6,7 +6,7 @@ import torch
 
 import logging
 
-from datapath._runtime.pinned import HostRegisterError, register_in_place
+from datapath._runtime.pinned import HostRegisterError, pinnable_in_place, register_in_place
 from datapath.unified_tensor.tensor import Affinity, UnifiedTensor, to_unified
 
 log = logging.getLogger("datapath.unified_tensor.memory")
@@ -33,14 +33,18 @@ def as_unified(t: torch.Tensor | np.ndarray, affinity: Affinity = "host") -> Uni
         return t if t.affinity == affinity else t.with_affinity(affinity)
     if t.device.type != "cpu":
         raise ValueError(f"as_unified pins host memory in place; got a tensor on {t.device} (use t.to('unified'))")
+    if torch.cuda.is_available() and not pinnable_in_place(t):
+        # A mapping of a file on a disk filesystem (np.load(..., mmap_mode=...)): Linux does not let devices
+        # pin page-cache pages long-term.  The data must be resident to be read over PCIe anyway, so it is
+        # copied once into pinned memory.
+        log.warning("a disk-file mapping cannot be pinned in place; copying %.2f GiB into pinned memory",
+                    t.numel() * t.element_size() / 2**30)
+        return to_unified(t, affinity=affinity)
     try:
         handle = register_in_place(t)
     except HostRegisterError as exc:
         if exc.code != _CUDA_ERROR_INVALID_VALUE:
             raise
-        # A MAP_SHARED mapping of a regular file (an np.load(mmap_mode=...) on disk): Linux does not let
-        # devices pin page-cache pages long-term.  The data must be resident to be read over PCIe anyway,
-        # so it is copied once into pinned memory.
         log.warning("memory at %#x could not be pinned in place (%s); copying %.2f GiB into pinned memory",
                     t.data_ptr(), exc, t.numel() * t.element_size() / 2**30)
         return to_unified(t, affinity=affinity)
