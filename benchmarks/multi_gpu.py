@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -205,22 +204,23 @@ def _segment_need(spec: SyntheticSpec) -> int:
     return int(spec.num_nodes * (spec.num_features * 4 + 8 + 8 + 8) + 2.2 * spec.num_edges * 4)
 
 
-def choose_shm(spec: SyntheticSpec) -> dict[str, Any]:
-    """Keep /dev/shm when the segment fits there (with room to spare), else a directory on disk."""
+def check_shm(spec: SyntheticSpec) -> dict[str, Any]:
+    """Where the tables go, and whether they fit: one copy needs a RAM-backed directory (tmpfs).
+
+    A directory on disk would not do: Linux does not let a GPU pin a disk file's pages
+    in place, so every rank would pin a private copy (`datapath.unified_tensor.as_unified`).
+    """
     d = shm_dir()
     need = _segment_need(spec)
     try:
         free = shutil.disk_usage(d).free
     except OSError:
         free = 0
-    info = {"dir": str(d), "free_bytes": free, "needed_estimate": need, "fallback": False}
-    if free < 1.5 * need:
-        alt = tempfile.mkdtemp(prefix="datapath-shm-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
-        os.environ["DATAPATH_SHM_DIR"] = alt
-        info.update(dir=alt, fallback=True, free_bytes=shutil.disk_usage(alt).free)
-        log.warning("%s has %.2f GiB free, %.2f GiB needed: sharing through %s (page cache) instead", d,
-                    free / 2**30, need / 2**30, alt)
-    return info
+    if free < 1.2 * need:
+        raise SystemExit(f"{d} has {free / 2**30:.2f} GiB free but the shared tables need about "
+                         f"{need / 2**30:.2f} GiB: enlarge it (docker --shm-size) or set DATAPATH_SHM_DIR to a "
+                         f"larger tmpfs")
+    return {"dir": str(d), "free_bytes": free, "needed_estimate": need}
 
 
 def summarize(jobs: dict[int, list[dict[str, Any]]], args: argparse.Namespace) -> dict[str, Any]:
@@ -328,7 +328,7 @@ def main() -> None:
     if not cuda:
         log.warning("no CUDA: %d CPU processes with gloo (a smoke test of the code, not the benchmark)", args.gpus)
     spec = dataset_spec(args)
-    shm = choose_shm(spec)
+    shm = check_shm(spec)
     t_start = time.perf_counter()
     jobs: dict[int, list[dict[str, Any]]] = {}
     for world in sorted({1, args.gpus}):
@@ -354,8 +354,6 @@ def main() -> None:
     }
     path = write_result(args.name, payload)
     plot(summary, RESULTS_DIR / f"{args.name}.png", args.gpus)
-    if shm["fallback"]:
-        shutil.rmtree(shm["dir"], ignore_errors=True)
     print(f"wrote {path}")
     n = args.gpus
     rows = []

@@ -43,7 +43,12 @@ def dataset_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def shm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("shm")
+    """A private table directory on tmpfs (/dev/shm) when there is one: a disk-file mapping cannot be pinned."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="datapath-test-", dir="/dev/shm")) if os.path.isdir("/dev/shm") else \
+        tmp_path_factory.mktemp("shm")
     old = os.environ.get("DATAPATH_SHM_DIR")
     os.environ["DATAPATH_SHM_DIR"] = str(d)  # inherited by the spawned ranks
     yield d
@@ -51,6 +56,7 @@ def shm(tmp_path_factory: pytest.TempPathFactory) -> Path:
         os.environ.pop("DATAPATH_SHM_DIR", None)
     else:
         os.environ["DATAPATH_SHM_DIR"] = old
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _cfg(dataset_dir: Path) -> TrainConfig:

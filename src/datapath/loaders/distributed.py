@@ -345,6 +345,14 @@ def shared_dataset(ctx: DistContext, make: Callable[[], Dataset], prefix: str | 
         if not ctx.is_main:
             shared = attach_dataset(desc)
         ctx.barrier()
+    mapped = _smaps_of(_table_pattern(shared.prefix))["mappings"]
+    if mapped < len(shared.tables):
+        from datapath.unified_tensor import shm_dir  # noqa: PLC0415
+
+        log.warning("rank %d holds a private copy of %d of the %d shared tables: %s is not RAM-backed, and Linux "
+                    "does not let a GPU pin a disk file's pages in place. Point DATAPATH_SHM_DIR at a tmpfs "
+                    "(/dev/shm; docker --shm-size) to keep one copy.", ctx.rank, len(shared.tables) - mapped,
+                    len(shared.tables), shm_dir())
     return shared
 
 
@@ -366,6 +374,13 @@ def _smaps_of(pattern: re.Pattern[str]) -> dict[str, int]:
         if match and head and head[0] in ("Rss:", "Pss:", "Size:"):
             out[head[0][:-1].lower()] += int(head[1]) * 1024
     return out
+
+
+def _table_pattern(prefix: str) -> re.Pattern[str]:
+    """Matches the paths of the job's shared-table files (as /proc/self/smaps shows them)."""
+    from datapath.unified_tensor import shm_dir  # noqa: PLC0415
+
+    return re.compile(re.escape(os.path.join(os.path.realpath(shm_dir()), f"datapath-{prefix}.")))
 
 
 def segment_bytes(prefix: str) -> dict[str, int]:
@@ -393,10 +408,7 @@ def memory_footprint(prefix: str | None = None) -> dict[str, Any]:
     info = psutil.Process().memory_full_info()
     out: dict[str, Any] = {k: int(getattr(info, k)) for k in ("rss", "uss", "pss", "shared") if hasattr(info, k)}
     if prefix:
-        from datapath.unified_tensor import shm_dir  # noqa: PLC0415
-
-        pat = re.compile(re.escape(os.path.join(os.path.realpath(shm_dir()), f"datapath-{prefix}.")))
-        m = _smaps_of(pat)
+        m = _smaps_of(_table_pattern(prefix))
         out.update(shared_rss=m["rss"], shared_pss=m["pss"], shared_mapped=m["size"], shared_mappings=m["mappings"],
                    segment=segment_bytes(prefix))
     return out
