@@ -22,6 +22,10 @@ from datapath.loaders.datasets import (
     prepare_dataset,
     preset_spec,
 )
+from datapath.loaders.distributed import (
+    DistContext, DistributedError, DistributedNeighborLoader, attach_dataset, init_distributed, launch,
+    memory_footprint, share_dataset, shared_dataset, shutdown_distributed,
+)
 from datapath.loaders.errors import CudaAutogradUnavailableError, DatasetError, InvalidGraphError, LoaderError
 from datapath.loaders.graph import Graph, validate_csr
 from datapath.loaders.loader import Batch, NeighborLoader
@@ -29,6 +33,8 @@ from datapath.loaders.sampler import NeighborSampler
 from datapath.loaders.training import EpochStats, evaluate, profile_batches, train_epoch
 
 __all__ = [
+    "DistContext", "DistributedError", "DistributedNeighborLoader", "attach_dataset", "init_distributed",
+    "launch", "memory_footprint", "share_dataset", "shared_dataset", "shutdown_distributed",
     "PRESETS", "Batch", "Block", "CudaAutogradUnavailableError", "Dataset", "DatasetError", "EpochStats", "Graph", "InvalidGraphError",
     "LoaderError", "NeighborLoader", "NeighborSampler", "SyntheticSpec", "evaluate", "generate", "get_dataset",
     "load_dataset", "papers_spec", "prepare_dataset", "preset_spec", "profile_batches", "train_epoch",

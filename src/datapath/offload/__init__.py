@@ -13,6 +13,7 @@ hints, `wait_io`, statistics); `plan_offload` is the adaptive planner.  `sweep`
 """
 from datapath.offload.cache import TensorCache
 from datapath.offload.context import offload
+from datapath.offload.distributed import clean_stale_ranks, offload_rank, rank_path
 from datapath.offload.errors import OffloadConfigError, OffloadError
 from datapath.offload.planner import OffloadPlan, StepProfile, plan_offload
 from datapath.offload.presets import PRESETS, TransformerConfig, Workload, build_workload, get_preset
@@ -27,6 +28,6 @@ __all__ = [
     "PRESETS", "STRATEGIES", "Drive", "GpuSpec", "OffloadConfigError", "OffloadError", "OffloadPlan",
     "OffloadStats", "Parallelism", "PlanError", "RokError", "RokPoint", "RokResult", "SsdPlan", "StepProfile",
     "TensorCache", "TransformerConfig", "TransformerShape", "Workload", "activation_breakdown",
-    "activation_bytes_per_step", "build_workload", "get_preset", "model_flops_per_step", "offload", "plan",
-    "plan_offload", "sweep",
+    "activation_bytes_per_step", "build_workload", "clean_stale_ranks", "get_preset", "model_flops_per_step",
+    "offload", "offload_rank", "plan", "plan_offload", "rank_path", "sweep",
 ]
