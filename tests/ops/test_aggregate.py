@@ -326,3 +326,36 @@ def test_plan_overrides_give_the_same_result(device: str, override: dict, width:
     assert_close(out, ref, torch.float32)
     assert_close(x.grad, x64.grad, torch.float32)
     assert_close(w.grad, w64.grad, torch.float32)
+
+
+def test_trusted_graph_skips_only_the_value_check() -> None:
+    from datapath.ops import GraphFormatError, GraphIndexError, as_csr
+
+    class G:
+        def __init__(self, trusted: bool, indptr: torch.Tensor) -> None:
+            self.indptr, self.indices = indptr, torch.tensor([0, 5, 1])  # 5 is out of range for 3 sources
+            self.num_src_nodes, self.num_dst_nodes, self.trusted = 3, 2, trusted
+
+    good_ptr = torch.tensor([0, 2, 3])
+    with pytest.raises(GraphIndexError):
+        as_csr(G(False, good_ptr))
+    view = as_csr(G(True, good_ptr))  # the caller vouches for the contents: no host sync, no range check
+    assert view.num_src == 3 and view.indices.numel() == 3
+    with pytest.raises(GraphFormatError):  # shapes are still checked
+        as_csr(G(True, torch.tensor([0, 3])))
+
+
+def test_sampled_blocks_are_trusted_and_correct() -> None:
+    from datapath.loaders import Graph, NeighborSampler
+
+    g = torch.Generator().manual_seed(3)
+    graph = Graph.from_edge_index(torch.randint(0, 500, (2, 4000), generator=g), 500)
+    blocks = NeighborSampler([5, 3], seed=1).sample(graph, torch.arange(0, 500, 7))
+    for b in blocks:
+        assert b.trusted
+        assert int(b.indices.max()) < b.num_src_nodes and int(b.indices.min()) >= 0
+        x = torch.randn(b.num_src_nodes, 6, dtype=torch.float64)
+        ref = torch.zeros(b.num_dst_nodes, 6, dtype=torch.float64)
+        dst = torch.repeat_interleave(torch.arange(b.num_dst_nodes), b.in_degrees())
+        ref.index_add_(0, dst, x[b.indices])
+        torch.testing.assert_close(aggregate(b, x, reduce="sum"), ref)

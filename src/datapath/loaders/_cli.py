@@ -177,7 +177,7 @@ def _train_gnn(args: argparse.Namespace) -> int:
     val_loader, test_loader = eval_loader(ds.val_idx), eval_loader(ds.test_idx)
     model = build_model(args.model, ds.num_features, args.hidden, ds.num_classes, len(fanouts),
                         dropout=args.dropout, heads=args.heads).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr, fused=torch.device(device).type == "cuda")
     print(f"training {args.model} ({len(fanouts)} layers, fanouts {fanouts}, hidden {args.hidden}) on {device}: "
           f"graph in {graph_on} memory, features in {features_on} memory, sampling on {loader.sample_device.type}; "
           f"chance accuracy {1 / ds.num_classes:.3f}")

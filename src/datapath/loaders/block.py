@@ -14,17 +14,21 @@ class Block:
             ``num_dst_nodes`` of them are the destinations (DGL's convention), so
             ``x_dst = x_src[:num_dst_nodes]``.
         edge_ids: optional (E,) int64 global edge ids (the sampler's ``return_edge_ids``).
+        trusted: True when the CSR is valid by construction (blocks made by
+            `NeighborSampler`); `datapath.ops` then skips its index-range check,
+            which costs a host synchronisation per block.
 
     Follows the graph protocol of `datapath.ops`; attributes may be set on it.
     """
 
     def __init__(self, indptr: torch.Tensor, indices: torch.Tensor, src_nodes: torch.Tensor,
-                 num_dst_nodes: int, edge_ids: torch.Tensor | None = None) -> None:
+                 num_dst_nodes: int, edge_ids: torch.Tensor | None = None, trusted: bool = False) -> None:
         self.indptr = indptr
         self.indices = indices
         self.src_nodes = src_nodes
         self.num_dst_nodes = int(num_dst_nodes)
         self.edge_ids = edge_ids
+        self.trusted = trusted
 
     @property
     def num_src_nodes(self) -> int:
@@ -66,7 +70,8 @@ class Block:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Block":
         """This block with its tensors on ``device``."""
         mv = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return Block(mv(self.indptr), mv(self.indices), mv(self.src_nodes), self.num_dst_nodes, mv(self.edge_ids))
+        return Block(mv(self.indptr), mv(self.indices), mv(self.src_nodes), self.num_dst_nodes, mv(self.edge_ids),
+                     trusted=self.trusted)
 
     def tensors(self) -> list[torch.Tensor]:
         """The block's tensors (for ``record_stream``)."""

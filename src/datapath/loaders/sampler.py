@@ -133,7 +133,7 @@ class NeighborSampler:
             if self.return_edge_ids:
                 e_ids = torch.from_numpy(eids[nbr_pos].astype(np.int64) if eids is not None else nbr_pos)
             block = Block(torch.from_numpy(ptr), torch.from_numpy(local[dst.size:]), torch.from_numpy(unique),
-                          dst.size, e_ids)
+                          dst.size, e_ids, trusted=True)
             blocks.append(block)
             dst = block.src_nodes.numpy()
         blocks.reverse()
@@ -192,7 +192,7 @@ class NeighborSampler:
         for hop, (indptr_full, idx_buf, unique, eid_buf) in enumerate(pending):
             n_dst, n_src, e = host_sizes[3 * hop: 3 * hop + 3]
             blocks.append(Block(indptr_full[: n_dst + 1], idx_buf[:e], unique[:n_src], n_dst,
-                                None if eid_buf is None else eid_buf[:e]))
+                                None if eid_buf is None else eid_buf[:e], trusted=True))
         blocks.reverse()
         return blocks
 

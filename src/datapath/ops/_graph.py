@@ -10,6 +10,10 @@ backward pass, scale vectors) are computed once and kept in a ``_datapath_cache`
 dict attribute on the graph object when it accepts attributes; a tuple gets a fresh
 cache on every call.  The cache is dropped when the CSR tensors are replaced or
 modified in place (their data pointer or version counter changes).
+
+A graph whose contents are valid by construction may say so with an attribute
+``trusted = True`` (the loaders' sampled blocks do): its shapes, dtypes and devices
+are still checked, its index range is not (that check costs a host synchronisation).
 """
 from __future__ import annotations
 
@@ -158,7 +162,9 @@ def _unpack(graph: Any) -> tuple[Any, Any, int | None, int | None, dict[str, Any
     return graph.indptr, graph.indices, num_src, num_dst, cache
 
 
-def _validate(indptr: torch.Tensor, indices: torch.Tensor, num_src: int, num_dst: int) -> None:
+def _validate(indptr: torch.Tensor, indices: torch.Tensor, num_src: int, num_dst: int,
+              values: bool = True) -> None:
+    """Check the CSR's shapes, dtypes and devices; with ``values``, also its contents (one host sync)."""
     if indptr.dim() != 1 or indices.dim() != 1:
         raise GraphFormatError(
             f"indptr and indices must be 1-D, got shapes {tuple(indptr.shape)} and {tuple(indices.shape)}"
@@ -175,6 +181,10 @@ def _validate(indptr: torch.Tensor, indices: torch.Tensor, num_src: int, num_dst
         )
     if num_src < 0 or num_dst < 0:
         raise GraphFormatError(f"negative node counts: num_src_nodes={num_src}, num_dst_nodes={num_dst}")
+    if indices.numel() >= 2**31 - 1 and indices.dtype == torch.int32:
+        raise GraphFormatError("more than 2^31-1 edges need int64 indices")
+    if not values:
+        return
     # one host sync for all scalar checks
     e = indices.numel()
     checks = [indptr[0], indptr[-1]]
@@ -196,8 +206,6 @@ def _validate(indptr: torch.Tensor, indices: torch.Tensor, num_src: int, num_dst
                 f"graph indices range over [{lo}, {hi}] but num_src_nodes is {num_src}; "
                 f"every source id must lie in [0, num_src_nodes)"
             )
-    if e >= 2**31 - 1 and indices.dtype == torch.int32:
-        raise GraphFormatError("more than 2^31-1 edges need int64 indices")
 
 
 def as_csr(graph: Any) -> CSRView:
@@ -219,7 +227,9 @@ def as_csr(graph: Any) -> CSRView:
         view = cache.get("_view")
         if view is not None:
             return view
-    _validate(indptr, indices, num_src, num_dst)
+    # a graph that declares ``trusted = True`` (the loaders' sampled blocks) is valid by construction:
+    # its contents are not re-checked, which would cost a host synchronisation per block
+    _validate(indptr, indices, num_src, num_dst, values=not getattr(graph, "trusted", False))
     if indptr.dtype != torch.int64:
         indptr = indptr.long()
     if cache is None:
