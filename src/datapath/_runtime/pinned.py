@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import logging
-import resource
 import threading
 import weakref
 from typing import Any
@@ -30,17 +29,12 @@ _HOST_REGISTER_FLAGS = 0x01 | 0x02
 
 
 def pin_limit_bytes() -> int:
-    """How many more bytes this process can plausibly pin: available RAM, and RLIMIT_MEMLOCK when set.
+    """How many more bytes this process can plausibly pin: 90% of available RAM.
 
-    CUDA's driver pins through its own path and does not always obey
-    ``ulimit -l``, so available RAM is the binding limit in practice; pinning
-    nearly all of it starves the page cache and the OS, so 90% is allowed.
+    CUDA pins through its driver, which does not go by ``ulimit -l``; pinning
+    nearly all RAM starves the page cache and the OS, hence the 90%.
     """
-    avail = int(psutil.virtual_memory().available * 0.9)
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft not in (resource.RLIM_INFINITY, -1) and soft > 0 and not torch.cuda.is_available():
-        return min(avail, soft)
-    return avail
+    return int(psutil.virtual_memory().available * 0.9)
 
 
 def _check_size(nbytes: int, what: str) -> None:
