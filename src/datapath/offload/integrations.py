@@ -5,8 +5,9 @@ micro-batches, so "the last forward" is not "the next backward".  The patches
 tell the cache which micro-batch a forward or backward belongs to
 (`TensorCache.set_microbatch`), when a backward starts (`begin_backward`), and,
 for DeepSpeed, to start loading the last units while the gradient is still
-being received (`prefetch_last_module`).  A package that does not import is
-left alone; `Patch.restore` puts the original function back.
+being received (`prefetch_last_module`).  Only a package the program has already
+imported is patched (datapath never imports Megatron or DeepSpeed itself: both are
+heavy and warn at import); `Patch.restore` puts the original function back.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import collections
 import functools
 import importlib
 import logging
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +39,9 @@ class Patch:
 
 
 def _import(name: str) -> Any | None:
+    """``name`` when its top-level package is already imported by the program, else None."""
+    if name.split(".")[0] not in sys.modules:
+        return None
     try:
         return importlib.import_module(name)
     except Exception:  # noqa: BLE001 - not installed, or broken without its GPU stack: leave it alone
