@@ -523,14 +523,7 @@ class TensorCache:
             rec = e.record
             if _in_backward() and not rec.backward_started:
                 self._begin_backward(rec)
-            if e.state == PENDING:
-                self._forward_pending(e)
-            elif e.state == STORING and not e.forwarded:
-                e.forwarded = True
-                self.stats.bytes_forwarded += e.nbytes
-            elif e.state == STORED:
-                self._submit_load(e)
-                self.stats.loads_on_demand += 1
+            self._bring_back(e, prefetch=False)
             if rec.segments and not rec.segments[e.segment].prefetched:
                 self._prefetch_range(rec, e.segment)  # no module hooks fired: prefetch from here on
             forwarded = e.state == STORING or (e.state == RESIDENT and e.alloc_stream is None)
@@ -811,14 +804,22 @@ class TensorCache:
             return
         self.stats.prefetch_order.append((rec.rid, s))
         for e in live:
-            if e.state == PENDING:
-                self._forward_pending(e)
-            elif e.state == STORING and not e.forwarded:
-                e.forwarded = True
-                self.stats.bytes_forwarded += e.nbytes
-            elif e.state == STORED:
-                self._submit_load(e)
+            self._bring_back(e, prefetch=True)
+
+    def _bring_back(self, e: _Entry, prefetch: bool) -> None:
+        """Start getting ``e`` back into GPU memory (lock held): cancel a pending store, forward a running
+        one from memory, or load a stored one."""
+        if e.state == PENDING:
+            self._forward_pending(e)
+        elif e.state == STORING and not e.forwarded:
+            e.forwarded = True
+            self.stats.bytes_forwarded += e.nbytes
+        elif e.state == STORED:
+            self._submit_load(e)
+            if prefetch:
                 self.stats.loads_prefetched += 1
+            else:
+                self.stats.loads_on_demand += 1
 
     def _uncount(self, e: _Entry) -> None:
         """The store of ``e`` is over (done, failed or cancelled): free its share of max_inflight_bytes."""

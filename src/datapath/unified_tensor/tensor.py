@@ -209,7 +209,15 @@ def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
         def to_gpu(x: Any) -> Any:
             if isinstance(x, UnifiedTensor):
-                a = cuda_alias(x._host) if x._host.is_pinned() else x._host.to(gpu)
+                if x._host.is_pinned():
+                    a = cuda_alias(x._host)
+                elif mutates:  # a GPU copy would take the write, and the host memory would never see it
+                    raise RuntimeError(
+                        f"{func} would write a unified tensor whose host memory is not pinned; "
+                        f"make it with t.to('unified') or as_unified(t) on a machine with CUDA"
+                    )
+                else:
+                    a = x._host.to(gpu)
                 aliases[id(a)] = x
                 return a
             if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0:
