@@ -35,6 +35,7 @@ class _BlockModel(nn.Module):
             raise ValueError(f"backend must be 'datapath' or 'pyg', got {backend!r}")
         self.backend = backend
         self.convs = nn.ModuleList()
+        self.dropout = 0.0
 
     def _conv(self, i: int, block: Any, h: torch.Tensor) -> torch.Tensor:
         conv = self.convs[i]
@@ -43,6 +44,16 @@ class _BlockModel(nn.Module):
             edge_index, size = block.to_pyg()
             return conv((h, h[:n_dst]), edge_index, size=size)
         return conv(block, h)
+
+    def forward(self, blocks: Sequence[Any], x: torch.Tensor) -> torch.Tensor:
+        """(num_src of blocks[0], F) input features -> (num_dst of blocks[-1], out_channels) logits."""
+        self._check(blocks, x)
+        h = x
+        for i, block in enumerate(blocks):
+            h = self._conv(i, block, h)
+            if i < len(blocks) - 1:
+                h = F.dropout(self._activation(h), p=self.dropout, training=self.training)
+        return h
 
     def _check(self, blocks: Sequence[Any], x: torch.Tensor) -> None:
         if len(blocks) != len(self.convs):
@@ -75,14 +86,7 @@ class GraphSAGE(_BlockModel):
             self.convs.append(conv_cls(a, b))
         self.dropout = dropout
 
-    def forward(self, blocks: Sequence[Any], x: torch.Tensor) -> torch.Tensor:
-        self._check(blocks, x)
-        h = x
-        for i, block in enumerate(blocks):
-            h = self._conv(i, block, h)
-            if i < len(blocks) - 1:
-                h = F.dropout(F.relu(h), p=self.dropout, training=self.training)
-        return h
+    _activation = staticmethod(F.relu)
 
 
 class GAT(_BlockModel):
@@ -117,14 +121,7 @@ class GAT(_BlockModel):
 
         return self.convs[i](add_self_loops(block), h)
 
-    def forward(self, blocks: Sequence[Any], x: torch.Tensor) -> torch.Tensor:
-        self._check(blocks, x)
-        h = x
-        for i, block in enumerate(blocks):
-            h = self._conv(i, block, h)
-            if i < len(blocks) - 1:
-                h = F.dropout(F.elu(h), p=self.dropout, training=self.training)
-        return h
+    _activation = staticmethod(F.elu)
 
 
 def build_model(name: str, in_channels: int, hidden_channels: int, out_channels: int, num_layers: int,
