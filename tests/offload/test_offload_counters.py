@@ -193,3 +193,101 @@ def test_max_inflight_bytes_bounds_unstored_memory(tmp_path) -> None:
     assert st.store_wait_seconds > 0
     assert 0 < st.peak_inflight_bytes <= bound
     cache.close()
+
+
+class _Repeats(nn.Module):
+    """A layer whose output storage is saved by three ops (sin, cos, mul)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h.sin() * h.cos() + h * 0.5
+
+
+def test_a_kept_storage_saved_again_is_not_a_new_storage() -> None:
+    """The adaptive plan counts storages; repeated saves of one it keeps must not look like a changed forward."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Repeats(64) for _ in range(6)])
+    x = torch.randn(32, 64)
+    ref = copy.deepcopy(model)
+    cache = TensorCache("host", policy="adaptive", min_bytes=1024, offload_cpu_tensors=True,
+                        host_budget_bytes=64 << 20)
+    cache.attach(model)
+    for _ in range(3):  # policy "all", then the profiled step, then the planned one
+        with cache:
+            model(x).square().mean().backward()
+    assert cache.plan is not None and cache.profile is not None
+    profile = cache.profile
+    cache.plan = dataclasses.replace(cache.plan, cutoff=2)  # keep almost everything from now on
+    kept0 = cache.stats.bytes_kept_policy
+    for _ in range(3):
+        with cache:
+            model(x).square().mean().backward()
+    assert cache.stats.bytes_kept_policy > kept0
+    assert cache.profile is profile, "the forward was taken as changed and profiled again"
+    cache.close()
+    for _ in range(6):
+        ref(x).square().mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_max_prefetch_bytes_loads_less_ahead_same_gradients() -> None:
+    torch.manual_seed(6)
+    model = mlp(64, 6)
+    batches = [torch.randn(64, 64) for _ in range(3)]
+    ref = run_steps(copy.deepcopy(model), batches, lambda m, x: m(x).pow(2).mean())
+    got, stats = {}, {}
+    for limit in (None, 1):
+        m = copy.deepcopy(model)
+        cache = TensorCache("host", min_bytes=0, offload_cpu_tensors=True, keep_last_modules=0,
+                            prefetch_distance=4, max_prefetch_bytes=limit, host_budget_bytes=16 << 20)
+        cache.attach(m)
+        got[limit] = run_steps(m, batches, lambda mm, x: mm(x).pow(2).mean(), ctx=cache)
+        stats[limit] = cache.stats
+        cache.close()
+    assert_identical(ref, got[None])
+    assert_identical(ref, got[1])
+    unbounded, bounded = stats[None], stats[1]
+    assert unbounded.bytes_loaded > 0 and bounded.bytes_loaded > 0
+    assert 0 < bounded.peak_prefetch_bytes < unbounded.peak_prefetch_bytes
+    assert bounded.peak_prefetch_bytes <= 2 * 64 * 64 * 4  # about one segment (one layer's saved input)
+
+
+def test_adaptive_plan_backs_off_when_the_backward_waits_for_loads(tmp_path) -> None:
+    """A disk that reads slower than the profile saw: the backward waits, so the next steps offload less."""
+    import time as _time
+
+    torch.manual_seed(7)
+    model = mlp(256, 6)
+    batches = [torch.randn(256, 256) for _ in range(7)]
+    ref = run_steps(copy.deepcopy(model), batches, lambda m, x: m(x).pow(2).mean())
+    cache = TensorCache("ssd", str(tmp_path), policy="adaptive", min_bytes=0, offload_cpu_tensors=True,
+                        io_chunk_bytes=65536, pace=False)
+    cache.attach(model)
+    real = cache.ssd.posix._preadv
+    slow = {"on": False}
+
+    def preadv(fd: int, bufs: list, off: int) -> int:
+        if slow["on"]:
+            _time.sleep(0.02)
+        return real(fd, bufs, off)
+    cache.ssd.posix._preadv = preadv
+    plans = []
+
+    def between() -> None:
+        plans.append(cache.plan.cutoff if cache.plan is not None else None)
+        if cache.plan is not None:
+            slow["on"] = True  # from the first planned step on, every read takes 20 ms more
+    got = run_steps(model, batches, lambda m, x: m(x).pow(2).mean(), ctx=cache, between=between)
+    assert_identical(ref, got)
+    planned = [c for c in plans if c is not None]
+    assert planned and planned[0] > 0
+    assert cache.stats.plan_backoffs >= 1
+    assert planned[-1] < planned[0], plans
+    cache.close()

@@ -48,6 +48,18 @@ def test_slow_disk_offloads_only_what_its_bandwidth_allows() -> None:
     assert slow.bytes_planned < 0.1 * slow.bytes_total
 
 
+def test_disk_shared_by_stores_and_loads_plans_less_and_stays_in_time() -> None:
+    prof = _profile(2.6e9, 3.0e9, layer_bytes=0.6e9)
+    split = plan_offload(prof)
+    shared = plan_offload(prof, shared_channel=True)
+    assert 0 < shared.bytes_planned <= split.bytes_planned
+    w, r = shared.write_bandwidth, shared.read_bandwidth
+    # serialised on one disk: every store, then every load, inside the step without a stall
+    ok, stall = simulate(prof, shared.cutoff, shared.prefetch_distance, w, r, shared_channel=True)
+    assert ok and stall <= 0.02 * prof.step_time
+    assert shared.bytes_planned <= shared.bytes_allowed == pytest.approx(prof.step_time / (1 / w + 1 / r))
+
+
 def test_more_bandwidth_never_offloads_less() -> None:
     got = [plan_offload(_profile(bw, bw)).bytes_planned for bw in (1e9, 3e9, 10e9, 30e9, 100e9, 1e12)]
     assert got == sorted(got)

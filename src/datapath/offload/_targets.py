@@ -43,6 +43,7 @@ class IOResult:
     crc: list[int] = field(default_factory=list)     # chunk checksums (verify=True)
     cleanup: Any = None                              # callable to run once ``event`` completed
     complete: bool = True                            # False: a store stopped early (tensor forwarded)
+    bytes_done: int = 0                              # bytes a store stopped early did write
 
 
 class Streams:
@@ -240,8 +241,9 @@ class SsdTarget:
             self._unlink(path)
             raise
         os.close(fd)
+        written = n if complete else sum(min(eng.chunk_bytes, n - off) for off in chunks[:len(futures)])
         return IOResult(loc=path, seconds=time.perf_counter() - t0, crc=crc if self.verify else [],
-                        complete=complete)
+                        complete=complete, bytes_done=written)
 
     def _write_job(self, fd: int, buf: torch.Tensor, k: int, off: int, path: str, ev: Any,
                    crc: list[int], ci: int) -> None:

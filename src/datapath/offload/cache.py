@@ -33,6 +33,8 @@ How it works (SSDTrain §5.3, with the gaps of the existing systems closed):
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import itertools
 import logging
@@ -88,7 +90,8 @@ class _Entry:
 
     __slots__ = ("sid", "nbytes", "device", "record", "segment", "target", "state", "src", "tensor", "version",
                  "pack_event", "pack_stream", "gpu", "loc", "crc", "ready", "ready_event", "alloc_stream",
-                 "handles", "released", "forwarded", "cancelled", "modified", "error", "name", "counted", "__weakref__")
+                 "handles", "released", "forwarded", "cancelled", "modified", "error", "name", "counted", "ahead",
+                 "__weakref__")
 
     def __init__(self, sid: int, nbytes: int, device: torch.device, record: "_Record", segment: int,
                  target: Any, src: torch.Tensor, tensor: torch.Tensor) -> None:
@@ -118,6 +121,7 @@ class _Entry:
         self.error: BaseException | None = None
         self.name = f"{sid}.act"
         self.counted = True  # its bytes count against max_inflight_bytes until its store ends
+        self.ahead = False   # loaded by a prefetch and not yet handed to autograd
 
 
 class _Handle:
@@ -179,13 +183,14 @@ class _Record:
         self.t0: Any = None
         self.t_bwd0: Any = None
         self.tensors: list[tuple[int, int, Any]] = []  # profiling: (segment, nbytes, ready mark)
-        self.pace = False          # pace the CPU to the GPU at unit boundaries (CUDA models)
-        self.pace_fwd: Any = None  # event at the start of the last unit's forward
-        self.pace_bwd: Any = None  # event at the start of the last unit's backward
+        self.pace = 0              # pace the CPU to the GPU at unit boundaries (CUDA models): units of lead
+        self.pace_fwd: collections.deque[Any] = collections.deque()  # events at the starts of the last units' forward
+        self.pace_bwd: collections.deque[Any] = collections.deque()  # ... and backward
         self.bytes_written = 0
         self.write_s = 0.0
         self.bytes_read = 0
         self.read_s = 0.0
+        self.wait_s = 0.0  # time autograd waited in unpack for this record's loads
 
 
 class TensorCache:
@@ -212,8 +217,13 @@ class TensorCache:
         max_inflight_bytes: bound on the device bytes waiting to be stored; a pack hook that would
             exceed it waits for stores to finish (forward slows to the target's bandwidth, the
             memory peak stays low).  None: no bound.
-        pace: on CUDA, keep the CPU at most about one unit ahead of the GPU (wait at unit boundaries,
-            and for the end of the forward before the backward starts).  The allocator counts
+        max_prefetch_bytes: bound on the bytes one backward step starts loading ahead of need (the
+            segment needed now is always loaded); later segments load when reached.  None: no bound
+            (``prefetch_distance`` units).  With ``max_inflight_bytes``, the lowest-memory setting.
+        pace: on CUDA, keep the CPU at most a few units ahead of the GPU (wait at unit boundaries,
+            and for the end of the forward before the backward starts).  True: one unit ahead
+            (measured best for memory, at no measurable cost, with both block and leaf units on B4);
+            an int: that many units; False: no pacing.  The allocator counts
             memory in CPU order: without pacing the CPU can launch the whole backward before the
             GPU has stored anything, and the stores free nothing in time.
         profile_after: forward passes run with ``policy="all"`` before the adaptive policy profiles
@@ -228,7 +238,8 @@ class TensorCache:
                  engine: str = "auto", io_threads: int = 4, io_chunk_bytes: int = 16 << 20,
                  host_slab_bytes: int = 256 << 20, verify: bool = False, stall_tolerance: float = 0.02,
                  replan_threshold: float = 0.25, max_inflight_bytes: int | None = None,
-                 pace: bool = True, profile_after: int = 1) -> None:
+                 max_prefetch_bytes: int | None = None,
+                 pace: bool | int = True, profile_after: int = 1) -> None:
         if target not in TARGETS:
             raise OffloadConfigError(f"target must be one of {TARGETS}, got {target!r}")
         if policy not in POLICIES:
@@ -258,10 +269,14 @@ class TensorCache:
         self._lock = threading.RLock()
         self._space = threading.Condition(self._lock)
         self.max_inflight_bytes = max_inflight_bytes
+        self.max_prefetch_bytes = max_prefetch_bytes
+        if not isinstance(pace, bool) and (not isinstance(pace, int) or pace < 1):
+            raise OffloadConfigError(f"pace must be True, False or a number of units >= 1, got {pace!r}")
         self.pace = pace
         self.profile_after = int(profile_after)
         self._records_total = 0
         self._inflight_bytes = 0
+        self._ahead_bytes = 0
         self._attr = f"_datapath_sid_{uuid.uuid4().hex[:10]}"
         self._ids = itertools.count(1)
         self._rids = itertools.count(1)
@@ -338,13 +353,25 @@ class TensorCache:
             return old
 
     # ------------------------------------------------------------- attaching
-    def attach(self, model: nn.Module, units: Iterable[nn.Module] | None = None) -> "TensorCache":
-        """Install the module hooks on ``model`` (root) and its ``units``; record its parameters and buffers."""
+    def attach(self, model: nn.Module, units: Iterable[nn.Module] | str | None = None) -> "TensorCache":
+        """Install the module hooks on ``model`` (root) and its ``units``; record its parameters and buffers.
+
+        ``units``: the modules whose calls are the scopes of offloading, prefetching and pacing.
+        ``None`` or ``"blocks"``: the blocks of the model's largest ``ModuleList``/``Sequential``
+        (transformer layers); ``"leaves"``: every module that owns parameters (Linear, LayerNorm, ...),
+        finer scopes that keep less in memory while the backward prefetches; or an explicit list.
+        """
         if self._closed:
             raise OffloadConfigError("this TensorCache is closed; build a new one")
-        unit_list = list(units) if units is not None else _auto_units(model)
+        if isinstance(units, str):
+            if units not in ("blocks", "leaves"):
+                raise OffloadConfigError(f"units must be 'blocks', 'leaves' or a list of modules, got {units!r}")
+            unit_list = _auto_units(model) if units == "blocks" else _leaf_units(model)
+        else:
+            unit_list = list(units) if units is not None else _auto_units(model)
         names = {id(m): n for n, m in model.named_modules()}
-        hooks = [model.register_forward_pre_hook(self._on_root_forward)]
+        hooks = [model.register_forward_pre_hook(self._on_root_forward),
+                 model.register_forward_hook(self._on_root_exit)]
         for u in unit_list:
             name = names.get(id(u), u.__class__.__name__)
             hooks.append(u.register_forward_pre_hook(functools.partial(self._on_unit_enter, name)))
@@ -440,6 +467,12 @@ class TensorCache:
                 st.bytes_kept_param += view_bytes
                 return t
             sid = getattr(storage, self._attr, None)
+            if sid is not None and sid < 0:
+                if self._record is not None and -sid == self._record.rid and not _in_backward():
+                    # a storage this forward already chose to keep: saved again, kept again (not a new one)
+                    st.bytes_kept_policy += view_bytes
+                    return t.detach()
+                sid = None
             if sid is not None:
                 e = self._entries.get(sid)
                 if e is not None and not e.released:
@@ -468,6 +501,7 @@ class TensorCache:
                 rec.tensors.append((seg.index, nbytes, self._mark(t.device)))
             if not self._decide(rec, seg, idx):
                 st.bytes_kept_policy += view_bytes
+                setattr(storage, self._attr, -rec.rid)  # later saves of it in this forward are not new storages
                 return t.detach()
             if self.max_inflight_bytes is not None and self._inflight_bytes + nbytes > self.max_inflight_bytes:
                 t0 = time.perf_counter()
@@ -478,6 +512,7 @@ class TensorCache:
             target = next((p for p in self._placement if p.reserve(nbytes)), None)
             if target is None:
                 st.bytes_kept_budget += view_bytes
+                setattr(storage, self._attr, -rec.rid)
                 return t.detach()
             e = _Entry(next(self._ids), nbytes, t.device, rec, seg.index, target, storage_bytes(t), t.detach())
             if t.is_cuda:
@@ -524,6 +559,7 @@ class TensorCache:
             if _in_backward() and not rec.backward_started:
                 self._begin_backward(rec)
             self._bring_back(e, prefetch=False)
+            self._not_ahead(e)
             if rec.segments and not rec.segments[e.segment].prefetched:
                 self._prefetch_range(rec, e.segment)  # no module hooks fired: prefetch from here on
             forwarded = e.state == STORING or (e.state == RESIDENT and e.alloc_stream is None)
@@ -541,6 +577,7 @@ class TensorCache:
         waited = time.perf_counter() - t0
         with self._lock:
             self.stats.unpack_wait_seconds += waited
+            e.record.wait_s += waited
             if e.error is not None:
                 raise _fresh(e.error)
             data, ev, stream = e.gpu, e.ready_event, e.alloc_stream
@@ -565,6 +602,19 @@ class TensorCache:
                 return
             self._start_record()
 
+    def _on_root_exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Pacing: what follows the forward (loss, the first backward ops) is launched once the GPU has
+        finished the forward, so its memory is counted after the stores made during the forward."""
+        if _in_backward():
+            return
+        with self._lock:
+            rec = self._record
+            if rec is None or not rec.pace or rec.backward_started or rec.live == 0:
+                return
+            ev = torch.cuda.Event()
+            ev.record()
+        ev.synchronize()
+
     def _on_unit_enter(self, name: str, module: nn.Module, args: Any) -> None:
         if _in_backward():
             return
@@ -584,10 +634,12 @@ class TensorCache:
                 if rec.pace:
                     ev = torch.cuda.Event()
                     ev.record()
-                    wait_ev, rec.pace_fwd = rec.pace_fwd, ev
+                    rec.pace_fwd.append(ev)
+                    if len(rec.pace_fwd) > rec.pace:
+                        wait_ev = rec.pace_fwd.popleft()
         if wait_ev is not None:
-            # pacing: launch unit k only once the GPU has started unit k-1, so that "now" on the CPU
-            # is "now" on the GPU within a unit (stores have had their time, memory is freed in order)
+            # pacing: launch unit k only once the GPU has started unit k-lead, so that "now" on the CPU
+            # is "now" on the GPU within a few units (stores have had their time, memory is freed in order)
             wait_ev.synchronize()
 
     def _on_unit_exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
@@ -621,9 +673,13 @@ class TensorCache:
                 ev = torch.cuda.Event()
                 ev.record()
                 # the first backward unit waits for the whole forward (the memory peak forms here);
-                # later ones for the GPU to reach the previous unit's backward
-                wait_ev = ev if rec.pace_bwd is None else rec.pace_bwd
-                rec.pace_bwd = ev
+                # later ones for the GPU to reach the backward of the unit ``lead`` units before
+                first = not rec.pace_bwd
+                rec.pace_bwd.append(ev)
+                if first:
+                    wait_ev = ev
+                elif len(rec.pace_bwd) > rec.pace:
+                    wait_ev = rec.pace_bwd.popleft()
         if wait_ev is not None:
             wait_ev.synchronize()
         with self._lock:
@@ -661,7 +717,8 @@ class TensorCache:
                       self.plan.cutoff if adaptive_ready else None,
                       self.plan.prefetch_distance if adaptive_ready else self.prefetch_distance,
                       self._expected_units, microbatch if microbatch is not None else self._mb)
-        rec.pace = self.pace and torch.cuda.is_available() and bool(self._models) and self._cuda_model()
+        rec.pace = (self._pace_lead() if self.pace and torch.cuda.is_available() and bool(self._models)
+                    and self._cuda_model() else 0)
         if profiling:
             self._profiling_record = rec
             rec.t0 = self._mark(None)
@@ -707,22 +764,45 @@ class TensorCache:
             del self._by_mb[rec.microbatch]
         if self._profiling_record is rec and not rec.backward_started:
             self._profiling_record = None  # its graph was dropped without a backward: profile again
-        if (self.policy == "adaptive" and self.plan is not None and self.profile is not None
-                and not rec.profiling and rec.bytes_written >= 32 << 20 and rec.write_s > 0):
-            w = rec.bytes_written / rec.write_s
+        if self.policy == "adaptive" and self.plan is not None and self.profile is not None and not rec.profiling:
+            w = rec.bytes_written / rec.write_s if rec.bytes_written >= 32 << 20 and rec.write_s > 0 else None
             planned = self.plan.write_bandwidth / 0.9
-            if abs(w / planned - 1) > self.replan_threshold:
+            if w is not None and abs(w / planned - 1) > self.replan_threshold:
                 r = rec.bytes_read / rec.read_s if rec.read_s > 0 else None
                 log.info("write bandwidth %.2f GB/s differs from the plan's %.2f GB/s: re-planning",
                          w / 1e9, planned / 1e9)
                 self.plan = plan_offload(self.profile, stall_tolerance=self.stall_tolerance,
-                                         write_bandwidth=w, read_bandwidth=r)
+                                         write_bandwidth=w, read_bandwidth=r, shared_channel=self._shared_channel)
+            else:
+                self._back_off(rec)
         if (self.policy == "adaptive" and self.profile is not None and not rec.profiling
                 and rec.first_packs and abs(rec.first_packs - len(self.profile.tensors)) > 0.1 * rec.first_packs):
             log.info("the forward changed (%d offloadable storages, profile had %d): profiling again",
                      rec.first_packs, len(self.profile.tensors))
             self.plan = None
             self.profile = None
+
+    def _back_off(self, rec: _Record) -> None:
+        """The backward waited for loads longer than the plan allows: offload less from the next step.
+
+        The profile can overrate the time loads have (its own step was slowed by offloading
+        everything); the bytes that arrived late (wait x read bandwidth, at least one storage)
+        come off the end of the planned prefix.
+        """
+        plan, prof = self.plan, self.profile
+        assert plan is not None and prof is not None
+        if plan.cutoff == 0 or rec.wait_s <= max(self.stall_tolerance * plan.step_time, 1e-3):
+            return
+        late = rec.wait_s * (rec.bytes_read / rec.read_s if rec.read_s > 0 else plan.read_bandwidth)
+        cutoff, cut = plan.cutoff, 0.0
+        while cutoff > 0 and (cut < late or cutoff == plan.cutoff):
+            cutoff -= 1
+            cut += prof.tensors[cutoff].nbytes
+        log.info("the backward waited %.1f ms for loads (plan allows %.1f ms): offloading %d instead of %d "
+                 "storages", rec.wait_s * 1e3, self.stall_tolerance * plan.step_time * 1e3, cutoff, plan.cutoff)
+        self.stats.plan_backoffs += 1
+        self.plan = dataclasses.replace(plan, cutoff=cutoff, bytes_planned=sum(
+            tp.nbytes for tp in prof.tensors[:cutoff]))
 
     def _maybe_plan(self) -> None:
         rec = self._profiling_record
@@ -731,7 +811,7 @@ class TensorCache:
         self._profiling_record = None
         prof = self._build_profile(rec)
         self.profile = prof
-        self.plan = plan_offload(prof, stall_tolerance=self.stall_tolerance)
+        self.plan = plan_offload(prof, stall_tolerance=self.stall_tolerance, shared_channel=self._shared_channel)
         if self.plan.cutoff == 0:
             log.info("adaptive offload: nothing can be offloaded in time at %.2f GB/s write, %.2f GB/s read",
                      prof.write_bandwidth / 1e9, prof.read_bandwidth / 1e9)
@@ -768,6 +848,15 @@ class TensorCache:
             return ev
         return time.perf_counter()
 
+    @property
+    def _shared_channel(self) -> bool:
+        """Stores and loads share one device (files on a disk), so the planner serialises them."""
+        return self.target == "ssd"
+
+    def _pace_lead(self) -> int:
+        """How many units the CPU may run ahead of the GPU."""
+        return 1 if isinstance(self.pace, bool) else int(self.pace)
+
     def _cuda_model(self) -> bool:
         for ref, _ in self._models:
             m = ref()
@@ -787,24 +876,36 @@ class TensorCache:
 
     # ------------------------------------------------------------ prefetching
     def _prefetch_range(self, rec: _Record, j: int) -> None:
-        """Prefetch segment ``j`` and those before it, down to the ``distance``-th unit before ``j``."""
+        """Prefetch segment ``j`` and those before it, down to the ``distance``-th unit before ``j``
+        (and, with ``max_prefetch_bytes``, only while the loads started here stay under it)."""
         d = rec.distance
         units_before = [i for i in range(j - 1, -1, -1) if rec.segments[i].is_unit]
         lo = units_before[d - 1] if len(units_before) >= d else 0
+        limit = self.max_prefetch_bytes
+        started = 0
         for s in range(j, lo - 1, -1):
-            self._prefetch_segment(rec, s)
+            if limit is not None and s != j:
+                need = sum(e.nbytes for e in rec.segments[s].entries if e.state == STORED and not e.released)
+                if started + need > limit:
+                    break
+            started += self._prefetch_segment(rec, s)
 
-    def _prefetch_segment(self, rec: _Record, s: int) -> None:
+    def _prefetch_segment(self, rec: _Record, s: int) -> int:
+        """Start bringing back the storages of segment ``s``; the bytes of the loads started."""
         seg = rec.segments[s]
         if seg.prefetched:
-            return
+            return 0
         seg.prefetched = True
         live = [e for e in seg.entries if not e.released]
         if not live:
-            return
+            return 0
         self.stats.prefetch_order.append((rec.rid, s))
+        started = 0
         for e in live:
+            if e.state == STORED:
+                started += e.nbytes
             self._bring_back(e, prefetch=True)
+        return started
 
     def _bring_back(self, e: _Entry, prefetch: bool) -> None:
         """Start getting ``e`` back into GPU memory (lock held): cancel a pending store, forward a running
@@ -818,8 +919,17 @@ class TensorCache:
             self._submit_load(e)
             if prefetch:
                 self.stats.loads_prefetched += 1
+                e.ahead = True
+                self._ahead_bytes += e.nbytes
+                self.stats.peak_prefetch_bytes = max(self.stats.peak_prefetch_bytes, self._ahead_bytes)
             else:
                 self.stats.loads_on_demand += 1
+
+    def _not_ahead(self, e: _Entry) -> None:
+        """``e`` was handed to autograd (or dropped): its prefetched bytes no longer count as ahead."""
+        if e.ahead:
+            e.ahead = False
+            self._ahead_bytes -= e.nbytes
 
     def _uncount(self, e: _Entry) -> None:
         """The store of ``e`` is over (done, failed or cancelled): free its share of max_inflight_bytes."""
@@ -915,11 +1025,14 @@ class TensorCache:
         self._uncount(e)
         st = self.stats
         rec = e.record
-        st.write_seconds += secs
-        rec.write_s += secs
+        done = e.nbytes if res.complete else min(res.bytes_done, e.nbytes)
+        if done:  # a store stopped early still measured the bandwidth with the bytes it wrote
+            st.write_seconds += secs
+            st.bytes_written_partial += 0 if res.complete else done
+            rec.write_s += secs
+            rec.bytes_written += done
         if res.complete:
             st.bytes_offloaded += e.nbytes
-            rec.bytes_written += e.nbytes
         e.loc = res.loc
         e.crc = res.crc
         if e.target.kind == "ssd":
@@ -1054,6 +1167,7 @@ class TensorCache:
             if e.handles > 0 or e.released:
                 return
             e.released = True
+            self._not_ahead(e)
             self._entries.pop(e.sid, None)
             rec = e.record
             rec.live -= 1
@@ -1179,6 +1293,12 @@ def _fresh(err: BaseException) -> BaseException:
         new.__cause__ = err.__cause__
         return new
     return err
+
+
+def _leaf_units(model: nn.Module) -> list[nn.Module]:
+    """Every module below ``model`` that owns parameters itself (Linear, LayerNorm, Embedding, ...)."""
+    out = [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))]
+    return out or _auto_units(model)
 
 
 def _auto_units(model: nn.Module) -> list[nn.Module]:

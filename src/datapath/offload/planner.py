@@ -93,7 +93,7 @@ class OffloadPlan:
     read_bandwidth: float
     predicted_stall: float
     step_time: float
-    bytes_allowed: float = 0.0  # write bandwidth x half the step (SSDTrain §5.3.6's model), capped at bytes_total
+    bytes_allowed: float = 0.0  # bytes that can be written and read back in one step: step / (1/w + 1/r)
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
@@ -115,8 +115,12 @@ def _issue_times(profile: StepProfile, bwd: list[float], distance: int) -> list[
 
 
 def simulate(profile: StepProfile, cutoff: int, distance: int, write_bw: float, read_bw: float,
-             ) -> tuple[bool, float]:
-    """(stores all finish in time, total backward stall in seconds) when offloading ``tensors[:cutoff]``."""
+             shared_channel: bool = False) -> tuple[bool, float]:
+    """(stores all finish in time, total backward stall in seconds) when offloading ``tensors[:cutoff]``.
+
+    ``shared_channel``: stores and loads share one device (a disk): no load starts before the
+    last store has finished.  Host memory over PCIe has separate directions (False).
+    """
     bwd = profile.backward_starts()
     tensors = profile.tensors[:cutoff]
     t = 0.0
@@ -131,7 +135,7 @@ def simulate(profile: StepProfile, cutoff: int, distance: int, write_bw: float, 
     for k, tp in enumerate(tensors):
         by_seg.setdefault(tp.segment, []).append(k)
     stall = 0.0
-    t = 0.0
+    t = done[-1] if shared_channel and done else 0.0
     for s in sorted(by_seg, reverse=True):
         for k in by_seg[s]:
             t = max(t, issue[s] + stall, done[k]) + tensors[k].nbytes / read_bw
@@ -143,12 +147,13 @@ def simulate(profile: StepProfile, cutoff: int, distance: int, write_bw: float, 
 
 def plan_offload(profile: StepProfile, *, stall_tolerance: float = 0.02, safety: float = 0.9,
                  max_distance: int | None = None, write_bandwidth: float | None = None,
-                 read_bandwidth: float | None = None) -> OffloadPlan:
+                 read_bandwidth: float | None = None, shared_channel: bool = False) -> OffloadPlan:
     """The longest prefix of ``profile.tensors`` that can be offloaded without slowing the step.
 
     Bandwidths default to the profile's measured ones, scaled by ``safety``.  Every prefetch
     distance up to ``max_distance`` units (default: all) is tried; the most bytes win, the
-    shortest distance among equals (loads held in memory for the least time).
+    shortest distance among equals (loads held in memory for the least time).  ``shared_channel``:
+    see `simulate` (files on one disk).
     """
     w = (write_bandwidth or profile.write_bandwidth) * safety
     r = (read_bandwidth or profile.read_bandwidth or profile.write_bandwidth) * safety
@@ -162,17 +167,17 @@ def plan_offload(profile: StepProfile, *, stall_tolerance: float = 0.02, safety:
             lo, hi = 0, len(profile.tensors)  # feasibility is monotone in the prefix length
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                ok, stall = simulate(profile, mid, d, w, r)
+                ok, stall = simulate(profile, mid, d, w, r, shared_channel)
                 if ok and stall <= budget:
                     lo = mid
                 else:
                     hi = mid - 1
             if lo > best[0]:
-                best = (lo, d, simulate(profile, lo, d, w, r)[1])
+                best = (lo, d, simulate(profile, lo, d, w, r, shared_channel)[1])
     cutoff, dist, stall = best
     return OffloadPlan(
         cutoff=cutoff, prefetch_distance=dist,
         bytes_planned=sum(tp.nbytes for tp in profile.tensors[:cutoff]), bytes_total=total,
         write_bandwidth=w, read_bandwidth=r, predicted_stall=stall, step_time=step,
-        bytes_allowed=min(float(total), w * step / 2),
+        bytes_allowed=min(float(total), step / (1 / w + 1 / r)) if w > 0 and r > 0 else 0.0,
     )

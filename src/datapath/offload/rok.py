@@ -422,7 +422,7 @@ def _strategy_context(workload: Workload, strat: Strategy, ssd_path: str | None,
             if "schedule_hints" in params:
                 kwargs.setdefault("schedule_hints", False)  # plain training loop: no pipeline schedule to patch
             if "units" in params and "units" not in kwargs:
-                kwargs["units"] = [m for lst in _layer_lists(workload) for m in lst]  # every layer is a scope
+                kwargs["units"] = "leaves"  # every Linear/LayerNorm a scope: fine-grained pacing and prefetch
             cache = stack.enter_context(offload_fn(workload.model, **kwargs))
         if strat.save_on_cpu:
             stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()))

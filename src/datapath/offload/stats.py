@@ -20,6 +20,7 @@ class OffloadStats:
     storages_offloaded: int = 0    # storages queued for the target
     bytes_queued: int = 0          # their bytes (what was chosen for offloading, whatever timing did next)
     bytes_offloaded: int = 0       # bytes written to the target (host memory or files)
+    bytes_written_partial: int = 0  # bytes written by stores stopped early (tensor needed first): bandwidth only
     bytes_loaded: int = 0          # bytes read back to the device
     loads_prefetched: int = 0      # loads started by a prefetch (backward pre-hook or hint)
     loads_on_demand: int = 0       # loads started only when autograd asked for the tensor
@@ -42,6 +43,8 @@ class OffloadStats:
     unpack_wait_seconds: float = 0.0  # time autograd was blocked in unpack waiting for a load
     store_wait_seconds: float = 0.0   # time pack hooks waited for stores (max_inflight_bytes)
     peak_inflight_bytes: int = 0      # most bytes waiting to be stored at once
+    peak_prefetch_bytes: int = 0      # most bytes loaded ahead by prefetches and not yet used at once
+    plan_backoffs: int = 0            # adaptive plans shortened because the backward waited for loads
     files_created: int = 0
     files_removed: int = 0
     peak_disk_bytes: int = 0
@@ -51,7 +54,8 @@ class OffloadStats:
     @property
     def write_bandwidth(self) -> float:
         """Achieved store bandwidth in bytes/s (0 when nothing was stored)."""
-        return self.bytes_offloaded / self.write_seconds if self.write_seconds > 0 else 0.0
+        done = self.bytes_offloaded + self.bytes_written_partial
+        return done / self.write_seconds if self.write_seconds > 0 else 0.0
 
     @property
     def read_bandwidth(self) -> float:
