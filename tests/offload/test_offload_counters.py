@@ -291,3 +291,12 @@ def test_adaptive_plan_backs_off_when_the_backward_waits_for_loads(tmp_path) -> 
     assert cache.stats.plan_backoffs >= 1
     assert planned[-1] < planned[0], plans
     cache.close()
+
+
+def test_disk_probe_measures_and_leaves_nothing(tmp_path) -> None:
+    cache = TensorCache("ssd", str(tmp_path), engine="posix", io_chunk_bytes=1 << 20)
+    w, r = cache.ssd.probe(4 << 20, None)
+    assert w > 0 and r > 0
+    assert cache.files() == [] and not any(f.startswith("probe") for f in cache.ssd.files())
+    assert cache.ssd.reserved == 0
+    cache.close()

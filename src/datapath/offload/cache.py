@@ -211,7 +211,8 @@ class TensorCache:
         host_budget_bytes: bytes of pinned host memory the cache may use (default 80% of what the
             machine can pin for ``"host"``, half of it for ``"tiered"``).
         max_disk_bytes: bytes of files the cache may have at once (default 90% of the free space).
-        engine: ``"auto"`` (kvikio when it imports and works with the GPU, else POSIX), ``"kvikio"``, ``"posix"``.
+        engine: ``"auto"`` (kvikio when it works with the GPU through GPUDirect Storage, else the POSIX
+            engine, which beats kvikio's compatibility mode), ``"kvikio"`` (even in compatibility mode), ``"posix"``.
         io_threads, io_chunk_bytes: the POSIX engine's thread count and transfer size.
         verify: checksum every stored storage (CRC32 on the host side) and check it on reload.
         max_inflight_bytes: bound on the device bytes waiting to be stored; a pack hook that would
@@ -275,6 +276,7 @@ class TensorCache:
         self.pace = pace
         self.profile_after = int(profile_after)
         self._records_total = 0
+        self._profile_retries = 0
         self._inflight_bytes = 0
         self._ahead_bytes = 0
         self._attr = f"_datapath_sid_{uuid.uuid4().hex[:10]}"
@@ -810,15 +812,29 @@ class TensorCache:
             return
         self._profiling_record = None
         prof = self._build_profile(rec)
+        if prof.write_bandwidth <= 0 and self._profile_retries < 3:
+            # no store finished during the profiled step (a slow disk, a first-write cost): measure again
+            self._profile_retries += 1
+            log.info("adaptive offload: no store finished in the profiled step; profiling the next one")
+            return
         self.profile = prof
-        self.plan = plan_offload(prof, stall_tolerance=self.stall_tolerance, shared_channel=self._shared_channel)
+        w = r = None
+        if self.target == "ssd" and self.ssd is not None:
+            # the profiled step's stores were cut short by forwarding; a direct probe of the disk is steadier
+            w, r = self.ssd.probe(128 << 20 if self._cuda_model() and torch.cuda.is_available() else 8 << 20,
+                                  self._streams_for(torch.device("cuda", torch.cuda.current_device()))
+                                  if self._cuda_model() and torch.cuda.is_available() else None)
+            log.info("disk probe: write %.2f GB/s, read %.2f GB/s (profiled step: write %.2f GB/s)",
+                     w / 1e9, r / 1e9, prof.write_bandwidth / 1e9)
+        self.plan = plan_offload(prof, stall_tolerance=self.stall_tolerance, shared_channel=self._shared_channel,
+                                 write_bandwidth=w, read_bandwidth=r)
         if self.plan.cutoff == 0:
             log.info("adaptive offload: nothing can be offloaded in time at %.2f GB/s write, %.2f GB/s read",
                      prof.write_bandwidth / 1e9, prof.read_bandwidth / 1e9)
         log.info("adaptive offload plan: %d of %d storages (%.2f of %.2f GB), prefetch %d unit(s) ahead; "
-                 "write %.2f GB/s, read %.2f GB/s, predicted stall %.1f ms",
+                 "planned at write %.2f GB/s, read %.2f GB/s (with a safety margin), predicted stall %.1f ms",
                  self.plan.cutoff, len(prof.tensors), self.plan.bytes_planned / 1e9, self.plan.bytes_total / 1e9,
-                 self.plan.prefetch_distance, prof.write_bandwidth / 1e9, prof.read_bandwidth / 1e9,
+                 self.plan.prefetch_distance, self.plan.write_bandwidth / 1e9, self.plan.read_bandwidth / 1e9,
                  self.plan.predicted_stall * 1e3)
 
     def _build_profile(self, rec: _Record) -> StepProfile:
@@ -833,7 +849,9 @@ class TensorCache:
                 end = sec(t0, rec.segments[i + 1].t_start)
             else:
                 end = sec(t0, rec.t_bwd0) if rec.t_bwd0 is not None else start
-            segs.append(SegmentProfile(s.is_unit, start, end, sec(t0, s.t_bwd) if s.t_bwd is not None else None))
+            # the backward of the profiled step ran with everything offloaded (slowed by its loads):
+            # the planner estimates each segment's backward from its forward time instead
+            segs.append(SegmentProfile(s.is_unit, start, end, None))
         tensors = [TensorProfile(si, nb, sec(t0, m)) for si, nb, m in rec.tensors]
         w = rec.bytes_written / rec.write_s if rec.write_s > 0 else self.stats.write_bandwidth
         r = rec.bytes_read / rec.read_s if rec.read_s > 0 else self.stats.read_bandwidth
@@ -981,7 +999,9 @@ class TensorCache:
     def _load_worker(self, target: Any) -> Worker:
         w = self._load_workers.get(target.kind)
         if w is None:
-            w = self._load_workers[target.kind] = Worker(f"datapath-load-{target.kind}")
+            # loads are issued in the order the backward needs them; a small window would stall the
+            # issuing of later loads on the completion of earlier ones (autograd then waits)
+            w = self._load_workers[target.kind] = Worker(f"datapath-load-{target.kind}", window=64)
         return w
 
     def _store_job(self, e: _Entry) -> Any:
