@@ -13,7 +13,7 @@ from datapath.offload.cache import TensorCache
 @contextlib.contextmanager
 def offload(model: nn.Module | None = None, target: str = "host", path: str | None = None, *,
             policy: str = "all", min_bytes: int = 1 << 20, keep_last_modules: int = 1,
-            units: Iterable[nn.Module] | None = None, cache: TensorCache | None = None,
+            units: Iterable[nn.Module] | str | None = None, cache: TensorCache | None = None,
             on_error: str = "raise", offload_cpu_tensors: bool = False,
             host_budget_bytes: int | None = None, max_disk_bytes: int | None = None,
             engine: str = "auto", verify: bool = False,
@@ -32,7 +32,8 @@ def offload(model: nn.Module | None = None, target: str = "host", path: str | No
     Keep the block around the whole training loop (or pass the same ``cache=``
     to each block): the adaptive policy profiles the first step and plans the
     next ones.  ``model`` gets the scope hooks (units: the blocks of its largest
-    ``ModuleList``/``Sequential`` unless ``units`` is given) and its parameters
+    ``ModuleList``/``Sequential``; ``"leaves"``: every module owning parameters, the lower
+    peak on transformer stacks; or a list) and its parameters
     and buffers are never offloaded.  The options are `TensorCache`'s
     (``on_error``, ``offload_cpu_tensors``, ``host_budget_bytes``, ``max_disk_bytes``,
     ``engine``, ``verify``; more in ``options``: ``prefetch_distance``, ``io_threads``, ...).  A cache made here is closed at the end of the
