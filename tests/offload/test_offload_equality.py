@@ -68,6 +68,17 @@ def test_gpt_block_fused_qkv_views(target: str, tmp_path) -> None:
     assert not waits
 
 
+@pytest.mark.parametrize("units", ["leaves", "blocks"])
+def test_gpt_blocks_leaf_units_and_bounded_prefetch(units: str, tmp_path) -> None:
+    """Scopes at every Linear/LayerNorm (and the lowest-memory options): still bit-identical."""
+    torch.manual_seed(11)
+    model = nn.Sequential(*[GPTBlock(32, 4, dropout=0.1) for _ in range(3)])
+    batches = [torch.randn(4, 16, 32) for _ in range(3)]
+    cache = _check(model, batches, lambda m, x: m(x).square().mean(), "host", tmp_path, units=units,
+                   max_inflight_bytes=8192, max_prefetch_bytes=0, keep_last_modules=0)
+    assert cache.stats.bytes_offloaded > 0 and cache.stats.bytes_loaded > 0
+
+
 @pytest.mark.parametrize("target", ["host", "ssd"])
 def test_tied_weights_gpt(target: str, tmp_path) -> None:
     torch.manual_seed(2)
