@@ -78,12 +78,31 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="gnn_epoch", help="result file name (results/NAME.json, NAME.png)")
+    p.add_argument("--prefetch", type=int, default=1, help="batches the loader prepares ahead [1]")
+    p.add_argument("--sample-blocks-per-sm", type=int, default=32, help="grid of the sampling kernel [32]")
+    p.add_argument("--loader-priority", type=int, default=0, help="CUDA priority of the loader's stream [0]")
+    p.add_argument("--no-prepare", action="store_true",
+                   help="build the aggregation schedules in the training step (host syncs there) instead of "
+                        "in the loader's thread (NeighborLoader(prepare=model.prepare_batch))")
+    p.add_argument("--gather-blocks-per-sm", type=int, default=None,
+                   help="grid of the zero-copy gather (datapath.unified_tensor.config.blocks_per_sm)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval (seconds) for this process: how long a Python thread may hold "
+                        "the GIL while another waits (Python's default 0.005)")
     args = p.parse_args()
     args.batches = args.batches or (10 if args.quick else 30)
     args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
     args.profile_batches = args.profile_batches or (3 if args.quick else 6)
     if args.datasets is None:
         args.datasets = "products,reddit" + (",papers" if args.full else "")
+    if args.switch_interval is not None:
+        import sys
+
+        sys.setswitchinterval(args.switch_interval)
+    if args.gather_blocks_per_sm is not None:
+        from datapath.unified_tensor import config
+
+        config.blocks_per_sm = args.gather_blocks_per_sm
     return args
 
 
@@ -108,8 +127,11 @@ def run_way(way: str, model_name: str, ds: Any, placed: dict[str, Any], args: ar
                         dropout=0.5, heads=args.heads).to(device)
     fused = device.type == "cuda"  # one kernel per step instead of several per parameter, for every way
     opt = torch.optim.Adam(model.parameters(), lr=args.lr, fused=fused)
-    loader = NeighborLoader(graph, ds.train_idx, NeighborSampler(fanouts, seed=args.seed), args.batch_size,
-                            shuffle=True, features=feats, labels=labels, device=device, seed=args.seed)
+    sampler = NeighborSampler(fanouts, seed=args.seed, blocks_per_sm=args.sample_blocks_per_sm)
+    loader = NeighborLoader(graph, ds.train_idx, sampler, args.batch_size,
+                            shuffle=True, features=feats, labels=labels, device=device, seed=args.seed,
+                            prefetch=args.prefetch, stream_priority=args.loader_priority,
+                            prepare=None if args.no_prepare else model.prepare_batch)
     gen = torch.Generator().manual_seed(args.seed)
     val = ds.val_idx[torch.randperm(ds.val_idx.numel(), generator=gen)[: args.eval_nodes]]
     val_loader = NeighborLoader(graph, val, NeighborSampler(fanouts, seed=args.seed + 1), args.batch_size,
@@ -256,7 +278,9 @@ def main() -> None:
     payload = {
         "description": "B2 GNN training epoch (PyTorch-Direct Fig. 4.8): py vs datapath vs gpu_resident",
         "config": {k: v for k, v in vars(args).items()}, "cuda_blocking_sync": BLOCKING_SYNC,
-        "loader_note": "all ways use the same NeighborLoader, one batch prefetched by a background thread",
+        "loader_note": ("all ways use the same NeighborLoader, one batch prefetched by a background thread"
+                        + ("" if args.no_prepare else
+                           ", aggregation schedules built there (prepare=model.prepare_batch)")),
         "epoch_note": (f"each way trains {args.warmup} warm-up batches, then {args.batches} timed batches of the "
                        f"shuffled epoch; epoch_s_extrapolated = per-batch time x batches per epoch"),
         "datasets": datasets, "results": results, "summary": summary,

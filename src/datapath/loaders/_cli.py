@@ -164,9 +164,13 @@ def _train_gnn(args: argparse.Namespace) -> int:
     graph = ds.graph.to(graph_on)
     feats = to_placement(ds.features, features_on)
     labels = to_placement(ds.labels, features_on)
+    model = build_model(args.model, ds.num_features, args.hidden, ds.num_classes, len(fanouts),
+                        dropout=args.dropout, heads=args.heads).to(device)
     sampler = NeighborSampler(fanouts, seed=args.seed)
+    # the model's aggregation schedules are built in the loader's thread: no host sync in the step
     loader = NeighborLoader(graph, ds.train_idx, sampler, args.batch_size, shuffle=True, features=feats,
-                            labels=labels, device=device, seed=args.seed, prefetch=args.prefetch)
+                            labels=labels, device=device, seed=args.seed, prefetch=args.prefetch,
+                            prepare=model.prepare_batch)
     gen = torch.Generator().manual_seed(args.seed)
 
     def eval_loader(idx: torch.Tensor) -> NeighborLoader:
@@ -175,8 +179,6 @@ def _train_gnn(args: argparse.Namespace) -> int:
                               features=feats, labels=labels, device=device, prefetch=args.prefetch)
 
     val_loader, test_loader = eval_loader(ds.val_idx), eval_loader(ds.test_idx)
-    model = build_model(args.model, ds.num_features, args.hidden, ds.num_classes, len(fanouts),
-                        dropout=args.dropout, heads=args.heads).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr, fused=torch.device(device).type == "cuda")
     print(f"training {args.model} ({len(fanouts)} layers, fanouts {fanouts}, hidden {args.hidden}) on {device}: "
           f"graph in {graph_on} memory, features in {features_on} memory, sampling on {loader.sample_device.type}; "

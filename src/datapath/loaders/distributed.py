@@ -441,11 +441,12 @@ class DistributedNeighborLoader(NeighborLoader):
     def __init__(self, graph: Graph, seeds: torch.Tensor, sampler: NeighborSampler | list[int],
                  batch_size: int = 1024, shuffle: bool = False, drop_last: bool = False, *, rank: int,
                  world_size: int, features: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                 device: str | torch.device | None = None, seed: int = 0, prefetch: int = 1) -> None:
+                 device: str | torch.device | None = None, seed: int = 0, prefetch: int = 1,
+                 prepare: Any = None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise DistributedError(f"rank {rank} must lie in [0, world_size={world_size})")
         super().__init__(graph, seeds, sampler, batch_size * world_size, shuffle, drop_last, features=features,
-                         labels=labels, device=device, seed=seed, prefetch=prefetch)
+                         labels=labels, device=device, seed=seed, prefetch=prefetch, prepare=prepare)
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.rank_batch_size = int(batch_size)

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +40,8 @@ class Batch:
         x: (blocks[0].num_src_nodes, F) input features, or None without ``features``.
         y: (B,) labels of the seeds, or None without ``labels``.
         seeds: (B,) int64 global ids of the seed nodes (``blocks[-1].dst_nodes``).
-        sample_s / gather_s: wall seconds the producer spent sampling and gathering.
+        sample_s / gather_s: wall seconds the producer spent sampling and gathering (with ``prepare``,
+            gathering includes it: the GPU work of both ends at the batch's one synchronisation).
     """
 
     blocks: list[Block]
@@ -50,9 +51,10 @@ class Batch:
     sample_s: float = 0.0
     gather_s: float = 0.0
     _event: torch.cuda.Event | None = field(default=None, repr=False)
+    _prepared: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [t for b in self.blocks for t in b.tensors()] + [self.seeds]
+        out = [t for b in self.blocks for t in b.tensors()] + [self.seeds] + self._prepared
         return out + [t for t in (self.x, self.y) if t is not None]
 
     @property
@@ -79,6 +81,13 @@ class NeighborLoader:
             and batch number), so every run with the same seed sees the same batches.
         prefetch: batches prepared ahead by a background thread (0: prepare in the
             calling thread, on its current stream).
+        prepare: called with each `Batch` in the producer (on the loader's stream, before the batch
+            is handed over); the tensors it returns travel with the batch.  E.g. a `datapath.nn`
+            model's ``prepare_batch``, which builds the aggregation schedules there so that the
+            training step has no host synchronisation.
+        stream_priority: CUDA priority of the loader's side stream (lower is higher; PyTorch's
+            streams default to 0, the lowest).  High priority lets the loader's long-lived,
+            PCIe-bound sampling and gather blocks take their SM slots while training runs.
 
     Sampling runs on the GPU when ``device`` is cuda and the graph is in unified or cuda
     memory; otherwise on the CPU.  Each ``iter(loader)`` is one epoch.
@@ -87,7 +96,9 @@ class NeighborLoader:
     def __init__(self, graph: Graph, seeds: torch.Tensor, sampler: NeighborSampler | list[int],
                  batch_size: int = 1024, shuffle: bool = False, drop_last: bool = False, *,
                  features: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                 device: str | torch.device | None = None, seed: int = 0, prefetch: int = 1) -> None:
+                 device: str | torch.device | None = None, seed: int = 0, prefetch: int = 1,
+                 prepare: Callable[[Batch], Iterable[torch.Tensor] | None] | None = None,
+                 stream_priority: int = 0) -> None:
         if not isinstance(sampler, NeighborSampler):
             sampler = NeighborSampler(sampler, seed=seed)
         if batch_size < 1:
@@ -108,6 +119,8 @@ class NeighborLoader:
         self.drop_last = drop_last
         self.seed = int(seed)
         self.prefetch = int(prefetch)
+        self.stream_priority = int(stream_priority)
+        self.prepare = prepare
         self.epoch = 0
         self.sample_device = (self.device if self.device.type == "cuda" and graph.placement in ("unified", "cuda")
                               else torch.device("cpu"))
@@ -164,13 +177,16 @@ class NeighborLoader:
             seeds = seeds.to(self.device)
         x = x.to(self.device) if x is not None else None
         y = y.to(self.device) if y is not None else None
+        batch = Batch(blocks, x, y, seeds, t1 - t0)
+        if self.prepare is not None:
+            batch._prepared = list(self.prepare(batch) or ())
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event(blocking=True)
             event.record()
             event.synchronize()
-        t2 = time.perf_counter()
-        return Batch(blocks, x, y, seeds, t1 - t0, t2 - t1, event)
+        batch.gather_s, batch._event = time.perf_counter() - t1, event
+        return batch
 
 
 class _PrefetchIter:
@@ -183,7 +199,7 @@ class _PrefetchIter:
         self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch)
         self._stop = threading.Event()
         self._cuda = loader.device.type == "cuda"
-        self._stream = torch.cuda.Stream(loader.device) if self._cuda else None
+        self._stream = torch.cuda.Stream(loader.device, priority=loader.stream_priority) if self._cuda else None
         self._thread = threading.Thread(target=self._run, args=(work,), daemon=True,
                                         name="datapath-neighbor-loader")
         self._thread.start()

@@ -50,6 +50,9 @@ class NeighborSampler:
             neighbours than the fanout then keeps all of them).
         seed: base seed; a sample is a pure function of (seed, step, graph, seeds).
         return_edge_ids: also fill ``Block.edge_ids`` (the graph's edge ids, or CSR positions).
+        blocks_per_sm: grid of the GPU sampling kernel, in 256-thread blocks per multiprocessor
+            (one warp per node, latency-bound on PCIe reads).  Fewer leave room on the GPU for a
+            training step running beside the loader's stream.
 
     `sample` returns one `Block` per hop, **input layer first** (DGL's order):
     ``blocks[-1].dst_nodes`` are the seeds and ``blocks[0].src_nodes`` the nodes
@@ -57,7 +60,7 @@ class NeighborSampler:
     """
 
     def __init__(self, fanouts: Sequence[int], replace: bool = False, seed: int = 0,
-                 return_edge_ids: bool = False) -> None:
+                 return_edge_ids: bool = False, blocks_per_sm: int = 32) -> None:
         fanouts = [int(f) for f in fanouts]
         if not fanouts or any(f == 0 or f < -1 for f in fanouts):
             raise LoaderError(f"fanouts must be positive ints (or -1 for all), got {fanouts}")
@@ -65,6 +68,9 @@ class NeighborSampler:
         self.replace = bool(replace)
         self.seed = int(seed)
         self.return_edge_ids = bool(return_edge_ids)
+        if int(blocks_per_sm) < 1:
+            raise LoaderError(f"blocks_per_sm must be >= 1, got {blocks_per_sm}")
+        self.blocks_per_sm = int(blocks_per_sm)
         self._local = threading.local()
 
     def __repr__(self) -> str:
@@ -164,7 +170,7 @@ class NeighborSampler:
             out_eid = torch.empty(cap * k, dtype=torch.int64, device=dev) if self.return_edge_ids else None
             if cap:
                 warps_per_block = _THREADS // 32
-                grid = max(1, min(-(-cap // warps_per_block), sms * 32))
+                grid = max(1, min(-(-cap // warps_per_block), sms * self.blocks_per_sm))
                 kernels.launch(fn, grid, _THREADS, (
                     kernels.ptr(indptr), kernels.ptr(indices), kernels.ptr(eids) if eids is not None else np.uint64(0),
                     kernels.ptr(dst), kernels.ptr(n_dev), np.int64(cap), np.int32(k), np.int32(self.replace),

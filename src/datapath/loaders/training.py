@@ -165,12 +165,12 @@ def profile_batches(model: nn.Module, loader: NeighborLoader, optimizer: torch.o
     """Mean seconds per batch of each stage, run one after the other (no overlap, synchronized).
 
     Returns ``{"sample_s", "gather_s", "train_s", "batches"}``.  ``gather_s`` covers the
-    feature/label gather and any host-to-GPU copy of the batch.  Builds its own
+    feature/label gather, any host-to-GPU copy of the batch and the loader's ``prepare`` hook.  Builds its own
     non-prefetching view of ``loader`` (same graph, data and sampler).
     """
     sync = NeighborLoader(loader.graph, loader.seeds, loader.sampler, loader.batch_size, loader.shuffle,
                           loader.drop_last, features=loader.features, labels=loader.labels,
-                          device=loader.device, seed=loader.seed, prefetch=0)
+                          device=loader.device, seed=loader.seed, prefetch=0, prepare=loader.prepare)
     sync.set_epoch(loader.epoch)
     cuda = loader.device.type == "cuda"
     if cuda:

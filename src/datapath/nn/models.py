@@ -55,6 +55,26 @@ class _BlockModel(nn.Module):
                 h = F.dropout(self._activation(h), p=self.dropout, training=self.training)
         return h
 
+    def prepare(self, blocks: Sequence[Any], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+        """Precompute the layers' aggregation schedules for ``blocks`` (input layer first).
+
+        The schedules cost host synchronisations; built ahead (on the loader's stream, see
+        `prepare_batch`), the training step never waits for the GPU.  Returns the tensors
+        cached on the blocks; empty for layers with nothing to prepare and for ``backend="pyg"``.
+        """
+        if self.backend != "datapath":
+            return []
+        out: list[torch.Tensor] = []
+        for i, (conv, block) in enumerate(zip(self.convs, blocks)):
+            prep = getattr(conv, "prepare", None)
+            if prep is not None:
+                out += prep(block, dtype, input_grad=i > 0)
+        return out
+
+    def prepare_batch(self, batch: Any) -> list[torch.Tensor]:
+        """`prepare` for a `datapath.loaders.Batch`: pass as ``NeighborLoader(..., prepare=model.prepare_batch)``."""
+        return self.prepare(batch.blocks, batch.x.dtype if batch.x is not None else torch.float32)
+
     def _check(self, blocks: Sequence[Any], x: torch.Tensor) -> None:
         if len(blocks) != len(self.convs):
             raise ValueError(f"the model has {len(self.convs)} layers but got {len(blocks)} blocks")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from datapath.nn._inputs import layer_inputs
-from datapath.ops import aggregate
+from datapath.ops import aggregate, prepare_aggregation
 
 
 class SAGEConv(nn.Module):
@@ -38,6 +38,18 @@ class SAGEConv(nn.Module):
         self.aggr, self.root_weight, self.normalize = aggr, root_weight, normalize
         self.lin_l = nn.Linear(in_channels, out_channels, bias=bias)
         self.lin_r = nn.Linear(in_channels, out_channels, bias=False) if root_weight else None
+
+    def prepare(self, graph: Any, dtype: torch.dtype = torch.float32, input_grad: bool = True) -> list[torch.Tensor]:
+        """Precompute this layer's aggregation schedules for ``graph`` (see `datapath.ops.prepare_aggregation`).
+
+        ``dtype``: of the layer's input; ``input_grad``: whether the input will need a gradient.
+        Returns the tensors cached on ``graph``.
+        """
+        if self.aggr == "max":
+            return []
+        if self.in_channels > self.out_channels:  # projected first: the aggregated rows need a gradient
+            return prepare_aggregation(graph, self.out_channels, dtype, backward=True)
+        return prepare_aggregation(graph, self.in_channels, dtype, backward=input_grad)
 
     def reset_parameters(self) -> None:
         self.lin_l.reset_parameters()

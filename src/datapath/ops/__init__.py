@@ -9,7 +9,7 @@ CPU a plain-PyTorch implementation with the same signature and semantics.
     plan = datapath.ops.plan_aggregation(block, 128)                # inspect / override the launch
 """
 from datapath.ops._graph import CSRGraph, CSRView, add_self_loops, as_csr
-from datapath.ops.aggregate import aggregate
+from datapath.ops.aggregate import aggregate, prepare_aggregation
 from datapath.ops.attention import edge_softmax, sddmm
 from datapath.ops.errors import (
     DeviceMismatchError,
@@ -23,5 +23,5 @@ from datapath.ops.plan import AggregationPlan, plan_aggregation
 __all__ = [
     "AggregationPlan", "CSRGraph", "CSRView", "DeviceMismatchError", "FeatureShapeError", "GraphFormatError",
     "GraphIndexError", "UnsupportedDtypeError", "add_self_loops", "aggregate", "as_csr", "edge_softmax",
-    "plan_aggregation", "sddmm",
+    "plan_aggregation", "prepare_aggregation", "sddmm",
 ]

@@ -80,6 +80,34 @@ def _groups(csr: CSRView, which: str, indptr: torch.Tensor, num_rows: int, ngs: 
     return csr.cached(f"groups_{which}_{ngs}", make)
 
 
+def prepare(csr: CSRView, feat: int, dtype: torch.dtype, backward: bool,
+            plan: AggregationPlan | None) -> list[torch.Tensor]:
+    """Build the cached structures `forward` and `backward_x` of a sum/mean aggregation of ``feat``-wide
+    ``dtype`` rows will use (neighbor groups; the transpose CSR and its groups).  Their host
+    synchronisations happen here, on the current stream, instead of in the training step.
+    Returns every tensor now cached on ``csr`` (for ``record_stream`` by a caller on another stream)."""
+    p = plan or plan_for(csr.num_edges, csr.num_dst, feat, dtype.itemsize)
+    _groups(csr, "f", csr.indptr, csr.num_dst, p.ngs)
+    if backward and (plan is None or plan.backward != "atomic"):
+        t_indptr = csr.transpose()[0]
+        pb = plan or plan_for(csr.num_edges, csr.num_src, feat, dtype.itemsize)
+        _groups(csr, "t", t_indptr, csr.num_src, pb.ngs)
+    out: list[torch.Tensor] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            for u in v:
+                walk(u)
+        elif isinstance(v, _Groups):
+            out.extend((v.row, v.beg, v.multi_rows))
+
+    for v in csr.cache.values():
+        walk(v)
+    return out
+
+
 def _sorted_push_groups(t_indptr: torch.Tensor, row_map: torch.Tensor) -> _Groups:
     """One group per transposed row that has edges, visited in ascending table-row order.
 

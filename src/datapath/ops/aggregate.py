@@ -109,3 +109,33 @@ def aggregate(graph: Any, x: torch.Tensor, reduce: str = "sum", edge_weight: tor
     spec = AggSpec("max" if reduce == "max" else "sum", row_scale, col_scale, heads, ids, plan, on_host)
     out = _AggregateFn.apply(xf, w, csr, spec, _inputs.backend_for(device))
     return out.view(csr.num_dst, *tail)
+
+
+def prepare_aggregation(graph: Any, feat: int, dtype: torch.dtype = torch.float32, *, backward: bool = True,
+                        plan: Any = None) -> list[torch.Tensor]:
+    """Precompute, on the current stream, what a sum/mean `aggregate` over ``graph`` will need.
+
+    The CUDA kernels read per-graph schedules (neighbor groups; for the gradient, the
+    transposed CSR) that take host synchronisations to build.  Built here, e.g. in a data
+    loader's thread while the previous batch trains (`NeighborLoader`'s ``prepare``), the
+    training step itself never waits for the GPU.  Cached on ``graph``; later `aggregate`
+    calls with the same width and dtype find them.
+
+    Args:
+        graph: as for `aggregate`.
+        feat: width F of the rows that will be aggregated (after any projection).
+        dtype: their dtype.
+        backward: also what the gradient with respect to the rows needs.
+        plan: the `AggregationPlan` the calls will pass, if any.
+
+    Returns:
+        Every tensor cached on the graph (call ``record_stream`` on them before using the graph
+        on another stream); empty where nothing needs preparing (the CPU).
+    """
+    if feat < 1:
+        raise ValueError(f"feat must be >= 1, got {feat}")
+    csr = as_csr(graph)
+    prep = getattr(_inputs.backend_for(csr.device), "prepare", None)
+    if prep is None or csr.num_dst == 0:
+        return []
+    return prep(csr, int(feat), dtype, backward, plan)
