@@ -13,6 +13,7 @@ from datapath._runtime.pinned import (
     HostRegistration,
     cuda_alias,
     pin_limit_bytes,
+    fetch_to_host,
     pinned_empty,
     register_in_place,
 )
@@ -20,5 +21,5 @@ from datapath._runtime.pinned import (
 __all__ = [
     "CudaUnavailableError", "DatapathError", "HostRegistration", "KernelLoadError",
     "PinnedMemoryError", "cuda_alias", "cuda_available", "device_label", "machine_info",
-    "pin_limit_bytes", "pinned_empty", "register_in_place", "require_cuda",
+    "pin_limit_bytes", "fetch_to_host", "pinned_empty", "register_in_place", "require_cuda",
 ]

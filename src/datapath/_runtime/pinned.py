@@ -269,3 +269,22 @@ class _InFlight:
 
 
 in_flight = _InFlight()
+
+
+def fetch_to_host(t: torch.Tensor) -> list:
+    """A small CUDA tensor's values as a Python list, waited for without holding the GIL.
+
+    ``.item()``/``.tolist()`` and ops that size their output on the host (``nonzero``,
+    ``bincount``) wait for the GPU inside the call; in a process whose other thread is
+    launching a training step, a wait that holds the interpreter lock stalls that thread
+    for as long as the GPU is busy.  Here the values are copied into pinned memory on the
+    current stream and the thread sleeps on a blocking CUDA event with the lock released.
+    """
+    if t.device.type != "cuda":
+        return t.tolist()
+    host = pinned_empty(tuple(t.shape), t.dtype)
+    host.copy_(t, non_blocking=True)
+    ev = torch.cuda.Event(blocking=True)
+    ev.record()
+    ev.synchronize()
+    return host.tolist()

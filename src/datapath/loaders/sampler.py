@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from datapath._runtime import kernels
-from datapath._runtime.pinned import pinned_empty
+from datapath._runtime.pinned import fetch_to_host
 from datapath.loaders import _rng
 from datapath.loaders._placement import host_of, kernel_view
 from datapath.loaders._relabel import relabel, relabel_dense
@@ -216,13 +216,8 @@ def _kernel_views(graph: Graph) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def _fetch_sizes(sizes: torch.Tensor) -> list[int]:
-    """Copy a small CUDA int64 tensor to the host, waiting on a blocking event (no busy spin)."""
-    host = pinned_empty(tuple(sizes.shape), sizes.dtype)
-    host.copy_(sizes, non_blocking=True)
-    ev = torch.cuda.Event(blocking=True)
-    ev.record()
-    ev.synchronize()
-    return host.tolist()
+    """Copy a small CUDA int64 tensor to the host, sleeping on a blocking event with the GIL released."""
+    return fetch_to_host(sizes)
 
 
 def _cpu_positions(indptr: np.ndarray, dst: np.ndarray, k: int, replace: bool, key: int

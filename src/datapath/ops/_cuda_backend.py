@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from datapath._runtime import kernels
+from datapath._runtime.pinned import fetch_to_host
 from datapath.ops import _torch_backend as _ref
 from datapath.ops._graph import CSRView
 from datapath.ops._torch_backend import AggSpec, acc_dtype
@@ -70,12 +71,15 @@ def _groups(csr: CSRView, which: str, indptr: torch.Tensor, num_rows: int, ngs: 
         deg = indptr[1:] - indptr[:-1]
         ng = torch.div(deg + (ngs - 1), ngs, rounding_mode="floor").clamp_(min=1)
         cum = torch.cumsum(ng, 0)
-        g, mx = torch.stack([cum[-1], ng.max()]).tolist()
+        is_multi = ng > 1
+        # one wait for the three sizes, GIL released (see fetch_to_host); nothing below syncs
+        g, mx, n_multi = fetch_to_host(torch.stack([cum[-1], ng.max(), is_multi.sum()]))
         row = torch.repeat_interleave(torch.arange(num_rows, device=dev, dtype=torch.int32), ng, output_size=g)
         rl = row.long()
         within = torch.arange(g, device=dev) - (cum - ng)[rl]
         beg = indptr[rl] + within * ngs
-        multi = torch.nonzero(ng > 1).squeeze(1) if mx > 1 else torch.empty(0, dtype=torch.int64, device=dev)
+        multi = (torch.nonzero_static(is_multi, size=n_multi).squeeze(1) if n_multi
+                 else torch.empty(0, dtype=torch.int64, device=dev))
         return _Groups(row, beg, int(g), int(mx), multi)
     return csr.cached(f"groups_{which}_{ngs}", make)
 

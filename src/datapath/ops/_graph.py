@@ -96,7 +96,12 @@ class CSRView:
 
     def out_degrees(self) -> torch.Tensor:
         """(num_src,) int64: edges per source node."""
-        return self.cached("out_degrees", lambda: torch.bincount(self.indices, minlength=self.num_src))
+        def make() -> torch.Tensor:
+            # scatter-add, not bincount: bincount sizes its output from the data (a host sync) on CUDA
+            ones = torch.ones(self.num_edges, dtype=torch.int64, device=self.device)
+            return torch.zeros(self.num_src, dtype=torch.int64, device=self.device).index_add_(
+                0, self.indices64(), ones)
+        return self.cached("out_degrees", make)
 
     def edge_dst(self) -> torch.Tensor:
         """(E,) int64: the destination row of every edge (COO row ids)."""

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from datapath._runtime import kernels
-from datapath._runtime.pinned import in_flight
+from datapath._runtime.pinned import fetch_to_host, in_flight
 from datapath.unified_tensor._config import GATHER_MODES, config
 
 _NO_ERROR = -(2**63)
@@ -152,7 +152,7 @@ def _launch_rows(direction: str, host: torch.Tensor, idx: torch.Tensor, dev_rows
         stream=stream,
     )
     if sync:  # reading the flag waits for the kernel: nothing can be freed under it
-        bad = int(flag.item())
+        bad = int(fetch_to_host(flag)[0])  # sleeps with the GIL released (a loader thread beside training)
         if bad != _NO_ERROR:
             flag.fill_(_NO_ERROR)
             raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {n_rows}")
