@@ -111,8 +111,32 @@ def test_loader_prepare_errors_reach_the_consumer() -> None:
 
 
 @pytest.mark.gpu
-def test_prepared_batches_train_without_a_host_sync_and_match() -> None:
+def test_prepared_batches_train_without_a_host_sync_and_match(monkeypatch) -> None:
     """With the schedules built by the loader, a GraphSAGE step on CUDA never synchronises, same result."""
+    import contextlib
+
+    from datapath.ops import _cuda_backend
+
+    real = _cuda_backend.fetch_to_host
+    armed = {"on": False}
+
+    def guarded(t):
+        if armed["on"]:
+            raise RuntimeError("the training step waited for the GPU")
+        return real(t)
+    monkeypatch.setattr(_cuda_backend, "fetch_to_host", guarded)
+
+    @contextlib.contextmanager
+    def no_sync():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any synchronising torch op raises
+        armed["on"] = True                        # and so does our own (GIL-free) wait
+        try:
+            yield
+        finally:
+            armed["on"] = False
+            torch.cuda.set_sync_debug_mode("default")
+
     torch.manual_seed(2)
     model = GraphSAGE(12, 32, 4, num_layers=3, dropout=0.0).cuda()
     twin = GraphSAGE(12, 32, 4, num_layers=3, dropout=0.0).cuda()
@@ -121,13 +145,9 @@ def test_prepared_batches_train_without_a_host_sync_and_match() -> None:
     plain = list(_loader("cuda"))
     assert all(b._prepared for b in prepared)
     for a, b in zip(prepared, plain):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_sync():
             loss = F.cross_entropy(model(a.blocks, a.x), a.y)
             loss.backward()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         ref = F.cross_entropy(twin(b.blocks, b.x), b.y)
         ref.backward()
         torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
@@ -135,12 +155,7 @@ def test_prepared_batches_train_without_a_host_sync_and_match() -> None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
         model.zero_grad()
         twin.zero_grad()
-    # and without the schedules the same step does synchronise (so the check above can fail)
+    # without the schedules the same step does wait (so the check above can fail)
     b = list(_loader("cuda"))[0]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with pytest.raises(RuntimeError):
-            F.cross_entropy(twin(b.blocks, b.x), b.y).backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(RuntimeError), no_sync():
+        F.cross_entropy(twin(b.blocks, b.x), b.y).backward()
