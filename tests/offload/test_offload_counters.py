@@ -300,3 +300,13 @@ def test_disk_probe_measures_and_leaves_nothing(tmp_path) -> None:
     assert cache.files() == [] and not any(f.startswith("probe") for f in cache.ssd.files())
     assert cache.ssd.reserved == 0
     cache.close()
+
+
+def test_disk_probe_leaves_the_global_rng_alone(tmp_path) -> None:
+    cache = TensorCache("ssd", str(tmp_path), engine="posix", io_chunk_bytes=1 << 20)
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    cache.ssd.probe(1 << 20, None)
+    assert torch.equal(torch.rand(4), expected)
+    cache.close()

@@ -191,7 +191,10 @@ class SsdTarget:
         From GPU memory when ``streams`` is given (the path activations take), else from host memory.
         """
         device = streams.device if streams is not None else torch.device("cpu")
-        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+        # a private generator: the probe runs inside a training step and must not move the global RNG
+        # (dropout masks of the step would change)
+        gen = torch.Generator(device=device).manual_seed(nbytes)
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device, generator=gen)
         dst = torch.empty_like(src)
         name = f"probe-{os.getpid()}.tmp"
         if not self.reserve(nbytes):
