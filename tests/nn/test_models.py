@@ -11,7 +11,8 @@ from datapath.nn.models import GAT, GraphSAGE, build_model
 pyg = pytest.importorskip("torch_geometric")
 
 
-def _batch(device: str = "cpu", n: int = 600, f: int = 12):
+def _loader(device: str = "cpu", prepare=None, prefetch: int = 1, batch_size: int = 50, n: int = 600,
+            f: int = 12) -> NeighborLoader:
     g = torch.Generator().manual_seed(0)
     src, dst = torch.randint(0, n, (2, 9000), generator=g)
     keep = src != dst
@@ -21,9 +22,12 @@ def _batch(device: str = "cpu", n: int = 600, f: int = 12):
     if device == "cuda":
         graph = graph.to("cuda")
         feats, labels = feats.cuda(), labels.cuda()
-    loader = NeighborLoader(graph, torch.arange(0, n, 3), NeighborSampler([6, 4, 3], seed=1), 100,
-                            features=feats, labels=labels, device=device)
-    return next(iter(loader))
+    return NeighborLoader(graph, torch.arange(0, n, 3), NeighborSampler([6, 4, 3], seed=1), batch_size,
+                          features=feats, labels=labels, device=device, prepare=prepare, prefetch=prefetch)
+
+
+def _batch(device: str = "cpu"):
+    return next(iter(_loader(device, batch_size=100)))
 
 
 @pytest.mark.parametrize("name", ["sage", "gat"])
@@ -70,20 +74,6 @@ def test_bad_inputs() -> None:
         GraphSAGE(12, 16, 4, backend="dgl")
     with pytest.raises(ValueError, match="model"):
         build_model("gcn", 12, 16, 4, 2)
-
-
-def _loader(device: str, prepare=None, prefetch: int = 1, n: int = 600, f: int = 12) -> NeighborLoader:
-    g = torch.Generator().manual_seed(0)
-    src, dst = torch.randint(0, n, (2, 9000), generator=g)
-    keep = src != dst
-    graph = Graph.from_edge_index(torch.stack([src[keep], dst[keep]]), n)
-    feats = torch.randn(n, f, generator=g)
-    labels = torch.randint(0, 4, (n,), generator=g)
-    if device == "cuda":
-        graph = graph.to("cuda")
-        feats, labels = feats.cuda(), labels.cuda()
-    return NeighborLoader(graph, torch.arange(0, n, 3), NeighborSampler([6, 4, 3], seed=1), 50,
-                          features=feats, labels=labels, device=device, prepare=prepare, prefetch=prefetch)
 
 
 @pytest.mark.parametrize("prefetch", [0, 1])
