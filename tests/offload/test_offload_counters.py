@@ -310,3 +310,17 @@ def test_disk_probe_leaves_the_global_rng_alone(tmp_path) -> None:
     cache.ssd.probe(1 << 20, None)
     assert torch.equal(torch.rand(4), expected)
     cache.close()
+
+
+def test_adaptive_ssd_plans_when_the_disk_probe_has_no_room(tmp_path) -> None:
+    torch.manual_seed(8)
+    model = mlp(64, 4)
+    batches = [torch.randn(64, 64) for _ in range(4)]
+    ref = run_steps(copy.deepcopy(model), batches, lambda m, x: m(x).pow(2).mean())
+    cache = TensorCache("ssd", str(tmp_path), policy="adaptive", min_bytes=0, offload_cpu_tensors=True,
+                        io_chunk_bytes=8192, max_disk_bytes=4 << 20)  # activations fit, the 8 MiB probe not
+    cache.attach(model)
+    got = run_steps(model, batches, lambda m, x: m(x).pow(2).mean(), ctx=cache)
+    assert_identical(ref, got)
+    assert cache.plan is not None
+    cache.close()

@@ -821,11 +821,16 @@ class TensorCache:
         w = r = None
         if self.target == "ssd" and self.ssd is not None:
             # the profiled step's stores were cut short by forwarding; a direct probe of the disk is steadier
-            w, r = self.ssd.probe(128 << 20 if self._cuda_model() and torch.cuda.is_available() else 8 << 20,
-                                  self._streams_for(torch.device("cuda", torch.cuda.current_device()))
-                                  if self._cuda_model() and torch.cuda.is_available() else None)
-            log.info("disk probe: write %.2f GB/s, read %.2f GB/s (profiled step: write %.2f GB/s)",
-                     w / 1e9, r / 1e9, prof.write_bandwidth / 1e9)
+            cuda = self._cuda_model() and torch.cuda.is_available()
+            try:
+                w, r = self.ssd.probe(128 << 20 if cuda else 8 << 20,
+                                      self._streams_for(torch.device("cuda", torch.cuda.current_device()))
+                                      if cuda else None)
+                log.info("disk probe: write %.2f GB/s, read %.2f GB/s (profiled step: write %.2f GB/s)",
+                         w / 1e9, r / 1e9, prof.write_bandwidth / 1e9)
+            except (OffloadError, OSError) as exc:  # a full disk must not fail the step: plan on the profile
+                log.warning("disk probe failed (%s); planning with the profiled bandwidth", exc)
+                w = r = None
         self.plan = plan_offload(prof, stall_tolerance=self.stall_tolerance, shared_channel=self._shared_channel,
                                  write_bandwidth=w, read_bandwidth=r)
         if self.plan.cutoff == 0:
