@@ -315,7 +315,7 @@ def test_disk_probe_leaves_the_global_rng_alone(tmp_path) -> None:
 def test_adaptive_ssd_plans_when_the_disk_probe_has_no_room(tmp_path) -> None:
     torch.manual_seed(8)
     model = mlp(64, 4)
-    batches = [torch.randn(64, 64) for _ in range(4)]
+    batches = [torch.randn(64, 64) for _ in range(8)]  # room for re-profiling when no store finished in time
     ref = run_steps(copy.deepcopy(model), batches, lambda m, x: m(x).pow(2).mean())
     cache = TensorCache("ssd", str(tmp_path), policy="adaptive", min_bytes=0, offload_cpu_tensors=True,
                         io_chunk_bytes=8192, max_disk_bytes=4 << 20)  # activations fit, the 8 MiB probe not

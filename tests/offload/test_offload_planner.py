@@ -58,6 +58,10 @@ def test_disk_shared_by_stores_and_loads_plans_less_and_stays_in_time() -> None:
     ok, stall = simulate(prof, shared.cutoff, shared.prefetch_distance, w, r, shared_channel=True)
     assert ok and stall <= 0.02 * prof.step_time
     assert shared.bytes_planned <= shared.bytes_allowed == pytest.approx(prof.step_time / (1 / w + 1 / r))
+    # on a disk the loads are issued as early as possible (from the first backward unit: 4 units ahead),
+    # over PCIe as late as the stall tolerance allows (held in memory for the least time)
+    assert shared.prefetch_distance == 4
+    assert split.prefetch_distance < 4
 
 
 def test_more_bandwidth_never_offloads_less() -> None:

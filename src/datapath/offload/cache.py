@@ -812,12 +812,6 @@ class TensorCache:
             return
         self._profiling_record = None
         prof = self._build_profile(rec)
-        if prof.write_bandwidth <= 0 and self._profile_retries < 3:
-            # no store finished during the profiled step (a slow disk, a first-write cost): measure again
-            self._profile_retries += 1
-            log.info("adaptive offload: no store finished in the profiled step; profiling the next one")
-            return
-        self.profile = prof
         w = r = None
         if self.target == "ssd" and self.ssd is not None:
             # the profiled step's stores were cut short by forwarding; a direct probe of the disk is steadier
@@ -831,6 +825,12 @@ class TensorCache:
             except (OffloadError, OSError) as exc:  # a full disk must not fail the step: plan on the profile
                 log.warning("disk probe failed (%s); planning with the profiled bandwidth", exc)
                 w = r = None
+        if w is None and prof.write_bandwidth <= 0 and self._profile_retries < 3:
+            # no bandwidth known: no store finished during the profiled step (and no probe): measure again
+            self._profile_retries += 1
+            log.info("adaptive offload: no store finished in the profiled step; profiling the next one")
+            return
+        self.profile = prof
         self.plan = plan_offload(prof, stall_tolerance=self.stall_tolerance, shared_channel=self._shared_channel,
                                  write_bandwidth=w, read_bandwidth=r)
         if self.plan.cutoff == 0:

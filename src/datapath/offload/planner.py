@@ -152,8 +152,8 @@ def plan_offload(profile: StepProfile, *, stall_tolerance: float = 0.02, safety:
 
     Bandwidths default to the profile's measured ones, scaled by ``safety``.  Every prefetch
     distance up to ``max_distance`` units (default: all) is tried; the most bytes win, the
-    shortest distance among equals (loads held in memory for the least time).  ``shared_channel``:
-    see `simulate` (files on one disk).
+    shortest distance among equals (loads held in memory for the least time) or, with
+    ``shared_channel`` (files on one disk, see `simulate`), the longest (loads start early).
     """
     w = (write_bandwidth or profile.write_bandwidth) * safety
     r = (read_bandwidth or profile.read_bandwidth or profile.write_bandwidth) * safety
@@ -172,7 +172,10 @@ def plan_offload(profile: StepProfile, *, stall_tolerance: float = 0.02, safety:
                     lo = mid
                 else:
                     hi = mid - 1
-            if lo > best[0]:
+            # most bytes win; among equals the shortest distance (loads held in memory for the least
+            # time), except on a shared disk, where loads start as early as they can (a few, slow reads:
+            # the margin matters more than the memory they hold)
+            if lo > best[0] or (shared_channel and lo == best[0] and lo > 0):
                 best = (lo, d, simulate(profile, lo, d, w, r, shared_channel)[1])
     cutoff, dist, stall = best
     return OffloadPlan(
