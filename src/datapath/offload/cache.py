@@ -183,9 +183,10 @@ class _Record:
         self.t0: Any = None
         self.t_bwd0: Any = None
         self.tensors: list[tuple[int, int, Any]] = []  # profiling: (segment, nbytes, ready mark)
-        self.pace = 0              # pace the CPU to the GPU at unit boundaries (CUDA models): units of lead
+        self.pace = -1             # pace the CPU to the GPU at unit boundaries (CUDA models): units of lead, -1 off
         self.pace_fwd: collections.deque[Any] = collections.deque()  # events at the starts of the last units' forward
         self.pace_bwd: collections.deque[Any] = collections.deque()  # ... and backward
+        self.bwd_paced = False     # the first backward unit (waits for the whole forward) has been seen
         self.bytes_written = 0
         self.write_s = 0.0
         self.bytes_read = 0
@@ -224,7 +225,8 @@ class TensorCache:
         pace: on CUDA, keep the CPU at most a few units ahead of the GPU (wait at unit boundaries,
             and for the end of the forward before the backward starts).  True: one unit ahead
             (measured best for memory, at no measurable cost, with both block and leaf units on B4);
-            an int: that many units; False: no pacing.  The allocator counts
+            an int: that many units (0: launch a unit once the GPU has finished the previous one);
+            False: no pacing.  The allocator counts
             memory in CPU order: without pacing the CPU can launch the whole backward before the
             GPU has stored anything, and the stores free nothing in time.
         profile_after: forward passes run with ``policy="all"`` before the adaptive policy profiles
@@ -271,8 +273,8 @@ class TensorCache:
         self._space = threading.Condition(self._lock)
         self.max_inflight_bytes = max_inflight_bytes
         self.max_prefetch_bytes = max_prefetch_bytes
-        if not isinstance(pace, bool) and (not isinstance(pace, int) or pace < 1):
-            raise OffloadConfigError(f"pace must be True, False or a number of units >= 1, got {pace!r}")
+        if not isinstance(pace, bool) and (not isinstance(pace, int) or pace < 0):
+            raise OffloadConfigError(f"pace must be True, False or a number of units >= 0, got {pace!r}")
         self.pace = pace
         self.profile_after = int(profile_after)
         self._records_total = 0
@@ -611,7 +613,7 @@ class TensorCache:
             return
         with self._lock:
             rec = self._record
-            if rec is None or not rec.pace or rec.backward_started or rec.live == 0:
+            if rec is None or rec.pace < 0 or rec.backward_started or rec.live == 0:
                 return
             ev = torch.cuda.Event()
             ev.record()
@@ -633,11 +635,17 @@ class TensorCache:
                 if rec.profiling:
                     seg.t_start = self._mark(None)
                 rec.segments.append(seg)
-                if rec.pace:
+                if rec.pace >= 0:
                     ev = torch.cuda.Event()
                     ev.record()
                     rec.pace_fwd.append(ev)
-                    if len(rec.pace_fwd) > rec.pace:
+                    lead = rec.pace
+                    n = rec.expected_units
+                    if n and rec.units > n - max(1, n // 8):
+                        # the last eighth of the forward, where the peak forms: launch a unit only once
+                        # the GPU has finished the one before (its stores have had that much more time)
+                        lead = 0
+                    while len(rec.pace_fwd) > lead:  # lead 0: the event just recorded
                         wait_ev = rec.pace_fwd.popleft()
         if wait_ev is not None:
             # pacing: launch unit k only once the GPU has started unit k-lead, so that "now" on the CPU
@@ -671,16 +679,17 @@ class TensorCache:
             if seg.bwd_fired:
                 return
             seg.bwd_fired = True
-            if rec.pace:
+            if rec.pace >= 0:
                 ev = torch.cuda.Event()
                 ev.record()
                 # the first backward unit waits for the whole forward (the memory peak forms here);
                 # later ones for the GPU to reach the backward of the unit ``lead`` units before
-                first = not rec.pace_bwd
+                first = not rec.bwd_paced
+                rec.bwd_paced = True
                 rec.pace_bwd.append(ev)
                 if first:
                     wait_ev = ev
-                elif len(rec.pace_bwd) > rec.pace:
+                while len(rec.pace_bwd) > rec.pace:  # lead 0: the event just recorded
                     wait_ev = rec.pace_bwd.popleft()
         if wait_ev is not None:
             wait_ev.synchronize()
@@ -719,8 +728,8 @@ class TensorCache:
                       self.plan.cutoff if adaptive_ready else None,
                       self.plan.prefetch_distance if adaptive_ready else self.prefetch_distance,
                       self._expected_units, microbatch if microbatch is not None else self._mb)
-        rec.pace = (self._pace_lead() if self.pace and torch.cuda.is_available() and bool(self._models)
-                    and self._cuda_model() else 0)
+        rec.pace = (self._pace_lead() if self.pace is not False and torch.cuda.is_available()
+                    and bool(self._models) and self._cuda_model() else -1)
         if profiling:
             self._profiling_record = rec
             rec.t0 = self._mark(None)
