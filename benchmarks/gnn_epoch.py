@@ -78,7 +78,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="gnn_epoch", help="result file name (results/NAME.json, NAME.png)")
-    p.add_argument("--prefetch", type=int, default=1, help="batches the loader prepares ahead [1]")
+    p.add_argument("--prefetch", type=int, default=1, help="batches each loader thread prepares ahead [1]")
+    p.add_argument("--loader-workers", type=int, default=1, help="loader threads [1]")
     p.add_argument("--sample-blocks-per-sm", type=int, default=32, help="grid of the sampling kernel [32]")
     p.add_argument("--loader-priority", type=int, default=0, help="CUDA priority of the loader's stream [0]")
     p.add_argument("--no-prepare", action="store_true",
@@ -130,7 +131,8 @@ def run_way(way: str, model_name: str, ds: Any, placed: dict[str, Any], args: ar
     sampler = NeighborSampler(fanouts, seed=args.seed, blocks_per_sm=args.sample_blocks_per_sm)
     loader = NeighborLoader(graph, ds.train_idx, sampler, args.batch_size,
                             shuffle=True, features=feats, labels=labels, device=device, seed=args.seed,
-                            prefetch=args.prefetch, stream_priority=args.loader_priority,
+                            prefetch=args.prefetch, num_workers=args.loader_workers,
+                            stream_priority=args.loader_priority,
                             prepare=None if args.no_prepare else model.prepare_batch)
     gen = torch.Generator().manual_seed(args.seed)
     val = ds.val_idx[torch.randperm(ds.val_idx.numel(), generator=gen)[: args.eval_nodes]]

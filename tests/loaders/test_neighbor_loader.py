@@ -81,12 +81,47 @@ def test_producer_errors_reach_the_consumer() -> None:
         next(it)
 
 
-def test_abandoned_iterator_stops_its_thread() -> None:
+@pytest.mark.parametrize("workers", [1, 3])
+def test_abandoned_iterator_stops_its_threads(workers: int) -> None:
     graph, feats, labels, seeds = _data(seed=4)
-    it = iter(NeighborLoader(graph, seeds, [3], 10, features=feats, device="cpu", prefetch=2))
+    it = iter(NeighborLoader(graph, seeds, [3], 10, features=feats, device="cpu", prefetch=2,
+                             num_workers=workers))
     next(it)
     it.close()
-    assert not it._thread.is_alive()
+    assert len(it._threads) == workers
+    assert not any(t.is_alive() for t in it._threads)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_several_workers_give_the_same_batches_in_order(workers: int) -> None:
+    graph, feats, labels, seeds = _data(seed=6)
+
+    def make(w: int) -> NeighborLoader:
+        return NeighborLoader(graph, seeds, [4, 3], 37, shuffle=True, features=feats, labels=labels,
+                              device="cpu", seed=3, num_workers=w)
+    one, many = list(make(1)), list(make(workers))
+    assert len(one) == len(many) == len(make(1))
+    for a, b in zip(one, many):
+        assert torch.equal(a.seeds, b.seeds) and torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+        for ba, bb in zip(a.blocks, b.blocks):
+            assert torch.equal(ba.indptr, bb.indptr) and torch.equal(ba.indices, bb.indices)
+            assert torch.equal(ba.src_nodes, bb.src_nodes)
+
+
+def test_an_error_in_one_of_several_workers_reaches_the_consumer_in_order() -> None:
+    graph, feats, labels, seeds = _data(seed=7)
+
+    class Broken(NeighborSampler):
+        def _sample(self, graph, seeds, step):
+            if step == 3:
+                raise RuntimeError("batch 3 exploded")
+            return super()._sample(graph, seeds, step)
+
+    it = iter(NeighborLoader(graph, seeds, Broken([3]), 20, device="cpu", num_workers=2))
+    got = [next(it) for _ in range(3)]  # batches 0, 1, 2 come first, in order
+    assert len(got) == 3
+    with pytest.raises(RuntimeError, match="batch 3 exploded"):
+        next(it)
 
 
 def test_bad_configuration() -> None:
@@ -104,15 +139,17 @@ def test_bad_configuration() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("graph_on, feats_on", [("unified", "unified"), ("cuda", "cuda"), ("cpu", "cpu"),
                                                 ("unified", "cpu"), ("cpu", "unified")])
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_gpu_batches_equal_cpu_batches(cuda_device, graph_on, feats_on, prefetch) -> None:
+@pytest.mark.parametrize("prefetch, workers", [(0, 1), (2, 1), (1, 3)])
+def test_gpu_batches_equal_cpu_batches(cuda_device, graph_on, feats_on, prefetch, workers) -> None:
     from datapath.loaders._placement import to_placement
 
     graph, feats, labels, seeds = _data(n=4000, e=80000, f=37, seed=6)
-    mk = lambda g, f, l, dev, p: NeighborLoader(g, seeds, NeighborSampler([7, 4, 2], seed=3), 256,  # noqa: E731
-                                                shuffle=True, features=f, labels=l, device=dev, prefetch=p)
-    ref = _collect(mk(graph, feats, labels, "cpu", 0))
-    loader = mk(graph.to(graph_on), to_placement(feats, feats_on), to_placement(labels, feats_on), "cuda", prefetch)
+    mk = lambda g, f, l, dev, p, w: NeighborLoader(g, seeds, NeighborSampler([7, 4, 2], seed=3), 256,  # noqa: E731
+                                                   shuffle=True, features=f, labels=l, device=dev, prefetch=p,
+                                                   num_workers=w)
+    ref = _collect(mk(graph, feats, labels, "cpu", 0, 1))
+    loader = mk(graph.to(graph_on), to_placement(feats, feats_on), to_placement(labels, feats_on), "cuda",
+                prefetch, workers)
     assert loader.sample_device.type == ("cuda" if graph_on != "cpu" else "cpu")
     got = []
     for b in loader:

@@ -79,8 +79,11 @@ class NeighborLoader:
         device: where batches go: ``"cuda"`` or ``"cpu"``; default cuda when available.
         seed: seeds the shuffling and the sampler's random streams (with the epoch
             and batch number), so every run with the same seed sees the same batches.
-        prefetch: batches prepared ahead by a background thread (0: prepare in the
+        prefetch: batches prepared ahead by each background thread (0: prepare in the
             calling thread, on its current stream).
+        num_workers: background threads preparing batches, each on its own CUDA stream, batches
+            dealt round-robin and handed over in order.  While one waits for the GPU (sampling
+            and gathering over PCIe), another launches the next batch's work.
         prepare: called with each `Batch` in the producer (on the loader's stream, before the batch
             is handed over); the tensors it returns travel with the batch.  E.g. a `datapath.nn`
             model's ``prepare_batch``, which builds the aggregation schedules there so that the
@@ -97,7 +100,7 @@ class NeighborLoader:
                  batch_size: int = 1024, shuffle: bool = False, drop_last: bool = False, *,
                  features: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                  device: str | torch.device | None = None, seed: int = 0, prefetch: int = 1,
-                 prepare: Callable[[Batch], Iterable[torch.Tensor] | None] | None = None,
+                 num_workers: int = 1, prepare: Callable[[Batch], Iterable[torch.Tensor] | None] | None = None,
                  stream_priority: int = 0) -> None:
         if not isinstance(sampler, NeighborSampler):
             sampler = NeighborSampler(sampler, seed=seed)
@@ -105,6 +108,8 @@ class NeighborLoader:
             raise LoaderError(f"batch_size must be >= 1, got {batch_size}")
         if prefetch < 0:
             raise LoaderError(f"prefetch must be >= 0, got {prefetch}")
+        if num_workers < 1:
+            raise LoaderError(f"num_workers must be >= 1, got {num_workers}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -119,6 +124,7 @@ class NeighborLoader:
         self.drop_last = drop_last
         self.seed = int(seed)
         self.prefetch = int(prefetch)
+        self.num_workers = int(num_workers)
         self.stream_priority = int(stream_priority)
         self.prepare = prepare
         self.epoch = 0
@@ -190,56 +196,71 @@ class NeighborLoader:
 
 
 class _PrefetchIter:
-    """Prepares batches in a background thread (on a side CUDA stream) while the consumer trains."""
+    """Prepares batches in background threads (each on its own CUDA stream) while the consumer trains.
+
+    Batch ``k`` is made by worker ``k % num_workers`` and read from that worker's queue, so the
+    batches arrive in order whatever the number of workers.
+    """
 
     _DONE = object()
 
     def __init__(self, loader: NeighborLoader, work: list[tuple[torch.Tensor, int]]) -> None:
         self._loader = loader
-        self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch)
+        self._n = len(work)
+        self._next = 0
         self._stop = threading.Event()
         self._cuda = loader.device.type == "cuda"
-        self._stream = torch.cuda.Stream(loader.device, priority=loader.stream_priority) if self._cuda else None
-        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True,
-                                        name="datapath-neighbor-loader")
-        self._thread.start()
+        k = max(1, min(loader.num_workers, len(work)))
+        self._queues: list[queue.Queue] = [queue.Queue(maxsize=loader.prefetch) for _ in range(k)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(i, work[i::k]), daemon=True,
+                             name=f"datapath-neighbor-loader-{i}")
+            for i in range(k)
+        ]
+        for t in self._threads:
+            t.start()
 
-    def _put(self, item: object) -> bool:
+    def _put(self, q: queue.Queue, item: object) -> bool:
         while not self._stop.is_set():
             try:
-                self._queue.put(item, timeout=0.1)
+                q.put(item, timeout=0.1)
                 return True
             except queue.Full:
                 continue
         return False
 
-    def _run(self, work: list[tuple[torch.Tensor, int]]) -> None:
+    def _run(self, i: int, work: list[tuple[torch.Tensor, int]]) -> None:
+        q = self._queues[i]
         try:
+            stream = None
             if self._cuda:
                 torch.cuda.set_device(self._loader.device)
+                stream = torch.cuda.Stream(self._loader.device, priority=self._loader.stream_priority)
             for seeds, step in work:
                 if self._stop.is_set():
                     return
-                if self._cuda:
-                    with torch.cuda.stream(self._stream):
+                if stream is not None:
+                    with torch.cuda.stream(stream):
                         batch = self._loader._make(seeds, step)
                 else:
                     batch = self._loader._make(seeds, step)
-                if not self._put(batch):
+                if not self._put(q, batch):
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
-            self._put(exc)
+            self._put(q, exc)
             return
-        self._put(self._DONE)
+        self._put(q, self._DONE)
 
     def __iter__(self) -> "_PrefetchIter":
         return self
 
     def __next__(self) -> Batch:
-        if self._stop.is_set():
+        if self._stop.is_set() or self._next >= self._n:
+            self.close()
             raise StopIteration
-        item = self._queue.get()
-        if item is self._DONE:
+        item = self._queues[self._next % len(self._queues)].get()
+        self._next += 1
+        if item is self._DONE:  # a worker ended early (stopped): nothing more comes in order
             self.close()
             raise StopIteration
         if isinstance(item, BaseException):
@@ -256,15 +277,17 @@ class _PrefetchIter:
         return batch
 
     def close(self) -> None:
-        """Stop the producer thread (called at the end, on errors, and when the iterator is dropped)."""
+        """Stop the producer threads (called at the end, on errors, and when the iterator is dropped)."""
         self._stop.set()
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
+        for q in self._queues:
+            while True:
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    break
+        for t in self._threads:
+            if t.is_alive() and threading.current_thread() is not t:
+                t.join(timeout=10)
 
     def __del__(self) -> None:
         try:
