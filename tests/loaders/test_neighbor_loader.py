@@ -65,16 +65,22 @@ def test_prefetch_matches_synchronous() -> None:
         assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(b0, b1))
 
 
+class _Broken(NeighborSampler):
+    """A sampler that raises at batch ``fail_step``."""
+
+    def __init__(self, fanouts: list[int], fail_step: int) -> None:
+        super().__init__(fanouts)
+        self.fail_step = fail_step
+
+    def _sample(self, graph, seeds, step):
+        if step == self.fail_step:
+            raise RuntimeError(f"sampler exploded at batch {step}")
+        return super()._sample(graph, seeds, step)
+
+
 def test_producer_errors_reach_the_consumer() -> None:
     graph, feats, labels, seeds = _data(seed=3)
-
-    class Broken(NeighborSampler):
-        def _sample(self, graph, seeds, step):
-            if step == 2:
-                raise RuntimeError("sampler exploded")
-            return super()._sample(graph, seeds, step)
-
-    loader = NeighborLoader(graph, seeds, Broken([3]), 100, device="cpu", prefetch=2)
+    loader = NeighborLoader(graph, seeds, _Broken([3], 2), 100, device="cpu", prefetch=2)
     it = iter(loader)
     next(it), next(it)
     with pytest.raises(RuntimeError, match="exploded"):
@@ -110,17 +116,10 @@ def test_several_workers_give_the_same_batches_in_order(workers: int) -> None:
 
 def test_an_error_in_one_of_several_workers_reaches_the_consumer_in_order() -> None:
     graph, feats, labels, seeds = _data(seed=7)
-
-    class Broken(NeighborSampler):
-        def _sample(self, graph, seeds, step):
-            if step == 3:
-                raise RuntimeError("batch 3 exploded")
-            return super()._sample(graph, seeds, step)
-
-    it = iter(NeighborLoader(graph, seeds, Broken([3]), 20, device="cpu", num_workers=2))
+    it = iter(NeighborLoader(graph, seeds, _Broken([3], 3), 20, device="cpu", num_workers=2))
     got = [next(it) for _ in range(3)]  # batches 0, 1, 2 come first, in order
     assert len(got) == 3
-    with pytest.raises(RuntimeError, match="batch 3 exploded"):
+    with pytest.raises(RuntimeError, match="exploded at batch 3"):
         next(it)
 
 

@@ -193,7 +193,7 @@ class NeighborSampler:
             sizes += [n_dev, count, indptr_full.index_select(0, n_dev)]
             pending.append((indptr_full, idx_buf, unique, eid_buf))
             dst, cap, n_dev = unique, unique.numel(), count
-        host_sizes = _fetch_sizes(torch.cat(sizes))
+        host_sizes = fetch_to_host(torch.cat(sizes))  # the sample's one wait, GIL released
         blocks = []
         for hop, (indptr_full, idx_buf, unique, eid_buf) in enumerate(pending):
             n_dst, n_src, e = host_sizes[3 * hop: 3 * hop + 3]
@@ -213,11 +213,6 @@ def _kernel_views(graph: Graph) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         cached = (key, views)
         graph._datapath_kernel_views = cached
     return cached[1]
-
-
-def _fetch_sizes(sizes: torch.Tensor) -> list[int]:
-    """Copy a small CUDA int64 tensor to the host, sleeping on a blocking event with the GIL released."""
-    return fetch_to_host(sizes)
 
 
 def _cpu_positions(indptr: np.ndarray, dst: np.ndarray, k: int, replace: bool, key: int
