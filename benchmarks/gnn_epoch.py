@@ -8,9 +8,10 @@ Ways (same model, same seed, same batches: the CPU and GPU samplers draw identic
                    zero-copy GPU gather, next batch prepared on a side stream;
 - ``gpu_resident`` graph and features copied to GPU memory (the lower bound when they fit).
 
-Per way: time of a fixed number of batches (the epoch is cut to ``--batches`` batches after
-``--warmup`` batches; the per-batch time times the full epoch's batch count gives the
-extrapolated epoch time), process CPU time (psutil), peak GPU memory, the per-batch losses and
+Per way: time of a fixed number of batches (after ``--warmup`` batches, ``--rounds`` rounds of
+``--batches`` batches, each from the start of a new epoch; datapath and gpu_resident alternate
+rounds and report their median round; the per-batch time times the full epoch's batch count gives
+the extrapolated epoch time), process CPU time (psutil), peak GPU memory, the per-batch losses and
 the validation accuracy, plus a synchronized per-stage breakdown (sample / gather+copy / train)
 measured on ``--profile-batches`` further batches.
 
@@ -66,7 +67,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--datasets", default=None, help="comma list of products, reddit, papers")
     p.add_argument("--models", default="sage,gat")
     p.add_argument("--ways", default=",".join(WAYS))
-    p.add_argument("--batches", type=int, default=None, help="timed batches per way [30; quick 10]")
+    p.add_argument("--batches", type=int, default=None, help="timed batches per way and round [30; quick 10]")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timed rounds per way, datapath and gpu_resident alternating; the median is reported "
+                        "(py, 10x slower, runs one) [5; quick 1]")
     p.add_argument("--warmup", type=int, default=None, help="untimed batches first [5; quick 3]")
     p.add_argument("--profile-batches", type=int, default=None, help="batches of the stage breakdown [6]")
     p.add_argument("--eval-nodes", type=int, default=4096)
@@ -87,11 +91,15 @@ def parse() -> argparse.Namespace:
                         "in the loader's thread (NeighborLoader(prepare=model.prepare_batch))")
     p.add_argument("--gather-blocks-per-sm", type=int, default=None,
                    help="grid of the zero-copy gather (datapath.unified_tensor.config.blocks_per_sm)")
+    p.add_argument("--serial-gather", action="store_true",
+                   help="gather the features on the loader's sampling stream and wait for them (the loader "
+                        "before it gathered on a stream of its own): for comparison")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval (seconds) for this process: how long a Python thread may hold "
                         "the GIL while another waits (Python's default 0.005)")
     args = p.parse_args()
     args.batches = args.batches or (10 if args.quick else 30)
+    args.rounds = args.rounds or (1 if args.quick else 5)
     args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
     args.profile_batches = args.profile_batches or (3 if args.quick else 6)
     if args.datasets is None:
@@ -119,8 +127,23 @@ def dataset_spec(name: str, args: argparse.Namespace) -> SyntheticSpec:
     return spec
 
 
-def run_way(way: str, model_name: str, ds: Any, placed: dict[str, Any], args: argparse.Namespace,
-            device: torch.device) -> dict[str, Any]:
+@dataclasses.dataclass
+class _Way:
+    """One way's model, optimizer and loaders, and the stats of its timed rounds."""
+
+    way: str
+    model_name: str
+    model: Any
+    opt: Any
+    loader: Any
+    val_loader: Any
+    placed: dict[str, Any]
+    warm: Any = None
+    rounds: list[Any] = dataclasses.field(default_factory=list)
+
+
+def setup_way(way: str, model_name: str, ds: Any, placed: dict[str, Any], args: argparse.Namespace,
+              device: torch.device) -> _Way:
     fanouts = [int(f) for f in args.fanouts.split(",")]
     graph, feats, labels = placed["graph"], placed["features"], placed["labels"]
     torch.manual_seed(args.seed)
@@ -134,27 +157,49 @@ def run_way(way: str, model_name: str, ds: Any, placed: dict[str, Any], args: ar
                             prefetch=args.prefetch, num_workers=args.loader_workers,
                             stream_priority=args.loader_priority,
                             prepare=None if args.no_prepare else model.prepare_batch)
+    loader._overlap_gather = not args.serial_gather
     gen = torch.Generator().manual_seed(args.seed)
     val = ds.val_idx[torch.randperm(ds.val_idx.numel(), generator=gen)[: args.eval_nodes]]
     val_loader = NeighborLoader(graph, val, NeighborSampler(fanouts, seed=args.seed + 1), args.batch_size,
                                 features=feats, labels=labels, device=device)
-    warm = train_epoch(model, loader, opt, max_batches=args.warmup)
-    st = train_epoch(model, loader, opt, max_batches=args.batches)
-    acc = evaluate(model, val_loader)
-    twin = copy.deepcopy(model)  # profiled on a copy so that the stage breakdown leaves the model alone
-    prof = profile_batches(twin, loader, torch.optim.Adam(twin.parameters(), lr=args.lr, fused=fused),
+    w = _Way(way, model_name, model, opt, loader, val_loader, placed)
+    w.warm = train_epoch(model, loader, opt, max_batches=args.warmup)
+    return w
+
+
+def time_round(w: _Way, args: argparse.Namespace) -> None:
+    """One timed round: ``args.batches`` batches from the start of a new epoch."""
+    w.rounds.append(train_epoch(w.model, w.loader, w.opt, max_batches=args.batches))
+
+
+def finish_way(w: _Way, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Validation accuracy, the serial stage breakdown, and the result row (median round)."""
+    fused = device.type == "cuda"
+    acc = evaluate(w.model, w.val_loader)
+    twin = copy.deepcopy(w.model)  # profiled on a copy so that the stage breakdown leaves the model alone
+    prof = profile_batches(twin, w.loader, torch.optim.Adam(twin.parameters(), lr=args.lr, fused=fused),
                            args.profile_batches)
+    per_round = [r.epoch_s / max(r.batches, 1) for r in w.rounds]
+    st = sorted(w.rounds, key=lambda r: r.epoch_s / max(r.batches, 1))[len(w.rounds) // 2]  # the median round
     per_batch = st.epoch_s / max(st.batches, 1)
+    nb = max(st.batches, 1)
     return {
-        "way": way, "model": model_name, "sample_on": loader.sample_device.type,
-        "graph_in": graph.placement, "features_in": PLACEMENT[way],
-        "batches_timed": st.batches, "batches_per_epoch": len(loader), "warmup_batches": warm.batches,
-        "time_s": st.epoch_s, "per_batch_s": per_batch, "epoch_s_extrapolated": per_batch * len(loader),
+        "way": w.way, "model": w.model_name, "sample_on": w.loader.sample_device.type,
+        "graph_in": w.loader.graph.placement, "features_in": PLACEMENT[w.way],
+        "batches_timed": st.batches, "rounds": len(w.rounds), "per_batch_s_rounds": per_round,
+        "batches_per_epoch": len(w.loader), "warmup_batches": w.warm.batches,
+        "time_s": st.epoch_s, "per_batch_s": per_batch, "epoch_s_extrapolated": per_batch * len(w.loader),
         "cpu_s": st.cpu_s, "cpu_s_per_batch": st.cpu_s / max(st.batches, 1),
         "overlapped_stage_s": {"sample": st.sample_s, "gather": st.gather_s, "train": st.train_s,
                                "wait_for_data": st.wait_s},
         "serial_breakdown_per_batch_s": prof,
-        "peak_gpu_bytes": st.peak_gpu_bytes, "loss": st.loss, "losses": st.losses,
+        "pipeline_ms_per_batch": {  # where the median round's time went, per batch
+            "consumer_cpu": st.consumer_cpu_s / nb * 1e3, "consumer_wait_for_data": st.wait_s / nb * 1e3,
+            "producer_wall": (st.sample_s + st.gather_s) / nb * 1e3, "producer_cpu": st.producer_cpu_s / nb * 1e3,
+            "producer_gpu_wait": st.producer_gpu_wait_s / nb * 1e3,
+            "producer_queue_wait": st.producer_queue_wait_s / nb * 1e3},
+        "peak_gpu_bytes": max(r.peak_gpu_bytes or 0 for r in w.rounds) or None,
+        "loss": st.loss, "losses": [x for r in w.rounds for x in r.losses],
         "train_acc": st.train_acc, "val_acc": acc,
     }
 
@@ -255,24 +300,39 @@ def main() -> None:
                                "feature_bytes": ds.features.numel() * 4, "place_s": {}}
         print(f"{spec.name}: {ds.graph.num_nodes:,} nodes, {ds.graph.num_edges:,} edges, "
               f"{ds.features.numel() * 4 / 2**30:.1f} GiB features, generated in {gen_s:.1f} s", flush=True)
-        for way in ways:
-            try:
-                placed = place(ds, way)
-            except (RuntimeError, MemoryError) as exc:
-                log.error("%s: placing for %s failed: %s", spec.name, way, exc)
-                datasets[spec.name]["place_s"][way] = f"failed: {exc}"
-                continue
-            datasets[spec.name]["place_s"][way] = placed.pop("seconds")
+        # py first, alone: pinning the table in place for datapath would make it "unified" for py too.
+        # datapath and gpu_resident then live side by side and their timed rounds alternate, so that
+        # drift (clocks, allocator, the host) hits both alike; each reports its median round.
+        groups = [[w] for w in ways if w == "py"] + [[w for w in ways if w != "py"]]
+        for group in [g for g in groups if g]:
+            placed_by: dict[str, Any] = {}
+            for way in group:
+                try:
+                    placed_by[way] = place(ds, way)
+                except (RuntimeError, MemoryError) as exc:
+                    log.error("%s: placing for %s failed: %s", spec.name, way, exc)
+                    datasets[spec.name]["place_s"][way] = f"failed: {exc}"
+                    continue
+                datasets[spec.name]["place_s"][way] = placed_by[way].pop("seconds")
             for model_name in args.models.split(","):
                 t0 = time.perf_counter()
-                r = run_way(way, model_name, ds, placed, args, device)
-                r["dataset"] = spec.name
-                results.append(r)
-                write_result(args.name, {"partial": True, "datasets": datasets, "results": results})
-                print(f"  {way:>12} {model_name}: {r['per_batch_s'] * 1e3:7.1f} ms/batch, "
-                      f"cpu {r['cpu_s_per_batch'] * 1e3:7.1f} ms/batch, val acc {r['val_acc']:.3f} "
-                      f"({time.perf_counter() - t0:.1f} s)", flush=True)
-            del placed
+                ws = [setup_way(way, model_name, ds, placed_by[way], args, device) for way in placed_by]
+                for i in range(1 if group == ["py"] else args.rounds):
+                    for w in (ws if i % 2 == 0 else ws[::-1]):
+                        time_round(w, args)
+                for w in ws:
+                    r = finish_way(w, args, device)
+                    r["dataset"] = spec.name
+                    results.append(r)
+                    write_result(args.name, {"partial": True, "datasets": datasets, "results": results})
+                    rounds = "/".join(f"{x * 1e3:.1f}" for x in r["per_batch_s_rounds"])
+                    pipe = " ".join(f"{k} {v:.1f}" for k, v in r["pipeline_ms_per_batch"].items())
+                    print(f"  {w.way:>12} {model_name}: {r['per_batch_s'] * 1e3:7.1f} ms/batch (rounds {rounds}), "
+                          f"cpu {r['cpu_s_per_batch'] * 1e3:7.1f} ms/batch, val acc {r['val_acc']:.3f} "
+                          f"({time.perf_counter() - t0:.1f} s)\n      pipeline ms/batch: {pipe}", flush=True)
+                del ws
+                _release_memory(cuda)
+            del placed_by
             _release_memory(cuda)
         del ds
         _release_memory(cuda)
@@ -283,8 +343,10 @@ def main() -> None:
         "loader_note": ("all ways use the same NeighborLoader, one batch prefetched by a background thread"
                         + ("" if args.no_prepare else
                            ", aggregation schedules built there (prepare=model.prepare_batch)")),
-        "epoch_note": (f"each way trains {args.warmup} warm-up batches, then {args.batches} timed batches of the "
-                       f"shuffled epoch; epoch_s_extrapolated = per-batch time x batches per epoch"),
+        "epoch_note": (f"each way trains {args.warmup} warm-up batches, then {args.rounds} rounds of {args.batches} "
+                       f"timed batches (each from the start of a new shuffled epoch; datapath and gpu_resident "
+                       f"alternate rounds); per_batch_s is the median round's; epoch_s_extrapolated = per-batch "
+                       f"time x batches per epoch"),
         "datasets": datasets, "results": results, "summary": summary,
         "total_s": time.perf_counter() - t_start,
     }

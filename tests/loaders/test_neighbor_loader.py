@@ -160,3 +160,44 @@ def test_gpu_batches_equal_cpu_batches(cuda_device, graph_on, feats_on, prefetch
     for (s0, b0, x0, y0), (s1, b1, x1, y1) in zip(ref, got, strict=True):
         assert torch.equal(s0, s1) and torch.equal(x0, x1) and torch.equal(y0, y1)
         assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(b0, b1))
+
+
+@pytest.mark.gpu
+def test_gpu_prefetch_gathers_on_its_own_stream_and_prepare_can_wait_for_it(cuda_device) -> None:
+    from datapath.loaders._placement import to_placement
+
+    graph, feats, labels, seeds = _data(n=6000, e=120000, f=64, seed=11)
+    sums = []
+
+    def prepare(batch):
+        assert batch.x is not None and batch.x.dtype == torch.float32  # shape/dtype known before the gather ends
+        batch.wait_for_inputs()
+        s = batch.x.sum(1)
+        sums.append(s)
+        return [s]
+
+    loader = NeighborLoader(graph.to("unified"), seeds, NeighborSampler([8, 4], seed=2), 300, shuffle=True,
+                            features=to_placement(feats, "unified"), labels=to_placement(labels, "unified"),
+                            device="cuda", prefetch=2, prepare=prepare)
+    for i, b in enumerate(loader):
+        want = feats[b.input_nodes.cpu()]
+        assert torch.equal(b.x.cpu(), want)
+        assert torch.equal(b.y.cpu(), labels[b.seeds.cpu()])
+        torch.testing.assert_close(sums[i].cpu(), want.sum(1))
+    assert len(sums) == len(loader)
+
+
+@pytest.mark.gpu
+def test_gpu_prefetch_reports_an_out_of_range_gather(cuda_device) -> None:
+    from datapath.loaders._placement import to_placement
+
+    graph, feats, labels, seeds = _data(n=3000, e=60000, f=16, seed=12)
+    loader = NeighborLoader(graph.to("unified"), seeds, NeighborSampler([5, 5], seed=1), 256,
+                            features=to_placement(feats, "unified"), labels=to_placement(labels, "unified"),
+                            device="cuda", prefetch=1)
+    # tables shorter than the graph (bypassing the constructor's check): the kernels see ids >= their rows
+    loader.features = to_placement(feats[:1000].contiguous(), "unified")
+    loader.labels = to_placement(labels[:1000].contiguous(), "unified")
+    with pytest.raises(LoaderError, match="out-of-range node id .*size 1000"):
+        for _ in loader:
+            pass

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from datapath.unified_tensor import config, gather, scatter
+from datapath.unified_tensor import ErrorFlag, config, gather, scatter
 
 pytestmark = pytest.mark.gpu
 
@@ -144,6 +144,27 @@ def test_async_bounds_check_zeroes_bad_rows_and_raises_later() -> None:
             gather(table, torch.tensor([0], device="cuda"))
     finally:
         config.sync_bounds_check = True
+
+
+def test_error_flag_gather_does_not_wait_and_reports_later() -> None:
+    table = _random_table(50_000, 33, torch.float32, seed=9)
+    good = torch.randint(0, 50_000, (200_000,), device="cuda")
+    flag = ErrorFlag()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # keep the stream busy: a call that waited would take that long
+    got = gather(table, good, error_flag=flag)
+    assert not torch.cuda.current_stream().query()  # returned while the kernel is still queued
+    torch.cuda.synchronize()
+    flag.raise_if_set()
+    assert torch.equal(got.cpu(), table[good.cpu()])
+    bad = good.clone()
+    bad[777] = 50_000
+    got = gather(table, bad, error_flag=flag)  # no raise here, nothing waited for
+    torch.cuda.synchronize()
+    with pytest.raises(IndexError, match="index 50000 is out of bounds"):
+        flag.raise_if_set()
+    flag.raise_if_set()  # reported once, then cleared
+    assert torch.equal(got[777].cpu(), torch.zeros(33))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -286,5 +287,15 @@ def fetch_to_host(t: torch.Tensor) -> list:
     host.copy_(t, non_blocking=True)
     ev = torch.cuda.Event(blocking=True)
     ev.record()
+    t0 = time.perf_counter()
     ev.synchronize()
+    _waits.seconds = getattr(_waits, "seconds", 0.0) + time.perf_counter() - t0
     return host.tolist()
+
+
+_waits = threading.local()
+
+
+def gpu_wait_seconds() -> float:
+    """Seconds this thread has spent in `fetch_to_host` waiting for the GPU (a running total)."""
+    return getattr(_waits, "seconds", 0.0)

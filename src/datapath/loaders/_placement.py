@@ -89,18 +89,19 @@ def kernel_view(t: torch.Tensor) -> torch.Tensor:
     return cuda_alias(host)
 
 
-def gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def gather_rows(table: torch.Tensor, idx: torch.Tensor, error_flag: Any = None) -> torch.Tensor:
     """``table[idx]`` on ``idx``'s device.
 
     - ``table`` on CUDA: a GPU index_select;
     - unified ``table`` (a unified tensor or pinned CPU memory) with CUDA ``idx``: read by the
-      GPU straight from host memory (`datapath.unified_tensor.gather`, zero copy);
+      GPU straight from host memory (`datapath.unified_tensor.gather`, zero copy; with an
+      ``error_flag`` (`datapath.unified_tensor.ErrorFlag`) it does not wait for the kernel's bounds check);
     - otherwise a CPU gather, then a copy to ``idx``'s device (the DGL/PyG default path).
     """
     where = placement_of(table)
     if where == "cuda":
         return torch.index_select(table, 0, idx.to(table.device))
     if where == "unified" and idx.device.type == "cuda":
-        return _ut().gather(table, idx)
+        return _ut().gather(table, idx, error_flag=error_flag)
     rows = torch.index_select(host_of(table), 0, idx.to("cpu"))
     return rows.to(idx.device) if idx.device.type != "cpu" else rows

@@ -19,9 +19,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from datapath._runtime.pinned import gpu_wait_seconds
 from datapath.loaders._placement import gather_rows, placement_of
 from datapath.loaders.block import Block
 from datapath.loaders.errors import LoaderError
@@ -40,8 +42,12 @@ class Batch:
         x: (blocks[0].num_src_nodes, F) input features, or None without ``features``.
         y: (B,) labels of the seeds, or None without ``labels``.
         seeds: (B,) int64 global ids of the seed nodes (``blocks[-1].dst_nodes``).
-        sample_s / gather_s: wall seconds the producer spent sampling and gathering (with ``prepare``,
-            gathering includes it: the GPU work of both ends at the batch's one synchronisation).
+        producer_cpu_s / producer_gpu_wait_s: CPU time of the thread that made the batch while making it,
+            and the part of its wall time it slept waiting for the GPU (host synchronisations); the rest
+            of ``sample_s + gather_s`` it waited for the interpreter lock.
+        sample_s / gather_s: wall seconds the producer spent sampling, and gathering plus the loader's
+            ``prepare`` hook.  In the prefetching threads of the GPU path the gather is only launched (it
+            runs on its own stream while the producer goes on), so ``gather_s`` is mostly ``prepare``.
     """
 
     blocks: list[Block]
@@ -50,12 +56,25 @@ class Batch:
     seeds: torch.Tensor
     sample_s: float = 0.0
     gather_s: float = 0.0
-    _event: torch.cuda.Event | None = field(default=None, repr=False)
+    producer_cpu_s: float = 0.0
+    producer_gpu_wait_s: float = 0.0
+    _events: list[torch.cuda.Event] = field(default_factory=list, repr=False)
+    _check: "_GatherCheck | None" = field(default=None, repr=False)
     _prepared: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def tensors(self) -> list[torch.Tensor]:
         out = [t for b in self.blocks for t in b.tensors()] + [self.seeds] + self._prepared
         return out + [t for t in (self.x, self.y) if t is not None]
+
+    def wait_for_inputs(self) -> None:
+        """Make the current CUDA stream wait until ``x`` and ``y`` are gathered.
+
+        Only needed inside a loader's ``prepare`` hook that launches GPU work reading ``x`` or
+        ``y``: in the prefetching threads they are gathered on a stream of their own, concurrently
+        with the hook (the consumer's stream waits for everything before it gets the batch).
+        """
+        if self._check is not None:
+            torch.cuda.current_stream().wait_event(self._check.event)
 
     @property
     def input_nodes(self) -> torch.Tensor:
@@ -81,13 +100,16 @@ class NeighborLoader:
             and batch number), so every run with the same seed sees the same batches.
         prefetch: batches prepared ahead by each background thread (0: prepare in the
             calling thread, on its current stream).
-        num_workers: background threads preparing batches, each on its own CUDA stream, batches
+        num_workers: background threads preparing batches, each on its own CUDA streams (one samples
+            and runs ``prepare``, one gathers features and labels, so the PCIe reads overlap), batches
             dealt round-robin and handed over in order.  While one waits for the GPU (sampling
             and gathering over PCIe), another launches the next batch's work.
         prepare: called with each `Batch` in the producer (on the loader's stream, before the batch
             is handed over); the tensors it returns travel with the batch.  E.g. a `datapath.nn`
             model's ``prepare_batch``, which builds the aggregation schedules there so that the
-            training step has no host synchronisation.
+            training step has no host synchronisation.  It runs while ``x`` and ``y`` are still
+            being gathered on another stream: their shapes and dtypes are there, but GPU work that
+            reads them must follow ``batch.wait_for_inputs()``.
         stream_priority: CUDA priority of the loader's side stream (lower is higher; PyTorch's
             streams default to 0, the lowest).  High priority lets the loader's long-lived,
             PCIe-bound sampling and gather blocks take their SM slots while training runs.
@@ -127,6 +149,7 @@ class NeighborLoader:
         self.num_workers = int(num_workers)
         self.stream_priority = int(stream_priority)
         self.prepare = prepare
+        self._overlap_gather = True  # False: gather on the sampling stream and wait for it (A/B diagnostics)
         self.epoch = 0
         self.sample_device = (self.device if self.device.type == "cuda" and graph.placement in ("unified", "cuda")
                               else torch.device("cpu"))
@@ -171,28 +194,84 @@ class NeighborLoader:
         return _PrefetchIter(self, list(zip(batches, steps)))
 
     # -- one batch ---------------------------------------------------------------------------
-    def _make(self, seeds_cpu: torch.Tensor, step: int) -> Batch:
-        t0 = time.perf_counter()
+    def _make(self, seeds_cpu: torch.Tensor, step: int, gather_stream: torch.cuda.Stream | None = None) -> Batch:
+        """Sample, gather and prepare one batch on the current stream.
+
+        With ``gather_stream`` (the prefetching threads on the GPU path) the feature/label gather
+        runs there instead, so that its PCIe reads overlap the ``prepare`` hook's launches and
+        the next batch's sampling, and nothing waits for the GPU: the batch carries one event per
+        stream for the consumer's stream to wait on.  Without it the batch is synchronised
+        before it is returned (``sample_s``/``gather_s`` are then the stages' full times).
+        """
+        t0, c0, w0 = time.perf_counter(), time.thread_time(), gpu_wait_seconds()
         seeds = seeds_cpu.to(self.sample_device, non_blocking=True)
         blocks = self.sampler._sample(self.graph, seeds, step)
         t1 = time.perf_counter()
-        x = gather_rows(self.features, blocks[0].src_nodes) if self.features is not None else None
-        y = gather_rows(self.labels, seeds) if self.labels is not None else None
-        if self.device != self.sample_device:
-            blocks = [b.to(self.device, non_blocking=False) for b in blocks]
-            seeds = seeds.to(self.device)
-        x = x.to(self.device) if x is not None else None
-        y = y.to(self.device) if y is not None else None
+        events: list[torch.cuda.Event] = []
+        check = None
+        if gather_stream is not None and self.sample_device.type == "cuda":
+            gather_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(gather_stream):
+                # the sampled ids are < num_nodes = the tables' rows, so the kernels' bounds check is read
+                # later (`_GatherCheck`), not waited for here
+                flag = _ut_error_flag()
+                src = blocks[0].src_nodes
+                x = gather_rows(self.features, src, flag) if self.features is not None else None
+                y = gather_rows(self.labels, seeds, flag) if self.labels is not None else None
+                src.record_stream(gather_stream)
+                seeds.record_stream(gather_stream)
+                events.append(torch.cuda.Event(blocking=True))
+                events[-1].record(gather_stream)
+                check = _GatherCheck(events[-1], flag, step)
+        else:
+            x = gather_rows(self.features, blocks[0].src_nodes) if self.features is not None else None
+            y = gather_rows(self.labels, seeds) if self.labels is not None else None
+            if self.device != self.sample_device:
+                blocks = [b.to(self.device, non_blocking=False) for b in blocks]
+                seeds = seeds.to(self.device)
+            x = x.to(self.device) if x is not None else None
+            y = y.to(self.device) if y is not None else None
         batch = Batch(blocks, x, y, seeds, t1 - t0)
         if self.prepare is not None:
             batch._prepared = list(self.prepare(batch) or ())
-        event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event(blocking=True)
             event.record()
-            event.synchronize()
-        batch.gather_s, batch._event = time.perf_counter() - t1, event
+            if events:
+                events.append(event)
+            else:
+                event.synchronize()
+                events = [event]
+        batch.gather_s, batch._events, batch._check = time.perf_counter() - t1, events, check
+        batch.producer_cpu_s, batch.producer_gpu_wait_s = time.thread_time() - c0, gpu_wait_seconds() - w0
         return batch
+
+
+def _ut_error_flag() -> Any:
+    from datapath.unified_tensor import ErrorFlag  # noqa: PLC0415 - loaded with the datapath package anyway
+
+    return ErrorFlag()
+
+
+@dataclass
+class _GatherCheck:
+    """A batch's deferred bounds check: its gather's event and the flag the kernels write to."""
+
+    event: torch.cuda.Event
+    flag: Any
+    step: int
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def raise_if_bad(self) -> None:
+        """Wait for the gather (without the GIL) and raise `LoaderError` if it saw a bad index."""
+        self.event.synchronize()
+        try:
+            self.flag.raise_if_set()
+        except IndexError as exc:
+            raise LoaderError(f"batch {self.step}: the feature/label gather read an out-of-range node id "
+                              f"({exc}); the graph's indices do not match the tables' rows") from exc
 
 
 class _PrefetchIter:
@@ -210,6 +289,7 @@ class _PrefetchIter:
         self._next = 0
         self._stop = threading.Event()
         self._cuda = loader.device.type == "cuda"
+        self.queue_wait_s = 0.0  # producers' time blocked on a full queue (waiting for the consumer)
         k = max(1, min(loader.num_workers, len(work)))
         self._queues: list[queue.Queue] = [queue.Queue(maxsize=loader.prefetch) for _ in range(k)]
         self._threads = [
@@ -221,31 +301,44 @@ class _PrefetchIter:
             t.start()
 
     def _put(self, q: queue.Queue, item: object) -> bool:
-        while not self._stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        t0 = time.perf_counter()
+        try:
+            while not self._stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+        finally:
+            self.queue_wait_s += time.perf_counter() - t0  # float += under the GIL: fine for a statistic
 
     def _run(self, i: int, work: list[tuple[torch.Tensor, int]]) -> None:
         q = self._queues[i]
         try:
-            stream = None
+            stream = gather_stream = None
             if self._cuda:
                 torch.cuda.set_device(self._loader.device)
                 stream = torch.cuda.Stream(self._loader.device, priority=self._loader.stream_priority)
+                if self._loader._overlap_gather:
+                    gather_stream = torch.cuda.Stream(self._loader.device)  # lowest priority: bulk PCIe reads
+            checks: list[_GatherCheck] = []
             for seeds, step in work:
                 if self._stop.is_set():
                     return
+                while checks and checks[0].done():
+                    checks.pop(0).raise_if_bad()
                 if stream is not None:
                     with torch.cuda.stream(stream):
-                        batch = self._loader._make(seeds, step)
+                        batch = self._loader._make(seeds, step, gather_stream)
                 else:
                     batch = self._loader._make(seeds, step)
+                if batch._check is not None:
+                    checks.append(batch._check)
                 if not self._put(q, batch):
                     return
+            for c in checks:
+                c.raise_if_bad()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
             self._put(q, exc)
             return
@@ -269,8 +362,8 @@ class _PrefetchIter:
         batch: Batch = item
         if self._cuda:
             cur = torch.cuda.current_stream(self._loader.device)
-            if batch._event is not None:
-                cur.wait_event(batch._event)
+            for event in batch._events:
+                cur.wait_event(event)
             for t in batch.tensors():
                 if t.device.type == "cuda":
                     t.record_stream(cur)

@@ -43,7 +43,11 @@ class EpochStats:
     in sampling and in gathering features/labels (overlapped with training when the
     loader prefetches); ``train_s`` is the forward+backward+step time (GPU time by CUDA
     events, wall time on the CPU); ``wait_s`` is how long training waited for batches.
-    ``cpu_s`` is the process's CPU time (user+system, all threads).
+    ``cpu_s`` is the process's CPU time (user+system, all threads).  Where the time of the
+    pipeline goes: ``consumer_cpu_s`` is the training thread's CPU time in its steps;
+    ``producer_cpu_s`` / ``producer_gpu_wait_s`` the loader threads' CPU time making batches and
+    their sleep in host synchronisations; ``producer_queue_wait_s`` their time blocked on a full
+    queue (ahead of the consumer).
     """
 
     batches: int
@@ -57,6 +61,10 @@ class EpochStats:
     train_acc: float
     peak_gpu_bytes: int | None
     losses: list[float] = field(default_factory=list)
+    consumer_cpu_s: float = 0.0
+    producer_cpu_s: float = 0.0
+    producer_gpu_wait_s: float = 0.0
+    producer_queue_wait_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,7 +96,7 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
     seen = 0
     losses: list[torch.Tensor] = []
     events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-    sample_s = gather_s = wait_s = train_wall = 0.0
+    sample_s = gather_s = wait_s = train_wall = consumer_cpu = producer_cpu = producer_wait = 0.0
     n = 0
     cpu0, t0 = _cpu_seconds(proc), time.perf_counter()
     it = iter(loader)
@@ -98,7 +106,7 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
             batch = next(it, None)
             if batch is None:
                 break
-            tt = time.perf_counter()
+            tt, ct = time.perf_counter(), time.thread_time()
             wait_s += tt - tw
             if cuda:
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -118,12 +126,16 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
             losses.append(d)
             correct += (out.detach().argmax(1) == batch.y).sum()
             seen += batch.y.numel()
+            consumer_cpu += time.thread_time() - ct
             sample_s += batch.sample_s
             gather_s += batch.gather_s
+            producer_cpu += batch.producer_cpu_s
+            producer_wait += batch.producer_gpu_wait_s
             n += 1
             if progress is not None:
                 progress.update(1)
     finally:
+        queue_wait = getattr(it, "queue_wait_s", 0.0)  # before close(): its wake-up is not a wait for the consumer
         close = getattr(it, "close", None)
         if close is not None:
             close()
@@ -137,6 +149,8 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
         batches=n, epoch_s=epoch_s, sample_s=sample_s, gather_s=gather_s, train_s=train_s, wait_s=wait_s,
         cpu_s=cpu_s, loss=float(loss_sum) / max(n, 1), train_acc=int(correct) / max(seen, 1),
         peak_gpu_bytes=torch.cuda.max_memory_allocated(dev) if cuda else None, losses=loss_list,
+        consumer_cpu_s=consumer_cpu, producer_cpu_s=producer_cpu, producer_gpu_wait_s=producer_wait,
+        producer_queue_wait_s=queue_wait,
     )
 
 

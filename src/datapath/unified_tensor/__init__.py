@@ -11,7 +11,7 @@ import os
 
 from datapath.unified_tensor._config import UnifiedConfig, config
 from datapath.unified_tensor._device import device_registered, install_to_unified, register_device
-from datapath.unified_tensor.gather import check_errors, gather, scatter
+from datapath.unified_tensor.gather import ErrorFlag, check_errors, gather, scatter
 from datapath.unified_tensor.memory import as_unified, host_tensor, is_unified, set_affinity
 from datapath.unified_tensor.shared import (
     SharedTableError, attach, cleanup_stale, share, shared_tables, shm_dir, unlink,
@@ -23,7 +23,7 @@ if os.environ.get("DATAPATH_UNIFIED_DEVICE", "") not in ("", "0"):
     register_device()
 
 __all__ = [
-    "SharedTableError", "UnifiedConfig", "UnifiedTensor", "as_unified", "attach", "check_errors",
+    "ErrorFlag", "SharedTableError", "UnifiedConfig", "UnifiedTensor", "as_unified", "attach", "check_errors",
     "cleanup_stale", "config", "device_registered", "gather", "host_tensor", "is_unified", "register_device", "scatter", "set_affinity", "share",
     "shared_tables", "shm_dir", "to_unified", "unlink",
 ]

@@ -56,6 +56,31 @@ def check_errors() -> None:
     _pending.raise_any()
 
 
+class ErrorFlag:
+    """Where a GPU gather that does not wait records an out-of-range index (see `gather`'s ``error_flag``).
+
+    A pinned, GPU-mapped host word: the kernel writes a bad index straight into host memory,
+    so once the kernel has finished the host reads it without touching a CUDA stream (no
+    synchronisation, no GIL held while the GPU works).  One flag may serve several launches;
+    call `raise_if_set` after they are done.
+    """
+
+    def __init__(self) -> None:
+        from datapath._runtime.pinned import pinned_empty  # noqa: PLC0415
+
+        self.host = pinned_empty((1,), torch.int64)
+        self.host.fill_(_NO_ERROR)
+        self._sizes: set[int] = set()
+
+    def raise_if_set(self) -> None:
+        """Raise ``IndexError`` if a finished launch saw an out-of-range index (the caller waited for it)."""
+        bad = int(self.host[0])
+        if bad != _NO_ERROR:
+            self.host.fill_(_NO_ERROR)
+            sizes = " or ".join(str(n) for n in sorted(self._sizes))
+            raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {sizes}")
+
+
 def _raise_if_bad(flag: torch.Tensor, n_rows: int) -> None:
     bad = int(flag.item())
     if bad != _NO_ERROR:
@@ -120,7 +145,7 @@ def _sorts(m: int, table_bytes: int, sort: bool | None) -> bool:
 
 
 def _launch_rows(direction: str, host: torch.Tensor, idx: torch.Tensor, dev_rows: torch.Tensor,
-                 mode: str | None, sort: bool | None = None) -> None:
+                 mode: str | None, sort: bool | None = None, error_flag: ErrorFlag | None = None) -> None:
     """Run the gather (host -> dev_rows) or scatter (dev_rows -> host) kernel for flat CUDA ``idx``."""
     layout = _row_layout(host)
     if layout is None:
@@ -142,8 +167,14 @@ def _launch_rows(direction: str, host: torch.Tensor, idx: torch.Tensor, dev_rows
         idx, order = torch.sort(idx)
     fn = _kernel(direction, w, GATHER_MODES[mode], idx.dtype == torch.int32)
     stream = torch.cuda.current_stream(idx.device)
-    sync = config.sync_bounds_check
-    flag = _stream_flag(stream) if sync else torch.full((1,), _NO_ERROR, dtype=torch.int64, device=idx.device)
+    sync = config.sync_bounds_check and error_flag is None
+    if error_flag is not None:
+        error_flag._sizes.add(n_rows)
+        flag = error_flag.host
+    elif sync:
+        flag = _stream_flag(stream)
+    else:
+        flag = torch.full((1,), _NO_ERROR, dtype=torch.int64, device=idx.device)
     kernels.launch(
         fn, blocks, tpb,
         (kernels.ptr(host), np.int64(n_rows), np.int64(row_stride), np.int64(row_bytes),
@@ -157,8 +188,9 @@ def _launch_rows(direction: str, host: torch.Tensor, idx: torch.Tensor, dev_rows
             flag.fill_(_NO_ERROR)
             raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {n_rows}")
     else:
-        in_flight.hold(stream, host, idx, dev_rows, order)
-        _pending.add(flag, n_rows)
+        in_flight.hold(stream, host, idx, dev_rows, order, flag)
+        if error_flag is None:
+            _pending.add(flag, n_rows)
 
 
 _kernel_cache: dict[tuple[str, int, int, bool, int], object] = {}
@@ -184,20 +216,21 @@ def _stream_flag(stream: torch.cuda.Stream) -> torch.Tensor:
     return flag
 
 
-def _prepare_cuda_index(host: torch.Tensor, idx: torch.Tensor, pinned: bool) -> torch.Tensor:
+def _prepare_cuda_index(host: torch.Tensor, idx: torch.Tensor, pinned: bool, deferred: bool = False) -> torch.Tensor:
     _check_index(idx)
     if not pinned and not host.is_pinned():
         raise ValueError(
             "the GPU gather reads the table over PCIe and needs pinned memory: make it with "
             "t.to('unified') or datapath.unified_tensor.as_unified(t)"
         )
-    if not config.sync_bounds_check:
+    if not config.sync_bounds_check and not deferred:
         _pending.raise_any()
     return idx.reshape(-1).contiguous()
 
 
 def gather(table: torch.Tensor, idx: torch.Tensor, mode: str | None = None,
-           out: torch.Tensor | None = None, sort: bool | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, sort: bool | None = None,
+           error_flag: ErrorFlag | None = None) -> torch.Tensor:
     """``table[idx]`` for row indices ``idx``.
 
     Args:
@@ -207,6 +240,11 @@ def gather(table: torch.Tensor, idx: torch.Tensor, mode: str | None = None,
         out: optional contiguous CUDA tensor of the result's shape and dtype to write into
             (a preallocated batch buffer); GPU path only.
         sort: visit rows in sorted index order (True/False; default ``config.sort_indices``).
+        error_flag: an `ErrorFlag` (GPU path, row-contiguous tables):
+            the call returns without waiting for the kernel whatever ``config.sync_bounds_check``
+            says, and an out-of-range index is recorded in the flag; the caller must call
+            ``error_flag.raise_if_set()`` once the kernel is done (e.g. after an event on the
+            current stream).  For pipelines whose indices are known valid and that must not block.
 
     Returns:
         (*idx.shape, *rest) tensor on ``idx``'s device (a plain CPU tensor for a CPU ``idx``).
@@ -223,7 +261,7 @@ def gather(table: torch.Tensor, idx: torch.Tensor, mode: str | None = None,
         return torch.index_select(host, 0, rows).reshape(*idx.shape, *rest)
     if idx.device.type != "cuda":
         raise TypeError(f"indices must be on CPU or CUDA, got {idx.device}")
-    flat = _prepare_cuda_index(host, idx, pinned)
+    flat = _prepare_cuda_index(host, idx, pinned, deferred=error_flag is not None)
     shape = (*idx.shape, *rest)
     if out is None:
         out = torch.empty((flat.numel(), *rest), dtype=host.dtype, device=idx.device)
@@ -243,7 +281,7 @@ def gather(table: torch.Tensor, idx: torch.Tensor, mode: str | None = None,
             in_flight.hold(torch.cuda.current_stream(idx.device), host)
         else:
             with torch.cuda.device(idx.device):
-                _launch_rows("gather", host, flat, out, mode, sort)
+                _launch_rows("gather", host, flat, out, mode, sort, error_flag)
     return out.view(shape)
 
 
