@@ -26,7 +26,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=30)
     ap.add_argument("--dataset", default="products")
-    ap.add_argument("--way", default="datapath")
+    ap.add_argument("--way", default="datapath", help="datapath or gpu_resident")
+    ap.add_argument("--top", type=int, default=35)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -41,7 +42,7 @@ def main() -> int:
         opt = torch.optim.Adam(model.parameters(), lr=3e-3, fused=True)
         loader = NeighborLoader(placed["graph"], ds.train_idx, NeighborSampler([15, 10, 5], seed=0), 1024,
                                 shuffle=True, features=placed["features"], labels=placed["labels"], device=dev,
-                                prefetch=prefetch)
+                                prefetch=prefetch, prepare=model.prepare_batch)
         train_epoch(model, loader, opt, max_batches=5)
         torch.cuda.synchronize()
         prof = cProfile.Profile() if prefetch == 0 else None
@@ -58,11 +59,11 @@ def main() -> int:
               f"stages {st}"[:600], flush=True)
         if prof:
             s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(35)
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
             print(s.getvalue()[-9000:])
             s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
-            print(s.getvalue()[-7000:])
+            pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(args.top)
+            print(s.getvalue()[-9000:])
     return 0
 
 

@@ -72,10 +72,10 @@ class _Broken(NeighborSampler):
         super().__init__(fanouts)
         self.fail_step = fail_step
 
-    def _sample(self, graph, seeds, step):
+    def _launch(self, graph, seeds, step):
         if step == self.fail_step:
             raise RuntimeError(f"sampler exploded at batch {step}")
-        return super()._sample(graph, seeds, step)
+        return super()._launch(graph, seeds, step)
 
 
 def test_producer_errors_reach_the_consumer() -> None:
@@ -201,3 +201,16 @@ def test_gpu_prefetch_reports_an_out_of_range_gather(cuda_device) -> None:
     with pytest.raises(LoaderError, match="out-of-range node id .*size 1000"):
         for _ in loader:
             pass
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("workers", [1, 2])
+def test_gpu_pipelined_producer_hands_over_batches_before_an_error(cuda_device, workers) -> None:
+    graph, feats, labels, seeds = _data(seed=13)
+    it = iter(NeighborLoader(graph.to("unified"), seeds, _Broken([3, 2], 3), 20, features=feats.pin_memory(),
+                             labels=labels.pin_memory(), device="cuda", num_workers=workers))
+    got = [next(it) for _ in range(3)]  # batches 0, 1, 2 come first, in order, with their features
+    for b in got:
+        assert torch.equal(b.x.cpu(), feats[b.input_nodes.cpu()])
+    with pytest.raises(RuntimeError, match="exploded at batch 3"):
+        next(it)

@@ -194,23 +194,38 @@ class NeighborLoader:
         return _PrefetchIter(self, list(zip(batches, steps)))
 
     # -- one batch ---------------------------------------------------------------------------
-    def _make(self, seeds_cpu: torch.Tensor, step: int, gather_stream: torch.cuda.Stream | None = None) -> Batch:
-        """Sample, gather and prepare one batch on the current stream.
+    def _make(self, seeds_cpu: torch.Tensor, step: int) -> Batch:
+        """Sample, gather and prepare one batch on the current stream and wait for it (no prefetching)."""
+        batch = self._collect(self._start(seeds_cpu, step), None)
+        self._prepare(batch, None)
+        if batch._events:
+            batch._events[-1].synchronize()
+        return batch
 
-        With ``gather_stream`` (the prefetching threads on the GPU path) the feature/label gather
-        runs there instead, so that its PCIe reads overlap the ``prepare`` hook's launches and
-        the next batch's sampling, and nothing waits for the GPU: the batch carries one event per
-        stream for the consumer's stream to wait on.  Without it the batch is synchronised
-        before it is returned (``sample_s``/``gather_s`` are then the stages' full times).
-        """
+    def _start(self, seeds_cpu: torch.Tensor, step: int) -> "_Started":
+        """Queue the sampling of one batch on the current stream (nothing waits yet)."""
         t0, c0, w0 = time.perf_counter(), time.thread_time(), gpu_wait_seconds()
         seeds = seeds_cpu.to(self.sample_device, non_blocking=True)
-        blocks = self.sampler._sample(self.graph, seeds, step)
+        pending = self.sampler._launch(self.graph, seeds, step)
+        return _Started(seeds, step, pending, time.perf_counter() - t0, time.thread_time() - c0,
+                        gpu_wait_seconds() - w0)
+
+    def _collect(self, st: "_Started", gather_stream: torch.cuda.Stream | None) -> Batch:
+        """Wait for ``st``'s sample, then gather its features and labels.
+
+        With ``gather_stream`` (the prefetching threads on the GPU path) the gather runs there and
+        is not waited for, so that its PCIe reads overlap the ``prepare`` hook and the next batch's
+        sampling; the batch carries the events the consumer's stream waits on.  Called on the
+        sampling stream.
+        """
+        t0, c0, w0 = time.perf_counter(), time.thread_time(), gpu_wait_seconds()
+        blocks = st.pending.blocks()
+        seeds = st.seeds
         t1 = time.perf_counter()
         events: list[torch.cuda.Event] = []
         check = None
         if gather_stream is not None and self.sample_device.type == "cuda":
-            gather_stream.wait_stream(torch.cuda.current_stream(self.device))
+            gather_stream.wait_event(st.pending.event)
             with torch.cuda.stream(gather_stream):
                 # the sampled ids are < num_nodes = the tables' rows, so the kernels' bounds check is read
                 # later (`_GatherCheck`), not waited for here
@@ -222,7 +237,7 @@ class NeighborLoader:
                 seeds.record_stream(gather_stream)
                 events.append(torch.cuda.Event(blocking=True))
                 events[-1].record(gather_stream)
-                check = _GatherCheck(events[-1], flag, step)
+                check = _GatherCheck(events[-1], flag, st.step)
         else:
             x = gather_rows(self.features, blocks[0].src_nodes) if self.features is not None else None
             y = gather_rows(self.labels, seeds) if self.labels is not None else None
@@ -231,20 +246,53 @@ class NeighborLoader:
                 seeds = seeds.to(self.device)
             x = x.to(self.device) if x is not None else None
             y = y.to(self.device) if y is not None else None
-        batch = Batch(blocks, x, y, seeds, t1 - t0)
-        if self.prepare is not None:
-            batch._prepared = list(self.prepare(batch) or ())
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(blocking=True)
-            event.record()
-            if events:
-                events.append(event)
-            else:
-                event.synchronize()
-                events = [event]
-        batch.gather_s, batch._events, batch._check = time.perf_counter() - t1, events, check
-        batch.producer_cpu_s, batch.producer_gpu_wait_s = time.thread_time() - c0, gpu_wait_seconds() - w0
+        if self.device.type == "cuda":  # everything the sampling stream did for this batch
+            events.append(torch.cuda.Event(blocking=True))
+            events[-1].record()
+        batch = Batch(blocks, x, y, seeds, st.sample_s + t1 - t0)
+        batch._events, batch._check = events, check
+        batch.gather_s = time.perf_counter() - t1
+        batch.producer_cpu_s = st.cpu_s + time.thread_time() - c0
+        batch.producer_gpu_wait_s = st.wait_s + gpu_wait_seconds() - w0
         return batch
+
+    def _prepare(self, batch: Batch, prepare_stream: torch.cuda.Stream | None) -> None:
+        """Run the ``prepare`` hook (on ``prepare_stream``, after the batch's sampling stream work, if given)."""
+        if self.prepare is None:
+            return
+        t0, c0, w0 = time.perf_counter(), time.thread_time(), gpu_wait_seconds()
+        if prepare_stream is not None:
+            prepare_stream.wait_event(batch._events[-1])
+            for t in batch.tensors():
+                if t.device.type == "cuda":
+                    t.record_stream(prepare_stream)
+            with torch.cuda.stream(prepare_stream):
+                batch._prepared = list(self.prepare(batch) or ())
+                event = torch.cuda.Event(blocking=True)
+                event.record()
+        else:
+            batch._prepared = list(self.prepare(batch) or ())
+            event = None
+            if self.device.type == "cuda":
+                event = torch.cuda.Event(blocking=True)
+                event.record()
+        if event is not None:
+            batch._events.append(event)
+        batch.gather_s += time.perf_counter() - t0
+        batch.producer_cpu_s += time.thread_time() - c0
+        batch.producer_gpu_wait_s += gpu_wait_seconds() - w0
+
+
+@dataclass
+class _Started:
+    """A batch whose sampling is queued (`NeighborLoader._start`)."""
+
+    seeds: torch.Tensor
+    step: int
+    pending: Any
+    sample_s: float
+    cpu_s: float
+    wait_s: float
 
 
 def _ut_error_flag() -> Any:
@@ -316,32 +364,75 @@ class _PrefetchIter:
     def _run(self, i: int, work: list[tuple[torch.Tensor, int]]) -> None:
         q = self._queues[i]
         try:
-            stream = gather_stream = None
             if self._cuda:
                 torch.cuda.set_device(self._loader.device)
-                stream = torch.cuda.Stream(self._loader.device, priority=self._loader.stream_priority)
                 if self._loader._overlap_gather:
-                    gather_stream = torch.cuda.Stream(self._loader.device)  # lowest priority: bulk PCIe reads
-            checks: list[_GatherCheck] = []
+                    self._run_pipelined(q, work)
+                    return
+                stream = torch.cuda.Stream(self._loader.device, priority=self._loader.stream_priority)
             for seeds, step in work:
                 if self._stop.is_set():
                     return
-                while checks and checks[0].done():
-                    checks.pop(0).raise_if_bad()
-                if stream is not None:
+                if self._cuda:
                     with torch.cuda.stream(stream):
-                        batch = self._loader._make(seeds, step, gather_stream)
+                        batch = self._loader._make(seeds, step)
                 else:
                     batch = self._loader._make(seeds, step)
-                if batch._check is not None:
-                    checks.append(batch._check)
                 if not self._put(q, batch):
                     return
-            for c in checks:
-                c.raise_if_bad()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
             self._put(q, exc)
             return
+        self._put(q, self._DONE)
+
+    def _run_pipelined(self, q: queue.Queue, work: list[tuple[torch.Tensor, int]]) -> None:
+        """The GPU producer: three streams, and batch k+1's sampling queued before batch k's ``prepare``.
+
+        The sampling stream samples; the gather stream reads features and labels over PCIe; the
+        prepare stream runs the ``prepare`` hook.  Batch k+1's sampling kernels are queued before
+        batch k's ``prepare`` runs on the CPU, so the one wait for its sizes (`PendingSample.blocks`)
+        finds them done instead of sleeping for the GPU.  Errors of batch k+1 reach the consumer
+        after batch k.
+        """
+        loader = self._loader
+        dev = loader.device
+        sample_stream = torch.cuda.Stream(dev, priority=loader.stream_priority)
+        gather_stream = torch.cuda.Stream(dev)  # lowest priority: bulk PCIe reads
+        prepare_stream = torch.cuda.Stream(dev, priority=loader.stream_priority)
+        checks: list[_GatherCheck] = []
+        nxt: _Started | None = None
+        if work:
+            with torch.cuda.stream(sample_stream):
+                nxt = loader._start(*work[0])
+        for k in range(len(work)):
+            if self._stop.is_set():
+                return
+            while checks and checks[0].done():
+                checks.pop(0).raise_if_bad()
+            with torch.cuda.stream(sample_stream):
+                batch = loader._collect(nxt, gather_stream)
+                nxt, error = None, None
+                if k + 1 < len(work):
+                    t0, c0, w0 = time.perf_counter(), time.thread_time(), gpu_wait_seconds()
+                    try:
+                        nxt = loader._start(*work[k + 1])
+                    except Exception as exc:  # noqa: BLE001 - raised after batch k is handed over
+                        error = exc
+                    # the launch is batch k+1's work, but it ran here: count it in this batch's stage times
+                    batch.sample_s += time.perf_counter() - t0
+                    batch.producer_cpu_s += time.thread_time() - c0
+                    batch.producer_gpu_wait_s += gpu_wait_seconds() - w0
+                    if nxt is not None:
+                        nxt.sample_s = nxt.cpu_s = nxt.wait_s = 0.0
+            loader._prepare(batch, prepare_stream)
+            if batch._check is not None:
+                checks.append(batch._check)
+            if not self._put(q, batch):
+                return
+            if error is not None:
+                raise error
+        for c in checks:
+            c.raise_if_bad()
         self._put(q, self._DONE)
 
     def __iter__(self) -> "_PrefetchIter":

@@ -105,13 +105,18 @@ class NeighborSampler:
 
     def _sample(self, graph: Graph, seeds: torch.Tensor, step: int) -> list[Block]:
         """`sample` for int64 seeds already known to be in range."""
+        return self._launch(graph, seeds, step).blocks()
+
+    def _launch(self, graph: Graph, seeds: torch.Tensor, step: int) -> "PendingSample":
+        """Start `_sample` without waiting: on the GPU every kernel is queued on the current stream and
+        ``.blocks()`` later waits for the sizes (once).  The loader does other work in between."""
         if _max_degree(graph) > _MAX_DEGREE:
             raise LoaderError(f"a node has degree {_max_degree(graph)} >= 2^32; the sampler cannot draw from it")
         if seeds.device.type == "cuda":
             return self._sample_gpu(graph, seeds.contiguous(), step)
         if graph.placement == "cuda":
             raise LoaderError("the graph is in GPU memory but the seeds are on the CPU; pass CUDA seeds")
-        return self._sample_cpu(graph, seeds, step)
+        return PendingSample(blocks=self._sample_cpu(graph, seeds, step))
 
     # -- CPU ---------------------------------------------------------------------------------
     def _scratch(self, num_nodes: int) -> np.ndarray:
@@ -146,7 +151,7 @@ class NeighborSampler:
         return blocks
 
     # -- GPU ---------------------------------------------------------------------------------
-    def _sample_gpu(self, graph: Graph, seeds: torch.Tensor, step: int) -> list[Block]:
+    def _sample_gpu(self, graph: Graph, seeds: torch.Tensor, step: int) -> "PendingSample":
         if graph.placement not in ("unified", "cuda"):
             raise LoaderError(
                 f"GPU sampling reads the graph from unified or cuda memory, but it is in {graph.placement!r}; "
@@ -193,14 +198,37 @@ class NeighborSampler:
             sizes += [n_dev, count, indptr_full.index_select(0, n_dev)]
             pending.append((indptr_full, idx_buf, unique, eid_buf))
             dst, cap, n_dev = unique, unique.numel(), count
-        host_sizes = fetch_to_host(torch.cat(sizes))  # the sample's one wait, GIL released
-        blocks = []
-        for hop, (indptr_full, idx_buf, unique, eid_buf) in enumerate(pending):
-            n_dst, n_src, e = host_sizes[3 * hop: 3 * hop + 3]
-            blocks.append(Block(indptr_full[: n_dst + 1], idx_buf[:e], unique[:n_src], n_dst,
-                                None if eid_buf is None else eid_buf[:e], trusted=True))
-        blocks.reverse()
-        return blocks
+        return PendingSample(sizes=torch.cat(sizes), pending=pending)
+
+
+class PendingSample:
+    """A sample whose GPU work may still be running; `blocks` waits for its sizes (once) and builds the blocks.
+
+    ``event`` (GPU path) is recorded on the sampling stream after the last kernel: another stream
+    that reads the blocks waits on it instead of on everything the sampling stream does next.
+    """
+
+    def __init__(self, blocks: list[Block] | None = None, sizes: torch.Tensor | None = None,
+                 pending: list | None = None) -> None:
+        self._blocks = blocks
+        self._sizes = sizes
+        self._pending = pending
+        self.event = None
+        if sizes is not None:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def blocks(self) -> list[Block]:
+        if self._blocks is None:
+            host_sizes = fetch_to_host(self._sizes)  # the sample's one wait, GIL released
+            blocks = []
+            for hop, (indptr_full, idx_buf, unique, eid_buf) in enumerate(self._pending):
+                n_dst, n_src, e = host_sizes[3 * hop: 3 * hop + 3]
+                blocks.append(Block(indptr_full[: n_dst + 1], idx_buf[:e], unique[:n_src], n_dst,
+                                    None if eid_buf is None else eid_buf[:e], trusted=True))
+            blocks.reverse()
+            self._blocks, self._sizes, self._pending = blocks, None, None
+        return self._blocks
 
 
 def _kernel_views(graph: Graph) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
