@@ -1,10 +1,11 @@
-"""Where does the CPU time of a B2 training batch go?  cProfile of the datapath way (products, GraphSAGE).
+"""Where does the CPU time of a B2 training batch go?  cProfile of the loader's producer thread and the training thread.
 
-Runs the loader without prefetching (everything on the main thread, so cProfile sees
-sampling, gather and training), prints the functions by own time and the CPU and wall
-time per batch with and without the prefetch thread.  A diagnostic for the GPU machine.
+Trains GraphSAGE on a B2 preset with the prefetching loader (the B2 configuration) and runs
+cProfile in the producer thread (sampling, gather launch, ``prepare``) or in the training
+thread, then prints that thread's functions by own time and by cumulative time, with
+the per-batch wall and thread CPU times (one thread per run: Python 3.12 allows one cProfile at a time).  A diagnostic for the GPU machine.
 
-Run: PYTHONPATH=src:. python scripts/profile_gnn_cpu.py [--batches 30]
+Run: PYTHONPATH=src:. python scripts/profile_gnn_cpu.py [--way datapath|gpu_resident] [--batches 30]
 """
 from __future__ import annotations
 
@@ -17,9 +18,23 @@ import time
 
 import torch
 
-from benchmarks.gnn_epoch import dataset_spec, place
-from datapath.loaders import NeighborLoader, NeighborSampler, generate, train_epoch
-from datapath.nn.models import build_model
+from datapath.loaders._cuda_sched import use_blocking_sync
+
+use_blocking_sync()
+
+from benchmarks.gnn_epoch import dataset_spec, place  # noqa: E402
+from datapath.loaders import NeighborLoader, NeighborSampler, generate, train_epoch  # noqa: E402
+from datapath.loaders.loader import _PrefetchIter  # noqa: E402
+from datapath.nn.models import build_model  # noqa: E402
+
+
+def _print(prof: cProfile.Profile, title: str, top: int, batches: int) -> None:
+    for key in ("tottime", "cumulative"):
+        s = io.StringIO()
+        st = pstats.Stats(prof, stream=s)
+        print(f"---- {title}: by {key} (seconds over {batches} batches)")
+        st.sort_stats(key).print_stats(top)
+        print("\n".join(s.getvalue().splitlines()[6:]))
 
 
 def main() -> int:
@@ -27,7 +42,9 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=30)
     ap.add_argument("--dataset", default="products")
     ap.add_argument("--way", default="datapath", help="datapath or gpu_resident")
-    ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--thread", default="producer", choices=["producer", "training"],
+                    help="which thread to profile (Python 3.12 runs one cProfile at a time)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -36,34 +53,41 @@ def main() -> int:
     ds = generate(dataset_spec(args.dataset, ns), progress=False)
     placed = place(ds, args.way)
     dev = torch.device("cuda")
-    for prefetch in (0, 1):
-        torch.manual_seed(0)
-        model = build_model("sage", ds.num_features, 256, ds.num_classes, 3, dropout=0.5).to(dev)
-        opt = torch.optim.Adam(model.parameters(), lr=3e-3, fused=True)
-        loader = NeighborLoader(placed["graph"], ds.train_idx, NeighborSampler([15, 10, 5], seed=0), 1024,
-                                shuffle=True, features=placed["features"], labels=placed["labels"], device=dev,
-                                prefetch=prefetch, prepare=model.prepare_batch)
-        train_epoch(model, loader, opt, max_batches=5)
-        torch.cuda.synchronize()
-        prof = cProfile.Profile() if prefetch == 0 else None
-        c0, t0 = time.process_time(), time.perf_counter()
-        if prof:
-            prof.enable()
-        st = train_epoch(model, loader, opt, max_batches=args.batches)
-        torch.cuda.synchronize()
-        if prof:
-            prof.disable()
-        c1, t1 = time.process_time(), time.perf_counter()
-        print(f"prefetch={prefetch}: wall {(t1 - t0) / args.batches * 1e3:.2f} ms/batch, "
-              f"cpu {(c1 - c0) / args.batches * 1e3:.2f} ms/batch (profiled: {prof is not None}); "
-              f"stages {st}"[:600], flush=True)
-        if prof:
-            s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
-            print(s.getvalue()[-9000:])
-            s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(args.top)
-            print(s.getvalue()[-9000:])
+    torch.manual_seed(0)
+    model = build_model("sage", ds.num_features, 256, ds.num_classes, 3, dropout=0.5).to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3, fused=True)
+    loader = NeighborLoader(placed["graph"], ds.train_idx, NeighborSampler([15, 10, 5], seed=0), 1024,
+                            shuffle=True, features=placed["features"], labels=placed["labels"], device=dev,
+                            prefetch=1, prepare=model.prepare_batch)
+    train_epoch(model, loader, opt, max_batches=8)
+    producer = cProfile.Profile()
+    inner = _PrefetchIter._run_pipelined
+
+    def profiled(self, q, work, streams):  # type: ignore[no-untyped-def]
+        producer.enable()
+        try:
+            return inner(self, q, work, streams)
+        finally:
+            producer.disable()
+
+    consumer = cProfile.Profile()
+    if args.thread == "producer":
+        _PrefetchIter._run_pipelined = profiled
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    if args.thread == "training":
+        consumer.enable()
+    st = train_epoch(model, loader, opt, max_batches=args.batches)
+    if args.thread == "training":
+        consumer.disable()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / args.batches * 1e3
+    _PrefetchIter._run_pipelined = inner
+    n = st.batches
+    print(f"{args.way}: wall {wall:.2f} ms/batch (profiled); producer cpu {st.producer_cpu_s / n * 1e3:.2f}, "
+          f"gpu wait {st.producer_gpu_wait_s / n * 1e3:.2f}, wall {(st.sample_s + st.gather_s) / n * 1e3:.2f}; "
+          f"consumer cpu {st.consumer_cpu_s / n * 1e3:.2f}, wait {st.wait_s / n * 1e3:.2f} ms/batch", flush=True)
+    _print(producer if args.thread == "producer" else consumer, f"{args.thread} thread", args.top, n)
     return 0
 
 

@@ -38,7 +38,12 @@ def pin_limit_bytes() -> int:
     return int(psutil.virtual_memory().available * 0.9)
 
 
+_SMALL_PIN_BYTES = 1 << 20
+
+
 def _check_size(nbytes: int, what: str) -> None:
+    if nbytes <= _SMALL_PIN_BYTES:  # reading /proc/meminfo costs ~0.1 ms: not for the loaders' small buffers
+        return
     limit = pin_limit_bytes()
     if nbytes > limit:
         raise PinnedMemoryError(

@@ -150,6 +150,9 @@ class NeighborLoader:
         self.stream_priority = int(stream_priority)
         self.prepare = prepare
         self._overlap_gather = True  # False: gather on the sampling stream and wait for it (A/B diagnostics)
+        # each worker's CUDA streams, kept across epochs: the caching allocator keeps freed memory per
+        # stream, so new streams every epoch would make every epoch's first batches allocate afresh
+        self._streams: dict[int, tuple[torch.cuda.Stream, ...]] = {}
         self.epoch = 0
         self.sample_device = (self.device if self.device.type == "cuda" and graph.placement in ("unified", "cuda")
                               else torch.device("cpu"))
@@ -262,10 +265,10 @@ class NeighborLoader:
             return
         t0, c0, w0 = time.perf_counter(), time.thread_time(), gpu_wait_seconds()
         if prepare_stream is not None:
+            # no record_stream(prepare_stream) on the batch's tensors: the consumer's stream waits for this
+            # stream's event before it uses them, and they are record_stream-ed there, so they outlive the
+            # reads here (a batch dropped unhanded only has its own kernels read freed memory)
             prepare_stream.wait_event(batch._events[-1])
-            for t in batch.tensors():
-                if t.device.type == "cuda":
-                    t.record_stream(prepare_stream)
             with torch.cuda.stream(prepare_stream):
                 batch._prepared = list(self.prepare(batch) or ())
                 event = torch.cuda.Event(blocking=True)
@@ -361,15 +364,26 @@ class _PrefetchIter:
         finally:
             self.queue_wait_s += time.perf_counter() - t0  # float += under the GIL: fine for a statistic
 
+    def _streams(self, i: int) -> tuple[torch.cuda.Stream, ...]:
+        """Worker ``i``'s (sampling, gather, prepare) streams, made once per loader."""
+        loader = self._loader
+        streams = loader._streams.get(i)
+        if streams is None:
+            dev, prio = loader.device, loader.stream_priority
+            # the gather stream has the lowest priority: bulk PCIe reads
+            streams = (torch.cuda.Stream(dev, priority=prio), torch.cuda.Stream(dev), torch.cuda.Stream(dev, priority=prio))
+            loader._streams[i] = streams
+        return streams
+
     def _run(self, i: int, work: list[tuple[torch.Tensor, int]]) -> None:
         q = self._queues[i]
         try:
             if self._cuda:
                 torch.cuda.set_device(self._loader.device)
                 if self._loader._overlap_gather:
-                    self._run_pipelined(q, work)
+                    self._run_pipelined(q, work, self._streams(i))
                     return
-                stream = torch.cuda.Stream(self._loader.device, priority=self._loader.stream_priority)
+                stream = self._streams(i)[0]
             for seeds, step in work:
                 if self._stop.is_set():
                     return
@@ -385,7 +399,8 @@ class _PrefetchIter:
             return
         self._put(q, self._DONE)
 
-    def _run_pipelined(self, q: queue.Queue, work: list[tuple[torch.Tensor, int]]) -> None:
+    def _run_pipelined(self, q: queue.Queue, work: list[tuple[torch.Tensor, int]],
+                       streams: tuple[torch.cuda.Stream, ...]) -> None:
         """The GPU producer: three streams, and batch k+1's sampling queued before batch k's ``prepare``.
 
         The sampling stream samples; the gather stream reads features and labels over PCIe; the
@@ -395,10 +410,7 @@ class _PrefetchIter:
         after batch k.
         """
         loader = self._loader
-        dev = loader.device
-        sample_stream = torch.cuda.Stream(dev, priority=loader.stream_priority)
-        gather_stream = torch.cuda.Stream(dev)  # lowest priority: bulk PCIe reads
-        prepare_stream = torch.cuda.Stream(dev, priority=loader.stream_priority)
+        sample_stream, gather_stream, prepare_stream = streams
         checks: list[_GatherCheck] = []
         nxt: _Started | None = None
         if work:
