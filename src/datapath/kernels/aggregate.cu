@@ -9,7 +9,8 @@
 // as raw 16-bit words converted with PTX cvt, so no CUDA headers are needed.
 //
 // Work mapping (GNNAdvisor §4): the CSR rows are cut into neighbor groups of at most
-// `ngs` edges (grp_row / grp_beg arrays, built once per graph and cached by the host).
+// `ngs` edges (grp_row / grp_beg arrays, built once per graph and cached by the host, or
+// implicit: a prefix sum of the groups per row, searched by the kernel; see locate_group).
 // A team of `dw` lanes (dimension workers, a power of two <= 32, so teams never straddle
 // a warp) owns one group; lane l covers columns [c0 + l*VEC, c0 + l*VEC + VEC) of each
 // pass c0 = 0, dw*VEC, ...  Reads of a neighbor row are coalesced vector loads.
@@ -148,6 +149,43 @@ __device__ __forceinline__ A a_max(A a, A b) { return a > b ? a : b; }
 
 }  // namespace
 
+// Where neighbor group g is.  Explicit groups (grp_row != nullptr): row grp_row[g], first CSR
+// position grp_beg[g], for g < n_groups.  Implicit groups (grp_row == nullptr): grp_beg holds
+// cum, the inclusive prefix sum over the n_groups *rows* of their group counts (ceil(deg/ngs),
+// at least 1), so the host never needs the total; the row is found by binary search and the
+// launch may be larger than the groups.  Returns false past the last group; [first, last) is
+// the row's range of group ids (implicit groups only).
+__device__ __forceinline__ bool locate_group(long long g, const int* __restrict__ grp_row,
+                                             const long long* __restrict__ grp_beg, long long n_groups,
+                                             const long long* __restrict__ indptr, int ngs, int& row,
+                                             long long& beg, long long& first, long long& last) {
+    first = last = -1;
+    if (grp_row != nullptr) {
+        if (g >= n_groups) return false;
+        row = grp_row[g];
+        beg = grp_beg[g];
+        return true;
+    }
+    if (n_groups <= 0 || g >= grp_beg[n_groups - 1]) return false;
+    long long lo = 0, hi = n_groups - 1;
+    while (lo < hi) {
+        const long long mid = (lo + hi) >> 1;
+        if (grp_beg[mid] > g) hi = mid; else lo = mid + 1;
+    }
+    row = static_cast<int>(lo);
+    first = lo ? grp_beg[lo - 1] : 0;
+    last = grp_beg[lo];
+    beg = indptr[lo] + (g - first) * ngs;
+    return true;
+}
+
+// Whether group g2 belongs to `row` (see locate_group; first/last from the lookup of a group of `row`).
+__device__ __forceinline__ bool group_in_row(long long g2, int row, const int* __restrict__ grp_row,
+                                             long long n_groups, long long first, long long last) {
+    if (grp_row != nullptr) return g2 >= 0 && g2 < n_groups && grp_row[g2] == row;
+    return g2 >= first && g2 < last;
+}
+
 // out[r, :] (+)= row_scale[r] * sum_{k in group} coef(k) * x[map(indices[k]), :]
 // out is an accumulation buffer (A), zero-initialised by the host.
 extern "C" __global__ void agg_pull(const long long* __restrict__ indptr, const I* __restrict__ indices,
@@ -165,14 +203,10 @@ extern "C" __global__ void agg_pull(const long long* __restrict__ indptr, const 
     int* rows_s = reinterpret_cast<int*>(part + (size_t)teams * dw * VEC);  // [teams]
 
     const long long g = static_cast<long long>(blockIdx.x) * teams + team;
-    const bool valid = g < n_groups;
     int row = -1;
-    long long beg = 0, end = 0;
-    if (valid) {
-        row = grp_row[g];
-        beg = grp_beg[g];
-        end = min(beg + ngs, indptr[row + 1]);
-    }
+    long long beg = 0, end = 0, gfirst, glast;
+    const bool valid = locate_group(g, grp_row, grp_beg, n_groups, indptr, ngs, row, beg, gfirst, glast);
+    if (valid) end = min(beg + ngs, indptr[row + 1]);
     // Leader / run-length / atomic decisions (uniform per team).
     bool leader = valid;
     int run = 1;
@@ -184,9 +218,9 @@ extern "C" __global__ void agg_pull(const long long* __restrict__ indptr, const 
         if (leader) {
             while (team + run < teams && rows_s[team + run] == row) ++run;
             const long long first = static_cast<long long>(blockIdx.x) * teams;
-            const bool starts_before = team == 0 && g > 0 && grp_row[g - 1] == row;
+            const bool starts_before = team == 0 && group_in_row(g - 1, row, grp_row, n_groups, gfirst, glast);
             const long long after = g + run;
-            const bool ends_after = team + run == teams && after < n_groups && grp_row[after] == row;
+            const bool ends_after = team + run == teams && group_in_row(after, row, grp_row, n_groups, gfirst, glast);
             atomic = starts_before || ends_after;
             (void)first;
         }
@@ -269,9 +303,9 @@ extern "C" __global__ void agg_push(const long long* __restrict__ indptr, const 
     const int teams = blockDim.x / dw;
     const long long g = static_cast<long long>(blockIdx.x) * teams + threadIdx.x / dw;
     const int lane = threadIdx.x % dw;
-    if (g >= n_groups) return;
-    const int row = grp_row[g];
-    const long long beg = grp_beg[g];
+    int row;
+    long long beg, gfirst, glast;
+    if (!locate_group(g, grp_row, grp_beg, n_groups, indptr, ngs, row, beg, gfirst, glast)) return;
     const long long end = min(beg + ngs, indptr[row + 1]);
     const long long src = row_map != nullptr ? row_map[row] : row;
     const T* xr = x + src * F;
@@ -360,10 +394,11 @@ extern "C" __global__ void sddmm_dot(const long long* __restrict__ indptr, const
     const int teams = blockDim.x / dw;
     const long long g = static_cast<long long>(blockIdx.x) * teams + threadIdx.x / dw;
     const int lane = threadIdx.x % dw;
-    const bool valid = g < n_groups;
     // keep whole warps alive for the shuffles; invalid teams compute on row 0 and never write
-    const int row = valid ? grp_row[g] : 0;
-    const long long beg = valid ? grp_beg[g] : 0;
+    int row = 0;
+    long long beg = 0, gfirst, glast;
+    const bool valid = locate_group(g, grp_row, grp_beg, n_groups, indptr, ngs, row, beg, gfirst, glast);
+    if (!valid) row = 0;
     const long long end = valid ? min(beg + ngs, indptr[row + 1]) : 0;
     const int F = heads * head_dim;
     const unsigned mask = dw == 32 ? 0xffffffffu : (((1u << dw) - 1u) << ((threadIdx.x % 32) / dw * dw));

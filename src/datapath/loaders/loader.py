@@ -107,7 +107,7 @@ class NeighborLoader:
         prepare: called with each `Batch` in the producer (on the loader's stream, before the batch
             is handed over); the tensors it returns travel with the batch.  E.g. a `datapath.nn`
             model's ``prepare_batch``, which builds the aggregation schedules there so that the
-            training step has no host synchronisation.  It runs while ``x`` and ``y`` are still
+            training thread launches only the step's own kernels.  It runs while ``x`` and ``y`` are still
             being gathered on another stream: their shapes and dtypes are there, but GPU work that
             reads them must follow ``batch.wait_for_inputs()``.
         stream_priority: CUDA priority of the loader's side stream (lower is higher; PyTorch's

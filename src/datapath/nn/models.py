@@ -58,8 +58,8 @@ class _BlockModel(nn.Module):
     def prepare(self, blocks: Sequence[Any], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
         """Precompute the layers' aggregation schedules for ``blocks`` (input layer first).
 
-        The schedules cost host synchronisations; built ahead (on the loader's stream, see
-        `prepare_batch`), the training step never waits for the GPU.  Returns the tensors
+        The schedules cost a few dozen small GPU ops per batch; built ahead (on the loader's
+        stream, see `prepare_batch`), the training step launches only its own kernels.  Returns the tensors
         cached on the blocks; empty for layers with nothing to prepare and for ``backend="pyg"``.
         """
         if self.backend != "datapath":

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from datapath._runtime import kernels
-from datapath._runtime.pinned import fetch_to_host
 from datapath.ops import _torch_backend as _ref
 from datapath.ops._graph import CSRView
 from datapath.ops._torch_backend import AggSpec, acc_dtype
@@ -54,41 +53,36 @@ def _p(t: torch.Tensor | None) -> np.uint64:
 
 @dataclass(eq=False)
 class _Groups:
-    row: torch.Tensor      # (G,) int32 row of each neighbor group
-    beg: torch.Tensor      # (G,) int64 first CSR position of each group
-    count: int             # G
-    max_per_row: int       # most groups of one row
-    multi_rows: torch.Tensor  # (M,) int64 rows with more than one group (their output is accumulated)
+    row: torch.Tensor | None  # (G,) int32 row of each neighbor group; None: implicit groups (see _groups)
+    beg: torch.Tensor         # (G,) int64 first CSR position of each group; implicit: (R,) int64 cum
+    count: int                # groups the launch covers: G, or an upper bound of it (implicit)
+    n_arg: int                # the kernels' n_groups argument: G, or R rows (implicit)
+    max_per_row: int          # most groups of one row (implicit: taken as 2, the kernel may combine)
+    multi_rows: torch.Tensor | None  # (M,) int64 rows with several groups; None: not known, zero all rows
 
 
 def _groups(csr: CSRView, which: str, indptr: torch.Tensor, num_rows: int, ngs: int) -> _Groups:
-    """Neighbor groups of at most ``ngs`` edges per row, one (empty) group for an empty row (cached)."""
+    """Neighbor groups of at most ``ngs`` edges per row, one (empty) group for an empty row (cached).
+
+    Implicit: only ``cum``, the inclusive prefix sum of each row's group count, is built (four
+    small ops, no host synchronisation); the kernels find a group's row by binary search in it
+    and the launch covers ``num_rows + num_edges // ngs`` groups, at least as many as there are.
+    """
     def make() -> _Groups:
-        dev = indptr.device
         if num_rows == 0:
-            e = torch.empty(0, dtype=torch.int64, device=dev)
-            return _Groups(e.int(), e, 0, 0, e)
+            e = torch.empty(0, dtype=torch.int64, device=indptr.device)
+            return _Groups(e.int(), e, 0, 0, 0, e)
         deg = indptr[1:] - indptr[:-1]
-        ng = torch.div(deg + (ngs - 1), ngs, rounding_mode="floor").clamp_(min=1)
-        cum = torch.cumsum(ng, 0)
-        is_multi = ng > 1
-        # one wait for the three sizes, GIL released (see fetch_to_host); nothing below syncs
-        g, mx, n_multi = fetch_to_host(torch.stack([cum[-1], ng.max(), is_multi.sum()]))
-        row = torch.repeat_interleave(torch.arange(num_rows, device=dev, dtype=torch.int32), ng, output_size=g)
-        rl = row.long()
-        within = torch.arange(g, device=dev) - (cum - ng)[rl]
-        beg = indptr[rl] + within * ngs
-        multi = (torch.nonzero_static(is_multi, size=n_multi).squeeze(1) if n_multi
-                 else torch.empty(0, dtype=torch.int64, device=dev))
-        return _Groups(row, beg, int(g), int(mx), multi)
+        cum = torch.cumsum(torch.div(deg + (ngs - 1), ngs, rounding_mode="floor").clamp_(min=1), 0)
+        return _Groups(None, cum, num_rows + csr.num_edges // ngs, num_rows, 2, None)
     return csr.cached(f"groups_{which}_{ngs}", make)
 
 
 def prepare(csr: CSRView, feat: int, dtype: torch.dtype, backward: bool,
             plan: AggregationPlan | None) -> list[torch.Tensor]:
     """Build the cached structures `forward` and `backward_x` of a sum/mean aggregation of ``feat``-wide
-    ``dtype`` rows will use (neighbor groups; the transpose CSR and its groups).  Their host
-    synchronisations happen here, on the current stream, instead of in the training step.
+    ``dtype`` rows will use (neighbor groups; the transpose CSR and its groups), on the current stream,
+    so that a training step using them launches only its own kernels (none of this waits for the GPU).
     Returns every tensor now cached on ``csr`` (for ``record_stream`` by a caller on another stream)."""
     p = plan or plan_for(csr.num_edges, csr.num_dst, feat, dtype.itemsize)
     _groups(csr, "f", csr.indptr, csr.num_dst, p.ngs)
@@ -105,7 +99,7 @@ def prepare(csr: CSRView, feat: int, dtype: torch.dtype, backward: bool,
             for u in v:
                 walk(u)
         elif isinstance(v, _Groups):
-            out.extend((v.row, v.beg, v.multi_rows))
+            out.extend(t for t in (v.row, v.beg, v.multi_rows) if t is not None)
 
     for v in csr.cache.values():
         walk(v)
@@ -122,7 +116,8 @@ def _sorted_push_groups(t_indptr: torch.Tensor, row_map: torch.Tensor) -> _Group
     deg = (t_indptr[1:] - t_indptr[:-1]).index_select(0, order)
     order = order[deg > 0]
     e = torch.empty(0, dtype=torch.int64, device=order.device)
-    return _Groups(order.to(torch.int32), t_indptr.index_select(0, order), int(order.numel()), 1, e)
+    n = int(order.numel())
+    return _Groups(order.to(torch.int32), t_indptr.index_select(0, order), n, n, 1, e)
 
 
 def _plan(spec: AggSpec, num_edges: int, num_rows: int, feat: int, dtype: torch.dtype) -> AggregationPlan:
@@ -153,9 +148,12 @@ def _pull(csr: CSRView, which: str, indptr: torch.Tensor, indices: torch.Tensor,
     if grp.count == 0 or feat == 0:
         return torch.zeros(num_rows, feat, dtype=acc, device=x.device)
     # every row is written by its leader team; rows of several groups may be accumulated atomically
-    out = torch.empty(num_rows, feat, dtype=acc, device=x.device)
-    if grp.multi_rows.numel():
-        out.index_fill_(0, grp.multi_rows, 0)
+    if grp.multi_rows is None:
+        out = torch.zeros(num_rows, feat, dtype=acc, device=x.device)
+    else:
+        out = torch.empty(num_rows, feat, dtype=acc, device=x.device)
+        if grp.multi_rows.numel():
+            out.index_fill_(0, grp.multi_rows, 0)
     vec, dw = _vec_dw(plan, feat, feat // heads, x.element_size(), x)
     tpb = max(plan.threads_per_block, dw)
     teams = tpb // dw
@@ -164,7 +162,7 @@ def _pull(csr: CSRView, which: str, indptr: torch.Tensor, indices: torch.Tensor,
     blocks = -(-grp.count // teams)
     kern = _fn("agg_pull", x.dtype, vec, indices.dtype)
     kernels.launch(kern, blocks, tpb, (
-        _p(indptr), _p(indices), _p(perm), _p(grp.row), _p(grp.beg), np.int64(grp.count), np.int32(plan.ngs),
+        _p(indptr), _p(indices), _p(perm), _p(grp.row), _p(grp.beg), np.int64(grp.n_arg), np.int32(plan.ngs),
         _p(x), _p(src_map), _p(w), np.int32(heads), np.int32(feat // heads), _p(nbr_scale), _p(row_scale),
         _p(out), np.int32(feat), np.int32(dw), np.int32(combine)), shared_mem=smem)
     return out
@@ -187,7 +185,7 @@ def _push(csr: CSRView, which: str, indptr: torch.Tensor, indices: torch.Tensor,
     teams = tpb // dw
     kern = _fn("agg_push", x.dtype, vec, indices.dtype)
     kernels.launch(kern, -(-grp.count // teams), tpb, (
-        _p(indptr), _p(indices), _p(perm), _p(grp.row), _p(grp.beg), np.int64(grp.count), np.int32(ngs),
+        _p(indptr), _p(indices), _p(perm), _p(grp.row), _p(grp.beg), np.int64(grp.n_arg), np.int32(ngs),
         _p(x), _p(row_map), _p(w), np.int32(heads), np.int32(feat // heads), _p(nbr_scale), _p(in_scale),
         _p(out), np.int32(feat), np.int32(dw), np.int32(1 if align else 0)))
     return out
@@ -275,7 +273,7 @@ def _sddmm(csr: CSRView, a: torch.Tensor, b: torch.Tensor, b_map: torch.Tensor |
     tpb = 128
     kern = _fn("sddmm_dot", a.dtype, 1, csr.indices.dtype)
     kernels.launch(kern, -(-grp.count // (tpb // dw)), tpb, (
-        _p(csr.indptr), _p(csr.indices), _p(grp.row), _p(grp.beg), np.int64(grp.count), np.int32(plan.ngs),
+        _p(csr.indptr), _p(csr.indices), _p(grp.row), _p(grp.beg), np.int64(grp.n_arg), np.int32(plan.ngs),
         _p(a), _p(b), _p(b_map), _p(row_scale), _p(col_scale), np.int32(heads), np.int32(d), _p(out),
         np.int32(dw)))
     return out.to(out_dtype)

@@ -116,10 +116,10 @@ def prepare_aggregation(graph: Any, feat: int, dtype: torch.dtype = torch.float3
     """Precompute, on the current stream, what a sum/mean `aggregate` over ``graph`` will need.
 
     The CUDA kernels read per-graph schedules (neighbor groups; for the gradient, the
-    transposed CSR) that take host synchronisations to build.  Built here, e.g. in a data
-    loader's thread while the previous batch trains (`NeighborLoader`'s ``prepare``), the
-    training step itself never waits for the GPU.  Cached on ``graph``; later `aggregate`
-    calls with the same width and dtype find them.
+    transposed CSR: a sort and a dozen small ops per layer, none of which waits for the GPU).
+    Built here, e.g. in a data loader's thread while the previous batch trains
+    (`NeighborLoader`'s ``prepare``), the training step launches only its own kernels.  Cached
+    on ``graph``; later `aggregate` calls with the same width and dtype find them.
 
     Args:
         graph: as for `aggregate`.
