@@ -13,6 +13,7 @@ On a machine without CUDA the same API works with ``device="cpu"``.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -31,6 +32,9 @@ from datapath.loaders.graph import Graph
 from datapath.loaders.sampler import NeighborSampler
 
 log = logging.getLogger("datapath.loaders.loader")
+
+SAMPLE_AHEAD = 2
+"""Batches whose sampling the GPU producer keeps queued ahead of the one it prepares."""
 
 
 @dataclass
@@ -401,48 +405,55 @@ class _PrefetchIter:
 
     def _run_pipelined(self, q: queue.Queue, work: list[tuple[torch.Tensor, int]],
                        streams: tuple[torch.cuda.Stream, ...]) -> None:
-        """The GPU producer: three streams, and batch k+1's sampling queued before batch k's ``prepare``.
+        """The GPU producer: three streams, and the sampling of later batches queued before ``prepare``.
 
         The sampling stream samples; the gather stream reads features and labels over PCIe; the
-        prepare stream runs the ``prepare`` hook.  Batch k+1's sampling kernels are queued before
-        batch k's ``prepare`` runs on the CPU, so the one wait for its sizes (`PendingSample.blocks`)
-        finds them done instead of sleeping for the GPU.  Errors of batch k+1 reach the consumer
-        after batch k.
+        prepare stream runs the ``prepare`` hook.  The sampling of batch k + `SAMPLE_AHEAD` is queued
+        before batch k's ``prepare`` runs on the CPU, so the one wait for a batch's sizes
+        (`PendingSample.blocks`) mostly finds its kernels done instead of sleeping while they read
+        the graph over PCIe.  An error of a later batch reaches the consumer after the batches
+        before it.
         """
         loader = self._loader
         sample_stream, gather_stream, prepare_stream = streams
         checks: list[_GatherCheck] = []
-        nxt: _Started | None = None
-        if work:
+        pending: collections.deque = collections.deque()
+
+        def launch(j: int) -> "_Started | BaseException":
             with torch.cuda.stream(sample_stream):
-                nxt = loader._start(*work[0])
+                try:
+                    return loader._start(*work[j])
+                except Exception as exc:  # noqa: BLE001 - raised when its turn comes
+                    return exc
+
+        for j in range(min(SAMPLE_AHEAD, len(work))):
+            pending.append(launch(j))
         for k in range(len(work)):
             if self._stop.is_set():
                 return
             while checks and checks[0].done():
                 checks.pop(0).raise_if_bad()
+            st = pending.popleft()
+            if isinstance(st, BaseException):
+                raise st
             with torch.cuda.stream(sample_stream):
-                batch = loader._collect(nxt, gather_stream)
-                nxt, error = None, None
-                if k + 1 < len(work):
-                    t0, c0, w0 = time.perf_counter(), time.thread_time(), gpu_wait_seconds()
-                    try:
-                        nxt = loader._start(*work[k + 1])
-                    except Exception as exc:  # noqa: BLE001 - raised after batch k is handed over
-                        error = exc
-                    # the launch is batch k+1's work, but it ran here: count it in this batch's stage times
-                    batch.sample_s += time.perf_counter() - t0
-                    batch.producer_cpu_s += time.thread_time() - c0
-                    batch.producer_gpu_wait_s += gpu_wait_seconds() - w0
-                    if nxt is not None:
-                        nxt.sample_s = nxt.cpu_s = nxt.wait_s = 0.0
+                batch = loader._collect(st, gather_stream)
+            j = k + SAMPLE_AHEAD
+            if j < len(work) and not any(isinstance(p, BaseException) for p in pending):
+                t0, c0, w0 = time.perf_counter(), time.thread_time(), gpu_wait_seconds()
+                nxt = launch(j)
+                # batch j's sampling launch ran here: counted in this batch's stage times
+                batch.sample_s += time.perf_counter() - t0
+                batch.producer_cpu_s += time.thread_time() - c0
+                batch.producer_gpu_wait_s += gpu_wait_seconds() - w0
+                if isinstance(nxt, _Started):
+                    nxt.sample_s = nxt.cpu_s = nxt.wait_s = 0.0
+                pending.append(nxt)
             loader._prepare(batch, prepare_stream)
             if batch._check is not None:
                 checks.append(batch._check)
             if not self._put(q, batch):
                 return
-            if error is not None:
-                raise error
         for c in checks:
             c.raise_if_bad()
         self._put(q, self._DONE)
