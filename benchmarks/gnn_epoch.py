@@ -94,6 +94,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--serial-gather", action="store_true",
                    help="gather the features on the loader's sampling stream and wait for them (the loader "
                         "before it gathered on a stream of its own): for comparison")
+    p.add_argument("--gather-stream", default="sample", choices=["sample", "own"],
+                   help="queue the feature gather on the loader's sampling stream (PCIe used by one at a "
+                        "time) or on a stream of its own (concurrent with the next batches' sampling) [sample]")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval (seconds) for this process: how long a Python thread may hold "
                         "the GIL while another waits (Python's default 0.005)")
@@ -158,6 +161,7 @@ def setup_way(way: str, model_name: str, ds: Any, placed: dict[str, Any], args: 
                             stream_priority=args.loader_priority,
                             prepare=None if args.no_prepare else model.prepare_batch)
     loader._overlap_gather = not args.serial_gather
+    loader._gather_stream = args.gather_stream
     gen = torch.Generator().manual_seed(args.seed)
     val = ds.val_idx[torch.randperm(ds.val_idx.numel(), generator=gen)[: args.eval_nodes]]
     val_loader = NeighborLoader(graph, val, NeighborSampler(fanouts, seed=args.seed + 1), args.batch_size,

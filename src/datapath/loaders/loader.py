@@ -64,6 +64,7 @@ class Batch:
     producer_gpu_wait_s: float = 0.0
     _events: list[torch.cuda.Event] = field(default_factory=list, repr=False)
     _check: "_GatherCheck | None" = field(default=None, repr=False)
+    _sampled: torch.cuda.Event | None = field(default=None, repr=False)
     _prepared: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -154,6 +155,9 @@ class NeighborLoader:
         self.stream_priority = int(stream_priority)
         self.prepare = prepare
         self._overlap_gather = True  # False: gather on the sampling stream and wait for it (A/B diagnostics)
+        # "sample": the gather is queued on the sampling stream (PCIe used by one of them at a time);
+        # "own": on a stream of its own, concurrent with the next batches' sampling
+        self._gather_stream = "sample"
         # each worker's CUDA streams, kept across epochs: the caching allocator keeps freed memory per
         # stream, so new streams every epoch would make every epoch's first batches allocate afresh
         self._streams: dict[int, tuple[torch.cuda.Stream, ...]] = {}
@@ -258,6 +262,8 @@ class NeighborLoader:
             events[-1].record()
         batch = Batch(blocks, x, y, seeds, st.sample_s + t1 - t0)
         batch._events, batch._check = events, check
+        # what the prepare stream waits for: the sampling (not the gather, when it shares the stream)
+        batch._sampled = st.pending.event if st.pending.event is not None else (events[-1] if events else None)
         batch.gather_s = time.perf_counter() - t1
         batch.producer_cpu_s = st.cpu_s + time.thread_time() - c0
         batch.producer_gpu_wait_s = st.wait_s + gpu_wait_seconds() - w0
@@ -272,7 +278,7 @@ class NeighborLoader:
             # no record_stream(prepare_stream) on the batch's tensors: the consumer's stream waits for this
             # stream's event before it uses them, and they are record_stream-ed there, so they outlive the
             # reads here (a batch dropped unhanded only has its own kernels read freed memory)
-            prepare_stream.wait_event(batch._events[-1])
+            prepare_stream.wait_event(batch._sampled)
             with torch.cuda.stream(prepare_stream):
                 batch._prepared = list(self.prepare(batch) or ())
                 event = torch.cuda.Event(blocking=True)
@@ -416,6 +422,8 @@ class _PrefetchIter:
         """
         loader = self._loader
         sample_stream, gather_stream, prepare_stream = streams
+        if loader._gather_stream == "sample":
+            gather_stream = sample_stream
         checks: list[_GatherCheck] = []
         pending: collections.deque = collections.deque()
 
