@@ -143,6 +143,7 @@ class _Way:
     placed: dict[str, Any]
     warm: Any = None
     rounds: list[Any] = dataclasses.field(default_factory=list)
+    val_acc_first: float | None = None  # after the warm-up and the first round: the same batches for every way
 
 
 def setup_way(way: str, model_name: str, ds: Any, placed: dict[str, Any], args: argparse.Namespace,
@@ -172,14 +173,17 @@ def setup_way(way: str, model_name: str, ds: Any, placed: dict[str, Any], args: 
 
 
 def time_round(w: _Way, args: argparse.Namespace) -> None:
-    """One timed round: ``args.batches`` batches from the start of a new epoch."""
+    """One timed round: ``args.batches`` batches from the start of a new epoch (then, after the first,
+    the validation accuracy: py runs one round, so the ways are compared there)."""
     w.rounds.append(train_epoch(w.model, w.loader, w.opt, max_batches=args.batches))
+    if w.val_acc_first is None:
+        w.val_acc_first = evaluate(w.model, w.val_loader)
 
 
 def finish_way(w: _Way, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Validation accuracy, the serial stage breakdown, and the result row (median round)."""
     fused = device.type == "cuda"
-    acc = evaluate(w.model, w.val_loader)
+    acc_final = evaluate(w.model, w.val_loader)
     twin = copy.deepcopy(w.model)  # profiled on a copy so that the stage breakdown leaves the model alone
     prof = profile_batches(twin, w.loader, torch.optim.Adam(twin.parameters(), lr=args.lr, fused=fused),
                            args.profile_batches)
@@ -203,8 +207,9 @@ def finish_way(w: _Way, args: argparse.Namespace, device: torch.device) -> dict[
             "producer_gpu_wait": st.producer_gpu_wait_s / nb * 1e3,
             "producer_queue_wait": st.producer_queue_wait_s / nb * 1e3},
         "peak_gpu_bytes": max(r.peak_gpu_bytes or 0 for r in w.rounds) or None,
-        "loss": st.loss, "losses": [x for r in w.rounds for x in r.losses],
-        "train_acc": st.train_acc, "val_acc": acc,
+        "loss": st.loss, "losses": w.rounds[0].losses if w.rounds else [],
+        "losses_later_rounds": [x for r in w.rounds[1:] for x in r.losses],
+        "train_acc": st.train_acc, "val_acc": w.val_acc_first, "val_acc_after_all_rounds": acc_final,
     }
 
 
@@ -350,7 +355,8 @@ def main() -> None:
         "epoch_note": (f"each way trains {args.warmup} warm-up batches, then {args.rounds} rounds of {args.batches} "
                        f"timed batches (each from the start of a new shuffled epoch; datapath and gpu_resident "
                        f"alternate rounds); per_batch_s is the median round's; epoch_s_extrapolated = per-batch "
-                       f"time x batches per epoch"),
+                       f"time x batches per epoch; val_acc after the warm-up and the first round (the same batches "
+                       f"for every way; py runs one round), val_acc_after_all_rounds at the end"),
         "datasets": datasets, "results": results, "summary": summary,
         "total_s": time.perf_counter() - t_start,
     }
