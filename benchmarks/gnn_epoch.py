@@ -175,6 +175,7 @@ def setup_way(way: str, model_name: str, ds: Any, placed: dict[str, Any], args: 
 def time_round(w: _Way, args: argparse.Namespace) -> None:
     """One timed round: ``args.batches`` batches from the start of a new epoch (then, after the first,
     the validation accuracy: py runs one round, so the ways are compared there)."""
+    torch.manual_seed(args.seed * 1000 + len(w.rounds))  # the same dropout masks for every way in a round
     w.rounds.append(train_epoch(w.model, w.loader, w.opt, max_batches=args.batches))
     if w.val_acc_first is None:
         w.val_acc_first = evaluate(w.model, w.val_loader)
@@ -373,7 +374,7 @@ def main() -> None:
                      "train": prof["train_s"] * 1e3, "cpu_ms/b": r["cpu_s_per_batch"] * 1e3,
                      "gpu_GiB": (r["peak_gpu_bytes"] or 0) / 2**30, "val_acc": r["val_acc"]})
     print_table(rows)
-    print_table(summary)
+    print_table([{k: v for k, v in r.items() if not isinstance(v, list)} for r in summary])
 
 
 def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -388,6 +389,9 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["cpu_ratio_vs_py"] = d["cpu_s_per_batch"] / py["cpu_s_per_batch"]
         if d and res:
             row["ratio_vs_resident"] = d["per_batch_s"] / res["per_batch_s"]
+            pairs = [a / b for a, b in zip(d["per_batch_s_rounds"], res["per_batch_s_rounds"])]
+            row["ratio_vs_resident_per_round"] = pairs  # round i of each (they alternate): drift cancels
+            row["ratio_vs_resident_median_of_rounds"] = sorted(pairs)[len(pairs) // 2]
         accs = [r["val_acc"] for r in by.values()]
         row["val_acc_spread"] = max(accs) - min(accs)
         if d and py:
