@@ -17,6 +17,7 @@ from datapath.loaders.distributed import (
     DistContext,
     DistributedError,
     DistributedNeighborLoader,
+    RankBatch,
     TrainConfig,
     global_mean_loss,
     init_distributed,
@@ -157,6 +158,22 @@ def test_loader_splits_every_global_batch(dataset_dir: Path) -> None:
     assert len(small) == 1 and small.seeds_in(5) == 40
     with pytest.raises(DistributedError, match="rank"):
         DistributedNeighborLoader(ds.graph, ds.train_idx, [2], 4, rank=2, world_size=2, **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_prefetching_rank_loader_gives_rank_batches(dataset_dir: Path) -> None:
+    """The pipelined GPU producer makes `RankBatch`es too (the same as the CPU rank loader's)."""
+    from datapath.loaders._placement import to_placement
+
+    ds = load_dataset(dataset_dir)
+    cpu = DistributedNeighborLoader(ds.graph, ds.train_idx, [5, 3], 40, shuffle=True, rank=1, world_size=3,
+                                    features=ds.features, labels=ds.labels, device="cpu", seed=1, prefetch=0)
+    gpu = DistributedNeighborLoader(ds.graph.to("unified"), ds.train_idx, [5, 3], 40, shuffle=True, rank=1,
+                                    world_size=3, features=to_placement(ds.features, "unified"),
+                                    labels=to_placement(ds.labels, "unified"), device="cuda", seed=1, prefetch=1)
+    for a, b in zip(cpu, gpu, strict=True):
+        assert isinstance(b, RankBatch) and (b.step, b.global_batch_size) == (a.step, a.global_batch_size)
+        assert torch.equal(a.seeds, b.seeds.cpu()) and torch.equal(a.x, b.x.cpu()) and torch.equal(a.y, b.y.cpu())
 
 
 def test_global_mean_loss_needs_rank_batches(dataset_dir: Path) -> None:

@@ -3,8 +3,11 @@
 On a GPU, with the graph and features in unified memory, everything happens on the
 GPU: the kernel samples from the pinned graph over PCIe, blocks are built on the GPU,
 and the feature rows are gathered zero-copy (`datapath.unified_tensor.gather`).  A
-background thread prepares the next batch on a side CUDA stream while the current
-one trains; the consumer's stream waits on the batch's event and every tensor is
+background thread prepares batches on side CUDA streams while the current one trains:
+the sampling of the batches `SAMPLE_AHEAD` ahead is queued before the thread waits for
+a batch's sizes (its one host synchronisation), the gather is launched without waiting
+(its bounds check is read later, from a pinned flag), and the ``prepare`` hook runs on
+a third stream.  The consumer's stream waits on the batch's events and every tensor is
 ``record_stream``-ed, so the caching allocator never reuses memory still in use.
 
 With the graph in CPU memory the sampling runs on the CPU (vectorized), features
@@ -106,7 +109,7 @@ class NeighborLoader:
         prefetch: batches prepared ahead by each background thread (0: prepare in the
             calling thread, on its current stream).
         num_workers: background threads preparing batches, each on its own CUDA streams (one samples
-            and runs ``prepare``, one gathers features and labels, so the PCIe reads overlap), batches
+            and gathers features and labels, queued two batches ahead; one runs ``prepare``), batches
             dealt round-robin and handed over in order.  While one waits for the GPU (sampling
             and gathering over PCIe), another launches the next batch's work.
         prepare: called with each `Batch` in the producer (on the loader's stream, before the batch
@@ -115,8 +118,8 @@ class NeighborLoader:
             training thread launches only the step's own kernels.  It runs while ``x`` and ``y`` are still
             being gathered on another stream: their shapes and dtypes are there, but GPU work that
             reads them must follow ``batch.wait_for_inputs()``.
-        stream_priority: CUDA priority of the loader's side stream (lower is higher; PyTorch's
-            streams default to 0, the lowest).  High priority lets the loader's long-lived,
+        stream_priority: CUDA priority of the loader's sampling and prepare streams (lower is higher;
+            PyTorch's streams default to 0, the lowest).  High priority lets the loader's long-lived,
             PCIe-bound sampling and gather blocks take their SM slots while training runs.
 
     Sampling runs on the GPU when ``device`` is cuda and the graph is in unified or cuda
