@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from datapath._runtime.pinned import gpu_wait_seconds
-from datapath.loaders._placement import gather_rows, placement_of
+from datapath.loaders._placement import _ut, gather_rows, placement_of
 from datapath.loaders.block import Block
 from datapath.loaders.errors import LoaderError
 from datapath.loaders.graph import Graph
@@ -218,11 +218,10 @@ class NeighborLoader:
 
     def _start(self, seeds_cpu: torch.Tensor, step: int) -> "_Started":
         """Queue the sampling of one batch on the current stream (nothing waits yet)."""
-        t0, c0, w0 = time.perf_counter(), time.thread_time(), gpu_wait_seconds()
+        sw = _Stopwatch()
         seeds = seeds_cpu.to(self.sample_device, non_blocking=True)
         pending = self.sampler._launch(self.graph, seeds, step)
-        return _Started(seeds, step, pending, time.perf_counter() - t0, time.thread_time() - c0,
-                        gpu_wait_seconds() - w0)
+        return _Started(seeds, step, pending, sw.wall(), sw.cpu(), sw.wait())
 
     def _collect(self, st: "_Started", gather_stream: torch.cuda.Stream | None) -> Batch:
         """Wait for ``st``'s sample, then gather its features and labels.
@@ -232,7 +231,7 @@ class NeighborLoader:
         sampling; the batch carries the events the consumer's stream waits on.  Called on the
         sampling stream.
         """
-        t0, c0, w0 = time.perf_counter(), time.thread_time(), gpu_wait_seconds()
+        sw = _Stopwatch()
         blocks = st.pending.blocks()
         seeds = st.seeds
         t1 = time.perf_counter()
@@ -243,7 +242,7 @@ class NeighborLoader:
             with torch.cuda.stream(gather_stream):
                 # the sampled ids are < num_nodes = the tables' rows, so the kernels' bounds check is read
                 # later (`_GatherCheck`), not waited for here
-                flag = _ut_error_flag()
+                flag = _ut().ErrorFlag()
                 src = blocks[0].src_nodes
                 x = gather_rows(self.features, src, flag) if self.features is not None else None
                 y = gather_rows(self.labels, seeds, flag) if self.labels is not None else None
@@ -263,20 +262,20 @@ class NeighborLoader:
         if self.device.type == "cuda":  # everything the sampling stream did for this batch
             events.append(torch.cuda.Event(blocking=True))
             events[-1].record()
-        batch = Batch(blocks, x, y, seeds, st.sample_s + t1 - t0)
+        batch = Batch(blocks, x, y, seeds, st.sample_s + t1 - sw.t0)
         batch._events, batch._check = events, check
         # what the prepare stream waits for: the sampling (not the gather, when it shares the stream)
         batch._sampled = st.pending.event if st.pending.event is not None else (events[-1] if events else None)
         batch.gather_s = time.perf_counter() - t1
-        batch.producer_cpu_s = st.cpu_s + time.thread_time() - c0
-        batch.producer_gpu_wait_s = st.wait_s + gpu_wait_seconds() - w0
+        batch.producer_cpu_s = st.cpu_s + sw.cpu()
+        batch.producer_gpu_wait_s = st.wait_s + sw.wait()
         return batch
 
     def _prepare(self, batch: Batch, prepare_stream: torch.cuda.Stream | None) -> None:
         """Run the ``prepare`` hook (on ``prepare_stream``, after the batch's sampling stream work, if given)."""
         if self.prepare is None:
             return
-        t0, c0, w0 = time.perf_counter(), time.thread_time(), gpu_wait_seconds()
+        sw = _Stopwatch()
         if prepare_stream is not None:
             # no record_stream(prepare_stream) on the batch's tensors: the consumer's stream waits for this
             # stream's event before it uses them, and they are record_stream-ed there, so they outlive the
@@ -294,9 +293,29 @@ class NeighborLoader:
                 event.record()
         if event is not None:
             batch._events.append(event)
-        batch.gather_s += time.perf_counter() - t0
-        batch.producer_cpu_s += time.thread_time() - c0
-        batch.producer_gpu_wait_s += gpu_wait_seconds() - w0
+        sw.charge(batch, "gather")
+
+
+class _Stopwatch:
+    """Wall time, this thread's CPU time and its sleep in host syncs since construction (seconds)."""
+
+    def __init__(self) -> None:
+        self.t0, self.c0, self.w0 = time.perf_counter(), time.thread_time(), gpu_wait_seconds()
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def cpu(self) -> float:
+        return time.thread_time() - self.c0
+
+    def wait(self) -> float:
+        return gpu_wait_seconds() - self.w0
+
+    def charge(self, batch: Batch, stage: str) -> None:
+        """Add the elapsed times to ``batch``: wall to ``batch.<stage>_s``, CPU and sleep to the producer's."""
+        setattr(batch, f"{stage}_s", getattr(batch, f"{stage}_s") + self.wall())
+        batch.producer_cpu_s += self.cpu()
+        batch.producer_gpu_wait_s += self.wait()
 
 
 @dataclass
@@ -309,12 +328,6 @@ class _Started:
     sample_s: float
     cpu_s: float
     wait_s: float
-
-
-def _ut_error_flag() -> Any:
-    from datapath.unified_tensor import ErrorFlag  # noqa: PLC0415 - loaded with the datapath package anyway
-
-    return ErrorFlag()
 
 
 @dataclass
@@ -451,12 +464,9 @@ class _PrefetchIter:
                 batch = loader._collect(st, gather_stream)
             j = k + SAMPLE_AHEAD
             if j < len(work) and not any(isinstance(p, BaseException) for p in pending):
-                t0, c0, w0 = time.perf_counter(), time.thread_time(), gpu_wait_seconds()
+                sw = _Stopwatch()
                 nxt = launch(j)
-                # batch j's sampling launch ran here: counted in this batch's stage times
-                batch.sample_s += time.perf_counter() - t0
-                batch.producer_cpu_s += time.thread_time() - c0
-                batch.producer_gpu_wait_s += gpu_wait_seconds() - w0
+                sw.charge(batch, "sample")  # batch j's sampling launch ran here: counted in this batch's times
                 if isinstance(nxt, _Started):
                     nxt.sample_s = nxt.cpu_s = nxt.wait_s = 0.0
                 pending.append(nxt)
