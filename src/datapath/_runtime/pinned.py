@@ -71,7 +71,7 @@ def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
         ) from exc
 
 
-def _mapping_file(addr: int) -> str | None:
+def mapping_file(addr: int) -> str | None:
     """The file behind the mapping that holds ``addr`` (None for anonymous memory), from /proc/self/maps."""
     try:
         with open("/proc/self/maps") as f:
@@ -86,7 +86,7 @@ def _mapping_file(addr: int) -> str | None:
     return None
 
 
-def _mount_type(path: str) -> str:
+def mount_type(path: str) -> str:
     """Filesystem type of the mount holding ``path`` (longest matching mount point in /proc/mounts)."""
     best, fstype = "", ""
     try:
@@ -108,8 +108,8 @@ def pinnable_in_place(t: torch.Tensor) -> bool:
     (tmpfs such as /dev/shm, hugetlbfs); ``cudaHostRegister`` of an ``np.load(...,
     mmap_mode=...)`` of a file on ext4/xfs fails with an invalid-value error.
     """
-    path = _mapping_file(t.untyped_storage().data_ptr())
-    return path is None or _mount_type(path) in ("tmpfs", "hugetlbfs", "ramfs")
+    path = mapping_file(t.untyped_storage().data_ptr())
+    return path is None or mount_type(path) in ("tmpfs", "hugetlbfs", "ramfs")
 
 
 def _clear_cuda_error() -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from datapath import memory
 from datapath.ops import FeatureShapeError, as_csr
 from datapath.ops._graph import CSRView
 from datapath.ops._inputs import check_ids, is_unified, resolve_table
@@ -37,11 +38,8 @@ class LayerInputs:
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``table[ids]`` on ``ids``' device: a unified/pinned table is read zero-copy by the GPU."""
-    resolved = resolve_table(table, ids)  # validates (pinned, contiguous, devices)
-    if is_unified(table) or (table.device.type == "cpu" and ids.device.type == "cuda"):
-        from datapath.unified_tensor import gather  # noqa: PLC0415
-        return gather(table, ids)
-    return resolved.index_select(0, ids)
+    resolve_table(table, ids)  # validates (pinned, contiguous, devices)
+    return memory.gather_rows(table, ids)
 
 
 def layer_inputs(graph: Any, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from datapath import memory
 from datapath.ops.errors import DeviceMismatchError, GraphFormatError, GraphIndexError
 
 log = logging.getLogger("datapath.ops.graph")
@@ -36,17 +37,11 @@ def _plain_tensor(t: Any, what: str) -> torch.Tensor:
     """``t`` as an ordinary CPU/CUDA tensor (a unified tensor gives its pinned host tensor)."""
     if not isinstance(t, torch.Tensor):
         raise GraphFormatError(f"graph {what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type in ("cpu", "cuda"):
-        return t
-    try:  # a datapath unified tensor: the pinned host memory behind it
-        from datapath.unified_tensor import host_tensor, is_unified  # noqa: PLC0415
-    except ImportError as exc:
-        raise DeviceMismatchError(
-            f"graph {what} lives on device {t.device}, which the ops cannot read; move it to 'cpu' or 'cuda'"
-        ) from exc
-    if is_unified(t):
-        return host_tensor(t)
-    raise DeviceMismatchError(f"graph {what} lives on device {t.device}; move it to 'cpu' or 'cuda'")
+    try:
+        where = memory.placement_of(t)
+    except memory.PlacementError as exc:
+        raise DeviceMismatchError(f"graph {what} lives on device {t.device}; move it to 'cpu' or 'cuda'") from exc
+    return t if where == "cuda" else memory.host_of(t)
 
 
 def _int_attr(obj: Any, *names: str) -> int | None:

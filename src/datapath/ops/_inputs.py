@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from datapath import memory
 from datapath.ops import _torch_backend
 from datapath.ops._graph import CSRView
 from datapath.ops.errors import (
@@ -45,38 +46,25 @@ def check_graph_device(csr: CSRView, device: torch.device) -> None:
 
 
 def is_unified(t: torch.Tensor) -> bool:
-    """True for a datapath unified tensor (pinned host memory on the 'unified' device)."""
-    if t.device.type in ("cpu", "cuda"):
-        return False
-    try:
-        from datapath.unified_tensor import is_unified as _is_unified  # noqa: PLC0415
-    except ImportError:
-        return False
-    return bool(_is_unified(t))
-
-
-def host_table(t: torch.Tensor) -> torch.Tensor:
-    """The pinned CPU tensor behind a unified tensor."""
-    from datapath.unified_tensor import host_tensor  # noqa: PLC0415
-    return host_tensor(t)
+    """True for a datapath unified tensor (pinned host memory; it reports the cpu device)."""
+    return memory.is_unified(t)
 
 
 def resolve_table(x: torch.Tensor, src_ids: torch.Tensor) -> torch.Tensor:
     """The feature table as a tensor on ``src_ids``' device (a CUDA alias of pinned host memory if needed)."""
-    if is_unified(x):
-        x = host_table(x)
-    if not x.is_contiguous():
+    where = memory.placement_of(x)
+    data = x if where == "cuda" else memory.host_of(x)
+    if not data.is_contiguous():
         raise FeatureShapeError("the feature table read through src_ids must be contiguous (rows of F values)")
-    if src_ids.device.type == "cuda" and x.device.type == "cpu":
-        if not x.is_pinned():
+    if src_ids.device.type == "cuda" and where != "cuda":
+        if where != "unified":
             raise DeviceMismatchError(
                 "a CPU feature table read by the GPU through src_ids must be pinned: make it unified with "
                 "datapath.unified_tensor.as_unified(table) (pins in place), or move it to the GPU"
             )
-        from datapath._runtime import cuda_alias  # noqa: PLC0415
-        return cuda_alias(x)
-    check_device(x, src_ids.device, "the feature table")
-    return x
+        return memory.kernel_view(x, "the feature table")
+    check_device(data, src_ids.device, "the feature table")
+    return data
 
 
 def check_ids(ids: torch.Tensor, num_rows: int, expected_len: int, what: str) -> torch.Tensor:

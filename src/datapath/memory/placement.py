@@ -1,0 +1,159 @@
+"""Where a tensor lives, and how a GPU kernel reads it.
+
+This module is the one answer to "is this table unified?": every other part of
+datapath (loaders, sampling, ops, nn, the feature store) asks it instead of
+testing devices, ``is_pinned()`` or subclasses itself.
+
+Kinds (`kind_of`), finest first:
+
+==============  ===========================================================
+``"cuda"``      GPU memory
+``"unified"``   a `datapath.unified_tensor.UnifiedTensor` (pinned, mapped)
+``"pinned"``    a plain CPU tensor in page-locked memory (``pin_memory()``)
+``"shared"``    pageable memory mapped from a RAM-backed file (``/dev/shm``)
+``"mmap"``      pageable memory mapped from a file on disk (``np.load(mmap_mode=...)``)
+``"pageable"``  ordinary process memory
+==============  ===========================================================
+
+Placements (`placement_of`) group them the way the data path cares about:
+``"cuda"``; ``"unified"`` (unified or pinned: a GPU kernel reads it over PCIe,
+zero copy); ``"cpu"`` (everything else: the CPU has to gather it).  Without CUDA
+nothing can be pinned, so "unified" is ordinary host memory and every path is the
+CPU path.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from datapath._runtime.errors import DatapathError
+from datapath._runtime.pinned import cuda_alias, mapping_file, mount_type, pinned_empty
+
+Placement = Literal["cpu", "unified", "cuda"]
+Kind = Literal["cuda", "unified", "pinned", "shared", "mmap", "pageable"]
+PLACEMENTS: tuple[str, ...] = ("cpu", "unified", "cuda")
+_RAM_FILESYSTEMS = ("tmpfs", "hugetlbfs", "ramfs")
+
+
+class PlacementError(DatapathError, ValueError):
+    """A tensor is in memory the requested path cannot use (wrong device, pageable where pinned is needed)."""
+
+
+def _unified_type() -> type:
+    from datapath.unified_tensor.tensor import UnifiedTensor  # noqa: PLC0415 - unified_tensor builds on memory
+
+    return UnifiedTensor
+
+
+def is_unified(t: object) -> bool:
+    """True for a `datapath.unified_tensor.UnifiedTensor` (it reports ``device.type == "cpu"``)."""
+    return isinstance(t, _unified_type())
+
+
+def kind_of(t: torch.Tensor) -> Kind:
+    """The memory behind ``t``: one of ``cuda``, ``unified``, ``pinned``, ``shared``, ``mmap``, ``pageable``.
+
+    Telling ``shared``/``mmap`` from ``pageable`` reads ``/proc/self/maps`` (about 0.1 ms):
+    use `placement_of` on hot paths.
+    """
+    if is_unified(t):  # before the device test: a unified tensor reports the cpu device
+        return "unified"
+    if t.device.type == "cuda":
+        return "cuda"
+    if t.device.type != "cpu":
+        raise PlacementError(f"tensors on device {t.device} are not supported; use cpu, unified or cuda")
+    if torch.cuda.is_available() and t.is_pinned():
+        return "pinned"
+    if t.untyped_storage().nbytes() == 0:
+        return "pageable"
+    path = mapping_file(t.untyped_storage().data_ptr())
+    if path is None:
+        return "pageable"
+    return "shared" if mount_type(path) in _RAM_FILESYSTEMS else "mmap"
+
+
+def placement_of(t: torch.Tensor) -> Placement:
+    """``"cuda"``, ``"unified"`` (a unified tensor, or pinned CPU memory) or ``"cpu"`` (pageable)."""
+    if is_unified(t):
+        return "unified"
+    if t.device.type == "cuda":
+        return "cuda"
+    if t.device.type == "cpu":
+        return "unified" if torch.cuda.is_available() and t.is_pinned() else "cpu"
+    raise PlacementError(f"tensors on device {t.device} are not supported; use cpu, unified or cuda")
+
+
+def host_of(t: torch.Tensor) -> torch.Tensor:
+    """The plain CPU tensor holding ``t``'s data (same memory, no copy) for cpu and unified tensors."""
+    if is_unified(t):
+        return t._host  # type: ignore[attr-defined]
+    if t.device.type == "cpu":
+        return t
+    raise PlacementError(f"host_of needs a tensor in host memory, got one on {t.device}")
+
+
+def to_placement(t: torch.Tensor, where: str) -> torch.Tensor:
+    """``t`` in ``where`` (``cpu``/``unified``/``cuda``): itself when already there, else a copy.
+
+    ``"unified"`` gives pinned host memory from PyTorch's caching host allocator (a plain
+    CPU tensor, which every datapath path reads zero-copy); use
+    `datapath.unified_tensor.as_unified` to pin in place instead.
+    """
+    if where not in PLACEMENTS:
+        raise PlacementError(f"placement must be one of {PLACEMENTS}, got {where!r}")
+    have = placement_of(t)
+    if have == where:
+        return t
+    if where == "cuda":
+        return host_of(t).to("cuda") if have == "unified" else t.to("cuda")
+    host = host_of(t) if have == "unified" else t.to("cpu")
+    if where == "cpu":
+        return host.clone() if have == "unified" else host
+    if not torch.cuda.is_available():  # nothing to pin: ordinary host memory
+        return host
+    out = pinned_empty(tuple(host.shape), host.dtype)
+    out.copy_(host)
+    return out
+
+
+def kernel_view(t: torch.Tensor, what: str = "the tensor") -> torch.Tensor:
+    """A CUDA tensor a GPU kernel can read: ``t`` itself, or a zero-copy alias of its pinned host memory.
+
+    Raises `PlacementError` for pageable host memory, naming ``what``.
+    """
+    if t.device.type == "cuda" and not is_unified(t):
+        return t
+    host = host_of(t)
+    if not torch.cuda.is_available() or not host.is_pinned():
+        raise PlacementError(
+            f"{what} is in pageable host memory, which a GPU kernel cannot read; make it unified "
+            f"(datapath.unified_tensor.as_unified(t), pinned in place) or move it to the GPU"
+        )
+    return cuda_alias(host)
+
+
+def gather_rows(table: torch.Tensor, idx: torch.Tensor, error_flag: Any = None) -> torch.Tensor:
+    """``table[idx]`` on ``idx``'s device, bounds-checked, whatever memory ``table`` is in.
+
+    - ``table`` on CUDA: a GPU ``index_select``;
+    - unified/pinned ``table`` with CUDA ``idx``: read by the GPU straight from host memory
+      (`datapath.unified_tensor.gather`, zero copy, aligned); with an ``error_flag``
+      (`datapath.unified_tensor.ErrorFlag`) the call does not wait for the bounds check;
+    - otherwise a CPU gather, then a copy to ``idx``'s device (the DGL/PyG default path).
+
+    Args:
+        table: (N, *rest) tensor in any placement.
+        idx: int32/int64 row ids of any shape, on CPU or CUDA.
+    Returns:
+        (*idx.shape, *rest) tensor of ``table``'s dtype on ``idx``'s device.
+    """
+    from datapath.unified_tensor.gather import gather  # noqa: PLC0415 - the zero-copy kernel
+
+    where = placement_of(table)
+    if where == "cuda":
+        return table[idx.to(table.device)]
+    if where == "unified" and idx.device.type == "cuda":
+        return gather(table, idx, error_flag=error_flag)
+    rows = gather(host_of(table), idx.to("cpu"))
+    return rows.to(idx.device) if idx.device.type != "cpu" else rows
