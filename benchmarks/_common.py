@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from datapath._runtime import machine_info
+from datapath.apps import machine_info
 
 RESULTS_DIR = Path(os.environ.get("DATAPATH_RESULTS", Path(__file__).resolve().parent / "results"))
 

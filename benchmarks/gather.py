@@ -26,7 +26,8 @@ import torch
 
 import datapath  # noqa: F401  (registers the unified device)
 from benchmarks._common import RESULTS_DIR, cuda_time_ms, print_table, write_result
-from datapath._runtime import cuda_alias, device_label, pinned_empty, require_cuda
+from datapath.apps import device_label, require_cuda
+from datapath.memory import cuda_alias, pinned_empty
 from datapath.unified_tensor import as_unified, check_errors, config, gather
 
 

@@ -32,26 +32,17 @@ from typing import Any
 
 import torch
 
-from datapath.loaders._cuda_sched import use_blocking_sync  # noqa: E402
+from datapath.apps import use_blocking_sync  # noqa: E402
 
 BLOCKING_SYNC = use_blocking_sync() if torch.cuda.is_available() else False  # before CUDA starts
 
 from benchmarks._common import RESULTS_DIR, print_table, write_result  # noqa: E402
-from datapath.loaders import (  # noqa: E402
-    Graph,
-    NeighborLoader,
-    NeighborSampler,
-    SyntheticSpec,
-    evaluate,
-    generate,
-    papers_spec,
-    preset_spec,
-    profile_batches,
-    train_epoch,
-)
-from datapath.loaders._placement import to_placement  # noqa: E402
+from datapath.apps import check_cuda_autograd, evaluate, profile_batches, train_epoch  # noqa: E402
+from datapath.graph import Graph, SyntheticSpec, generate, papers_spec, preset_spec  # noqa: E402
+from datapath.loaders import NeighborLoader  # noqa: E402
+from datapath.memory import to_placement  # noqa: E402
+from datapath.sampling import NeighborSampler  # noqa: E402
 from datapath.unified_tensor import as_unified  # noqa: E402
-from datapath.loaders.training import check_cuda_autograd  # noqa: E402
 from datapath.nn.models import build_model  # noqa: E402
 
 log = logging.getLogger("datapath.bench.gnn_epoch")

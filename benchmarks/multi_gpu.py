@@ -36,18 +36,20 @@ from typing import Any
 import torch
 
 from benchmarks._common import RESULTS_DIR, print_table, write_result
-from datapath.loaders import NeighborSampler, SyntheticSpec, generate, preset_spec, train_epoch
-from datapath.loaders.distributed import (
+from datapath.apps import (
     DistContext,
-    DistributedNeighborLoader,
     all_gather_objects,
     global_mean_loss,
     init_distributed,
     launch,
     memory_footprint,
     shared_dataset,
+    train_epoch,
     wrap_ddp,
 )
+from datapath.graph import SyntheticSpec, generate, preset_spec
+from datapath.loaders import DistributedNeighborLoader
+from datapath.sampling import NeighborSampler
 from datapath.nn.models import build_model
 from datapath.unified_tensor import shm_dir
 
@@ -121,7 +123,7 @@ def _timed(ctx: DistContext, fn: Any, iters: int) -> float:
 
 def contention(ctx: DistContext, feats: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
     """GB/s per GPU of a random-row gather and of a DMA copy from the shared table: alone, then all at once."""
-    from datapath.loaders._placement import gather_rows  # noqa: PLC0415
+    from datapath.memory import gather_rows  # noqa: PLC0415
 
     dev = ctx.device
     n, row_bytes = feats.shape[0], feats.shape[1] * feats.element_size()

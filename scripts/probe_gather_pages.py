@@ -12,7 +12,7 @@ Run: PYTHONPATH=src python scripts/probe_gather_pages.py
 import ctypes, mmap, os, time
 import torch
 import datapath
-from datapath._runtime import cuda_alias
+from datapath.memory import cuda_alias
 from datapath.unified_tensor import as_unified, gather
 
 print(open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip(), open("/sys/kernel/mm/transparent_hugepage/defrag").read().strip())

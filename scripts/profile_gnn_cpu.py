@@ -18,13 +18,16 @@ import time
 
 import torch
 
-from datapath.loaders._cuda_sched import use_blocking_sync
+from datapath.apps import use_blocking_sync
 
 use_blocking_sync()
 
 from benchmarks.gnn_epoch import dataset_spec, place  # noqa: E402
-from datapath.loaders import NeighborLoader, NeighborSampler, generate, train_epoch  # noqa: E402
-from datapath.loaders.loader import _PrefetchIter  # noqa: E402
+from datapath.apps import train_epoch  # noqa: E402
+from datapath.graph import generate  # noqa: E402
+from datapath.loaders import NeighborLoader  # noqa: E402
+from datapath.sampling import NeighborSampler  # noqa: E402
+from datapath.loaders._prefetch import _Producer  # noqa: E402  (profiles the producer thread)
 from datapath.nn.models import build_model  # noqa: E402
 
 
@@ -61,7 +64,7 @@ def main() -> int:
                             prefetch=1, prepare=model.prepare_batch)
     train_epoch(model, loader, opt, max_batches=8)
     producer = cProfile.Profile()
-    inner = _PrefetchIter._run_pipelined
+    inner = _Producer._run_pipelined
 
     def profiled(self, q, work, streams):  # type: ignore[no-untyped-def]
         producer.enable()
@@ -72,7 +75,7 @@ def main() -> int:
 
     consumer = cProfile.Profile()
     if args.thread == "producer":
-        _PrefetchIter._run_pipelined = profiled
+        _Producer._run_pipelined = profiled
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     if args.thread == "training":
@@ -82,7 +85,7 @@ def main() -> int:
         consumer.disable()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / args.batches * 1e3
-    _PrefetchIter._run_pipelined = inner
+    _Producer._run_pipelined = inner
     n = st.batches
     print(f"{args.way}: wall {wall:.2f} ms/batch (profiled); producer cpu {st.producer_cpu_s / n * 1e3:.2f}, "
           f"gpu wait {st.producer_gpu_wait_s / n * 1e3:.2f}, wall {(st.sample_s + st.gather_s) / n * 1e3:.2f}; "

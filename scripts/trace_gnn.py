@@ -24,12 +24,15 @@ from pathlib import Path
 
 import torch
 
-from datapath.loaders._cuda_sched import use_blocking_sync
+from datapath.apps import use_blocking_sync
 
 BLOCKING = use_blocking_sync() if torch.cuda.is_available() else False
 
 from benchmarks.gnn_epoch import dataset_spec, place  # noqa: E402
-from datapath.loaders import NeighborLoader, NeighborSampler, generate, train_epoch  # noqa: E402
+from datapath.apps import train_epoch  # noqa: E402
+from datapath.graph import generate  # noqa: E402
+from datapath.loaders import NeighborLoader  # noqa: E402
+from datapath.sampling import NeighborSampler  # noqa: E402
 from datapath.nn.models import build_model  # noqa: E402
 
 

@@ -1,8 +1,13 @@
-"""The ``datapath`` command line.
+"""The ``datapath`` command line: a thin dispatcher.
 
-Each subcommand lives beside the code it drives: a module ``datapath.<pkg>._cli``
-(or ``datapath._info``) defines ``register(subparsers)`` adding its parsers, each
-with ``set_defaults(func=...)``; ``func(args) -> int`` is the exit code.
+Each subcommand lives beside the code it drives: a module listed in `COMMAND_MODULES`
+defines ``register(subparsers)`` adding its parsers, each with ``set_defaults(func=...)``;
+``func(args) -> int`` is the exit code.
+
+A user error (a bad argument, a missing file, a dataset that does not parse: any
+`datapath.errors.DatapathError`, ``ValueError`` or ``OSError``) prints one line,
+``datapath <command>: error: <what to do>``, and exits with 2 (1 for other failures of
+the work itself); ``--verbose`` adds the traceback.  Ctrl-C exits with 130.
 """
 from __future__ import annotations
 
@@ -10,24 +15,34 @@ import argparse
 import importlib
 import logging
 import sys
+import traceback
 from collections.abc import Sequence
+from typing import NoReturn
+
+from datapath._runtime.errors import DatapathError
 
 # Modules that add subcommands, in the order `datapath --help` lists them.
-_COMMAND_MODULES = (
-    "datapath._info",
-    "datapath.loaders._cli",
+COMMAND_MODULES = (
+    "datapath.apps.info",
+    "datapath.apps.cli",
     "datapath.offload._cli",
 )
 
+USER_ERRORS: tuple[type[BaseException], ...] = (DatapathError, ValueError, OSError)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="datapath",
-        description="Fast training when the data does not fit on the GPU.",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMAND_MODULES:
+    parser = _Parser(prog="datapath", description="Fast training when the data does not fit on the GPU.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMAND_MODULES:
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -48,7 +63,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    prog = f"datapath {args.command}"
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as exc:
+        if args.verbose:
+            traceback.print_exc()
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, OSError) and exc.filename and str(exc.filename) not in message:
+            message = f"{message}: {exc.filename}"
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return 2 if not isinstance(exc, DatapathError) or _is_usage(exc) else 1
+
+
+def _is_usage(exc: DatapathError) -> bool:
+    """True for errors in what the user asked (bad input), False for failures while doing it."""
+    return isinstance(exc, ValueError)
 
 
 if __name__ == "__main__":

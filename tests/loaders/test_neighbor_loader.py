@@ -1,10 +1,15 @@
 """NeighborLoader: coverage of the seeds, features/labels, prefetch, shuffling, placements."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
-from datapath.loaders import Graph, LoaderError, NeighborLoader, NeighborSampler
+from datapath.graph import Graph
+from datapath.loaders import LoaderError, NeighborLoader
+from datapath.memory import to_placement
+from datapath.sampling import NeighborSampler
 
 
 def _data(n: int = 1500, e: int = 20000, f: int = 24, seed: int = 0):
@@ -87,15 +92,41 @@ def test_producer_errors_reach_the_consumer() -> None:
         next(it)
 
 
+def _producer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("datapath-neighbor-loader-") and t.is_alive()]
+
+
 @pytest.mark.parametrize("workers", [1, 3])
-def test_abandoned_iterator_stops_its_threads(workers: int) -> None:
+def test_closed_iterator_stops_its_threads(workers: int) -> None:
     graph, feats, labels, seeds = _data(seed=4)
+    before = len(_producer_threads())
     it = iter(NeighborLoader(graph, seeds, [3], 10, features=feats, device="cpu", prefetch=2,
                              num_workers=workers))
     next(it)
+    assert len(_producer_threads()) == before + workers
     it.close()
-    assert len(it._threads) == workers
-    assert not any(t.is_alive() for t in it._threads)
+    assert len(_producer_threads()) == before
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_breaking_out_of_the_loop_leaves_no_thread(workers: int) -> None:
+    """An evaluation loop with a batch limit breaks out early: the producers must stop with it."""
+    graph, feats, labels, seeds = _data(seed=4)
+    loader = NeighborLoader(graph, seeds, [3], 10, features=feats, labels=labels, device="cpu", prefetch=2,
+                            num_workers=workers)
+    before = len(_producer_threads())
+    for _ in range(3):
+        for i, batch in enumerate(loader):
+            assert batch.x.shape[0] == batch.blocks[0].num_src_nodes
+            if i == 1:
+                break
+        assert len(_producer_threads()) == before  # the dropped iterator joined its threads
+    it = iter(loader)
+    next(it)
+    loader.close()  # closes the epochs still being iterated
+    assert len(_producer_threads()) == before
 
 
 @pytest.mark.parametrize("workers", [2, 3])
@@ -140,7 +171,6 @@ def test_bad_configuration() -> None:
                                                 ("unified", "cpu"), ("cpu", "unified")])
 @pytest.mark.parametrize("prefetch, workers", [(0, 1), (2, 1), (1, 3)])
 def test_gpu_batches_equal_cpu_batches(cuda_device, graph_on, feats_on, prefetch, workers) -> None:
-    from datapath.loaders._placement import to_placement
 
     graph, feats, labels, seeds = _data(n=4000, e=80000, f=37, seed=6)
     mk = lambda g, f, l, dev, p, w: NeighborLoader(g, seeds, NeighborSampler([7, 4, 2], seed=3), 256,  # noqa: E731
@@ -164,7 +194,6 @@ def test_gpu_batches_equal_cpu_batches(cuda_device, graph_on, feats_on, prefetch
 
 @pytest.mark.gpu
 def test_gpu_prefetch_gathers_on_its_own_stream_and_prepare_can_wait_for_it(cuda_device) -> None:
-    from datapath.loaders._placement import to_placement
 
     graph, feats, labels, seeds = _data(n=6000, e=120000, f=64, seed=11)
     sums = []
@@ -189,7 +218,6 @@ def test_gpu_prefetch_gathers_on_its_own_stream_and_prepare_can_wait_for_it(cuda
 
 @pytest.mark.gpu
 def test_gpu_prefetch_reports_an_out_of_range_gather(cuda_device) -> None:
-    from datapath.loaders._placement import to_placement
 
     graph, feats, labels, seeds = _data(n=3000, e=60000, f=16, seed=12)
     loader = NeighborLoader(graph.to("unified"), seeds, NeighborSampler([5, 5], seed=1), 256,

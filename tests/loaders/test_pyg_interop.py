@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from datapath.loaders import NeighborLoader, NeighborSampler, generate
+from datapath.graph import generate
+from datapath.loaders import NeighborLoader
+from datapath.sampling import NeighborSampler
 
 pyg_nn = pytest.importorskip("torch_geometric.nn")
 

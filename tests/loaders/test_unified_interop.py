@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from datapath.loaders import Graph, NeighborLoader, NeighborSampler
+from datapath.graph import Graph
+from datapath.loaders import NeighborLoader
+from datapath.sampling import NeighborSampler
 
 ut = pytest.importorskip("datapath.unified_tensor")
 

@@ -198,12 +198,12 @@ def test_errors(table: torch.Tensor) -> None:
         scatter(u, torch.tensor([0]), torch.ones(1, 11, dtype=torch.float64))
 
 
+@gpu
 def test_pin_limit_error() -> None:
-    from datapath._runtime import PinnedMemoryError, pin_limit_bytes
-    from datapath._runtime.pinned import _check_size
+    from datapath.memory import PinnedMemoryError, pin_limit_bytes, pinned_empty
 
     with pytest.raises(PinnedMemoryError, match="can be pinned"):
-        _check_size(pin_limit_bytes() + 2**30, "test")
+        pinned_empty((pin_limit_bytes() + 2**30,), torch.uint8)
 
 
 def test_top_level_exports() -> None:
@@ -272,9 +272,9 @@ def test_gpu_as_unified_pins_in_place() -> None:
 
     gc.collect()
     torch.cuda.synchronize()
-    from datapath._runtime.pinned import in_flight
+    from datapath.memory import pending_host_reads
 
-    assert len(in_flight) == 0
+    assert pending_host_reads() == 0
     assert not t.is_pinned()  # unpinned when the last reference went
 
 

@@ -277,6 +277,11 @@ class _InFlight:
 in_flight = _InFlight()
 
 
+def pending_host_reads() -> int:
+    """How many launches that read or write host memory may still be running (their owners kept alive)."""
+    return len(in_flight)
+
+
 def fetch_to_host(t: torch.Tensor) -> list:
     """A small CUDA tensor's values as a Python list, waited for without holding the GIL.
 

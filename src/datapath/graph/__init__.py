@@ -1,4 +1,19 @@
-"""Graphs: the CSR protocol, `Graph` storage and datasets."""
-from datapath.graph.csr import CSR, CSRGraph
+"""Graphs: the CSR protocol, `Graph` (a CSR in cpu, unified or cuda memory) and node-classification datasets.
 
-__all__ = ["CSR", "CSRGraph"]
+    from datapath.graph import Graph, load_dataset
+    graph = Graph.load("/data/products").to("unified")   # CSR pinned in host memory, read by the GPU
+    ds = load_dataset("/data/products")                   # graph, features, labels, splits (memory-mapped)
+
+`datapath.graph.synthetic` generates power-law graphs with learnable labels shaped like
+the seed datasets (``tiny``, ``reddit``, ``products``, ``papers``).
+"""
+from datapath.graph.csr import CSR, CSRGraph
+from datapath.graph.datasets import Dataset, get_dataset, load_dataset, prepare_dataset
+from datapath.graph.errors import DatasetError, InvalidGraphError
+from datapath.graph.graph import Graph, validate_csr
+from datapath.graph.synthetic import PRESETS, SyntheticSpec, generate, papers_spec, preset_spec
+
+__all__ = [
+    "CSR", "CSRGraph", "Dataset", "DatasetError", "Graph", "InvalidGraphError", "PRESETS", "SyntheticSpec",
+    "generate", "get_dataset", "load_dataset", "papers_spec", "prepare_dataset", "preset_spec", "validate_csr",
+]

@@ -1,42 +1,27 @@
-"""Out-of-core GNN data loading: graphs, GPU neighbor sampling, zero-copy feature loading, datasets.
+"""Mini-batch loading for out-of-core GNN training: `NeighborLoader` composes sampling and feature fetch.
 
-    graph = Graph.load("products/").to("unified")            # pinned in place, read by the GPU over PCIe
-    feats = torch.from_numpy(np.load(...)).to("unified")      # the node features too
+    graph = Graph.load("products/").to("unified")            # datapath.graph: pinned in place, read over PCIe
     loader = NeighborLoader(graph, train_idx, NeighborSampler([15, 10, 5]), batch_size=1024,
                             shuffle=True, features=feats, labels=labels, device="cuda")
     for batch in loader:                                      # sampled and gathered on the GPU, prefetched
         out = model(batch.blocks, batch.x)                    # blocks: input layer first
         loss = F.cross_entropy(out, batch.y)
 
-Blocks convert to PyG's form with ``block.to_pyg()`` -> ``(edge_index, (num_src, num_dst))``.
+The graph lives in `datapath.graph`, the sampler in `datapath.sampling`, the row fetch in
+`datapath.memory`; this package only puts them together (and hands batches over from
+background threads).  Blocks convert to PyG's form with ``block.to_pyg()``.
 """
-from datapath.loaders.block import Block
-from datapath.loaders.datasets import (
-    PRESETS,
-    Dataset,
-    SyntheticSpec,
-    generate,
-    get_dataset,
-    load_dataset,
-    papers_spec,
-    prepare_dataset,
-    preset_spec,
-)
-from datapath.loaders.distributed import (
-    DistContext, DistributedError, DistributedNeighborLoader, attach_dataset, init_distributed, launch,
-    memory_footprint, share_dataset, shared_dataset, shutdown_distributed,
-)
-from datapath.loaders.errors import CudaAutogradUnavailableError, DatasetError, InvalidGraphError, LoaderError
-from datapath.loaders.graph import Graph, validate_csr
-from datapath.loaders.loader import Batch, NeighborLoader
-from datapath.loaders.sampler import NeighborSampler
-from datapath.loaders.training import EpochStats, evaluate, profile_batches, train_epoch
+from typing import Any
 
-__all__ = [
-    "DistContext", "DistributedError", "DistributedNeighborLoader", "attach_dataset", "init_distributed",
-    "launch", "memory_footprint", "share_dataset", "shared_dataset", "shutdown_distributed",
-    "PRESETS", "Batch", "Block", "CudaAutogradUnavailableError", "Dataset", "DatasetError", "EpochStats", "Graph", "InvalidGraphError",
-    "LoaderError", "NeighborLoader", "NeighborSampler", "SyntheticSpec", "evaluate", "generate", "get_dataset",
-    "load_dataset", "papers_spec", "prepare_dataset", "preset_spec", "profile_batches", "train_epoch",
-    "validate_csr",
-]
+from datapath.loaders.batch import Batch
+from datapath.loaders.distributed import DistributedNeighborLoader, RankBatch
+from datapath.loaders.errors import LoaderError
+from datapath.loaders.loader import NeighborLoader
+
+__all__ = ["Batch", "DistributedNeighborLoader", "LoaderError", "NeighborLoader", "RankBatch"]
+
+
+def __getattr__(name: str) -> Any:  # old paths (datapath.loaders.Graph, .train_epoch, ...), one more release
+    from datapath._deprecated import moved  # noqa: PLC0415
+
+    return moved(__name__, name)

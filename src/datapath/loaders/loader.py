@@ -16,78 +16,22 @@ On a machine without CUDA the same API works with ``device="cpu"``.
 """
 from __future__ import annotations
 
-import collections
 import logging
-import queue
-import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from datapath._runtime.pinned import gpu_wait_seconds
-from datapath.loaders._placement import _ut, gather_rows, placement_of
-from datapath.loaders.block import Block
+from datapath.graph import Graph
+from datapath.loaders._prefetch import PrefetchIter, Started, Stopwatch
+from datapath.loaders.batch import Batch, GatherCheck
 from datapath.loaders.errors import LoaderError
-from datapath.loaders.graph import Graph
-from datapath.loaders.sampler import NeighborSampler
+from datapath.memory import gather_rows, placement_of
+from datapath.sampling import NeighborSampler
+from datapath.unified_tensor import ErrorFlag
 
-log = logging.getLogger("datapath.loaders.loader")
-
-SAMPLE_AHEAD = 2
-"""Batches whose sampling the GPU producer keeps queued ahead of the one it prepares."""
-
-
-@dataclass
-class Batch:
-    """One mini-batch.
-
-    Attributes:
-        blocks: one `Block` per layer, input layer first, on the loader's device.
-        x: (blocks[0].num_src_nodes, F) input features, or None without ``features``.
-        y: (B,) labels of the seeds, or None without ``labels``.
-        seeds: (B,) int64 global ids of the seed nodes (``blocks[-1].dst_nodes``).
-        producer_cpu_s / producer_gpu_wait_s: CPU time of the thread that made the batch while making it,
-            and the part of its wall time it slept waiting for the GPU (host synchronisations); the rest
-            of ``sample_s + gather_s`` it waited for the interpreter lock.
-        sample_s / gather_s: wall seconds the producer spent sampling, and gathering plus the loader's
-            ``prepare`` hook.  In the prefetching threads of the GPU path the gather is only launched (it
-            runs on its own stream while the producer goes on), so ``gather_s`` is mostly ``prepare``.
-    """
-
-    blocks: list[Block]
-    x: torch.Tensor | None
-    y: torch.Tensor | None
-    seeds: torch.Tensor
-    sample_s: float = 0.0
-    gather_s: float = 0.0
-    producer_cpu_s: float = 0.0
-    producer_gpu_wait_s: float = 0.0
-    _events: list[torch.cuda.Event] = field(default_factory=list, repr=False)
-    _check: "_GatherCheck | None" = field(default=None, repr=False)
-    _sampled: torch.cuda.Event | None = field(default=None, repr=False)
-    _prepared: list[torch.Tensor] = field(default_factory=list, repr=False)
-
-    def tensors(self) -> list[torch.Tensor]:
-        out = [t for b in self.blocks for t in b.tensors()] + [self.seeds] + self._prepared
-        return out + [t for t in (self.x, self.y) if t is not None]
-
-    def wait_for_inputs(self) -> None:
-        """Make the current CUDA stream wait until ``x`` and ``y`` are gathered.
-
-        Only needed inside a loader's ``prepare`` hook that launches GPU work reading ``x`` or
-        ``y``: in the prefetching threads they are gathered on a stream of their own, concurrently
-        with the hook (the consumer's stream waits for everything before it gets the batch).
-        """
-        if self._check is not None:
-            torch.cuda.current_stream().wait_event(self._check.event)
-
-    @property
-    def input_nodes(self) -> torch.Tensor:
-        """(N_in,) int64 ids of the nodes whose features form ``x``."""
-        return self.blocks[0].src_nodes
+log = logging.getLogger("datapath.loaders")
 
 
 class NeighborLoader:
@@ -164,6 +108,7 @@ class NeighborLoader:
         # each worker's CUDA streams, kept across epochs: the caching allocator keeps freed memory per
         # stream, so new streams every epoch would make every epoch's first batches allocate afresh
         self._streams: dict[int, tuple[torch.cuda.Stream, ...]] = {}
+        self._iterators: weakref.WeakSet[PrefetchIter] = weakref.WeakSet()  # live epochs, closed by `close`
         self.epoch = 0
         self.sample_device = (self.device if self.device.type == "cuda" and graph.placement in ("unified", "cuda")
                               else torch.device("cpu"))
@@ -186,6 +131,17 @@ class NeighborLoader:
                 raise LoaderError("seeds contain duplicates; pass each node once (torch.unique(seeds))")
         self.seeds = seeds
 
+    def close(self) -> None:
+        """Stop and join the producer threads of every epoch still being iterated (idempotent)."""
+        for it in list(self._iterators):
+            it.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
     def __len__(self) -> int:
         n = self.seeds.numel()
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
@@ -205,7 +161,7 @@ class NeighborLoader:
         steps = [epoch * len(self) + i for i in range(len(batches))]
         if self.prefetch == 0:
             return (self._make(b, s) for b, s in zip(batches, steps))
-        return _PrefetchIter(self, list(zip(batches, steps)))
+        return PrefetchIter(self, list(zip(batches, steps)))
 
     # -- one batch ---------------------------------------------------------------------------
     def _make(self, seeds_cpu: torch.Tensor, step: int) -> Batch:
@@ -216,14 +172,14 @@ class NeighborLoader:
             batch._events[-1].synchronize()
         return batch
 
-    def _start(self, seeds_cpu: torch.Tensor, step: int) -> "_Started":
+    def _start(self, seeds_cpu: torch.Tensor, step: int) -> "Started":
         """Queue the sampling of one batch on the current stream (nothing waits yet)."""
-        sw = _Stopwatch()
+        sw = Stopwatch()
         seeds = seeds_cpu.to(self.sample_device, non_blocking=True)
         pending = self.sampler._launch(self.graph, seeds, step)
-        return _Started(seeds, step, pending, sw.wall(), sw.cpu(), sw.wait())
+        return Started(seeds, step, pending, sw.wall(), sw.cpu(), sw.wait())
 
-    def _collect(self, st: "_Started", gather_stream: torch.cuda.Stream | None) -> Batch:
+    def _collect(self, st: "Started", gather_stream: torch.cuda.Stream | None) -> Batch:
         """Wait for ``st``'s sample, then gather its features and labels.
 
         With ``gather_stream`` (the prefetching threads on the GPU path) the gather runs there and
@@ -231,7 +187,7 @@ class NeighborLoader:
         sampling; the batch carries the events the consumer's stream waits on.  Called on the
         sampling stream.
         """
-        sw = _Stopwatch()
+        sw = Stopwatch()
         blocks = st.pending.blocks()
         seeds = st.seeds
         t1 = time.perf_counter()
@@ -241,8 +197,8 @@ class NeighborLoader:
             gather_stream.wait_event(st.pending.event)
             with torch.cuda.stream(gather_stream):
                 # the sampled ids are < num_nodes = the tables' rows, so the kernels' bounds check is read
-                # later (`_GatherCheck`), not waited for here
-                flag = _ut().ErrorFlag()
+                # later (`GatherCheck`), not waited for here
+                flag = ErrorFlag()
                 src = blocks[0].src_nodes
                 x = gather_rows(self.features, src, flag) if self.features is not None else None
                 y = gather_rows(self.labels, seeds, flag) if self.labels is not None else None
@@ -250,7 +206,7 @@ class NeighborLoader:
                 seeds.record_stream(gather_stream)
                 events.append(torch.cuda.Event(blocking=True))
                 events[-1].record(gather_stream)
-                check = _GatherCheck(events[-1], flag, st.step)
+                check = GatherCheck(events[-1], flag, st.step)
         else:
             x = gather_rows(self.features, blocks[0].src_nodes) if self.features is not None else None
             y = gather_rows(self.labels, seeds) if self.labels is not None else None
@@ -275,7 +231,7 @@ class NeighborLoader:
         """Run the ``prepare`` hook (on ``prepare_stream``, after the batch's sampling stream work, if given)."""
         if self.prepare is None:
             return
-        sw = _Stopwatch()
+        sw = Stopwatch()
         if prepare_stream is not None:
             # no record_stream(prepare_stream) on the batch's tensors: the consumer's stream waits for this
             # stream's event before it uses them, and they are record_stream-ed there, so they outlive the
@@ -296,229 +252,3 @@ class NeighborLoader:
         sw.charge(batch, "gather")
 
 
-class _Stopwatch:
-    """Wall time, this thread's CPU time and its sleep in host syncs since construction (seconds)."""
-
-    def __init__(self) -> None:
-        self.t0, self.c0, self.w0 = time.perf_counter(), time.thread_time(), gpu_wait_seconds()
-
-    def wall(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def cpu(self) -> float:
-        return time.thread_time() - self.c0
-
-    def wait(self) -> float:
-        return gpu_wait_seconds() - self.w0
-
-    def charge(self, batch: Batch, stage: str) -> None:
-        """Add the elapsed times to ``batch``: wall to ``batch.<stage>_s``, CPU and sleep to the producer's."""
-        setattr(batch, f"{stage}_s", getattr(batch, f"{stage}_s") + self.wall())
-        batch.producer_cpu_s += self.cpu()
-        batch.producer_gpu_wait_s += self.wait()
-
-
-@dataclass
-class _Started:
-    """A batch whose sampling is queued (`NeighborLoader._start`)."""
-
-    seeds: torch.Tensor
-    step: int
-    pending: Any
-    sample_s: float
-    cpu_s: float
-    wait_s: float
-
-
-@dataclass
-class _GatherCheck:
-    """A batch's deferred bounds check: its gather's event and the flag the kernels write to."""
-
-    event: torch.cuda.Event
-    flag: Any
-    step: int
-
-    def done(self) -> bool:
-        return self.event.query()
-
-    def raise_if_bad(self) -> None:
-        """Wait for the gather (without the GIL) and raise `LoaderError` if it saw a bad index."""
-        self.event.synchronize()
-        try:
-            self.flag.raise_if_set()
-        except IndexError as exc:
-            raise LoaderError(f"batch {self.step}: the feature/label gather read an out-of-range node id "
-                              f"({exc}); the graph's indices do not match the tables' rows") from exc
-
-
-class _PrefetchIter:
-    """Prepares batches in background threads (each on its own CUDA stream) while the consumer trains.
-
-    Batch ``k`` is made by worker ``k % num_workers`` and read from that worker's queue, so the
-    batches arrive in order whatever the number of workers.
-    """
-
-    _DONE = object()
-
-    def __init__(self, loader: NeighborLoader, work: list[tuple[torch.Tensor, int]]) -> None:
-        self._loader = loader
-        self._n = len(work)
-        self._next = 0
-        self._stop = threading.Event()
-        self._cuda = loader.device.type == "cuda"
-        self.queue_wait_s = 0.0  # producers' time blocked on a full queue (waiting for the consumer)
-        k = max(1, min(loader.num_workers, len(work)))
-        self._queues: list[queue.Queue] = [queue.Queue(maxsize=loader.prefetch) for _ in range(k)]
-        self._threads = [
-            threading.Thread(target=self._run, args=(i, work[i::k]), daemon=True,
-                             name=f"datapath-neighbor-loader-{i}")
-            for i in range(k)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _put(self, q: queue.Queue, item: object) -> bool:
-        t0 = time.perf_counter()
-        try:
-            while not self._stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-        finally:
-            self.queue_wait_s += time.perf_counter() - t0  # float += under the GIL: fine for a statistic
-
-    def _streams(self, i: int) -> tuple[torch.cuda.Stream, ...]:
-        """Worker ``i``'s (sampling, gather, prepare) streams, made once per loader."""
-        loader = self._loader
-        streams = loader._streams.get(i)
-        if streams is None:
-            dev, prio = loader.device, loader.stream_priority
-            # the gather stream has the lowest priority: bulk PCIe reads
-            streams = (torch.cuda.Stream(dev, priority=prio), torch.cuda.Stream(dev), torch.cuda.Stream(dev, priority=prio))
-            loader._streams[i] = streams
-        return streams
-
-    def _run(self, i: int, work: list[tuple[torch.Tensor, int]]) -> None:
-        q = self._queues[i]
-        try:
-            if self._cuda:
-                torch.cuda.set_device(self._loader.device)
-                if self._loader._overlap_gather:
-                    self._run_pipelined(q, work, self._streams(i))
-                    return
-                stream = self._streams(i)[0]
-            for seeds, step in work:
-                if self._stop.is_set():
-                    return
-                if self._cuda:
-                    with torch.cuda.stream(stream):
-                        batch = self._loader._make(seeds, step)
-                else:
-                    batch = self._loader._make(seeds, step)
-                if not self._put(q, batch):
-                    return
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
-            self._put(q, exc)
-            return
-        self._put(q, self._DONE)
-
-    def _run_pipelined(self, q: queue.Queue, work: list[tuple[torch.Tensor, int]],
-                       streams: tuple[torch.cuda.Stream, ...]) -> None:
-        """The GPU producer: three streams, and the sampling of later batches queued before ``prepare``.
-
-        The sampling stream samples; the gather stream reads features and labels over PCIe; the
-        prepare stream runs the ``prepare`` hook.  The sampling of batch k + `SAMPLE_AHEAD` is queued
-        before batch k's ``prepare`` runs on the CPU, so the one wait for a batch's sizes
-        (`PendingSample.blocks`) mostly finds its kernels done instead of sleeping while they read
-        the graph over PCIe.  An error of a later batch reaches the consumer after the batches
-        before it.
-        """
-        loader = self._loader
-        sample_stream, gather_stream, prepare_stream = streams
-        if loader._gather_stream == "sample":
-            gather_stream = sample_stream
-        checks: list[_GatherCheck] = []
-        pending: collections.deque = collections.deque()
-
-        def launch(j: int) -> "_Started | BaseException":
-            with torch.cuda.stream(sample_stream):
-                try:
-                    return loader._start(*work[j])
-                except Exception as exc:  # noqa: BLE001 - raised when its turn comes
-                    return exc
-
-        for j in range(min(SAMPLE_AHEAD, len(work))):
-            pending.append(launch(j))
-        for k in range(len(work)):
-            if self._stop.is_set():
-                return
-            while checks and checks[0].done():
-                checks.pop(0).raise_if_bad()
-            st = pending.popleft()
-            if isinstance(st, BaseException):
-                raise st
-            with torch.cuda.stream(sample_stream):
-                batch = loader._collect(st, gather_stream)
-            j = k + SAMPLE_AHEAD
-            if j < len(work) and not any(isinstance(p, BaseException) for p in pending):
-                sw = _Stopwatch()
-                nxt = launch(j)
-                sw.charge(batch, "sample")  # batch j's sampling launch ran here: counted in this batch's times
-                if isinstance(nxt, _Started):
-                    nxt.sample_s = nxt.cpu_s = nxt.wait_s = 0.0
-                pending.append(nxt)
-            loader._prepare(batch, prepare_stream)
-            if batch._check is not None:
-                checks.append(batch._check)
-            if not self._put(q, batch):
-                return
-        for c in checks:
-            c.raise_if_bad()
-        self._put(q, self._DONE)
-
-    def __iter__(self) -> "_PrefetchIter":
-        return self
-
-    def __next__(self) -> Batch:
-        if self._stop.is_set() or self._next >= self._n:
-            self.close()
-            raise StopIteration
-        item = self._queues[self._next % len(self._queues)].get()
-        self._next += 1
-        if item is self._DONE:  # a worker ended early (stopped): nothing more comes in order
-            self.close()
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
-        batch: Batch = item
-        if self._cuda:
-            cur = torch.cuda.current_stream(self._loader.device)
-            for event in batch._events:
-                cur.wait_event(event)
-            for t in batch.tensors():
-                if t.device.type == "cuda":
-                    t.record_stream(cur)
-        return batch
-
-    def close(self) -> None:
-        """Stop the producer threads (called at the end, on errors, and when the iterator is dropped)."""
-        self._stop.set()
-        for q in self._queues:
-            while True:
-                try:
-                    q.get_nowait()
-                except queue.Empty:
-                    break
-        for t in self._threads:
-            if t.is_alive() and threading.current_thread() is not t:
-                t.join(timeout=10)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass

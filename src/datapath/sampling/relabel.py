@@ -1,6 +1,6 @@
 """Deduplicate node ids and relabel them in first-occurrence order, without host syncs.
 
-Used by both samplers (CPU and GPU give identical results).  Sizes stay on the
+Used by the CPU and GPU paths of `NeighborSampler` (CPU and GPU give identical results).  Sizes stay on the
 device, so a whole multi-layer sample runs without waiting for the GPU.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-from datapath.loaders import Graph, InvalidGraphError
+from datapath.graph import Graph, InvalidGraphError
 
 
 def _random_edges(n: int, e: int, seed: int) -> torch.Tensor:

@@ -12,20 +12,22 @@ import numpy as np
 import pytest
 import torch
 
-from datapath.loaders import NeighborLoader, NeighborSampler, SyntheticSpec, generate, load_dataset, train_epoch
-from datapath.loaders.distributed import (
+from datapath.apps import (
     DistContext,
     DistributedError,
-    DistributedNeighborLoader,
-    RankBatch,
     TrainConfig,
     global_mean_loss,
     init_distributed,
     launch,
     make_optimizer,
     shared_dataset,
-    train_worker,
+    train,
+    train_epoch,
 )
+from datapath.graph import SyntheticSpec, generate, load_dataset
+from datapath.loaders import DistributedNeighborLoader, LoaderError, NeighborLoader, RankBatch
+from datapath.memory import to_placement
+from datapath.sampling import NeighborSampler
 from datapath.nn.models import build_model
 from datapath.unified_tensor import shared_tables
 
@@ -63,20 +65,19 @@ def shm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _cfg(dataset_dir: Path) -> TrainConfig:
     return TrainConfig(dataset=str(dataset_dir), model="sage", epochs=2, batch_size=RANK_BATCH, fanouts=(6, 4),
                        hidden=32, dropout=0.0, lr=0.2, optimizer="sgd", device="cpu", seed=3, prefetch=1,
-                       return_state=True, evaluate=True, eval_nodes=200)
+                       return_state=True, eval_nodes=200)
 
 
 @pytest.fixture(scope="module")
 def two_rank_run(dataset_dir: Path, shm: Path) -> list[dict]:
     t0 = time.perf_counter()
-    res = launch(train_worker, 2, (_cfg(dataset_dir),))
+    res = launch(train, 2, (_cfg(dataset_dir),))
     assert time.perf_counter() - t0 < 60
     return res
 
 
 def _reference(dataset_dir: Path, cfg: TrainConfig, device: str = "cpu") -> tuple[dict, list[float]]:
     """One process, same model and seeds, batch = 2 x RANK_BATCH, plain NeighborLoader and mean loss."""
-    from datapath.loaders._placement import to_placement
 
     ds = load_dataset(dataset_dir)
     where = "unified" if device == "cuda" else "cpu"
@@ -156,14 +157,13 @@ def test_loader_splits_every_global_batch(dataset_dir: Path) -> None:
     # a last global batch smaller than the number of ranks is dropped on every rank
     small = DistributedNeighborLoader(ds.graph, ds.train_idx[:81], [2], 40, rank=1, world_size=2, **kw)
     assert len(small) == 1 and small.seeds_in(5) == 40
-    with pytest.raises(DistributedError, match="rank"):
+    with pytest.raises(LoaderError, match="rank"):
         DistributedNeighborLoader(ds.graph, ds.train_idx, [2], 4, rank=2, world_size=2, **kw)
 
 
 @pytest.mark.gpu
 def test_gpu_prefetching_rank_loader_gives_rank_batches(dataset_dir: Path) -> None:
     """The pipelined GPU producer makes `RankBatch`es too (the same as the CPU rank loader's)."""
-    from datapath.loaders._placement import to_placement
 
     ds = load_dataset(dataset_dir)
     cpu = DistributedNeighborLoader(ds.graph, ds.train_idx, [5, 3], 40, shuffle=True, rank=1, world_size=3,
@@ -229,7 +229,7 @@ def test_gpu_two_ranks_nccl_match_one_process(dataset_dir: Path, shm: Path) -> N
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     cfg = dataclasses.replace(_cfg(dataset_dir), device="cuda")
-    r0, r1 = launch(train_worker, 2, (cfg,))
+    r0, r1 = launch(train, 2, (cfg,))
     assert r0["backend"] == "nccl" and r1["device"] == "cuda:1"
     ref_state, ref_losses = _reference(dataset_dir, cfg, "cuda")  # one GPU, global batch
     got = [(a + b) / 2 for h in r0["history"] for a, b in zip(h["ranks"][0]["losses"], h["ranks"][1]["losses"])]

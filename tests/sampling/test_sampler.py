@@ -8,8 +8,8 @@ import pytest
 import torch
 from scipy import stats
 
-from datapath.loaders import Graph, LoaderError, NeighborSampler
-from datapath.loaders._relabel import relabel, relabel_dense
+from datapath.graph import Graph
+from datapath.sampling import NeighborSampler, SamplingError, relabel, relabel_dense
 
 
 def _random_graph(n: int, e: int, seed: int, idx_dtype=torch.int32, ptr_dtype=torch.int64) -> Graph:
@@ -169,13 +169,13 @@ def test_relabel_matches_dense_and_first_occurrence() -> None:
 
 def test_bad_arguments() -> None:
     graph = _random_graph(50, 200, 6)
-    with pytest.raises(LoaderError, match="fanouts"):
+    with pytest.raises(SamplingError, match="fanouts"):
         NeighborSampler([0])
-    with pytest.raises(LoaderError, match="seed ids"):
+    with pytest.raises(SamplingError, match="seed ids"):
         NeighborSampler([2]).sample(graph, torch.tensor([0, 50]))
-    with pytest.raises(LoaderError, match="int32 or int64"):
+    with pytest.raises(SamplingError, match="int32 or int64"):
         NeighborSampler([2]).sample(graph, torch.tensor([0.0]))
-    with pytest.raises(LoaderError, match="replace"):
+    with pytest.raises(SamplingError, match="replace"):
         NeighborSampler([-1], replace=True).sample(graph, torch.tensor([1]))
 
 
@@ -201,5 +201,5 @@ def test_gpu_equals_cpu(cuda_device, ptr_dtype, idx_dtype, where, replace) -> No
 @pytest.mark.gpu
 def test_gpu_rejects_pageable_graph(cuda_device) -> None:
     graph = _random_graph(100, 500, 9)
-    with pytest.raises(LoaderError, match="unified"):
+    with pytest.raises(SamplingError, match="unified"):
         NeighborSampler([3]).sample(graph, torch.arange(4, device=cuda_device))

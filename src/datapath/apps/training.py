@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from datapath.loaders.errors import CudaAutogradUnavailableError
-from datapath.loaders.loader import Batch, NeighborLoader
+from datapath.apps.errors import CudaAutogradUnavailableError
+from datapath.loaders import Batch, NeighborLoader
 
 LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
 

@@ -20,7 +20,7 @@ def test_default_job_learns(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "dataset tiny" in text and "test accuracy" in text and "sample" in text and "CPU" in text
     assert res["dataset"] == "tiny" and len(res["epochs"]) == 2
-    first, last = res["epochs"]
+    first, last = (e["aggregate"] for e in res["epochs"])
     assert last["loss"] < first["loss"]
     assert last["val_acc"] > 0.5 and res["test_acc"] > 0.5  # chance is 1/8
     assert last["epoch_s"] > 0 and last["cpu_s"] > 0 and last["batches"] == 20
@@ -30,7 +30,7 @@ def test_gat_and_dataset_directory(tmp_path) -> None:
     assert main(["prepare-dataset", "tiny", str(tmp_path / "tiny"), "--device", "cpu"]) == 0
     res = _run(tmp_path, "--dataset", str(tmp_path / "tiny"), "--model", "gat", "--epochs", "1",
                "--max-batches", "8", "--fanouts", "5,5", "--device", "cpu", "--features-on", "unified")
-    assert res["model"] == "gat" and res["epochs"][0]["batches"] == 8
+    assert res["model"] == "gat" and res["epochs"][0]["aggregate"]["batches"] == 8
     assert res["test_acc"] > 0.25
 
 
@@ -42,6 +42,6 @@ def test_cpu_device_rejects_cuda_placement(tmp_path, capsys) -> None:
 @pytest.mark.parametrize("features_on", ["unified", "cuda", "cpu"])
 def test_gpu_job(tmp_path, features_on) -> None:
     res = _run(tmp_path, "--epochs", "2", "--features-on", features_on)
-    assert res["device"] == "cuda" and res["epochs"][-1]["peak_gpu_bytes"] > 0
+    assert res["device"] == "cuda" and res["epochs"][-1]["aggregate"]["peak_gpu_bytes"] > 0
     assert res["test_acc"] > 0.5
     assert torch.cuda.is_available()

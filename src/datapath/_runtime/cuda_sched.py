@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-log = logging.getLogger("datapath.loaders.cuda_sched")
+log = logging.getLogger("datapath.runtime.cuda_sched")
 
 _CU_CTX_SCHED_BLOCKING_SYNC = 0x04
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from datapath.loaders import (
+from datapath.graph import (
     PRESETS,
     DatasetError,
     SyntheticSpec,

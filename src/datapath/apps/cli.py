@@ -1,0 +1,128 @@
+"""``datapath train-gnn`` (the main job) and ``datapath prepare-dataset``: argument parsing only.
+
+The work is `datapath.apps.train_gnn.run_training` and `datapath.graph.prepare_dataset`;
+every argument is checked (types, ranges, output paths) before any of it starts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _fanouts(text: str) -> tuple[int, ...]:
+    """``"15,10,5"`` -> (15, 10, 5); argparse turns the ValueError into one clear line."""
+    try:
+        out = tuple(int(f) for f in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 15,10,5, got {text!r}") from None
+    if any(f == 0 or f < -1 for f in out):
+        raise argparse.ArgumentTypeError(f"each fanout must be a positive integer (or -1 for all), got {text!r}")
+    return out
+
+
+def _positive(kind: type, minimum: float = 1) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return v
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "train-gnn",
+        help="train GraphSAGE or GAT with GPU neighbor sampling and zero-copy feature loading",
+        description="Mini-batch GNN node classification. With no arguments: GraphSAGE on the built-in "
+                    "'tiny' dataset (generated in a second), on the GPU when there is one, else the CPU.",
+    )
+    p.add_argument("--dataset", default="tiny",
+                   help="preset (tiny, reddit, products, papers) or a directory from prepare-dataset [tiny]")
+    p.add_argument("--model", choices=("sage", "gat"), default="sage", help="GNN [sage]")
+    p.add_argument("--epochs", type=_positive(int, 0), default=4, help="epochs [4]")
+    p.add_argument("--batch-size", type=_positive(int), default=512, help="seed nodes per batch (per GPU) [512]")
+    p.add_argument("--fanouts", type=_fanouts, default=(10, 5),
+                   help="neighbours per hop, seeds first; one layer per hop [10,5]")
+    p.add_argument("--hidden", type=_positive(int), default=128, help="hidden width [128]")
+    p.add_argument("--heads", type=_positive(int), default=4, help="GAT attention heads [4]")
+    p.add_argument("--dropout", type=float, default=0.3, help="dropout [0.3]")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate [3e-3]")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="optimizer [adam]")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="where to train [cuda if available]")
+    p.add_argument("--features-on", choices=("unified", "cuda", "cpu"), default=None,
+                   help="where node features and labels live: unified (pinned host memory read by the GPU, "
+                        "zero copy), cuda (GPU memory), cpu (pageable; CPU gather + copy) [unified]")
+    p.add_argument("--graph-on", choices=("unified", "cuda", "cpu"), default=None,
+                   help="where the graph lives; unified/cuda sample on the GPU, cpu on the CPU [as --features-on]")
+    p.add_argument("--max-batches", type=_positive(int), default=None, help="stop each epoch after this many batches")
+    p.add_argument("--eval-nodes", type=_positive(int, 0), default=10_000,
+                   help="validation/test nodes evaluated (0: no evaluation) [10000]")
+    p.add_argument("--memory-gb", type=_positive(float, 1e-9), default=None,
+                   help="host-memory budget of the papers preset")
+    p.add_argument("--seed", type=int, default=0, help="seed of data, sampling and model [0]")
+    p.add_argument("--prefetch", type=_positive(int, 0), default=1, help="batches prepared ahead by a background "
+                                                                         "thread [1]")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--gpus", type=_positive(int), default=None,
+                   help="data parallel: spawn N processes, one per GPU (N CPU processes with gloo on a machine "
+                        "without CUDA), DDP over one shared host copy of graph and features; --batch-size is "
+                        "then per process (global batch = N x batch). Under torchrun the job's processes are used "
+                        "(RANK/WORLD_SIZE/LOCAL_RANK); --gpus may be left out")
+    p.add_argument("--json", type=Path, default=None, help="also write the per-epoch numbers to this JSON file")
+    p.set_defaults(func=train_gnn)
+
+    q = sub.add_parser("prepare-dataset", help="generate a synthetic dataset preset into a directory of .npy files",
+                       description="Write preset NAME (tiny, reddit, products, papers) to DIR; "
+                                   "`datapath train-gnn --dataset DIR` then loads it memory-mapped. The dataset is "
+                                   "written into a temporary sibling directory and renamed into place when complete.")
+    q.add_argument("name", help="tiny, reddit, products or papers")
+    q.add_argument("directory", type=Path)
+    q.add_argument("--memory-gb", type=_positive(float, 1e-9), default=None,
+                   help="papers only: host memory for features + graph [a quarter of RAM]")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--device", choices=("cuda", "cpu"), default=None, help="where to generate [cuda if available]")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing dataset in DIRECTORY")
+    q.set_defaults(func=prepare)
+
+
+def prepare(args: argparse.Namespace) -> int:
+    from datapath.graph import prepare_dataset  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    d = prepare_dataset(args.name, args.directory, memory_gb=args.memory_gb, seed=args.seed, device=args.device,
+                        overwrite=args.overwrite)
+    meta = json.loads((d / "meta.json").read_text())
+    print(f"wrote {meta['name']} to {d}: {meta['num_nodes']:,} nodes, {meta['num_edges']:,} edges, "
+          f"{meta['num_features']} features, {meta['num_classes']} classes ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def train_gnn(args: argparse.Namespace) -> int:
+    from datapath.apps.train_gnn import TrainConfig, run_training  # noqa: PLC0415
+
+    cfg = TrainConfig(dataset=args.dataset, model=args.model, epochs=args.epochs, batch_size=args.batch_size,
+                      fanouts=tuple(args.fanouts), hidden=args.hidden, heads=args.heads, dropout=args.dropout,
+                      lr=args.lr, optimizer=args.optimizer, device=args.device, features_on=args.features_on,
+                      graph_on=args.graph_on, max_batches=args.max_batches, eval_nodes=args.eval_nodes,
+                      memory_gb=args.memory_gb, seed=args.seed, prefetch=args.prefetch,
+                      progress=not args.no_progress, json=str(args.json) if args.json is not None else None)
+    cfg.validate()
+    if args.device == "cuda":
+        from datapath._runtime.device import require_cuda  # noqa: PLC0415
+
+        require_cuda("train-gnn --device cuda")
+    if not Path(args.dataset).is_dir():
+        from datapath.graph import PRESETS  # noqa: PLC0415
+
+        if args.dataset not in PRESETS and args.dataset != "papers":
+            raise ValueError(f"--dataset {args.dataset!r} is neither a dataset directory nor a preset "
+                             f"({', '.join(sorted([*PRESETS, 'papers']))})")
+    run_training(cfg, args.gpus)
+    return 0

@@ -1,0 +1,219 @@
+"""Starting and joining a data-parallel job: torchrun's variables, or processes spawned by `launch`.
+
+    ctx = init_distributed()                      # under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*)
+    results = launch(fn, nprocs=2, args=(cfg,))   # or: spawn the job's processes from here
+
+Each process calls `init_distributed`, which joins the process group (NCCL on GPUs,
+gloo on CPUs) and makes SIGTERM unwind through the interpreter's normal shutdown, so
+shared tables and offload files are removed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import secrets
+import signal
+import socket
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from datapath._runtime.cuda_sched import use_blocking_sync
+from datapath._runtime.device import require_cuda
+from datapath.apps.errors import DistributedError
+
+log = logging.getLogger("datapath.apps.launch")
+
+PREFIX_ENV = "DATAPATH_SHARE_PREFIX"
+
+
+# -- process group -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process stands in the job.
+
+    ``device``: ``cuda:<local_rank>`` on a GPU machine, else ``cpu``; ``backend``: nccl or gloo.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op with one process)."""
+        if self.world_size > 1:
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    try:
+        return default if v in (None, "") else int(v)
+    except ValueError as exc:
+        raise DistributedError(f"environment variable {name}={v!r} is not an integer") from exc
+
+
+def in_launched_job() -> bool:
+    """True inside a process started by torchrun or `launch` (RANK, WORLD_SIZE and LOCAL_RANK are set)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(device: str | None = None, backend: str | None = None,
+                     timeout_s: float = 1800.0) -> DistContext:
+    """Join the job described by RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (torchrun's variables).
+
+    Without them: a one-process job.  ``device``: ``"cuda"`` (GPU ``LOCAL_RANK``; NCCL)
+    or ``"cpu"`` (gloo); default cuda when available.  Also makes SIGTERM exit through
+    the interpreter's normal shutdown, so shared tables and offload files are removed.
+    """
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    if not 0 <= rank < world:
+        raise DistributedError(f"RANK={rank} must lie in [0, WORLD_SIZE={world})")
+    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    if use_cuda:
+        if not torch.cuda.is_available():
+            require_cuda("distributed training with device='cuda'")
+        if local_rank >= torch.cuda.device_count():
+            raise DistributedError(f"LOCAL_RANK={local_rank} but this machine has {torch.cuda.device_count()} "
+                                   f"GPUs; start at most one process per GPU")
+        use_blocking_sync(local_rank)
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    _exit_on_sigterm()
+    if world > 1 and not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            raise DistributedError("MASTER_PORT is not set; start the job with torchrun or datapath's launch()")
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    return DistContext(rank, world, local_rank, local_world, dev, backend)
+
+
+def _exit_on_sigterm() -> None:
+    def handler(signum: int, frame: Any) -> None:  # noqa: ARG001
+        raise SystemExit(128 + signum)  # unwinds: finally blocks and atexit handlers run
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        pass
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group (if any)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_gather_objects(ctx: DistContext, obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (a one-element list with one process)."""
+    if ctx.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# -- launching ---------------------------------------------------------------------------------
+def _entry(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, port: int,
+           outdir: str, prefix: str) -> None:
+    os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(local_rank),
+                      LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ[PREFIX_ENV] = prefix
+    _exit_on_sigterm()
+    try:
+        result = fn(*args)
+        with open(os.path.join(outdir, f"rank{local_rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        shutdown_distributed()
+
+
+def launch(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *,
+           prefix: str | None = None, grace_period: float = 10.0) -> list[Any]:
+    """Run ``fn(*args)`` in ``nprocs`` fresh processes (spawned) forming one job; return their results by rank.
+
+    Each process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT (as under torchrun; ``fn`` calls `init_distributed`) and
+    ``DATAPATH_SHARE_PREFIX`` = ``prefix``, which names the job's shared tables.
+    ``fn`` must be importable (a module-level function) and its result picklable.
+    When a process fails, the others get ``grace_period`` seconds to finish, then
+    SIGTERM, then after another ``grace_period`` SIGKILL (a rank blocked in a
+    collective cannot run its SIGTERM handler); every shared table of the job is
+    removed, and `DistributedError` carries the failing rank's traceback.
+    """
+    import torch.multiprocessing as mp  # noqa: PLC0415
+    from torch.multiprocessing.spawn import ProcessException  # noqa: PLC0415
+
+    from datapath.unified_tensor import shared_tables, unlink  # noqa: PLC0415
+
+    if nprocs < 1:
+        raise DistributedError(f"nprocs must be >= 1, got {nprocs}")
+    prefix = prefix or new_prefix()
+    with tempfile.TemporaryDirectory(prefix="datapath-launch-") as outdir:
+        try:
+            pctx = mp.start_processes(_entry, args=(fn, args, nprocs, _free_port(), outdir, prefix),
+                                      nprocs=nprocs, join=False, start_method="spawn")
+            while not pctx.join(grace_period=grace_period):
+                pass
+        except ProcessException as exc:
+            raise DistributedError(_failure_report(pctx, exc, nprocs)) from None
+        finally:
+            for name in shared_tables():
+                if name.startswith(prefix + "."):
+                    unlink(name)
+                    log.debug("removed shared table %s", name)
+        results = []
+        for r in range(nprocs):
+            with open(os.path.join(outdir, f"rank{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+    return results
+
+
+def _failure_report(pctx: Any, exc: Exception, nprocs: int) -> str:
+    """What every failed rank said (its traceback), the first failure first."""
+    first = getattr(exc, "error_index", None)
+    parts = {}
+    for i, path in enumerate(getattr(pctx, "error_files", [])):
+        try:
+            with open(path, "rb") as f:
+                parts[i] = pickle.load(f)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            continue
+    if first is not None and first not in parts:
+        parts[first] = str(exc)
+    ranks = sorted(parts, key=lambda r: (r != first, r))
+    body = "".join(f"\n-- rank {r}:\n{parts[r].strip()}\n" for r in ranks)
+    return (f"rank {first} of {nprocs} failed (the others were stopped); ranks that raised: "
+            f"{', '.join(map(str, sorted(parts)))}{body}")
+
+
+def new_prefix() -> str:
+    """A fresh name prefix for one job's shared tables."""
+    return f"job{os.getpid()}-{secrets.token_hex(3)}"

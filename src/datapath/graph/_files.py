@@ -1,0 +1,171 @@
+"""Dataset and graph files: ``.npy`` reads that name the file on any error, and directories written all at once.
+
+Directories are written into a temporary sibling, fsynced, then swapped into place.
+
+A reader of the target sees either the old directory or the complete new one, never a
+mix: the new one is built under ``.<name>.tmp-<pid>-<token>`` beside the target and
+exchanged with it by ``renameat2(RENAME_EXCHANGE)`` (one atomic step on Linux), or, where
+that call is missing, renamed in two steps (a crash between them leaves the target
+missing and both copies beside it, which `load_dataset` reports by name).  A crash
+before the swap leaves the old directory untouched; the temporary sibling is removed by
+the next write into the same target.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from datapath.graph.errors import DatasetError
+
+log = logging.getLogger("datapath.graph.files")
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def fsync_tree(d: Path) -> None:
+    """fsync every file in ``d`` and ``d`` itself (the data and the names are on disk)."""
+    for p in d.iterdir():
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(d)
+
+
+def fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap the names ``a`` and ``b`` (Linux renameat2); False where the call is unavailable."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL / ENOSYS / EOPNOTSUPP: the filesystem cannot exchange
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _stale_siblings(target: Path) -> list[Path]:
+    prefix = f".{target.name}.tmp-"
+    return [p for p in target.parent.glob(f"{prefix}*")
+            if not _owner_alive(p.name[len(prefix):].split("-", 1)[0])]
+
+
+def _owner_alive(pid_text: str) -> bool:
+    try:
+        os.kill(int(pid_text), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def atomic_directory(target: Path, overwrite: bool, what: str = "directory") -> Iterator[Path]:
+    """Yield a fresh temporary sibling of ``target``; on success swap it into place (see module docstring).
+
+    Raises ``FileExistsError`` if ``target`` exists, is not empty and ``overwrite`` is False, and
+    ``NotADirectoryError`` if it is a file.  On an exception the temporary directory is removed and
+    ``target`` is left as it was.
+    """
+    target = Path(target).absolute()
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"cannot write a {what} to {target}: it is a file")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise FileExistsError(f"{target} exists and is not empty; pass overwrite=True (--overwrite) to replace "
+                              f"the {what} in it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in _stale_siblings(target):
+        log.info("removing %s, left by an interrupted write", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        if target.exists():
+            if _exchange(tmp, target):
+                fsync_dir(target.parent)
+                shutil.rmtree(tmp)  # now the old directory
+                return
+            old = target.parent / f".{target.name}.tmp-{os.getpid()}-old-{secrets.token_hex(4)}"
+            os.rename(target, old)
+            os.rename(tmp, target)
+            fsync_dir(target.parent)
+            shutil.rmtree(old)
+            return
+        os.rename(tmp, target)
+        fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_npy(path: Path, mmap: bool = True) -> np.ndarray:
+    """``np.load`` of ``path`` (memory-mapped copy-on-write by default); any failure is a `DatasetError` naming it."""
+    try:
+        return np.load(path, mmap_mode="c" if mmap else None, allow_pickle=False)
+    except FileNotFoundError:
+        raise DatasetError(f"{path} is missing; the dataset is incomplete: re-create it with prepare-dataset") from None
+    except (ValueError, OSError, EOFError) as exc:
+        raise DatasetError(f"{path} cannot be read as a .npy array ({exc}); the file is truncated or corrupt: "
+                           f"re-create the dataset with prepare-dataset") from exc
+
+
+def save_npy(path: Path, array: np.ndarray) -> None:
+    """Write ``array`` to ``path`` through a temporary file renamed into place (never a half-written file)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, array, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def manifest(d: Path, names: list[str]) -> dict[str, Any]:
+    """``{name: {"bytes": size}}`` of the files ``names`` in ``d`` (what `check_manifest` verifies)."""
+    return {n: {"bytes": (d / n).stat().st_size} for n in names if (d / n).is_file()}
+
+
+def check_manifest(d: Path, files: dict[str, Any]) -> None:
+    """Raise `DatasetError` naming the first file of ``files`` that is missing or of another size."""
+    for name, info in sorted(files.items()):
+        p = d / name
+        if not p.is_file():
+            raise DatasetError(f"{p} is missing (meta.json lists it); the dataset is incomplete: re-create it "
+                               f"with prepare-dataset")
+        size = p.stat().st_size
+        if size != int(info["bytes"]):
+            raise DatasetError(f"{p} has {size:,} bytes but meta.json recorded {int(info['bytes']):,}; the dataset "
+                               f"is incomplete or was modified: re-create it with prepare-dataset")

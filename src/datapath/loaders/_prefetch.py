@@ -1,0 +1,258 @@
+"""The loader's background producers: batches made in threads on side CUDA streams, handed over in order.
+
+The threads run a `_Producer`, which holds the loader and the queues but not the
+iterator the consumer holds: when the consumer drops or closes the iterator (a
+``break`` out of ``for batch in loader``), the producers are told to stop and are
+joined, so no thread outlives the loop that used it.
+"""
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from datapath._runtime.pinned import gpu_wait_seconds
+from datapath.loaders.batch import Batch, GatherCheck
+
+if TYPE_CHECKING:
+    from datapath.loaders.loader import NeighborLoader
+
+SAMPLE_AHEAD = 2
+"""Batches whose sampling the GPU producer keeps queued ahead of the one it prepares."""
+
+_DONE = object()
+
+
+class Stopwatch:
+    """Wall time, this thread's CPU time and its sleep in host syncs since construction (seconds)."""
+
+    def __init__(self) -> None:
+        self.t0, self.c0, self.w0 = time.perf_counter(), time.thread_time(), gpu_wait_seconds()
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def cpu(self) -> float:
+        return time.thread_time() - self.c0
+
+    def wait(self) -> float:
+        return gpu_wait_seconds() - self.w0
+
+    def charge(self, batch: Batch, stage: str) -> None:
+        """Add the elapsed times to ``batch``: wall to ``batch.<stage>_s``, CPU and sleep to the producer's."""
+        setattr(batch, f"{stage}_s", getattr(batch, f"{stage}_s") + self.wall())
+        batch.producer_cpu_s += self.cpu()
+        batch.producer_gpu_wait_s += self.wait()
+
+
+@dataclass
+class Started:
+    """A batch whose sampling is queued (`NeighborLoader._start`)."""
+
+    seeds: torch.Tensor
+    step: int
+    pending: Any
+    sample_s: float
+    cpu_s: float
+    wait_s: float
+
+
+
+class _Producer:
+    """The producer threads' side: the loader, one queue per worker, and the stop flag.
+
+    Worker ``i`` makes batches ``i, i + k, i + 2k, ...`` and puts them into queue ``i``; the
+    consumer reads the queues round-robin, so batches arrive in order however many workers.
+    """
+
+    def __init__(self, loader: "NeighborLoader", work: list[tuple[torch.Tensor, int]]) -> None:
+        self.loader = loader
+        self.stop = threading.Event()
+        self.cuda = loader.device.type == "cuda"
+        self.queue_wait_s = 0.0  # producers' time blocked on a full queue (waiting for the consumer)
+        k = max(1, min(loader.num_workers, len(work)))
+        self.queues: list[queue.Queue] = [queue.Queue(maxsize=loader.prefetch) for _ in range(k)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(i, work[i::k]), daemon=True,
+                             name=f"datapath-neighbor-loader-{i}")
+            for i in range(k)
+        ]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def close(self) -> None:
+        """Stop the workers, drop what they queued, and join them (idempotent)."""
+        self.stop.set()
+        for q in self.queues:
+            while True:
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    break
+        for t in self.threads:
+            if t.is_alive() and threading.current_thread() is not t:
+                t.join(timeout=30)
+
+    def _put(self, q: queue.Queue, item: object) -> bool:
+        t0 = time.perf_counter()
+        try:
+            while not self.stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+        finally:
+            self.queue_wait_s += time.perf_counter() - t0  # float += under the GIL: fine for a statistic
+
+    def _streams(self, i: int) -> tuple[torch.cuda.Stream, ...]:
+        """Worker ``i``'s (sampling, gather, prepare) streams, made once per loader."""
+        loader = self.loader
+        streams = loader._streams.get(i)
+        if streams is None:
+            dev, prio = loader.device, loader.stream_priority
+            # the gather stream has the lowest priority: bulk PCIe reads
+            streams = (torch.cuda.Stream(dev, priority=prio), torch.cuda.Stream(dev),
+                       torch.cuda.Stream(dev, priority=prio))
+            loader._streams[i] = streams
+        return streams
+
+    def _run(self, i: int, work: list[tuple[torch.Tensor, int]]) -> None:
+        q = self.queues[i]
+        try:
+            if self.cuda:
+                torch.cuda.set_device(self.loader.device)
+                if self.loader._overlap_gather:
+                    self._run_pipelined(q, work, self._streams(i))
+                    return
+                stream = self._streams(i)[0]
+            for seeds, step in work:
+                if self.stop.is_set():
+                    return
+                if self.cuda:
+                    with torch.cuda.stream(stream):
+                        batch = self.loader._make(seeds, step)
+                else:
+                    batch = self.loader._make(seeds, step)
+                if not self._put(q, batch):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            self._put(q, exc)
+            return
+        self._put(q, _DONE)
+
+    def _run_pipelined(self, q: queue.Queue, work: list[tuple[torch.Tensor, int]],
+                       streams: tuple[torch.cuda.Stream, ...]) -> None:
+        """The GPU producer: three streams, and the sampling of later batches queued before ``prepare``.
+
+        The sampling stream samples; the gather stream reads features and labels over PCIe; the
+        prepare stream runs the ``prepare`` hook.  The sampling of batch k + `SAMPLE_AHEAD` is queued
+        before batch k's ``prepare`` runs on the CPU, so the one wait for a batch's sizes
+        (`PendingSample.blocks`) mostly finds its kernels done instead of sleeping while they read
+        the graph over PCIe.  An error of a later batch reaches the consumer after the batches
+        before it.
+        """
+        loader = self.loader
+        sample_stream, gather_stream, prepare_stream = streams
+        if loader._gather_stream == "sample":
+            gather_stream = sample_stream
+        checks: list[GatherCheck] = []
+        pending: collections.deque = collections.deque()
+
+        def launch(j: int) -> "Started | BaseException":
+            with torch.cuda.stream(sample_stream):
+                try:
+                    return loader._start(*work[j])
+                except Exception as exc:  # noqa: BLE001 - raised when its turn comes
+                    return exc
+
+        for j in range(min(SAMPLE_AHEAD, len(work))):
+            pending.append(launch(j))
+        for k in range(len(work)):
+            if self.stop.is_set():
+                return
+            while checks and checks[0].done():
+                checks.pop(0).raise_if_bad()
+            st = pending.popleft()
+            if isinstance(st, BaseException):
+                raise st
+            with torch.cuda.stream(sample_stream):
+                batch = loader._collect(st, gather_stream)
+            j = k + SAMPLE_AHEAD
+            if j < len(work) and not any(isinstance(p, BaseException) for p in pending):
+                sw = Stopwatch()
+                nxt = launch(j)
+                sw.charge(batch, "sample")  # batch j's sampling launch ran here: counted in this batch's times
+                if isinstance(nxt, Started):
+                    nxt.sample_s = nxt.cpu_s = nxt.wait_s = 0.0
+                pending.append(nxt)
+            loader._prepare(batch, prepare_stream)
+            if batch._check is not None:
+                checks.append(batch._check)
+            if not self._put(q, batch):
+                return
+        for c in checks:
+            c.raise_if_bad()
+        self._put(q, _DONE)
+
+
+class PrefetchIter:
+    """One epoch of batches made by background threads (`_Producer`) while the consumer trains.
+
+    Dropping the iterator (or `close`, or the end of the epoch, or an error) stops and joins its
+    threads.
+    """
+
+    def __init__(self, loader: "NeighborLoader", work: list[tuple[torch.Tensor, int]]) -> None:
+        self._producer = _Producer(loader, work)
+        self._n = len(work)
+        self._next = 0
+        self._cuda = self._producer.cuda
+        self._device = loader.device
+        self._finalizer = weakref.finalize(self, _Producer.close, self._producer)
+        loader._iterators.add(self)
+        self._producer.start()
+
+    @property
+    def queue_wait_s(self) -> float:
+        """Seconds the producers spent blocked on a full queue (ahead of the consumer)."""
+        return self._producer.queue_wait_s
+
+    def __iter__(self) -> "PrefetchIter":
+        return self
+
+    def __next__(self) -> Batch:
+        if self._producer.stop.is_set() or self._next >= self._n:
+            self.close()
+            raise StopIteration
+        queues = self._producer.queues
+        item = queues[self._next % len(queues)].get()
+        self._next += 1
+        if item is _DONE:  # a worker ended early (stopped): nothing more comes in order
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        batch: Batch = item
+        if self._cuda:
+            cur = torch.cuda.current_stream(self._device)
+            for event in batch._events:
+                cur.wait_event(event)
+            for t in batch.tensors():
+                if t.device.type == "cuda":
+                    t.record_stream(cur)
+        return batch
+
+    def close(self) -> None:
+        """Stop and join the producer threads (idempotent; also when the iterator is dropped)."""
+        self._finalizer()
