@@ -129,22 +129,15 @@ def device_registered() -> bool:
     return bool(_library)
 
 
-def _wants_unified(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    dev = args[0] if args else kwargs.get("device")
-    if dev.__class__ is str:
-        return dev.startswith(NAME)
-    return isinstance(dev, torch.device) and dev.type == NAME
-
-
-def _wants_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    dev = args[0] if args else kwargs.get("device")
-    if dev.__class__ is str:
-        return dev == "cpu"
-    return isinstance(dev, torch.device) and dev.type == "cpu"
-
-
 def install_to_unified() -> None:
-    """Make ``Tensor.to("unified")`` and ``Tensor.is_unified`` work (no device registration needed)."""
+    """Make ``Tensor.to("unified")`` and ``Tensor.is_unified`` work (no device registration needed).
+
+    ``Tensor.to`` is wrapped once per process.  PyTorch's own ``to`` runs first; only when it
+    rejects the device string (``"unified"`` is no device PyTorch knows until `register_device`)
+    does the wrapper look at the arguments.  So a call that does not name the unified device
+    pays for one Python call around the C method: about 0.2-0.5 us (``benchmarks/tensor_to.py``
+    measures it per call form).  ``UnifiedTensor.to`` handles the unified tensor's own moves.
+    """
     from datapath.unified_tensor.tensor import UnifiedTensor, to_unified  # noqa: PLC0415
 
     if getattr(torch.Tensor.to, "_datapath_routed", False):
@@ -152,21 +145,34 @@ def install_to_unified() -> None:
     orig_to = torch.Tensor.to
 
     def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if args or "device" in kwargs:
-            if _wants_unified(args, kwargs):
-                dtype = kwargs.get("dtype")
-                if dtype is None and len(args) > 1 and isinstance(args[1], torch.dtype):
-                    dtype = args[1]
-                return to_unified(self, dtype)
-            if isinstance(self, UnifiedTensor) and _wants_cpu(args, kwargs):
-                # PyTorch would hand back the same tensor ("already on the CPU"); give a plain copy
-                return orig_to(self.cpu(), *args, **kwargs)
-        return orig_to(self, *args, **kwargs)
+        if _library and _names_unified(args, kwargs):  # registered: PyTorch would parse "unified" itself
+            return _to_unified(self, args, kwargs, to_unified)
+        try:
+            return orig_to(self, *args, **kwargs)
+        except RuntimeError:
+            if not _names_unified(args, kwargs):
+                raise
+        return _to_unified(self, args, kwargs, to_unified)
 
     to._datapath_routed = True  # type: ignore[attr-defined]
     to.__doc__ = orig_to.__doc__
     torch.Tensor.to = to  # type: ignore[method-assign]
     _set_is_unified(UnifiedTensor)
+
+
+def _names_unified(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """True when a ``to(...)`` call's device argument is the unified device."""
+    dev = args[0] if args else kwargs.get("device")
+    if dev.__class__ is str:
+        return dev == NAME or dev.startswith(NAME + ":")
+    return isinstance(dev, torch.device) and dev.type == NAME
+
+
+def _to_unified(t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], to_unified: Any) -> Any:
+    dtype = kwargs.get("dtype")
+    if dtype is None and len(args) > 1 and isinstance(args[1], torch.dtype):
+        dtype = args[1]
+    return to_unified(t, dtype)
 
 
 def _set_is_unified(cls: type) -> None:

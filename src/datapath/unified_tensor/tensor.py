@@ -100,6 +100,15 @@ class UnifiedTensor(torch.Tensor):
         """A plain CPU tensor with a copy of the data (as ``cuda_t.cpu()`` gives)."""
         return self._host.clone(memory_format=memory_format)
 
+    def to(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102 - torch.Tensor.to, with the unified rules
+        dev = args[0] if args else kwargs.get("device")
+        if dev.__class__ is str:
+            dev = torch.device(dev) if not dev.startswith("unified") else dev
+        if isinstance(dev, torch.device) and dev.type == "cpu":
+            # PyTorch would hand back this very tensor (its device reads cpu): give a plain CPU copy
+            return self.cpu().to(*args, **kwargs)
+        return torch.Tensor.to(self, *args, **kwargs)
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         body = repr(self._host)
         where = f"device='{self.device}'" if self.device.type == "unified" else "unified"
