@@ -116,3 +116,99 @@ def test_presets_and_papers_scaling() -> None:
         preset_spec("cora")
     with pytest.raises(DatasetError, match="too small"):
         papers_spec(1e-6)
+
+
+_OVERWRITE_THEN_HANG = r"""
+import sys, time
+import datapath.graph.synthetic as synthetic
+from datapath.graph import prepare_dataset
+
+real = synthetic.generate
+
+def slow_generate(*args, **kwargs):
+    ds = real(*args, **kwargs)  # the new features are already in the (temporary) features.npy
+    print("generated", flush=True)
+    time.sleep(120)  # killed here
+    return ds
+
+synthetic.generate = slow_generate
+prepare_dataset("tiny", sys.argv[1], seed=0, device="cpu", progress=False, overwrite=True)
+"""
+
+
+def test_an_overwrite_killed_midway_leaves_the_old_dataset(tmp_path) -> None:
+    """The data-loss case: prepare-dataset into a directory that holds a dataset, killed with SIGKILL."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    d = tmp_path / "D"
+    prepare_dataset("tiny", d, seed=1, device="cpu", progress=False)
+    before = load_dataset(d)
+    old_x = before.features[:50].clone()
+    src = Path(__file__).resolve().parents[2] / "src"
+    proc = subprocess.Popen([sys.executable, "-c", _OVERWRITE_THEN_HANG, str(d)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(src)})
+    try:
+        assert proc.stdout.readline().strip() == "generated"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    after = load_dataset(d)  # the old dataset, whole
+    assert torch.equal(after.features[:50], old_x) and after.features.abs().sum() > 0
+    assert torch.equal(after.labels, before.labels) and torch.equal(after.graph.indices, before.graph.indices)
+    # the next write clears what the killed one left beside the target
+    prepare_dataset("tiny", d, seed=0, device="cpu", progress=False, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["D"]
+    assert not torch.equal(load_dataset(d).features[:50], old_x)
+
+
+def test_prepare_refuses_a_non_empty_directory_without_overwrite(tmp_path) -> None:
+    d = tmp_path / "D"
+    d.mkdir()
+    (d / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        prepare_dataset("tiny", d, device="cpu", progress=False)
+    assert (d / "notes.txt").read_text() == "mine"
+
+
+def test_damaged_datasets_name_the_file(tmp_path) -> None:
+    import os
+
+    d = tmp_path / "D"
+    prepare_dataset("tiny", d, device="cpu", progress=False)
+    f = d / "features.npy"
+    os.truncate(f, f.stat().st_size // 2)
+    with pytest.raises(DatasetError, match="features.npy has .* bytes but meta.json recorded"):
+        load_dataset(d)
+    prepare_dataset("tiny", d, device="cpu", progress=False, overwrite=True)
+    (d / "labels.npy").unlink()
+    with pytest.raises(DatasetError, match="labels.npy"):
+        load_dataset(d)
+
+
+def test_labels_outside_the_classes_are_caught_at_load(tmp_path) -> None:
+    ds = generate(SMALL, device="cpu", progress=False)
+    ds.labels[7] = 99
+    ds.save(tmp_path / "D")
+    with pytest.raises(DatasetError, match=r"labels.npy holds labels in \[0, 99\] but meta.json says num_classes=5"):
+        load_dataset(tmp_path / "D")
+
+
+def test_a_truncated_npy_without_manifest_names_the_file(tmp_path) -> None:
+    """Datasets written before the manifest existed still get an error that names the file."""
+    import json
+    import os
+
+    d = tmp_path / "D"
+    generate(SMALL, device="cpu", progress=False).save(d)
+    meta = json.loads((d / "meta.json").read_text())
+    meta.pop("files")
+    (d / "meta.json").write_text(json.dumps(meta))
+    os.truncate(d / "indices.npy", 100)
+    with pytest.raises(DatasetError, match="indices.npy cannot be read"):
+        load_dataset(d)

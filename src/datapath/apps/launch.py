@@ -9,13 +9,16 @@ shared tables and offload files are removed.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
 import secrets
+import shutil
 import signal
 import socket
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -155,49 +158,123 @@ def _entry(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], nproc
         shutdown_distributed()
 
 
+class _Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the launcher while its ranks ran."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _install_stop_handlers(handler: Any) -> dict[int, Any]:
+    """Install ``handler`` for SIGINT and SIGTERM (main thread only); returns the previous handlers."""
+    old: dict[int, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            old[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread: the caller's own handling stays
+            break
+    return old
+
+
+def _stop_children(processes: list[Any], signum: int, grace_period: float) -> None:
+    """Send ``signum`` to the live ``processes``, give them ``grace_period`` s, then SIGKILL what is left."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        try:
+            os.kill(p.pid, signum)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_period
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            log.warning("rank process %d did not stop within %.0f s of signal %d; killing it", p.pid,
+                        grace_period, signum)
+            p.kill()
+            p.join(5.0)
+
+
 def launch(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *,
-           prefix: str | None = None, grace_period: float = 10.0) -> list[Any]:
+           prefix: str | None = None, grace_period: float = 5.0) -> list[Any]:
     """Run ``fn(*args)`` in ``nprocs`` fresh processes (spawned) forming one job; return their results by rank.
 
     Each process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT (as under torchrun; ``fn`` calls `init_distributed`) and
     ``DATAPATH_SHARE_PREFIX`` = ``prefix``, which names the job's shared tables.
     ``fn`` must be importable (a module-level function) and its result picklable.
-    When a process fails, the others get ``grace_period`` seconds to finish, then
-    SIGTERM, then after another ``grace_period`` SIGKILL (a rank blocked in a
-    collective cannot run its SIGTERM handler); every shared table of the job is
-    removed, and `DistributedError` carries the failing rank's traceback.
+
+    Every way out cleans up: the job's shared tables, the launcher's temporary folder and
+    PyTorch's per-process error files are removed, and no rank outlives the launcher.
+
+    - A rank fails: the others get ``grace_period`` seconds to finish, then SIGTERM, then after
+      another ``grace_period`` SIGKILL (a rank blocked in a collective cannot run its SIGTERM
+      handler); `DistributedError` names the rank and its exception on its first line, followed
+      by every failed rank's traceback.
+    - SIGINT or SIGTERM reaches the launcher (alone, or with its process group): it is
+      forwarded to every rank, the ranks get ``grace_period`` seconds, then SIGKILL; the launcher
+      then raises KeyboardInterrupt (SIGINT) or exits with ``128 + signal`` (SIGTERM).
     """
     import torch.multiprocessing as mp  # noqa: PLC0415
     from torch.multiprocessing.spawn import ProcessException  # noqa: PLC0415
 
-    from datapath.unified_tensor import shared_tables, unlink  # noqa: PLC0415
-
     if nprocs < 1:
         raise DistributedError(f"nprocs must be >= 1, got {nprocs}")
     prefix = prefix or new_prefix()
-    with tempfile.TemporaryDirectory(prefix="datapath-launch-") as outdir:
-        try:
-            pctx = mp.start_processes(_entry, args=(fn, args, nprocs, _free_port(), outdir, prefix),
-                                      nprocs=nprocs, join=False, start_method="spawn")
-            while not pctx.join(grace_period=grace_period):
-                pass
-        except ProcessException as exc:
-            raise DistributedError(_failure_report(pctx, exc, nprocs)) from None
-        finally:
-            for name in shared_tables():
-                if name.startswith(prefix + "."):
-                    unlink(name)
-                    log.debug("removed shared table %s", name)
+    outdir = tempfile.mkdtemp(prefix="datapath-launch-")
+    pctx = None
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:  # noqa: ARG001
+        received.append(signum)
+        if len(received) == 1:
+            raise _Interrupted(signum)
+
+    old = _install_stop_handlers(on_signal)
+    try:
+        pctx = mp.start_processes(_entry, args=(fn, args, nprocs, _free_port(), outdir, prefix),
+                                  nprocs=nprocs, join=False, start_method="spawn")
+        while not pctx.join(timeout=0.5, grace_period=grace_period):
+            pass
         results = []
         for r in range(nprocs):
             with open(os.path.join(outdir, f"rank{r}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
-    return results
+        return results
+    except ProcessException as exc:
+        raise DistributedError(_failure_report(pctx, exc, nprocs)) from None
+    except _Interrupted as stop:
+        log.warning("signal %d: stopping the %d rank processes", stop.signum, nprocs)
+        if pctx is not None:
+            _stop_children(pctx.processes, stop.signum, grace_period)
+        if stop.signum == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise SystemExit(128 + stop.signum) from None
+    finally:
+        received.append(-1)  # a signal from here on is recorded, not raised: the clean-up must finish
+        if pctx is not None:
+            _stop_children(pctx.processes, signal.SIGTERM, grace_period)
+            for path in pctx.error_files:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        _remove_tables(prefix)
+        shutil.rmtree(outdir, ignore_errors=True)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _remove_tables(prefix: str) -> None:
+    from datapath.unified_tensor import shared_tables, unlink  # noqa: PLC0415
+
+    for name in shared_tables():
+        if name.startswith(prefix + "."):
+            unlink(name)
+            log.debug("removed shared table %s", name)
 
 
 def _failure_report(pctx: Any, exc: Exception, nprocs: int) -> str:
-    """What every failed rank said (its traceback), the first failure first."""
+    """The failing rank and its exception (first line), then what every failed rank said (its traceback)."""
     first = getattr(exc, "error_index", None)
     parts = {}
     for i, path in enumerate(getattr(pctx, "error_files", [])):
@@ -209,9 +286,10 @@ def _failure_report(pctx: Any, exc: Exception, nprocs: int) -> str:
     if first is not None and first not in parts:
         parts[first] = str(exc)
     ranks = sorted(parts, key=lambda r: (r != first, r))
+    cause = parts[first].strip().splitlines()[-1] if first in parts and parts[first].strip() else str(exc)
     body = "".join(f"\n-- rank {r}:\n{parts[r].strip()}\n" for r in ranks)
-    return (f"rank {first} of {nprocs} failed (the others were stopped); ranks that raised: "
-            f"{', '.join(map(str, sorted(parts)))}{body}")
+    return (f"rank {first} of {nprocs} failed: {cause} (the other ranks were stopped; ranks that raised: "
+            f"{', '.join(map(str, sorted(parts)))}){body}")
 
 
 def new_prefix() -> str:
