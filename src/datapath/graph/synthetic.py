@@ -170,7 +170,8 @@ def generate(spec: SyntheticSpec | str, *, device: str | torch.device | None = N
         progress: show tqdm bars.
         features_out: optional (N, F) float32 host array to write the features into
             (a ``np.lib.format.open_memmap`` for datasets larger than RAM, or pinned memory).
-        chunk_edges / chunk_rows: work per parallel chunk.
+        chunk_edges: edges generated per parallel chunk.
+        chunk_rows: feature rows generated per parallel chunk.
         sort_limit: most edge keys deduplicated by one sort (CUB sorts at most 2^31 items);
             larger graphs are deduplicated in destination ranges (same result).
     """
