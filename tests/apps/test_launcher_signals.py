@@ -89,5 +89,6 @@ def test_a_failed_job_leaves_no_error_files(tmp_path: Path) -> None:
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0
     lines = [ln for ln in out.splitlines() if ln.strip()]
-    assert lines[-1].startswith("datapath train-gnn: error: rank 0 of 2 failed: ") and "DatasetError" in lines[-1], out
+    assert len(lines) == 1, out  # one line, no rank's traceback on the terminal
+    assert lines[0].startswith("datapath train-gnn: error: rank 0 of 2 failed: ") and "DatasetError" in lines[0], out
     assert list(shm.iterdir()) == [] and _leftovers(tmp) == []

@@ -285,8 +285,17 @@ def _failure_report(pctx: Any, exc: Exception, nprocs: int) -> str:
             continue
     if first is not None and first not in parts:
         parts[first] = str(exc)
-    ranks = sorted(parts, key=lambda r: (r != first, r))
-    cause = parts[first].strip().splitlines()[-1] if first in parts and parts[first].strip() else str(exc)
+
+    def last_line(r: int) -> str:
+        text = parts[r].strip()
+        return text.splitlines()[-1] if text else ""
+
+    # a rank that failed on its own comes before ranks that only report another rank's failure
+    derived = {r for r in parts if last_line(r).startswith(f"{DistributedError.__module__}.DistributedError")}
+    ranks = sorted(parts, key=lambda r: (r in derived, r != first, r))
+    if ranks:
+        first = ranks[0]
+    cause = last_line(first) if first in parts and last_line(first) else str(exc)
     body = "".join(f"\n-- rank {r}:\n{parts[r].strip()}\n" for r in ranks)
     return (f"rank {first} of {nprocs} failed: {cause} (the other ranks were stopped; ranks that raised: "
             f"{', '.join(map(str, sorted(parts)))}){body}")

@@ -86,21 +86,25 @@ def shared_dataset(ctx: DistContext, make: Callable[[], Dataset], prefix: str | 
     """
     desc = None
     err = None
+    failure: Exception | None = None
     if ctx.is_main:
         try:
             ds = make()
             desc, shared = share_dataset(ds, prefix or os.environ.get(PREFIX_ENV) or new_prefix())
             del ds
             gc.collect()
-        except Exception as exc:  # noqa: BLE001 - told to every rank, raised everywhere
+        except Exception as exc:  # noqa: BLE001 - told to every rank; rank 0 raises the original
             err = f"{type(exc).__name__}: {exc}"
+            failure = exc
             if ctx.world_size == 1:
                 raise
-            log.error("rank 0 could not build and share the dataset:\n%s", traceback.format_exc())
+            log.debug("rank 0 could not build and share the dataset:\n%s", traceback.format_exc())
     if ctx.world_size > 1:
         box = [(desc, err)]
         dist.broadcast_object_list(box, src=0)
         desc, err = box[0]
+        if failure is not None:
+            raise failure
         if err is not None:
             raise DistributedError(f"rank 0 could not build and share the dataset: {err}")
         if not ctx.is_main:
