@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from datapath.unified_tensor import ErrorFlag, config, gather, scatter
+from datapath.unified_tensor import ErrorFlag, check_errors, config, gather, scatter
 
 pytestmark = pytest.mark.gpu
 
@@ -127,23 +127,23 @@ def test_out_of_range_raises_with_value(bad: int) -> None:
     idx = torch.randint(0, 10_000, (4096,), device="cuda")
     idx[1234] = bad
     with pytest.raises(IndexError, match=f"index {bad} is out of bounds"):
-        gather(table, idx)
+        gather(table, idx, sync=True)
     with pytest.raises(IndexError, match=f"index {bad} is out of bounds"):
-        scatter(table, idx, torch.zeros(4096, 8, device="cuda"))
+        scatter(table, idx, torch.zeros(4096, 8, device="cuda"), sync=True)
+    scatter(table, idx, torch.zeros(4096, 8, device="cuda"))  # the default does not wait...
+    with pytest.raises(IndexError, match=f"index {bad} is out of bounds"):
+        check_errors()  # ...and reports at the next synchronisation
 
 
 def test_async_bounds_check_zeroes_bad_rows_and_raises_later() -> None:
     table = _random_table(100, 8, torch.float32, seed=8)
     idx = torch.tensor([1, 500, 2], device="cuda")
-    config.sync_bounds_check = False
-    try:
-        got = gather(table, idx)
-        assert torch.equal(got[1].cpu(), torch.zeros(8))
-        assert torch.equal(got[0].cpu(), table[1])
-        with pytest.raises(IndexError, match="index 500"):
-            gather(table, torch.tensor([0], device="cuda"))
-    finally:
-        config.sync_bounds_check = True
+    assert config.sync_bounds_check is False  # the default
+    got = gather(table, idx)
+    assert torch.equal(got[1].cpu(), torch.zeros(8))  # .cpu() waits for the kernel
+    assert torch.equal(got[0].cpu(), table[1])
+    with pytest.raises(IndexError, match="index 500"):
+        gather(table, torch.tensor([0], device="cuda"))
 
 
 def test_error_flag_gather_does_not_wait_and_reports_later() -> None:

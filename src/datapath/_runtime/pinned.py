@@ -27,6 +27,8 @@ log = logging.getLogger("datapath.runtime.pinned")
 
 # cudaHostRegisterDefault | cudaHostRegisterPortable | cudaHostRegisterMapped
 _HOST_REGISTER_FLAGS = 0x01 | 0x02
+# cudaHostRegisterReadOnly: the GPU only reads the range (pins read-only mappings, e.g. of files on disk)
+_HOST_REGISTER_READ_ONLY = 0x08
 
 
 def pin_limit_bytes() -> int:
@@ -152,14 +154,15 @@ class HostRegistration:
     _lock = threading.Lock()
     _active: dict[int, int] = {}  # base pointer -> reference count
 
-    def __init__(self, base: int, nbytes: int) -> None:
+    def __init__(self, base: int, nbytes: int, read_only: bool = False) -> None:
         self.base = base
         self.nbytes = nbytes
+        flags = _HOST_REGISTER_FLAGS | (_HOST_REGISTER_READ_ONLY if read_only else 0)
         with self._lock:
             count = self._active.get(base, 0)
             if count == 0:
                 _check_size(nbytes, "pinning memory in place")
-                err = torch.cuda.cudart().cudaHostRegister(base, nbytes, _HOST_REGISTER_FLAGS)
+                err = torch.cuda.cudart().cudaHostRegister(base, nbytes, flags)
                 code = int(getattr(err, "value", err))
                 if code != 0:
                     _clear_cuda_error()
@@ -190,11 +193,12 @@ class HostRegistration:
         self._finalizer()
 
 
-def register_in_place(t: torch.Tensor) -> HostRegistration | None:
+def register_in_place(t: torch.Tensor, read_only: bool = False) -> HostRegistration | None:
     """Pin the memory of CPU tensor ``t`` (its whole storage) without copying.
 
-    Returns a handle that keeps the registration alive, or None when CUDA is absent
-    or the memory is already pinned (nothing to do).
+    ``read_only``: register it for GPU reads only (``cudaHostRegisterReadOnly``), which
+    read-only mappings need.  Returns a handle that keeps the registration alive, or
+    None when CUDA is absent or the memory is already pinned (nothing to do).
     """
     if t.device.type != "cpu":
         raise ValueError(f"register_in_place needs a CPU tensor, got one on {t.device}")
@@ -203,7 +207,7 @@ def register_in_place(t: torch.Tensor) -> HostRegistration | None:
     storage = t.untyped_storage()
     if storage.nbytes() == 0:
         return None
-    return HostRegistration(storage.data_ptr(), storage.nbytes())
+    return HostRegistration(storage.data_ptr(), storage.nbytes(), read_only)
 
 
 class _CudaArray:

@@ -36,6 +36,20 @@ def _positive(kind: type, minimum: float = 1) -> Any:
     return parse
 
 
+def _budget(flag: str) -> Any:
+    """An argparse type checking that a budget (``25%``, ``16GB``) parses; the text is kept."""
+    def parse(text: str) -> str:
+        from datapath.features import FeatureStoreError, parse_budget  # noqa: PLC0415
+
+        try:
+            parse_budget(text, 1 << 40, flag)
+        except FeatureStoreError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+    parse.__name__ = "size"
+    return parse
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "train-gnn",
@@ -59,8 +73,19 @@ def register(sub: Any) -> None:
     p.add_argument("--features-on", choices=("unified", "cuda", "cpu"), default=None,
                    help="where node features and labels live: unified (pinned host memory read by the GPU, "
                         "zero copy), cuda (GPU memory), cpu (pageable; CPU gather + copy) [unified]")
-    p.add_argument("--graph-on", choices=("unified", "cuda", "cpu"), default=None,
-                   help="where the graph lives; unified/cuda sample on the GPU, cpu on the CPU [as --features-on]")
+    p.add_argument("--graph-on", choices=("unified", "cuda", "cpu", "auto"), default=None,
+                   help="where the graph lives; unified/cuda sample on the GPU, cpu on the CPU; auto (with "
+                        "--gpu-cache/--host-memory): on the GPU when it fits beside the cache [as --features-on; "
+                        "auto with a feature store]")
+    p.add_argument("--gpu-cache", type=_budget("--gpu-cache"), default=None, metavar="SIZE",
+                   help="serve the features from a tiered feature store whose GPU cache holds the hottest rows in "
+                        "SIZE of GPU memory: a share of the feature bytes ('25%%') or a size ('10GB', '4GiB')")
+    p.add_argument("--host-memory", type=_budget("--host-memory"), default=None, metavar="SIZE",
+                   help="pinned host memory for the feature rows of a dataset directory ('16GB', '25%%'); rows "
+                        "beyond it are read from its features.npy on disk (O_DIRECT) [all of them when they fit]")
+    p.add_argument("--cache-policy", choices=("presample", "degree"), default="presample",
+                   help="which rows the GPU cache and host memory hold: the ones a presampling pass of the "
+                        "sampler reads most (GNNLab), or the highest-degree nodes [presample]")
     p.add_argument("--max-batches", type=_positive(int), default=None, help="stop each epoch after this many batches")
     p.add_argument("--eval-nodes", type=_positive(int, 0), default=10_000,
                    help="validation/test nodes evaluated (0: no evaluation) [10000]")
@@ -111,6 +136,7 @@ def train_gnn(args: argparse.Namespace) -> int:
                       fanouts=tuple(args.fanouts), hidden=args.hidden, heads=args.heads, dropout=args.dropout,
                       lr=args.lr, optimizer=args.optimizer, device=args.device, features_on=args.features_on,
                       graph_on=args.graph_on, max_batches=args.max_batches, eval_nodes=args.eval_nodes,
+                      gpu_cache=args.gpu_cache, host_memory=args.host_memory, cache_policy=args.cache_policy,
                       memory_gb=args.memory_gb, seed=args.seed, prefetch=args.prefetch,
                       progress=not args.no_progress, json=str(args.json) if args.json is not None else None)
     cfg.validate()

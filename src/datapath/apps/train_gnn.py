@@ -5,7 +5,9 @@
     # under torchrun every process calls run_training(cfg) and becomes one rank
 
 A one-process run places the graph and the tables where ``graph_on``/``features_on``
-say (unified: pinned host memory read by the GPU; cuda; cpu).  A multi-process run
+say (unified: pinned host memory read by the GPU; cuda; cpu), or, with ``gpu_cache`` /
+``host_memory``, puts the features into a tiered `datapath.features.FeatureStore`
+(`datapath.apps.store_placement`).  A multi-process run
 keeps ONE shared host copy of graph and tables for all ranks (`shared_dataset`) and
 trains with DDP; ``batch_size`` is per rank.  Both go through `train`.
 """
@@ -28,7 +30,9 @@ from datapath.apps.launch import (
     DistContext, all_gather_objects, in_launched_job, init_distributed, launch, shutdown_distributed,
 )
 from datapath.apps.shared_data import memory_footprint, segment_bytes, shared_dataset
+from datapath.apps.store_placement import CACHE_POLICIES, place_with_store, uses_store
 from datapath.apps.training import evaluate, train_epoch
+from datapath.features import FeatureStore, parse_budget
 from datapath.graph import Dataset, get_dataset
 from datapath.loaders import Batch, DistributedNeighborLoader, NeighborLoader, RankBatch
 from datapath.memory import PLACEMENTS, placement_of, to_placement
@@ -48,7 +52,11 @@ class TrainConfig:
     ``batch_size`` is per process (global batch = processes x batch_size).  ``features_on`` /
     ``graph_on``: where a one-process run keeps the tables and the graph (``unified``, ``cuda``,
     ``cpu``; default unified on a GPU, cpu otherwise; the graph follows the features); a
-    multi-process run always keeps one shared unified copy.  ``eval_nodes``: validation/test
+    multi-process run always keeps one shared unified copy.  ``gpu_cache`` / ``host_memory``
+    (``"25%"``, ``"16GB"``): a one-process run serves the features from a `FeatureStore` with a GPU
+    cache of that size (the hottest rows by ``cache_policy``: ``presample`` or ``degree``) and, for a
+    dataset directory, that much pinned host memory, the rest read from disk; ``graph_on`` may
+    then also be ``auto`` (the default: on the GPU when it fits beside the cache).  ``eval_nodes``: validation/test
     nodes evaluated after each epoch and at the end (0: no evaluation).  ``max_batches``:
     steps per epoch at most.  ``return_state``: rank 0's result carries the final parameters.
     """
@@ -69,6 +77,9 @@ class TrainConfig:
     max_batches: int | None = None
     eval_nodes: int = 10_000
     memory_gb: float | None = None
+    gpu_cache: str | None = None
+    host_memory: str | None = None
+    cache_policy: str = "presample"
     seed: int = 0
     prefetch: int = 1
     progress: bool = False
@@ -99,8 +110,16 @@ class TrainConfig:
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         for name in ("features_on", "graph_on"):
             v = getattr(self, name)
-            if v is not None and v not in PLACEMENTS:
-                raise ValueError(f"{name} must be one of {PLACEMENTS}, got {v!r}")
+            allowed = (*PLACEMENTS, "auto") if name == "graph_on" and uses_store(self) else PLACEMENTS
+            if v is not None and v not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {v!r}")
+        for name in ("gpu_cache", "host_memory"):
+            parse_budget(getattr(self, name), 1 << 40, name)  # FeatureStoreError (a ValueError) names it
+        if self.cache_policy not in CACHE_POLICIES:
+            raise ValueError(f"cache_policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
+        if uses_store(self) and self.features_on is not None:
+            raise ValueError("features_on and gpu_cache/host_memory exclude each other: the feature store decides "
+                             "where each row lives")
         if self.device == "cpu" and "cuda" in (self.features_on, self.graph_on):
             raise ValueError("features_on/graph_on 'cuda' need device 'cuda'")
         if self.memory_gb is not None and not self.memory_gb > 0:
@@ -161,6 +180,8 @@ def _place(cfg: TrainConfig, ctx: DistContext, make: Callable[[], Dataset]) -> t
                                    f"cannot read them zero-copy")
         return ds, {"features_on": where, "graph_on": where, "shared_prefix": ds.prefix}
     ds = make()
+    if uses_store(cfg):
+        return place_with_store(cfg, ctx.device, ds)
     features_on = cfg.features_on or ("unified" if ctx.device.type == "cuda" else "cpu")
     graph_on = cfg.graph_on or features_on
     ds.graph = ds.graph.to(graph_on)
@@ -227,9 +248,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     ds, where = _place(cfg, ctx, _build_dataset(cfg, ctx.device))
     setup_s = time.perf_counter() - t0
-    copy = (f"one shared copy ({segment_bytes(ds.prefix)['nbytes'] / 2**30:.2f} GiB) for {ctx.world_size} processes"
-            if where["shared_prefix"] else f"graph in {where['graph_on']} memory, features in "
-                                           f"{where['features_on']} memory")
+    if where["shared_prefix"]:
+        copy = f"one shared copy ({segment_bytes(ds.prefix)['nbytes'] / 2**30:.2f} GiB) for {ctx.world_size} processes"
+    elif isinstance(ds.features, FeatureStore):
+        copy = f"graph in {where['graph_on']} memory, features in a feature store {ds.features.describe()}"
+    else:
+        copy = f"graph in {where['graph_on']} memory, features in {where['features_on']} memory"
     say(f"dataset {ds.name}: {ds.graph.num_nodes:,} nodes, {ds.graph.num_edges:,} edges, {ds.num_features} "
         f"features, {ds.num_classes} classes, {ds.train_idx.numel():,} training nodes; {copy} ({setup_s:.1f} s)",
         flush=True)
@@ -277,6 +301,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     test = _accuracy(ctx, net, test_loader)
     if test is not None:
         say(f"test accuracy {test:.3f} (chance {1 / ds.num_classes:.3f})")
+    if isinstance(ds.features, FeatureStore):
+        where["feature_store_stats"] = ds.features.stats()
+        say("feature store: " + ", ".join(f"{name} {st['hit_rate']:.1%} of rows ({st['bytes'] / 2**30:.2f} GiB, "
+                                          f"{st['seconds']:.2f} s)" for name, st in where["feature_store_stats"].items()))
     result: dict[str, Any] = {"rank": ctx.rank, "world_size": ctx.world_size, "device": str(ctx.device),
                               "backend": ctx.backend, "setup_s": setup_s, "history": history, "test_acc": test,
                               **where}
@@ -331,6 +359,9 @@ def run_training(cfg: TrainConfig, nprocs: int | None = None) -> list[dict[str, 
     if (cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda" \
             and nprocs > torch.cuda.device_count():
         raise ValueError(f"--gpus {nprocs} but this machine has {torch.cuda.device_count()} GPUs")
+    if nprocs > 1 and uses_store(cfg):
+        raise ValueError("--gpu-cache/--host-memory (a feature store) work in one process; a data-parallel run "
+                         "shares one host copy of the features between its processes")
     if nprocs > 1 and (cfg.features_on not in (None, "unified") or cfg.graph_on not in (None, "unified")):
         raise ValueError("with several processes the graph and features stay in one shared host copy read "
                          "zero-copy by every GPU; leave features_on/graph_on unset (or 'unified')")

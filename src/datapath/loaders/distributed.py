@@ -20,7 +20,7 @@ from datapath.graph import Graph
 from datapath.loaders._prefetch import PrefetchIter
 from datapath.loaders.batch import Batch
 from datapath.loaders.errors import LoaderError
-from datapath.loaders.loader import NeighborLoader
+from datapath.loaders.loader import NeighborLoader, Table
 from datapath.sampling import NeighborSampler
 
 
@@ -49,7 +49,7 @@ class DistributedNeighborLoader(NeighborLoader):
 
     def __init__(self, graph: Graph, seeds: torch.Tensor, sampler: NeighborSampler | list[int],
                  batch_size: int = 1024, shuffle: bool = False, drop_last: bool = False, *, rank: int,
-                 world_size: int, features: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                 world_size: int, features: Table | None = None, labels: Table | None = None,
                  device: str | torch.device | None = None, seed: int = 0, prefetch: int = 1,
                  prepare: Any = None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:

@@ -2,7 +2,8 @@
 
 On a GPU, with the graph and features in unified memory, everything happens on the
 GPU: the kernel samples from the pinned graph over PCIe, blocks are built on the GPU,
-and the feature rows are gathered zero-copy (`datapath.unified_tensor.gather`).  A
+and the feature rows are gathered zero-copy (`datapath.memory.gather_rows`), or from the
+tiers of a `datapath.features.FeatureStore` (GPU cache, pinned host memory, disk).  A
 background thread prepares batches on side CUDA streams while the current one trains:
 the sampling of the batches `SAMPLE_AHEAD` ahead is queued before the thread waits for
 a batch's sizes (its one host synchronisation), the gather is launched without waiting
@@ -23,15 +24,25 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from datapath.features import FeatureStore
 from datapath.graph import Graph
 from datapath.loaders._prefetch import PrefetchIter, Started, Stopwatch
 from datapath.loaders.batch import Batch, GatherCheck
 from datapath.loaders.errors import LoaderError
 from datapath.memory import gather_rows, placement_of
 from datapath.sampling import NeighborSampler
-from datapath.unified_tensor import ErrorFlag
+from datapath.memory import ErrorFlag
 
 log = logging.getLogger("datapath.loaders")
+
+Table = torch.Tensor | FeatureStore
+
+
+def fetch_rows(table: Table, ids: torch.Tensor, flag: ErrorFlag | None = None) -> torch.Tensor:
+    """``table[ids]``: from a `FeatureStore`'s tiers, or by the memory layer's gather for a tensor."""
+    if isinstance(table, FeatureStore):
+        return table.gather(ids, flag)
+    return gather_rows(table, ids, flag)
 
 
 class NeighborLoader:
@@ -44,9 +55,9 @@ class NeighborLoader:
         batch_size: seeds per batch.
         shuffle: a new permutation each epoch (seeded by ``seed`` and the epoch number).
         drop_last: skip the last incomplete batch.
-        features: (N, F) node features: unified (zero-copy GPU gather), cuda, or cpu
-            (CPU gather then copy).
-        labels: (N,) node labels, placed like ``features``.
+        features: (N, F) node features: a `datapath.features.FeatureStore` (GPU cache, pinned host
+            memory, disk), or a tensor: unified (zero-copy GPU gather), cuda, or cpu (CPU gather then copy).
+        labels: (N,) node labels, a tensor placed like ``features`` or a `FeatureStore`.
         device: where batches go: ``"cuda"`` or ``"cpu"``; default cuda when available.
         seed: seeds the shuffling and the sampler's random streams (with the epoch
             and batch number), so every run with the same seed sees the same batches.
@@ -72,7 +83,7 @@ class NeighborLoader:
 
     def __init__(self, graph: Graph, seeds: torch.Tensor, sampler: NeighborSampler | list[int],
                  batch_size: int = 1024, shuffle: bool = False, drop_last: bool = False, *,
-                 features: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                 features: Table | None = None, labels: Table | None = None,
                  device: str | torch.device | None = None, seed: int = 0, prefetch: int = 1,
                  num_workers: int = 1, prepare: Callable[[Batch], Iterable[torch.Tensor] | None] | None = None,
                  stream_priority: int = 0) -> None:
@@ -115,7 +126,7 @@ class NeighborLoader:
         for name, t in (("features", features), ("labels", labels)):
             if t is not None and t.shape[0] != graph.num_nodes:
                 raise LoaderError(f"{name} has {t.shape[0]} rows but the graph has {graph.num_nodes} nodes")
-            if t is not None:
+            if t is not None and not isinstance(t, FeatureStore):
                 placement_of(t)
         self.features = features
         self.labels = labels
@@ -200,16 +211,16 @@ class NeighborLoader:
                 # later (`GatherCheck`), not waited for here
                 flag = ErrorFlag()
                 src = blocks[0].src_nodes
-                x = gather_rows(self.features, src, flag) if self.features is not None else None
-                y = gather_rows(self.labels, seeds, flag) if self.labels is not None else None
+                x = fetch_rows(self.features, src, flag) if self.features is not None else None
+                y = fetch_rows(self.labels, seeds, flag) if self.labels is not None else None
                 src.record_stream(gather_stream)
                 seeds.record_stream(gather_stream)
                 events.append(torch.cuda.Event(blocking=True))
                 events[-1].record(gather_stream)
                 check = GatherCheck(events[-1], flag, st.step)
         else:
-            x = gather_rows(self.features, blocks[0].src_nodes) if self.features is not None else None
-            y = gather_rows(self.labels, seeds) if self.labels is not None else None
+            x = fetch_rows(self.features, blocks[0].src_nodes) if self.features is not None else None
+            y = fetch_rows(self.labels, seeds) if self.labels is not None else None
             if self.device != self.sample_device:
                 blocks = [b.to(self.device, non_blocking=False) for b in blocks]
                 seeds = seeds.to(self.device)

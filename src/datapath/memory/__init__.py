@@ -3,33 +3,41 @@
     from datapath.memory import placement_of, kind_of, gather_rows, kernel_view
     placement_of(t)          # "cuda" | "unified" | "cpu"
     kind_of(t)               # "cuda" | "unified" | "pinned" | "shared" | "mmap" | "pageable"
-    rows = gather_rows(table, cuda_idx)   # zero copy from unified/pinned host memory
+    rows = gather_rows(table, cuda_idx)   # zero copy from unified/pinned host memory, or from GPU memory
+    scatter_rows(table, cuda_idx, rows)   # the write direction
+    check_errors()                        # raise an out-of-range index that an earlier call found
     buf = pinned_empty((n, f), torch.float32)   # page-locked, GPU-mapped (checked against what can be pinned)
 
-Loaders, sampling, ops, nn and the feature store all ask this module; none of them
-tests devices, ``is_pinned()`` or the unified subclass on its own.
+Loaders, sampling, ops, nn, unified tensors and the feature store all ask this module;
+none of them tests devices, ``is_pinned()`` or the unified subclass on its own, and none
+gathers rows itself.  The kernels are ``kernels/gather.cu``.
 """
 from datapath._runtime.errors import PinnedMemoryError
 from datapath._runtime.pinned import (
     HostRegistration, cuda_alias, pending_host_reads, pin_limit_bytes, pinned_empty, register_in_place,
 )
+from datapath.memory.bounds import ErrorFlag, check_errors
+from datapath.memory.config import GATHER_MODES, GatherConfig, gather_config
 from datapath.memory.placement import (
     PLACEMENTS,
     Kind,
     Placement,
     PlacementError,
-    gather_rows,
     host_of,
+    is_read_only,
     is_unified,
     kernel_view,
     kind_of,
     placement_of,
     to_placement,
 )
+from datapath.memory.rows import ReadOnlyTableError, gather_rows, gather_tiered, scatter_rows
 
 __all__ = [
     "HostRegistration", "PinnedMemoryError", "cuda_alias", "pending_host_reads", "pin_limit_bytes", "pinned_empty",
     "register_in_place",
-    "PLACEMENTS", "Kind", "Placement", "PlacementError", "gather_rows", "host_of", "is_unified", "kernel_view",
+    "ErrorFlag", "check_errors", "GATHER_MODES", "GatherConfig", "gather_config",
+    "PLACEMENTS", "Kind", "Placement", "PlacementError", "host_of", "is_read_only", "is_unified", "kernel_view",
     "kind_of", "placement_of", "to_placement",
+    "ReadOnlyTableError", "gather_rows", "gather_tiered", "scatter_rows",
 ]

@@ -1,8 +1,9 @@
 """Where a tensor lives, and how a GPU kernel reads it.
 
-This module is the one answer to "is this table unified?": every other part of
-datapath (loaders, sampling, ops, nn, the feature store) asks it instead of
-testing devices, ``is_pinned()`` or subclasses itself.
+This module is the one answer to "is this table unified?" (and "may it be written?"):
+every other part of datapath (loaders, sampling, ops, nn, the feature store) asks it
+instead of testing devices, ``is_pinned()`` or subclasses itself.  Rows are fetched by
+`datapath.memory.rows`.
 
 Kinds (`kind_of`), finest first:
 
@@ -23,7 +24,7 @@ CPU path.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -84,6 +85,32 @@ def placement_of(t: torch.Tensor) -> Placement:
     raise PlacementError(f"tensors on device {t.device} are not supported; use cpu, unified or cuda")
 
 
+def _mapping_perms(addr: int) -> str | None:
+    """The permissions (``"r--p"``, ``"rw-s"``...) of the mapping holding ``addr``, from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=2)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= addr < hi:
+                    return parts[1]
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def is_read_only(t: torch.Tensor) -> bool:
+    """True when writing into ``t``'s memory would fault: a read-only unified tensor (`as_unified` of a
+    non-writable array or a read-only mapping), or a CPU tensor over a read-only mapping
+    (``np.load(path, mmap_mode="r")``).  Reads ``/proc/self/maps`` for CPU tensors (about 0.1 ms)."""
+    if is_unified(t):
+        return bool(getattr(t, "_readonly", False))
+    if t.device.type != "cpu" or t.untyped_storage().nbytes() == 0:
+        return False
+    perms = _mapping_perms(t.untyped_storage().data_ptr())
+    return perms is not None and "w" not in perms
+
+
 def host_of(t: torch.Tensor) -> torch.Tensor:
     """The plain CPU tensor holding ``t``'s data (same memory, no copy) for cpu and unified tensors."""
     if is_unified(t):
@@ -131,29 +158,3 @@ def kernel_view(t: torch.Tensor, what: str = "the tensor") -> torch.Tensor:
             f"(datapath.unified_tensor.as_unified(t), pinned in place) or move it to the GPU"
         )
     return cuda_alias(host)
-
-
-def gather_rows(table: torch.Tensor, idx: torch.Tensor, error_flag: Any = None) -> torch.Tensor:
-    """``table[idx]`` on ``idx``'s device, bounds-checked, whatever memory ``table`` is in.
-
-    - ``table`` on CUDA: a GPU ``index_select``;
-    - unified/pinned ``table`` with CUDA ``idx``: read by the GPU straight from host memory
-      (`datapath.unified_tensor.gather`, zero copy, aligned); with an ``error_flag``
-      (`datapath.unified_tensor.ErrorFlag`) the call does not wait for the bounds check;
-    - otherwise a CPU gather, then a copy to ``idx``'s device (the DGL/PyG default path).
-
-    Args:
-        table: (N, *rest) tensor in any placement.
-        idx: int32/int64 row ids of any shape, on CPU or CUDA.
-    Returns:
-        (*idx.shape, *rest) tensor of ``table``'s dtype on ``idx``'s device.
-    """
-    from datapath.unified_tensor.gather import gather  # noqa: PLC0415 - the zero-copy kernel
-
-    where = placement_of(table)
-    if where == "cuda":
-        return table[idx.to(table.device)]
-    if where == "unified" and idx.device.type == "cuda":
-        return gather(table, idx, error_flag=error_flag)
-    rows = gather(host_of(table), idx.to("cpu"))
-    return rows.to(idx.device) if idx.device.type != "cpu" else rows

@@ -1,59 +1,76 @@
 """Making unified tensors from existing memory, and getting at their host side."""
 from __future__ import annotations
 
+import logging
+import warnings
+
 import numpy as np
 import torch
 
-import logging
-
 from datapath._runtime.pinned import HostRegisterError, pinnable_in_place, register_in_place
+from datapath.memory.placement import is_read_only
+from datapath.memory.placement import is_unified as is_unified  # the one answer, re-exported here
 from datapath.unified_tensor.tensor import Affinity, UnifiedTensor, to_unified
 
 log = logging.getLogger("datapath.unified_tensor.memory")
 _CUDA_ERROR_INVALID_VALUE = 1
 
 
+def _from_numpy(a: np.ndarray) -> tuple[torch.Tensor, bool]:
+    """(a tensor over ``a``'s memory, whether that memory may not be written)."""
+    readonly = not a.flags.writeable
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(a), readonly
+
+
+def _copy(t: torch.Tensor, affinity: Affinity, readonly: bool, why: str) -> UnifiedTensor:
+    log.warning("%s; copying %.2f GiB into pinned memory", why, t.numel() * t.element_size() / 2**30)
+    u = to_unified(t, affinity=affinity)
+    u._readonly = readonly  # a copy of a read-only source stays read-only: writes would not reach the source
+    return u
+
+
 def as_unified(t: torch.Tensor | np.ndarray, affinity: Affinity = "host") -> UnifiedTensor:
     """The same memory as CPU tensor (or numpy array / memmap) ``t``, pinned in place, as a unified tensor.
 
     No copy is made: tables of tens of GB loaded with numpy become GPU-readable where
-    they lie, and so do ``/dev/shm`` mappings (`share`/`attach`).  One exception: a
-    mapping of a regular file on disk (``np.load(..., mmap_mode="r+")``) cannot be
-    pinned by Linux, so it is copied once into pinned memory (logged).  The memory is unpinned when the last unified
-    tensor made from it (views included) is freed.  Without CUDA nothing is pinned and
-    the unified tensor simply shares ``t``'s memory.
+    they lie, and so do ``/dev/shm`` mappings (`share`/`attach`).  Read-only memory
+    (``np.load(path, mmap_mode="r")``, an array with ``writeable=False``) gives a
+    read-only unified tensor: reads work as for any other, every write raises
+    `datapath.memory.ReadOnlyTableError`; it is pinned for GPU reads only, which Linux
+    allows for a read-only mapping of a file on disk.  A writable mapping of a file on
+    disk (``mmap_mode="r+"``/``"c"``) cannot be pinned by Linux, so it is copied once into
+    pinned memory (logged); so is a read-only one where the driver refuses the read-only
+    registration.  The memory is unpinned when the last unified tensor made from it
+    (views included) is freed.  Without CUDA nothing is pinned and the unified tensor
+    simply shares ``t``'s memory.
 
     Raises:
         PinnedMemoryError: the range cannot be pinned (too large for this machine).
         ValueError: ``t`` is not in host memory.
     """
+    readonly = False
     if isinstance(t, np.ndarray):
-        t = torch.from_numpy(t)
+        t, readonly = _from_numpy(t)
     if isinstance(t, UnifiedTensor):
         return t if t.affinity == affinity else t.with_affinity(affinity)
     if t.device.type != "cpu":
         raise ValueError(f"as_unified pins host memory in place; got a tensor on {t.device} (use t.to('unified'))")
-    if torch.cuda.is_available() and not pinnable_in_place(t):
-        # A mapping of a file on a disk filesystem (np.load(..., mmap_mode=...)): Linux does not let devices
-        # pin page-cache pages long-term.  The data must be resident to be read over PCIe anyway, so it is
-        # copied once into pinned memory.
-        log.warning("a disk-file mapping cannot be pinned in place; copying %.2f GiB into pinned memory",
-                    t.numel() * t.element_size() / 2**30)
-        return to_unified(t, affinity=affinity)
+    readonly = readonly or is_read_only(t)
+    if not torch.cuda.is_available():
+        return UnifiedTensor(t, affinity, (), readonly)
+    if not readonly and not pinnable_in_place(t):
+        # A writable mapping of a file on a disk filesystem: Linux does not let devices pin page-cache pages
+        # long-term for writing.  The data must be resident to be read over PCIe anyway: copied once.
+        return _copy(t, affinity, readonly, "a writable disk-file mapping cannot be pinned in place")
     try:
-        handle = register_in_place(t)
+        handle = register_in_place(t, read_only=readonly)
     except HostRegisterError as exc:
-        if exc.code != _CUDA_ERROR_INVALID_VALUE:
+        if exc.code != _CUDA_ERROR_INVALID_VALUE and not readonly:
             raise
-        log.warning("memory at %#x could not be pinned in place (%s); copying %.2f GiB into pinned memory",
-                    t.data_ptr(), exc, t.numel() * t.element_size() / 2**30)
-        return to_unified(t, affinity=affinity)
-    return UnifiedTensor(t, affinity, (handle,) if handle is not None else ())
-
-
-def is_unified(t: object) -> bool:
-    """True for a tensor on the ``"unified"`` device."""
-    return isinstance(t, UnifiedTensor)
+        return _copy(t, affinity, readonly, f"memory at {t.data_ptr():#x} could not be pinned in place ({exc})")
+    return UnifiedTensor(t, affinity, (handle,) if handle is not None else (), readonly)
 
 
 def host_tensor(u: torch.Tensor) -> torch.Tensor:

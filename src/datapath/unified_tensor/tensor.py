@@ -19,6 +19,10 @@ in-place ops on ``u``                       write ``u``'s host memory (on the GP
 ==========================================  =========================================
 
 Views (slices, ``view``, ``transpose``...) share memory and keep the affinity.
+
+A unified tensor made from read-only memory (`as_unified` of ``np.load(path,
+mmap_mode="r")`` or of a non-writable array) is read-only: every op that would write it
+raises `datapath.memory.ReadOnlyTableError` before touching memory; reads work as usual.
 """
 from __future__ import annotations
 
@@ -54,10 +58,11 @@ class UnifiedTensor(torch.Tensor):
     _host: torch.Tensor
     _affinity: str
     _keep: tuple[Any, ...]
+    _readonly: bool
 
     @staticmethod
     def __new__(cls, host: torch.Tensor, affinity: Affinity = "host",
-                keep: tuple[Any, ...] = ()) -> "UnifiedTensor":
+                keep: tuple[Any, ...] = (), readonly: bool = False) -> "UnifiedTensor":
         if host.device.type != "cpu":
             raise ValueError(f"a unified tensor wraps host memory, got a tensor on {host.device}")
         if affinity not in _AFFINITIES:
@@ -69,6 +74,7 @@ class UnifiedTensor(torch.Tensor):
         r._host = host
         r._affinity = affinity
         r._keep = keep
+        r._readonly = bool(readonly)
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -87,7 +93,12 @@ class UnifiedTensor(torch.Tensor):
 
     def with_affinity(self, value: Affinity) -> "UnifiedTensor":
         """A new unified tensor over the same memory with affinity ``value`` (no data moves)."""
-        return UnifiedTensor(self._host, value, self._keep)
+        return UnifiedTensor(self._host, value, self._keep, self._readonly)
+
+    @property
+    def read_only(self) -> bool:
+        """True when the memory is read-only (writes raise `datapath.memory.ReadOnlyTableError`)."""
+        return self._readonly
 
     # --- conversions PyTorch users expect ---------------------------------------------
     def numpy(self, *, force: bool = False) -> Any:  # noqa: D102 - same as torch.Tensor.numpy
@@ -125,12 +136,36 @@ class UnifiedTensor(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if func._schema.is_mutable:
+            _refuse_read_only_write(func, args, kwargs)
         special = _SPECIAL.get(func)
         if special is not None:
             out = special(args, kwargs)
             if out is not NotImplemented:
                 return out
         return _run(func, args, kwargs)
+
+
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _refuse_read_only_write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise `ReadOnlyTableError` if ``func`` would write into a read-only unified tensor."""
+    written = _WRITTEN.get(func)
+    if written is None:
+        written = _WRITTEN[func] = tuple(
+            (i, a.name) for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write)
+    for i, name in written:
+        v = args[i] if i < len(args) else kwargs.get(name)
+        for x in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(x, UnifiedTensor) and x._readonly:
+                from datapath.memory import ReadOnlyTableError  # noqa: PLC0415 - memory imports this module
+
+                raise ReadOnlyTableError(
+                    f"{func} would write a read-only unified tensor (made from a read-only memory mapping or a "
+                    f"numpy array that is not writeable); copy it first with t.to('unified'), or load the array "
+                    f"writable (np.load without mmap_mode='r')")
 
 
 def _rebuild(host: torch.Tensor, affinity: str) -> UnifiedTensor:
@@ -265,7 +300,7 @@ def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if x.untyped_storage().nbytes():
             src = storages.get(x.untyped_storage().data_ptr())
             if src is not None:  # a view of a unified tensor: same memory, same affinity
-                return UnifiedTensor(x, src._affinity, src._keep)
+                return UnifiedTensor(x, src._affinity, src._keep, src._readonly)
         return _wrap_new(x, affinity)
 
     return tree_map(wrap, out)
@@ -288,15 +323,15 @@ def _index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     self, indices = args[0], args[1]
     if not isinstance(self, UnifiedTensor) or len(indices) != 1 or indices[0] is None:
         return NotImplemented
-    from datapath.unified_tensor.gather import gather  # noqa: PLC0415
+    from datapath.memory import gather_rows  # noqa: PLC0415 - memory imports this module lazily
 
     idx = indices[0]
     dev = _index_target(self, idx)
     if dev is None:
         if isinstance(idx, torch.Tensor) and idx.device.type == "cpu" and idx.dtype in (torch.int32, torch.int64):
-            return _wrap_new(gather(self._host, idx), self._affinity)
+            return _wrap_new(gather_rows(self._host, idx), self._affinity)
         return NotImplemented
-    return gather(self, idx.to(dev))
+    return gather_rows(self, idx.to(dev))
 
 
 def _index_select(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -309,7 +344,7 @@ def _index_select(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _scatter_rows(self: Any, idx: Any, values: Any) -> Any:
-    from datapath.unified_tensor.gather import scatter  # noqa: PLC0415
+    from datapath.memory import scatter_rows  # noqa: PLC0415
 
     dev = _index_target(self, idx)
     if dev is None:
@@ -317,7 +352,7 @@ def _scatter_rows(self: Any, idx: Any, values: Any) -> Any:
     if isinstance(values, UnifiedTensor):
         values = values._host
     values = values.to(device=dev, dtype=self.dtype)
-    scatter(self, idx.to(dev), values)
+    scatter_rows(self, idx.to(dev), values)
     return self
 
 
@@ -385,6 +420,6 @@ _SPECIAL: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {
 
 
 def as_unified_view(host: torch.Tensor, affinity: Affinity = "host",
-                    registration: HostRegistration | None = None) -> UnifiedTensor:
+                    registration: HostRegistration | None = None, readonly: bool = False) -> UnifiedTensor:
     """Wrap pinned (or, without CUDA, plain) host tensor ``host`` without copying."""
-    return UnifiedTensor(host, affinity, (registration,) if registration is not None else ())
+    return UnifiedTensor(host, affinity, (registration,) if registration is not None else (), readonly)

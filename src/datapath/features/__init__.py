@@ -1,0 +1,28 @@
+"""A tiered feature store: a GPU cache of hot rows, pinned host memory read zero-copy, and files on disk.
+
+    from datapath.features import FeatureStore, presample_hotness, place_graph
+    graph = place_graph(graph, budget_bytes)          # CSR on the GPU when it fits, unified otherwise
+    hot = presample_hotness(graph, train_idx, [15, 10, 5])
+    feats = FeatureStore("data/features.npy", gpu_cache="25%", host_memory="16GB", hotness=hot)
+    loader = NeighborLoader(graph, train_idx, [15, 10, 5], features=feats, labels=labels)
+    feats.stats()   # {"gpu_cache": {"rows", "bytes", "seconds", "hit_rate"}, "host": ..., "disk": ...}
+
+Modules: `store` (FeatureStore), `tiers` (TierStats, FetchTier: the interface a further tier,
+e.g. a remote shard, implements), `disk` (the disk tier and its O_DIRECT engines),
+`table_file` (TableFile), `hotness` (what to cache), `budget` (``"25%"``, ``"16GB"``),
+`placement` (the graph's place).
+"""
+from datapath.features.budget import format_bytes, parse_budget
+from datapath.features.disk import ENGINES, DiskReader, DiskTier, ReadPlan, plan_reads
+from datapath.features.errors import DiskReadError, FeatureStoreError
+from datapath.features.hotness import degree_hotness, presample_hotness, rank
+from datapath.features.placement import GPU_RESERVE_BYTES, gpu_budget, graph_bytes, place_graph
+from datapath.features.store import DiskOptions, FeatureStore
+from datapath.features.table_file import TableFile
+from datapath.features.tiers import FetchTier, TierStats
+
+__all__ = [
+    "DiskOptions", "DiskReadError", "DiskReader", "DiskTier", "ENGINES", "FeatureStore", "FeatureStoreError",
+    "FetchTier", "GPU_RESERVE_BYTES", "ReadPlan", "TableFile", "TierStats", "degree_hotness", "format_bytes",
+    "gpu_budget", "graph_bytes", "parse_budget", "place_graph", "plan_reads", "presample_hotness", "rank",
+]

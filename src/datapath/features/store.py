@@ -1,0 +1,306 @@
+"""`FeatureStore`: ``feats[cuda_idx]`` answered from tiers, fastest first.
+
+    feats = FeatureStore("data/features.npy", gpu_cache="25%", host_memory="16GB", hotness=graph)
+    loader = NeighborLoader(graph, train_idx, [15, 10, 5], features=feats, labels=labels)
+    x = feats[cuda_idx]                       # (m, F) CUDA: cache hits, host rows, disk rows in one batch
+    feats.stats()                             # per tier: rows, bytes, seconds, hit rate
+
+Tiers (each row lives in exactly one, chosen by hotness: the hottest rows in the GPU cache,
+the next in host memory, the rest on disk):
+
+- ``gpu_cache``: rows in GPU memory, within the ``gpu_cache`` budget;
+- ``host``: pinned host memory read by the GPU over PCIe (zero copy).  A table given as a
+  tensor is itself the host tier (pinned in place); a table given as a file gets a pinned
+  copy of as many rows as ``host_memory`` allows;
+- ``disk``: the rest of a file-backed table, read page by page with O_DIRECT
+  (`datapath.features.disk`).
+
+One kernel (`datapath.memory.gather_tiered`) serves the GPU cache and host rows of a batch
+while the CPU reads its disk rows.  Indices are bounds-checked like every row fetch of
+datapath (`datapath.memory.gather_rows`): an out-of-range index raises ``IndexError``
+naming it, and the CUDA context survives.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from datapath._runtime.pinned import pin_limit_bytes, pinned_empty
+from datapath.features import _build
+from datapath.features.budget import format_bytes, parse_budget
+from datapath.features.disk import DiskTier
+from datapath.features.errors import FeatureStoreError
+from datapath.features.hotness import degree_hotness, rank
+from datapath.features.table_file import TableFile
+from datapath.features.tiers import FetchTier, TierStats
+from datapath.graph import Graph
+from datapath.memory import ErrorFlag, gather_rows, gather_tiered, placement_of
+from datapath.unified_tensor import as_unified
+
+log = logging.getLogger("datapath.features")
+
+
+@dataclass(frozen=True)
+class DiskOptions:
+    """How the disk tier reads: ``engine`` (``"auto"``, ``"aio"``, ``"threads"``, ``"kvikio"``), reads in flight
+    (``depth``), the longest merged read (``max_read_bytes``)."""
+
+    engine: str = "auto"
+    depth: int = 256
+    max_read_bytes: int = 256 << 10
+
+
+def _source(table: Any) -> TableFile | torch.Tensor:
+    if isinstance(table, (str, os.PathLike)):
+        return TableFile.open(Path(table))
+    if isinstance(table, TableFile):
+        return table
+    if isinstance(table, np.ndarray):
+        return as_unified(table) if torch.cuda.is_available() else torch.from_numpy(table)
+    if isinstance(table, torch.Tensor):
+        return table
+    raise FeatureStoreError(f"table must be a tensor, a numpy array, a path or a TableFile; got {type(table).__name__}")
+
+
+class FeatureStore:
+    """Rows of an (N, *rest) table served from a GPU cache, pinned host memory and disk (see the module docstring).
+
+    Args:
+        table: a tensor (cuda, unified, pinned or pageable CPU: the host tier, pinned in place),
+            a numpy array, a path to a ``.npy`` file, or a `TableFile` (raw rows in a file).
+        gpu_cache: GPU memory for the hottest rows: ``"25%"`` (of the table's bytes), ``"10GB"``,
+            ``"4GiB"``, a fraction, or bytes; None/0: no cache.
+        host_memory: pinned host memory for a file-backed table's rows (same forms); rows beyond it are
+            read from disk.  None: the whole table when it fits what can be pinned, else half of that.
+            A tensor table is the host tier itself, so it takes no ``host_memory`` smaller than itself.
+        hotness: (N,) scores (higher = hotter; `presample_hotness`, `degree_hotness`), or a `Graph`
+            (its in-degrees).  None: rows in id order (the first rows are cached).
+        device: where batches go (default: the current CUDA device, else the CPU).
+        disk: `DiskOptions` of the disk tier.
+    """
+
+    def __init__(self, table: Any, *, gpu_cache: str | float | int | None = None,
+                 host_memory: str | float | int | None = None, hotness: torch.Tensor | Graph | None = None,
+                 device: str | torch.device | None = None, disk: DiskOptions | None = None) -> None:
+        src = _source(table)
+        self.shape = tuple(src.shape)
+        if len(self.shape) < 1:
+            raise FeatureStoreError("a feature table needs at least one dimension (rows)")
+        self.dtype = src.dtype
+        self.num_rows = int(self.shape[0])
+        self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * torch.empty((), dtype=self.dtype).element_size()
+        self.nbytes = self.num_rows * self.row_bytes
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        cache_bytes = parse_budget(gpu_cache, self.nbytes, "gpu_cache") or 0
+        if cache_bytes > self.nbytes:
+            raise FeatureStoreError(f"gpu_cache={gpu_cache!r} ({format_bytes(cache_bytes)}) is larger than the table "
+                                    f"({format_bytes(self.nbytes)}); give at most '100%'")
+        host_bytes = parse_budget(host_memory, self.nbytes, "host_memory")
+        self._cache = self._host = self._slots = self._direct = None
+        self._fetch: list[FetchTier] = []
+        self._gpu_stats, self._host_stats = TierStats(), TierStats()
+        self._counts = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self._counted = 0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # GPU time of the gathers
+        self._gpu_seconds = 0.0
+        c = min(self.num_rows, cache_bytes // self.row_bytes) if self.row_bytes else 0
+        if isinstance(src, TableFile):
+            self._build_from_file(src, c, host_bytes, hotness, disk or DiskOptions())
+        else:
+            self._build_from_tensor(src, c, host_bytes, hotness)
+        self.cache_rows = 0 if self._cache is None else int(self._cache.shape[0])
+        log.info("feature store %s", self.describe())
+
+    # -- building ----------------------------------------------------------------------------
+    def _order(self, hotness: torch.Tensor | Graph | None) -> torch.Tensor:
+        if hotness is None:
+            log.warning("no hotness given: the GPU cache and host tier hold the first rows; pass hotness= "
+                        "(datapath.features.presample_hotness(...) or the graph) to cache the hot ones")
+            return torch.arange(self.num_rows)
+        scores = degree_hotness(hotness) if isinstance(hotness, Graph) else torch.as_tensor(hotness)
+        if scores.shape != (self.num_rows,):
+            raise FeatureStoreError(f"hotness must hold one score per row ({self.num_rows},), got "
+                                    f"{tuple(scores.shape)}")
+        return rank(scores)
+
+    def _build_from_tensor(self, t: torch.Tensor, c: int, host_bytes: int | None, hotness: Any) -> None:
+        where = placement_of(t)
+        if where == "cuda" or c == self.num_rows:
+            self._direct = t if where == "cuda" else gather_rows(t, torch.arange(self.num_rows, device=self.device))
+            self._direct_stats = self._gpu_stats if self._direct.device.type == "cuda" else self._host_stats
+            if where != "cuda":
+                self._cache = self._direct
+            return
+        if host_bytes is not None and host_bytes < self.nbytes - c * self.row_bytes:
+            raise FeatureStoreError(
+                f"host_memory={format_bytes(host_bytes)} is less than the {format_bytes(self.nbytes)} table given in "
+                f"memory, so rows would have to come from disk: pass the table as the path of its .npy file "
+                f"(FeatureStore('features.npy', ...)), or leave host_memory out")
+        host = t if where == "unified" or self.device.type == "cpu" else as_unified(t)
+        self._host = host
+        if c == 0:
+            self._direct, self._direct_stats = host, self._host_stats
+            return
+        order = self._order(hotness)
+        cache_ids = order[:c].to(self.device)
+        self._cache = gather_rows(host, cache_ids)
+        self._slots = _build.slot_map(self.num_rows, cache_ids, None, self.device)
+
+    def _build_from_file(self, tf: TableFile, c: int, host_bytes: int | None, hotness: Any,
+                         disk: DiskOptions) -> None:
+        rest = self.num_rows - c
+        if host_bytes is None:
+            fits = rest * self.row_bytes <= pin_limit_bytes() if self.device.type == "cuda" else True
+            host_bytes = rest * self.row_bytes if fits else pin_limit_bytes() // 2
+        h = min(rest, host_bytes // self.row_bytes) if self.row_bytes else rest
+        order = self._order(hotness) if (c or h < rest) else torch.arange(self.num_rows)
+        cache_ids, host_ids = order[:c], order[c:c + h]
+        slots = _build.slot_map(self.num_rows, cache_ids, host_ids, torch.device("cpu"))
+        rest_shape = tuple(self.shape[1:])
+        self._cache = torch.empty((c, *rest_shape), dtype=self.dtype, device=self.device) if c else None
+        host = pinned_empty((h, *rest_shape), self.dtype) if self.device.type == "cuda" else \
+            torch.empty((h, *rest_shape), dtype=self.dtype)
+        _build.fill_from_file(tf, slots.numpy(), c, self._cache, host if h else None)
+        self._host = host
+        if h < rest:
+            self._fetch.append(DiskTier(tf, self.device, disk.engine, disk.depth, disk.max_read_bytes))
+        if c == 0 and h == self.num_rows:  # everything in host memory, in row order
+            self._direct, self._direct_stats = host, self._host_stats
+            return
+        self._slots = slots.to(self.device)
+
+    # -- reading ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
+        if not isinstance(idx, torch.Tensor):
+            raise TypeError(f"a FeatureStore is indexed by an int32/int64 tensor of row ids, got {type(idx).__name__}")
+        return self.gather(idx)
+
+    def gather(self, idx: torch.Tensor, error_flag: ErrorFlag | None = None) -> torch.Tensor:
+        """Rows ``idx`` (int32/int64, any shape, any device; negatives count from the end) on the store's device.
+
+        Returns (*idx.shape, *rest).  An out-of-range index raises ``IndexError`` (see
+        `datapath.memory.gather_rows`; with ``error_flag`` the caller checks it).
+        """
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
+            raise TypeError("FeatureStore rows are read with an int32/int64 index tensor")
+        if idx.device != self.device:
+            idx = idx.to(self.device)
+        flat = idx.reshape(-1)
+        rest = tuple(self.shape[1:])
+        if self._direct is not None:
+            start = self._timed()
+            rows = gather_rows(self._direct, flat, error_flag)
+            self._timed(start)
+            self._direct_stats.add(flat.numel(), flat.numel() * self.row_bytes)
+            return rows.view(*idx.shape, *rest)
+        loc = gather_rows(self._slots, flat, error_flag)
+        out = torch.empty((flat.numel(), *rest), dtype=self.dtype, device=self.device)
+        misses = None
+        if self._fetch and flat.numel():
+            pos = (loc < 0).nonzero().squeeze(1)  # the one host synchronisation of a batch with disk rows
+            if pos.numel():
+                ids = flat[pos].long()
+                misses = (pos, torch.where(ids < 0, ids + self.num_rows, ids), loc[pos])
+        empty = torch.empty((0, *rest), dtype=self.dtype, device=self.device)
+        start = self._timed()
+        gather_tiered(self._cache if self._cache is not None else empty,
+                      self._host if self._host is not None else empty, loc, out,
+                      error_flag=error_flag, counts=self._counts)
+        self._timed(start)
+        self._counted += flat.numel()
+        if misses is not None:
+            pos, ids, codes = misses
+            for k, tier in enumerate(self._fetch):
+                mine = (codes == -(k + 1)).nonzero().squeeze(1) if len(self._fetch) > 1 else None
+                tier.fetch(ids if mine is None else ids[mine], pos if mine is None else pos[mine], out)
+        return out.view(*idx.shape, *rest)
+
+    def _timed(self, start: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
+        """Record a timing event on the current stream (CUDA only); with ``start``, keep the pair."""
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        if start is not None:
+            self._events.append((start, ev))
+            if len(self._events) > 4096:
+                self._fold_events(wait=False)
+        return ev
+
+    def _fold_events(self, wait: bool) -> None:
+        keep = []
+        for a, b in self._events:
+            if wait or b.query():
+                b.synchronize()
+                self._gpu_seconds += a.elapsed_time(b) / 1e3
+            else:
+                keep.append((a, b))
+        self._events = keep
+
+    # -- facts -------------------------------------------------------------------------------
+    @property
+    def host_rows(self) -> int:
+        return 0 if self._host is None else int(self._host.shape[0])
+
+    def tiers(self) -> dict[str, dict[str, Any]]:
+        """Rows and bytes each tier holds (plus the GPU memory of the slot map)."""
+        out = {"gpu_cache": {"rows": self.cache_rows, "bytes": self.cache_rows * self.row_bytes},
+               "host": {"rows": self.host_rows, "bytes": self.host_rows * self.row_bytes}}
+        for t in self._fetch:
+            out[t.name] = {"rows": self.num_rows - self.cache_rows - self.host_rows,
+                           "bytes": (self.num_rows - self.cache_rows - self.host_rows) * self.row_bytes,
+                           "engine": getattr(t, "engine", None)}
+        out["slot_map_bytes"] = 0 if self._slots is None else self._slots.numel() * 4
+        return out
+
+    def describe(self) -> str:
+        t = self.tiers()
+        parts = [f"{name} {format_bytes(v['bytes'])} ({v['rows']:,} rows)" for name, v in t.items()
+                 if isinstance(v, dict) and v["rows"]]
+        return f"({self.num_rows:,} x {self.row_bytes} B rows, {format_bytes(self.nbytes)}): " + ", ".join(parts)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per tier since the last `reset_stats`: rows, bytes, seconds, hit rate (share of all rows returned).
+
+        ``seconds`` of ``gpu_cache`` and ``host`` is the GPU time of the gathers that read them
+        (one kernel serves both, so it is the same number); of ``disk``, the wall time of its fetches.
+        """
+        if self._counted:
+            counts = self._counts.tolist()  # waits for the gathers that count
+            self._counts.zero_()
+            self._counted = 0
+            self._gpu_stats.add(counts[0], counts[0] * self.row_bytes)
+            self._host_stats.add(counts[1], counts[1] * self.row_bytes)
+        self._fold_events(wait=True)
+        for s in (self._gpu_stats, self._host_stats):  # one kernel reads both: its GPU time is theirs together
+            s.seconds = self._gpu_seconds
+        tiers = {"gpu_cache": self._gpu_stats, "host": self._host_stats, **{t.name: t.stats for t in self._fetch}}
+        total = sum(s.rows for s in tiers.values())
+        return {name: s.as_dict(total) for name, s in tiers.items()}
+
+    def reset_stats(self) -> None:
+        self.stats()
+        self._gpu_seconds = 0.0
+        for s in (self._gpu_stats, self._host_stats, *(t.stats for t in self._fetch)):
+            s.reset()
+
+    def close(self) -> None:
+        """Close the disk tier's file (idempotent)."""
+        for t in self._fetch:
+            t.close()
+
+    def __repr__(self) -> str:
+        return f"FeatureStore{self.describe()}"

@@ -1,0 +1,69 @@
+"""What every tier of a `FeatureStore` reports (`TierStats`), and the interface of tiers the GPU cannot address.
+
+Tiers the GPU reads directly (the GPU cache, pinned host memory) are served together by
+one kernel (`datapath.memory.gather_tiered`).  The others implement `FetchTier`: the
+store hands each the ids it owns and the output positions they go to, and the tier fills
+them (the disk tier, `datapath.features.disk.DiskTier`; a remote shard of a
+``torch.distributed`` group would be one more).
+"""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class TierStats:
+    """Rows served by one tier since the last reset.
+
+    ``rows``: rows it returned; ``bytes``: their bytes; ``seconds``: time spent in the tier
+    (wall time of the fetch for fetch tiers; for the GPU-read tiers, the GPU time of the
+    gathers that read them, shared); ``extra``: tier-specific counters (e.g. the disk tier's
+    reads and bytes read, which include whole pages).
+    """
+
+    rows: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, rows: int = 0, nbytes: int = 0, seconds: float = 0.0) -> None:
+        with self._lock:
+            self.rows += rows
+            self.bytes += nbytes
+            self.seconds += seconds
+
+    def reset(self) -> None:
+        with self._lock:
+            self.rows = self.bytes = 0
+            self.seconds = 0.0
+            for k, v in self.extra.items():
+                self.extra[k] = type(v)()
+
+    def as_dict(self, total_rows: int) -> dict[str, Any]:
+        """The counters plus ``hit_rate`` (share of all rows the store returned that came from this tier)."""
+        with self._lock:
+            return {"rows": self.rows, "bytes": self.bytes, "seconds": self.seconds,
+                    "hit_rate": self.rows / total_rows if total_rows else 0.0, **self.extra}
+
+
+class FetchTier(ABC):
+    """A tier whose rows the GPU cannot address: it is asked for ids and writes their rows into the batch."""
+
+    name: str = "fetch"
+
+    def __init__(self) -> None:
+        self.stats = TierStats()
+
+    @abstractmethod
+    def fetch(self, ids: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[positions] = rows ids`` (ids: (k,) int64 row numbers of the whole table; positions: (k,) int64 on
+        ``out``'s device).  Work queued on the current CUDA stream is ordered before the batch's consumers."""
+
+    def close(self) -> None:
+        """Release files and buffers (idempotent)."""

@@ -1,0 +1,137 @@
+"""Launching the row kernels of ``kernels/gather.cu``: word width, lanes per row, grid, visit order.
+
+Private to `datapath.memory`; `datapath.memory.rows` decides what to launch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from datapath._runtime import kernels
+from datapath.memory.config import GATHER_MODES, gather_config
+
+_WIDTHS = (16, 8, 4, 2, 1)
+_LINE = 128
+_ALL_MODES = ("-DDP_ALL_MODES",)
+
+
+class _Stream:
+    """What CuPy's launcher reads from a stream argument: the raw handle."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+_functions: dict[tuple[str, bool, int], Any] = {}
+
+
+def _function(name: str, all_modes: bool) -> Any:
+    """The compiled kernel ``name`` (a CuPy ``Function``), loaded once per device."""
+    key = (name, all_modes, torch.cuda.current_device())
+    fn = _functions.get(key)
+    if fn is None:
+        raw = kernels.get_function("gather.cu", name, _ALL_MODES if all_modes else ())
+        fn = _functions[key] = raw.kernel
+    return fn
+
+
+def row_layout(t: torch.Tensor) -> tuple[int, int] | None:
+    """(row_bytes, row_stride_bytes) of ``t`` (N, *rest) if each row is contiguous in memory, else None."""
+    if t.dim() == 0:
+        return None
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            return None
+        expected *= size
+    es = t.element_size()
+    return expected * es, t.stride(0) * es
+
+
+def word_bytes(*values: int) -> int:
+    """The widest word (16, 8, 4, 2 or 1 bytes) dividing every value (sizes, strides, addresses)."""
+    for w in _WIDTHS:
+        if all(v % w == 0 for v in values):
+            return w
+    return 1
+
+
+def _lanes_and_rows(words: int, w: int, mode: int) -> tuple[int, int]:
+    """(lanes per row G, rows a group moves per iteration) as the kernel chooses them."""
+    g = 32 if words >= 32 else 1 << max(0, (words - 1).bit_length())
+    span = words + _LINE // w - 1 if mode == 1 else words
+    steps = -(-span // g)
+    return g, 4 if steps == 1 else 2 if steps == 2 else 1
+
+
+def _grid(m: int, g: int, rows_per_group: int, device: int, on_host: bool) -> int:
+    groups_per_block = gather_config.threads_per_block // g
+    per_sm = gather_config.blocks_per_sm if on_host else gather_config.device_blocks_per_sm
+    max_blocks = kernels.multiprocessor_count(device) * per_sm
+    return max(1, min(-(-m // (groups_per_block * rows_per_group)), max_blocks))
+
+
+def visit_order(keys: torch.Tensor, sort: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(keys in the order the kernel visits them, their output positions or None)."""
+    if not sort:
+        return keys, None
+    keys, order = torch.sort(keys)
+    return keys, order
+
+
+def launch_plain(direction: str, table: torch.Tensor, row_bytes: int, row_stride: int, idx: torch.Tensor,
+                 dev_rows: torch.Tensor, *, mode: str, sort: bool, flag_ptr: int, on_host: bool) -> None:
+    """Gather (table -> dev_rows) or scatter (dev_rows -> table) rows ``idx`` (flat, contiguous, CUDA).
+
+    ``table`` is any tensor whose rows are contiguous (pinned host or CUDA memory; its
+    data pointer is what the GPU reads); ``dev_rows`` is (m, row) contiguous CUDA memory.
+    """
+    n_rows, m = table.shape[0], idx.numel()
+    mode_id = GATHER_MODES[mode]
+    w = word_bytes(row_bytes, row_stride, table.data_ptr(), dev_rows.data_ptr())
+    g, per_group = _lanes_and_rows(row_bytes // w, w, mode_id)
+    dev = idx.device.index
+    blocks = _grid(m, g, per_group, dev, on_host)
+    keys, order = visit_order(idx, sort)
+    name = f"{direction}_w{w}_m{mode_id}_{'i32' if idx.dtype == torch.int32 else 'i64'}"
+    stream = torch.cuda.current_stream(idx.device)
+    _function(name, mode_id != 2)(
+        (blocks,), (gather_config.threads_per_block,),
+        (kernels.ptr(table), np.int64(n_rows), np.int64(row_stride), np.int64(row_bytes), kernels.ptr(keys),
+         kernels.ptr(0 if order is None else order), np.int64(m), kernels.ptr(dev_rows), np.int32(g),
+         np.uint64(flag_ptr)),
+        0, _Stream(stream.cuda_stream))
+
+
+def launch_tiered(a: torch.Tensor, b: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, *, sort: bool,
+                  flag_ptr: int, counts: torch.Tensor | None, b_on_host: bool) -> None:
+    """``out[k] = row of slot loc[k]`` from tables ``a`` (slots 1..len(a)) and ``b`` (the next len(b)).
+
+    ``a``/``b``: (rows, F...) with contiguous rows (either may have 0 rows); ``loc``: (m,) int32
+    CUDA; slots < 0 are skipped, slot 0 gives zeros; ``out`` (m, F...) contiguous CUDA;
+    ``counts``: optional (3,) int64 CUDA accumulating rows taken from a, from b, skipped.
+    """
+    m = loc.numel()
+    if m == 0:
+        return
+    row_bytes = out[0].numel() * out.element_size() if out.dim() > 1 else out.element_size()
+    la = row_layout(a) or (row_bytes, row_bytes)
+    lb = row_layout(b) or (row_bytes, row_bytes)
+    ptrs = [t.data_ptr() for t in (a, b) if t.numel()]
+    w = word_bytes(row_bytes, la[1], lb[1], out.data_ptr(), *ptrs)
+    g, per_group = _lanes_and_rows(row_bytes // w, w, 2)
+    dev = loc.device.index
+    blocks = _grid(m, g, per_group, dev, b_on_host and b.shape[0] > 0)
+    keys, order = visit_order(loc, sort)
+    stream = torch.cuda.current_stream(loc.device)
+    _function(f"tiered_gather_w{w}", False)(
+        (blocks,), (gather_config.threads_per_block,),
+        (kernels.ptr(a if a.numel() else 0), np.int64(la[1]), np.int64(a.shape[0]),
+         kernels.ptr(b if b.numel() else 0), np.int64(lb[1]), np.int64(b.shape[0]),
+         kernels.ptr(keys), kernels.ptr(0 if order is None else order), np.int64(m), kernels.ptr(out),
+         np.int64(row_bytes), np.int32(g), np.uint64(flag_ptr), kernels.ptr(0 if counts is None else counts)),
+        0, _Stream(stream.cuda_stream))

@@ -1,0 +1,116 @@
+"""Bounds checks of GPU row fetches that do not wait: `ErrorFlag`, `check_errors`.
+
+A GPU gather or scatter never touches memory outside its table: an out-of-range index
+makes the kernel write zeros into that output row (skip it, for a scatter) and store the
+bad value in an error flag.  The flag is a word of pinned, GPU-mapped host memory, so the
+host reads it without a CUDA call once the kernel has run.
+
+Who reads the flag:
+
+- a caller that passes its own `ErrorFlag` (the loader: one per batch, checked when the
+  batch's event has completed, before the batch is handed over);
+- otherwise the calling thread's flag: it is read at the start of the thread's next
+  gather/scatter, and by `check_errors`; either raises ``IndexError`` naming the index.
+  With ``sync=True`` (or ``gather_config.sync_bounds_check``) a call waits for its
+  kernel and raises at once.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from datapath._runtime.pinned import pinned_empty
+
+NO_ERROR = -(2**63)
+_MAX_SIZES = 4
+
+
+class ErrorFlag:
+    """Where GPU fetches that do not wait record an out-of-range index.
+
+    One flag may serve several launches; call `raise_if_set` after they are done (e.g.
+    after waiting for an event recorded behind them).  ``host``: (1,) int64, pinned.
+    """
+
+    def __init__(self) -> None:
+        self.host = pinned_empty((1,), torch.int64)
+        self.host.fill_(NO_ERROR)
+        self._sizes: list[int] = []
+        self._lock = threading.Lock()
+
+    @property
+    def ptr(self) -> int:
+        """The address a kernel writes to (host and device pointers agree under unified addressing)."""
+        return self.host.data_ptr()
+
+    def note_size(self, n_rows: int) -> None:
+        """Remember a table size for the error message (the last few distinct ones)."""
+        with self._lock:
+            if n_rows not in self._sizes:
+                self._sizes = [*self._sizes[-(_MAX_SIZES - 1):], n_rows]
+
+    def is_set(self) -> bool:
+        """True when a launch has recorded a bad index (reads host memory; no CUDA call)."""
+        return int(self.host[0]) != NO_ERROR
+
+    def raise_if_set(self, context: str = "") -> None:
+        """Raise ``IndexError`` if a finished launch saw an out-of-range index (the caller waited for it).
+
+        The flag is cleared first, so each bad index is reported once.
+        """
+        bad = int(self.host[0])
+        if bad == NO_ERROR:
+            return
+        self.host.fill_(NO_ERROR)
+        with self._lock:
+            sizes = " or ".join(str(n) for n in sorted(self._sizes)) or "?"
+        raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {sizes}{context}")
+
+
+class _ThreadFlags(threading.local):
+    """Each thread's flag for launches without a caller's flag (made on first use)."""
+
+    flag: ErrorFlag | None = None
+
+
+_local = _ThreadFlags()
+_all_lock = threading.Lock()
+_all: list[ErrorFlag] = []
+
+
+def thread_flag() -> ErrorFlag:
+    """This thread's deferred-check flag."""
+    flag = _local.flag
+    if flag is None:
+        flag = _local.flag = ErrorFlag()
+        with _all_lock:
+            _all.append(flag)
+    return flag
+
+
+_DEFERRED = (" (found by an earlier GPU gather/scatter of this thread that did not wait for its bounds check; "
+             "the rows it returned for that index are zeros)")
+
+
+def raise_deferred() -> None:
+    """Raise the ``IndexError`` an earlier call of this thread recorded (called at the start of each fetch)."""
+    flag = _local.flag
+    if flag is not None and flag.is_set():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # let every launch that may write it finish: one report per error
+        flag.raise_if_set(_DEFERRED)
+
+
+def check_errors() -> None:
+    """Wait for the GPU and raise ``IndexError`` for an out-of-range index seen by any earlier call.
+
+    Covers the fetches that did not wait (the default) of every thread that did not
+    pass its own `ErrorFlag`.
+    """
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    with _all_lock:
+        flags = list(_all)
+    for flag in flags:
+        flag.raise_if_set(_DEFERRED)

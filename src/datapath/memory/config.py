@@ -1,0 +1,78 @@
+"""The row fetch's one configuration object (`gather_config`; also ``datapath.unified_tensor.config``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+GatherMode = Literal["circular", "shift_mask", "unaligned"]
+
+GATHER_MODES: dict[str, int] = {"unaligned": 0, "shift_mask": 1, "circular": 2}
+
+
+@dataclass
+class GatherConfig:
+    """Settings of the row gather/scatter kernels (`datapath.memory.gather_rows`).
+
+    Attributes:
+        gather_mode: how the lanes of a warp cover a misaligned row: ``"circular"``
+            (PyTorch-Direct's circular shift, the default), ``"shift_mask"`` (DGL's:
+            start at the 128-byte line below the row, idle the lanes outside it) or
+            ``"unaligned"`` (from the row start).  The last two exist for the ablation
+            (compiled on first use).
+        sync_bounds_check: wait for every GPU gather/scatter and raise ``IndexError`` at
+            once when an index was out of range.  By default (False) the call does not
+            wait: the kernel records a bad index in a pinned host word (it never touches
+            memory outside the table; the rows of bad indices come back as zeros) and the
+            ``IndexError`` is raised by the next gather/scatter of the same thread, by
+            `check_errors`, or by the loader at its next synchronisation.  A call can ask
+            for the wait itself (``sync=True``).
+        threads_per_block: CUDA block size of the kernels.
+        blocks_per_sm: grid of the kernels reading host memory, in blocks per
+            multiprocessor.  Two keep enough bytes in flight to cover PCIe latency while
+            leaving most of the GPU to kernels running beside the gather (training).
+        device_blocks_per_sm: grid of the kernels reading GPU memory (CUDA tables, the
+            feature store's GPU cache): HBM wants more requests in flight.
+        sort_indices: visit the rows in sorted index order (``True``/``False``), or
+            ``"auto"``: when the table has at least ``sort_min_table_bytes`` and the call
+            moves at least ``sort_min_rows`` rows of fewer than ``sort_max_row_bytes``
+            bytes, or at least ``sort_min_rows_long`` longer rows.  Random rows of a
+            multi-GB table each cost an address-translation miss, which limits short rows
+            far below PCIe bandwidth; sorted, neighbouring warps share translations.  The
+            sort costs tens of microseconds, which small calls cannot win back (B1).
+    """
+
+    gather_mode: GatherMode = "circular"
+    sync_bounds_check: bool = False
+    threads_per_block: int = 256
+    blocks_per_sm: int = 2
+    device_blocks_per_sm: int = 8
+    sort_indices: bool | Literal["auto"] = "auto"
+    sort_min_rows: int = 32768
+    sort_max_row_bytes: int = 2048
+    sort_min_rows_long: int = 524288
+    sort_min_table_bytes: int = 256 << 20
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "gather_mode" and value not in GATHER_MODES:
+            raise ValueError(f"gather_mode must be one of {sorted(GATHER_MODES)}, got {value!r}")
+        if name in ("blocks_per_sm", "device_blocks_per_sm") and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if name == "threads_per_block" and (not isinstance(value, int) or value % 32 or not 32 <= value <= 1024):
+            raise ValueError(f"threads_per_block must be a multiple of 32 in [32, 1024], got {value!r}")
+        if name == "sort_indices" and value not in (True, False, "auto"):
+            raise ValueError(f"sort_indices must be True, False or 'auto', got {value!r}")
+        super().__setattr__(name, value)
+
+    def sorts(self, rows: int, row_bytes: int, table_bytes: int, sort: bool | None = None) -> bool:
+        """Whether a call moving ``rows`` rows of ``row_bytes`` from a table of ``table_bytes`` sorts its indices."""
+        choice = self.sort_indices if sort is None else sort
+        if choice != "auto":
+            return bool(choice)
+        if table_bytes < self.sort_min_table_bytes:
+            return False
+        if row_bytes < self.sort_max_row_bytes:
+            return rows >= self.sort_min_rows
+        return rows >= self.sort_min_rows_long
+
+
+gather_config = GatherConfig()

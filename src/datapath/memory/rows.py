@@ -1,0 +1,279 @@
+"""The one row fetch of datapath: `gather_rows`, `scatter_rows`, `gather_tiered`.
+
+Every table, wherever it lives, goes through here: unified tensors, the loaders' feature
+and label gathers, the feature store's tiers, the neural-network layers.
+
+- CUDA indices, table in pinned/unified host memory: a GPU kernel reads the rows straight
+  from host memory over PCIe (zero copy; rows aligned to 128-byte lines by circular
+  shift; large calls visit rows in sorted order to share address translations);
+- CUDA indices, table in GPU memory: the same kernel reading GPU memory;
+- CPU indices (or a pageable table): a CPU gather (then a copy to the indices' device).
+
+Indices are int32 or int64 of any shape; negative values count from the end (as in
+PyTorch); every index is bounds-checked and no kernel ever reads or writes outside its
+table.  A bad CUDA index gives ``IndexError`` naming it and the CUDA context survives (no
+device-side assert): at once with ``sync=True``, otherwise (the default, which does not
+wait for the GPU) at the thread's next fetch, at `check_errors`, or through the caller's
+`ErrorFlag` (see `datapath.memory.bounds`).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from datapath._runtime.errors import DatapathError
+from datapath._runtime.pinned import cuda_alias, in_flight
+from datapath.memory import _launch
+from datapath.memory.bounds import ErrorFlag, raise_deferred, thread_flag
+from datapath.memory.config import GATHER_MODES, gather_config
+from datapath.memory.placement import PlacementError, host_of, is_read_only, is_unified, placement_of
+
+
+class ReadOnlyTableError(DatapathError):
+    """A write into a table whose memory is read-only (a read-only mapping or a non-writable array)."""
+
+
+def _check_index(idx: torch.Tensor) -> None:
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"row indices must be a torch.Tensor, got {type(idx).__name__}")
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"row indices must be int32 or int64, got {idx.dtype}")
+    if idx.device.type not in ("cpu", "cuda"):
+        raise TypeError(f"row indices must be on CPU or CUDA, got {idx.device}")
+
+
+def _cpu_rows(n_rows: int, idx: torch.Tensor) -> torch.Tensor:
+    """Bounds-checked, non-negative int64 copy of CPU ``idx`` (raises IndexError naming a bad index)."""
+    flat = idx.reshape(-1).to(torch.int64)
+    if flat.numel():
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo < -n_rows:
+            raise IndexError(f"index {lo} is out of bounds for dimension 0 with size {n_rows}")
+        if hi >= n_rows:
+            raise IndexError(f"index {hi} is out of bounds for dimension 0 with size {n_rows}")
+        flat = torch.where(flat < 0, flat + n_rows, flat)
+    return flat
+
+
+class _SyncFlags(threading.local):
+    flag: ErrorFlag | None = None
+
+
+_sync_flags = _SyncFlags()
+
+
+def _flag_for(error_flag: ErrorFlag | None, sync: bool | None) -> tuple[ErrorFlag, bool]:
+    """(the flag the kernel writes, whether this call waits for it)."""
+    if error_flag is not None:
+        return error_flag, False
+    if gather_config.sync_bounds_check if sync is None else sync:
+        if _sync_flags.flag is None:
+            _sync_flags.flag = ErrorFlag()
+        return _sync_flags.flag, True
+    raise_deferred()
+    return thread_flag(), False
+
+
+def _finish(flag: ErrorFlag, wait: bool, stream: torch.cuda.Stream, host_owner: torch.Tensor | None) -> None:
+    if wait:
+        event = torch.cuda.Event(blocking=True)
+        event.record(stream)
+        event.synchronize()
+        flag.raise_if_set()
+    elif host_owner is not None:
+        in_flight.hold(stream, host_owner)  # the GPU reads it after we return: keep it alive until then
+
+
+def _bounds_check_cuda(flat: torch.Tensor, n_rows: int) -> None:
+    """Synchronous bounds check (the generic path for tables whose rows are not contiguous)."""
+    if flat.numel():
+        lo, hi = (int(v) for v in torch.aminmax(flat.to(torch.int64)))
+        bad = lo if lo < -n_rows else hi if hi >= n_rows else None
+        if bad is not None:
+            raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {n_rows}")
+
+
+def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    if out.shape != shape or out.dtype != dtype or out.device != device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape} on {device}; "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+
+
+def gather_rows(table: torch.Tensor, idx: torch.Tensor, error_flag: ErrorFlag | None = None, *,
+                out: torch.Tensor | None = None, sync: bool | None = None, mode: str | None = None,
+                sort: bool | None = None) -> torch.Tensor:
+    """``table[idx]`` (rows along dimension 0), bounds-checked, whatever memory ``table`` is in.
+
+    Args:
+        table: (N, *rest) tensor: CUDA, unified, pinned CPU, or pageable CPU; any dtype.
+        idx: int32/int64 indices of any shape, on CPU or CUDA.
+        error_flag: record a bad CUDA index in this `ErrorFlag` (checked by the caller) instead of
+            the thread's flag; the call never waits.
+        out: contiguous CUDA tensor of the result's shape and dtype to write into (GPU path).
+        sync: wait for the kernel and raise ``IndexError`` now (default ``gather_config.sync_bounds_check``).
+        mode: alignment scheme of the kernel (default ``gather_config.gather_mode``).
+        sort: visit rows in sorted index order (default: ``gather_config.sort_indices``).
+
+    Returns:
+        (*idx.shape, *rest) tensor of ``table``'s dtype: on CUDA for CUDA indices or a CUDA table,
+        else on the CPU.
+    """
+    _check_index(idx)
+    where = placement_of(table)
+    data = table if where == "cuda" else host_of(table)
+    if data.dim() == 0:
+        raise IndexError("cannot gather rows of a 0-dimensional tensor")
+    rest = tuple(data.shape[1:])
+    if where == "cuda" and idx.device != data.device:
+        idx = idx.to(data.device)
+    if idx.device.type == "cpu":
+        if out is not None:
+            raise ValueError("out= is for the GPU gather (CUDA indices or a CUDA table)")
+        rows = torch.index_select(data, 0, _cpu_rows(data.shape[0], idx))
+        return rows.reshape(*idx.shape, *rest)
+    if where == "cpu":  # pageable: the CPU gathers, then one copy (the DGL/PyG default path)
+        rows = torch.index_select(data, 0, _cpu_rows(data.shape[0], idx.cpu()))
+        if out is None:
+            return rows.reshape(*idx.shape, *rest).to(idx.device)
+        _check_out(out, (*idx.shape, *rest), data.dtype, idx.device)
+        return out.copy_(rows.reshape(out.shape))
+    shape = (*idx.shape, *rest)
+    flat = idx.reshape(-1).contiguous()
+    if out is None:
+        out = torch.empty((flat.numel(), *rest), dtype=data.dtype, device=idx.device)
+    else:
+        _check_out(out, shape, data.dtype, idx.device)
+        out = out.view(flat.numel(), *rest)
+    if flat.numel():
+        _launch_rows("gather", data, flat, out, where, error_flag, sync, mode, sort)
+    return out.view(shape)
+
+
+def scatter_rows(table: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, *, sync: bool | None = None,
+                 mode: str | None = None, sort: bool | None = None) -> None:
+    """``table[idx] = rows``: write rows into ``table`` wherever it lives (host memory written by the GPU over PCIe).
+
+    Args:
+        table: (N, *rest) CUDA, unified or pinned tensor (pageable CPU: CPU indices only).
+        idx: int32/int64 indices of any shape, CUDA or CPU.
+        rows: values broadcastable to (*idx.shape, *rest), of the table's dtype.
+
+    With repeated indices, which of the rows lands is unspecified (as in PyTorch).  GPU
+    writes are asynchronous: synchronize before reading a host table on the CPU.
+
+    Raises:
+        ReadOnlyTableError: the table's memory is read-only.
+    """
+    _check_index(idx)
+    if is_read_only(table):
+        raise ReadOnlyTableError(
+            "cannot write rows into a read-only table (a read-only memory mapping or a numpy array that is not "
+            "writeable); copy it first: t.to('unified'), or np.load(path) without mmap_mode='r'")
+    where = placement_of(table)
+    data = table if where == "cuda" else host_of(table)
+    if data.dim() == 0:
+        raise IndexError("cannot scatter rows into a 0-dimensional tensor")
+    rest = tuple(data.shape[1:])
+    if rows.dtype != data.dtype:
+        raise TypeError(f"rows have dtype {rows.dtype} but the table has {data.dtype}")
+    if where == "cuda" and idx.device != data.device:
+        idx = idx.to(data.device)
+    if is_unified(rows):
+        rows = host_of(rows)
+    if idx.device.type == "cpu":
+        flat = _cpu_rows(data.shape[0], idx)
+        data.index_copy_(0, flat, rows.to("cpu").expand(*idx.shape, *rest).reshape(-1, *rest))
+        return
+    if where == "cpu":
+        raise PlacementError("a GPU scatter writes host memory over PCIe and needs pinned memory: make the table "
+                             "with t.to('unified') or datapath.unified_tensor.as_unified(t), or pass CPU indices")
+    flat = idx.reshape(-1).contiguous()
+    if not flat.numel():
+        return
+    src = rows.to(idx.device).expand(*idx.shape, *rest).reshape(flat.numel(), *rest).contiguous()
+    _launch_rows("scatter", data, flat, src, where, None, sync, mode, sort)
+
+
+def _launch_rows(direction: str, data: torch.Tensor, flat: torch.Tensor, dev_rows: torch.Tensor, where: str,
+                 error_flag: ErrorFlag | None, sync: bool | None, mode: str | None, sort: bool | None) -> None:
+    mode = gather_config.gather_mode if mode is None else mode
+    if mode not in GATHER_MODES:
+        raise ValueError(f"mode must be one of {sorted(GATHER_MODES)}, got {mode!r}")
+    n_rows = data.shape[0]
+    layout = _launch.row_layout(data)
+    on_host = where != "cuda"
+    if layout is None:  # rows not contiguous in memory: the generic path (bounds checked synchronously)
+        _bounds_check_cuda(flat, n_rows)
+        view = cuda_alias(data) if on_host else data
+        wrapped = flat.to(torch.int64).remainder(max(n_rows, 1))
+        if direction == "gather":
+            dev_rows.copy_(torch.index_select(view, 0, wrapped))
+        else:
+            view.index_copy_(0, wrapped, dev_rows)
+        if on_host:
+            in_flight.hold(torch.cuda.current_stream(flat.device), data)
+        return
+    row_bytes, row_stride = layout
+    flag, wait = _flag_for(error_flag, sync)
+    flag.note_size(n_rows)
+    stream = torch.cuda.current_stream(flat.device)
+    with torch.cuda.device(flat.device):
+        _launch.launch_plain(direction, data, row_bytes, row_stride, flat, dev_rows, mode=mode,
+                             sort=gather_config.sorts(flat.numel(), row_bytes, n_rows * row_stride, sort),
+                             flag_ptr=flag.ptr, on_host=on_host)
+    _finish(flag, wait, stream, data if on_host else None)
+
+
+def gather_tiered(a: torch.Tensor, b: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, *,
+                  error_flag: ErrorFlag | None = None, counts: torch.Tensor | None = None,
+                  sort: bool | None = None) -> torch.Tensor:
+    """``out[k]`` = row ``loc[k] - 1`` of ``a`` or row ``loc[k] - 1 - len(a)`` of ``b``, in one launch.
+
+    The feature store's GPU cache (``a``, CUDA) and host tier (``b``, pinned) read by one
+    kernel.  ``loc[k] < 0`` leaves ``out[k]`` alone (another tier fills it), ``loc[k] == 0``
+    writes zeros (an index already found out of range).
+
+    Args:
+        a: (Na, *rest) CUDA (or, without CUDA, CPU) table; b: (Nb, *rest) pinned/unified/CUDA table.
+        loc: (m,) int32 slots, on ``out``'s device.
+        out: (m, *rest) contiguous output.
+        counts: (3,) int64 accumulating rows taken from a, from b, and left to other tiers.
+    Returns:
+        ``out``.
+    """
+    if loc.dim() != 1 or loc.dtype != torch.int32 or out.shape[0] != loc.numel():
+        raise ValueError(f"loc must be (m,) int32 with m = out.shape[0]; got {loc.dtype} {tuple(loc.shape)}")
+    b_data = b if placement_of(b) == "cuda" else host_of(b)
+    if loc.device.type == "cpu":
+        return _gather_tiered_cpu(a, b_data, loc, out, counts)
+    flag, wait = _flag_for(error_flag, False)
+    stream = torch.cuda.current_stream(loc.device)
+    b_on_host = b_data.device.type == "cpu"
+    if b_on_host and b_data.numel() and not b_data.is_pinned():
+        raise PlacementError("the host tier of a tiered gather must be pinned (unified) memory")
+    row_bytes = out[0].numel() * out.element_size() if out.dim() > 1 else out.element_size()
+    with torch.cuda.device(loc.device):
+        _launch.launch_tiered(a, b_data, loc, out, flag_ptr=flag.ptr, counts=counts, b_on_host=b_on_host,
+                              sort=gather_config.sorts(loc.numel(), row_bytes,
+                                                       b_data.shape[0] * row_bytes if b_on_host else 0, sort))
+    _finish(flag, wait, stream, b_data if b_on_host and b_data.numel() else None)
+    return out
+
+
+def _gather_tiered_cpu(a: torch.Tensor, b: torch.Tensor, loc: torch.Tensor, out: torch.Tensor,
+                       counts: torch.Tensor | None) -> torch.Tensor:
+    """The CPU twin of the tiered kernel (machines without CUDA)."""
+    na, nb = a.shape[0], b.shape[0]
+    v = loc.to(torch.int64)
+    in_a = (v >= 1) & (v <= na)
+    in_b = (v > na) & (v <= na + nb)
+    bad = ~(in_a | in_b | (v < 0))
+    pa, pb = in_a.nonzero().squeeze(1), in_b.nonzero().squeeze(1)
+    out[pa] = a.index_select(0, v[pa] - 1).to(out.dtype)
+    out[pb] = b.index_select(0, v[pb] - 1 - na).to(out.dtype)
+    if bool(bad.any()):
+        out[bad.nonzero().squeeze(1)] = 0
+    if counts is not None:
+        counts += torch.tensor([pa.numel(), pb.numel(), int((v < 0).sum())], dtype=counts.dtype)
+    return out
