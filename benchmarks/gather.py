@@ -4,11 +4,13 @@ Ways (BENCHMARKS.md, B1):
   py           feats[idx_cpu].to("cuda")                       CPU gather + pageable copy
   py_pinned    index_select(feats, 0, idx, out=pinned) + copy  CPU gather + pinned DMA
   naive_zc     index_select on a CUDA alias of pinned memory   zero copy, no alignment care
-  datapath     feats_unified[idx_cuda]                          our kernel, circular shift, rows visited
-                                                                in sorted order on large tables
-  dp_nosort    the same in the caller's index order
-  dp_async     datapath with the bounds check raised by the next call (no wait per call)
-  dp_shiftmask / dp_unaligned                                  our kernel, the ablation schemes
+  datapath     feats_unified[idx_cuda]                          the default: our kernel (circular shift,
+                                                                short rows several per warp), rows visited
+                                                                in sorted order by the auto rule, bounds
+                                                                check not waited for (raised later)
+  dp_sync      the same, waiting for the bounds check (sync=True)
+  dp_sort / dp_nosort   the default with the visit order forced (sorted / caller's order)
+  dp_shiftmask / dp_unaligned                                  the ablation schemes (alignment sweep)
   ideal        bytes / pinned cudaMemcpy bandwidth measured in this run
 
 Tables have N = 4M rows (BENCHMARKS.md: N >= 4M) except where the 32 GiB pinned buffer
@@ -28,7 +30,7 @@ import datapath  # noqa: F401  (registers the unified device)
 from benchmarks._common import RESULTS_DIR, cuda_time_ms, print_table, write_result
 from datapath.apps import device_label, require_cuda
 from datapath.memory import cuda_alias, pinned_empty
-from datapath.unified_tensor import as_unified, check_errors, config, gather
+from datapath.unified_tensor import as_unified, check_errors, gather
 
 
 def _fill(buf: torch.Tensor) -> None:
@@ -48,25 +50,20 @@ def _memcpy_gbps(buf: torch.Tensor, nbytes: int) -> float:
 
 
 def _ways(table: torch.Tensor, sets: list[torch.Tensor], sets_cuda: list[torch.Tensor],
-          include_py: bool) -> dict[str, list]:
+          include_py: bool, ablation: bool) -> dict[str, list]:
     """For each way, one callable per index set."""
     unified = as_unified(table)
     alias = cuda_alias(table)
-    def unchecked(i: torch.Tensor) -> torch.Tensor:
-        config.sync_bounds_check = False  # bounds still checked, the error raised by a later call
-        try:
-            return unified[i]
-        finally:
-            config.sync_bounds_check = True
-
     ways: dict[str, list] = {
         "datapath": [lambda i=i: unified[i] for i in sets_cuda],
-        "dp_async": [lambda i=i: unchecked(i) for i in sets_cuda],
+        "dp_sync": [lambda i=i: gather(unified, i, sync=True) for i in sets_cuda],
+        "dp_sort": [lambda i=i: gather(unified, i, sort=True) for i in sets_cuda],
         "dp_nosort": [lambda i=i: gather(unified, i, sort=False) for i in sets_cuda],
-        "dp_shiftmask": [lambda i=i: gather(unified, i, mode="shift_mask") for i in sets_cuda],
-        "dp_unaligned": [lambda i=i: gather(unified, i, mode="unaligned") for i in sets_cuda],
         "naive_zc": [lambda i=i: torch.index_select(alias, 0, i) for i in sets_cuda],
     }
+    if ablation:
+        ways["dp_shiftmask"] = [lambda i=i: gather(unified, i, mode="shift_mask") for i in sets_cuda]
+        ways["dp_unaligned"] = [lambda i=i: gather(unified, i, mode="unaligned") for i in sets_cuda]
     if include_py:
         out_pinned = pinned_empty((sets[0].numel(), table.shape[1]), table.dtype)
 
@@ -115,7 +112,7 @@ def run(quick: bool) -> dict:
         rec = {"sweep": sweep, "row_bytes": row_bytes, "rows": m, "table_rows": n,
                "bytes": nbytes, "ideal_ms": ideal_ms, "ideal_GBps": peak}
         reps = 3 if nbytes > (1 << 30) else 10
-        for name, fns in _ways(table, sets, sets_cuda, include_py).items():
+        for name, fns in _ways(table, sets, sets_cuda, include_py, ablation=sweep == "align").items():
             if name.startswith("py") and nbytes > (1 << 30):
                 warm, rep = 1, 2
             else:
@@ -130,7 +127,8 @@ def run(quick: bool) -> dict:
         rec["table_bytes"] = n * row_bytes
         rows.append(rec)
         print(f"  {sweep:5s} row {row_bytes:6d} B x {m:8d}: datapath {rec['datapath_GBps']:.1f} GB/s "
-              f"({rec['datapath_GBps'] / peak:.2f} of memcpy), naive_zc {rec['naive_zc_GBps']:.1f}"
+              f"({rec['datapath_GBps'] / peak:.2f} of memcpy), sync {rec['dp_sync_GBps']:.1f}, sort "
+              f"{rec['dp_sort_GBps']:.1f}, nosort {rec['dp_nosort_GBps']:.1f}, naive_zc {rec['naive_zc_GBps']:.1f}"
               + (f", py {rec['py_GBps']:.1f}, py_pinned {rec['py_pinned_GBps']:.1f}" if include_py else ""),
               flush=True)
 
@@ -142,31 +140,37 @@ def run(quick: bool) -> dict:
     align_m = 65536 if quick else 262144
     for rb in range(2048, 2077, 4):
         measure(rb, align_m, include_py=False, sweep="align")
-    # grid size: blocks per SM (the default leaves room for kernels running beside the gather)
-    default_bps = config.blocks_per_sm
-    for bps in (1, 2, 4, 8):
-        config.blocks_per_sm = bps
-        for rb in (512, 2052):
-            measure(rb, align_m, include_py=False, sweep=f"grid{bps}")
-    config.blocks_per_sm = default_bps
     # the same gathers from ever larger tables: small rows are limited by address
     # translation (one page per random row), not by the kernel: naive_zc shows it too
     for rb in (256, 512, 1024):
         for gib in ((1, 2) if quick else (1, 4, 16, 32)):
             measure(rb, align_m, include_py=False, sweep=f"table{gib}G", table_rows=(gib << 30) // rb)
 
-    # the bars of issue 2
+    # the bars (issues 2 and 16)
     size_rows = [r for r in rows if r["sweep"] == "size" and r["rows"] >= 65536]
+    big = [r for r in rows if r["sweep"] == "size" and r["rows"] >= 262144 and r["row_bytes"] >= 512]
+    worst = min(rows, key=lambda r: r["datapath_GBps"] / r["naive_zc_GBps"])
     bars = {
+        "min_ratio_vs_naive_zc_every_config": worst["datapath_GBps"] / worst["naive_zc_GBps"],
+        "min_ratio_vs_naive_zc_at": {k: worst[k] for k in ("sweep", "row_bytes", "rows")},
+        "min_ratio_vs_memcpy_row_ge_512_rows_ge_262k": min(r["datapath_GBps"] / peak for r in big),
         "min_ratio_vs_memcpy_row_ge_512": min(r["datapath_GBps"] / peak for r in size_rows if r["row_bytes"] >= 512),
-        "min_ratio_vs_memcpy_row_256": min((r["datapath_GBps"] / peak for r in size_rows if r["row_bytes"] == 256), default=None),
+        "min_ratio_vs_memcpy_row_256": min((r["datapath_GBps"] / peak for r in size_rows if r["row_bytes"] == 256),
+                                           default=None),
         "min_ratio_vs_memcpy_align_sweep": min(r["datapath_GBps"] / peak for r in rows if r["sweep"] == "align"),
         "min_speedup_vs_py": min(r["py_ms"] / r["datapath_ms"] for r in size_rows if "py_ms" in r),
         "min_speedup_vs_py_pinned": min(r["py_pinned_ms"] / r["datapath_ms"] for r in size_rows if "py_pinned_ms" in r),
         "speedup_vs_naive_zc_2052B": next(r["naive_zc_ms"] / r["datapath_ms"] for r in rows
                                           if r["sweep"] == "align" and r["row_bytes"] == 2052),
+        "min_ratio_sync_vs_default": min(r["dp_sync_GBps"] / r["datapath_GBps"] for r in rows),
     }
-    return {"quick": quick, "table_buffer_bytes": buf_bytes, "blocks_per_sm": default_bps, "memcpy_GBps": peak, "rows": rows, "bars": bars}
+    from datapath.memory import gather_config
+
+    settings = {k: getattr(gather_config, k) for k in ("blocks_per_sm", "sort_indices", "sort_min_rows",
+                                                        "sort_max_row_bytes", "sort_min_rows_long",
+                                                        "sort_min_table_bytes", "sync_bounds_check")}
+    return {"quick": quick, "table_buffer_bytes": buf_bytes, "gather_config": settings, "memcpy_GBps": peak,
+            "rows": rows, "bars": bars}
 
 
 def plot(result: dict) -> None:
@@ -180,7 +184,7 @@ def plot(result: dict) -> None:
     m_plot = max(r["rows"] for r in rows if r["sweep"] == "size" and "py_ms" in r)
     sel = [r for r in rows if r["sweep"] == "size" and r["rows"] == m_plot]
     xs = [r["row_bytes"] for r in sel]
-    for way, style in [("datapath", "o-"), ("dp_nosort", "o:"), ("dp_shiftmask", "s--"), ("dp_unaligned", "^--"),
+    for way, style in [("datapath", "o-"), ("dp_sync", "o--"), ("dp_nosort", "o:"),
                        ("naive_zc", "x-"), ("py_pinned", "d-"), ("py", "v-")]:
         a.plot(xs, [r[f"{way}_GBps"] for r in sel], style, label=way)
     a.axhline(result["memcpy_GBps"], color="k", lw=1, ls=":", label="ideal (pinned memcpy)")
@@ -223,9 +227,9 @@ def main() -> None:
     path = write_result("gather", result)
     plot(result)
     table = [{"sweep": r["sweep"], "row_B": r["row_bytes"], "rows": r["rows"],
-              "datapath": r["datapath_GBps"], "async": r["dp_async_GBps"], "nosort": r["dp_nosort_GBps"],
-              "shiftmask": r["dp_shiftmask_GBps"],
-              "unaligned": r["dp_unaligned_GBps"], "naive_zc": r["naive_zc_GBps"],
+              "datapath": r["datapath_GBps"], "sync": r["dp_sync_GBps"], "sort": r["dp_sort_GBps"],
+              "nosort": r["dp_nosort_GBps"], "naive_zc": r["naive_zc_GBps"],
+              "dp/naive": r["datapath_GBps"] / r["naive_zc_GBps"],
               "py_pinned": r.get("py_pinned_GBps", ""), "py": r.get("py_GBps", ""),
               "dp/ideal": r["datapath_GBps"] / result["memcpy_GBps"]} for r in result["rows"]]
     print(f"\nGB/s; ideal = pinned memcpy {result['memcpy_GBps']:.1f} GB/s; results in {path}")

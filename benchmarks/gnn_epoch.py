@@ -6,7 +6,14 @@ Ways (same model, same seed, same batches: the CPU and GPU samplers draw identic
                    GPU (the DGL/PyG default pipeline; our vectorized CPU sampler);
 - ``datapath``     graph and features in unified memory (pinned in place); GPU sampling over PCIe,
                    zero-copy GPU gather, next batch prepared on a side stream;
-- ``gpu_resident`` graph and features copied to GPU memory (the lower bound when they fit).
+- ``gpu_resident`` graph and features copied to GPU memory (the lower bound when they fit);
+- ``datapath_cache`` a `datapath.features.FeatureStore` over the pinned table with a GPU cache of
+                   the hottest rows (``--gpu-cache-frac`` of the feature bytes, presampled), graph on
+                   the GPU when it fits (the same graph object as ``gpu_resident``);
+- ``datapath_disk`` the table in a ``.npy`` file, the same GPU cache, ``--host-memory-frac`` of the
+                   feature bytes in pinned host memory and the rest read from the file (O_DIRECT);
+                   the disk's random-read bandwidth probed and the rows checked in the same run
+                   (`benchmarks/_gnn_tiers.py`).
 
 Per way: time of a fixed number of batches (after ``--warmup`` batches, ``--rounds`` rounds of
 ``--batches`` batches, each from the start of a new epoch; datapath and gpu_resident alternate
@@ -18,6 +25,12 @@ measured on ``--profile-batches`` further batches.
     PYTHONPATH=src:. python benchmarks/gnn_epoch.py            # products + reddit, GraphSAGE + GAT
     PYTHONPATH=src:. python benchmarks/gnn_epoch.py --quick    # small graphs, < 1 minute
     PYTHONPATH=src:. python benchmarks/gnn_epoch.py --full     # adds the papers shape (~40 GB features)
+    PYTHONPATH=src:. python benchmarks/gnn_epoch.py --datasets papers --models sage --name gnn_epoch_papers \
+        --ways datapath,datapath_cache,gpu_resident,datapath_disk   # the papers tiers (issue 16)
+
+Besides the per-way rows, the JSON holds ``records``: one per feature placement with the issue's
+fields ``{dataset, model, features_on, gpu_cache_frac, host_memory_gb, epoch_s, resident_epoch_s,
+hit_rate, device}`` (+ ``rows_match, disk_read_GBps, disk_probe_GBps`` for the disk tier).
 """
 from __future__ import annotations
 
@@ -36,8 +49,10 @@ from datapath.apps import use_blocking_sync  # noqa: E402
 
 BLOCKING_SYNC = use_blocking_sync() if torch.cuda.is_available() else False  # before CUDA starts
 
+from benchmarks import _gnn_tiers as tiers  # noqa: E402
 from benchmarks._common import RESULTS_DIR, print_table, write_result  # noqa: E402
-from datapath.apps import check_cuda_autograd, evaluate, profile_batches, train_epoch  # noqa: E402
+from datapath.apps import check_cuda_autograd, device_label, evaluate, profile_batches, train_epoch  # noqa: E402
+from datapath.features import FeatureStore, place_graph  # noqa: E402
 from datapath.graph import Graph, SyntheticSpec, generate, papers_spec, preset_spec  # noqa: E402
 from datapath.loaders import NeighborLoader  # noqa: E402
 from datapath.memory import to_placement  # noqa: E402
@@ -47,8 +62,9 @@ from datapath.nn.models import build_model  # noqa: E402
 
 log = logging.getLogger("datapath.bench.gnn_epoch")
 
-WAYS = ("py", "datapath", "gpu_resident")
-PLACEMENT = {"py": "cpu", "datapath": "unified", "gpu_resident": "cuda"}
+WAYS = ("py", "datapath", "datapath_cache", "gpu_resident", "datapath_disk")
+PLACEMENT = {"py": "cpu", "datapath": "unified", "gpu_resident": "cuda", "datapath_cache": "gpu_cache+unified",
+             "datapath_disk": "gpu_cache+host+disk"}
 
 
 def parse() -> argparse.Namespace:
@@ -57,7 +73,15 @@ def parse() -> argparse.Namespace:
     p.add_argument("--full", action="store_true", help="also the papers shape with --papers-feature-gb of features")
     p.add_argument("--datasets", default=None, help="comma list of products, reddit, papers")
     p.add_argument("--models", default="sage,gat")
-    p.add_argument("--ways", default=",".join(WAYS))
+    p.add_argument("--ways", default="py,datapath,datapath_cache,gpu_resident",
+                   help=f"comma list of {', '.join(WAYS)} [py,datapath,datapath_cache,gpu_resident]")
+    p.add_argument("--gpu-cache-frac", type=float, default=0.25, help="GPU cache of the store ways [0.25]")
+    p.add_argument("--host-memory-frac", type=float, default=0.25, help="host memory of datapath_disk [0.25]")
+    p.add_argument("--presample-batches", type=int, default=64, help="batches presampled to rank rows [64]")
+    p.add_argument("--disk-dir", default="bench-disk", help="where datapath_disk writes its table [bench-disk]")
+    p.add_argument("--disk-batches", type=int, default=None, help="timed batches per round of datapath_disk")
+    p.add_argument("--disk-rounds", type=int, default=1, help="timed rounds of datapath_disk [1]")
+    p.add_argument("--verify-batches", type=int, default=8, help="batches whose rows datapath_disk checks [8]")
     p.add_argument("--batches", type=int, default=None, help="timed batches per way and round [30; quick 10]")
     p.add_argument("--rounds", type=int, default=None,
                    help="timed rounds per way, datapath and gpu_resident alternating; the median is reported "
@@ -134,6 +158,7 @@ class _Way:
     placed: dict[str, Any]
     warm: Any = None
     rounds: list[Any] = dataclasses.field(default_factory=list)
+    store_stats: list[Any] = dataclasses.field(default_factory=list)  # the store's tiers in each timed round
     val_acc_first: float | None = None  # after the warm-up and the first round: the same batches for every way
 
 
@@ -167,7 +192,13 @@ def time_round(w: _Way, args: argparse.Namespace) -> None:
     """One timed round: ``args.batches`` batches from the start of a new epoch (then, after the first,
     the validation accuracy: py runs one round, so the ways are compared there)."""
     torch.manual_seed(args.seed * 1000 + len(w.rounds))  # the same dropout masks for every way in a round
-    w.rounds.append(train_epoch(w.model, w.loader, w.opt, max_batches=args.batches))
+    store = w.loader.features if isinstance(w.loader.features, FeatureStore) else None
+    if store is not None:
+        store.reset_stats()
+    batches = args.disk_batches if w.way == "datapath_disk" and args.disk_batches else args.batches
+    w.rounds.append(train_epoch(w.model, w.loader, w.opt, max_batches=batches))
+    if store is not None:
+        w.store_stats.append(store.stats())
     if w.val_acc_first is None:
         w.val_acc_first = evaluate(w.model, w.val_loader)
 
@@ -183,7 +214,14 @@ def finish_way(w: _Way, args: argparse.Namespace, device: torch.device) -> dict[
     st = sorted(w.rounds, key=lambda r: r.epoch_s / max(r.batches, 1))[len(w.rounds) // 2]  # the median round
     per_batch = st.epoch_s / max(st.batches, 1)
     nb = max(st.batches, 1)
+    extra: dict[str, Any] = {}
+    if w.store_stats:
+        rows = {k: sum(s[k]["rows"] for s in w.store_stats) for k in w.store_stats[0]}
+        total = sum(rows.values())
+        extra = {"hit_rate": {k: v / total for k, v in rows.items()}, "store_stats_rounds": w.store_stats,
+                 "gpu_cache_frac": args.gpu_cache_frac, "store_tiers": w.loader.features.tiers()}
     return {
+        **extra,
         "way": w.way, "model": w.model_name, "sample_on": w.loader.sample_device.type,
         "graph_in": w.loader.graph.placement, "features_in": PLACEMENT[w.way],
         "batches_timed": st.batches, "rounds": len(w.rounds), "per_batch_s_rounds": per_round,
@@ -205,10 +243,30 @@ def finish_way(w: _Way, args: argparse.Namespace, device: torch.device) -> dict[
     }
 
 
-def place(ds: Any, way: str) -> dict[str, Any]:
+def place(ds: Any, way: str, shared: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Graph, features and labels where ``way`` keeps them (``shared``: the GPU graph and hotness, made once)."""
     where = PLACEMENT[way]
     t0 = time.perf_counter()
-    if where == "unified" and torch.cuda.is_available():
+    if way in ("gpu_resident", "datapath_cache", "datapath_disk"):
+        if "cuda_graph" not in shared:
+            shared["cuda_graph"] = ds.graph.to("cuda") if way == "gpu_resident" else place_graph(ds.graph)
+        graph = shared["cuda_graph"]
+    if way in ("datapath_cache", "datapath_disk") and "hotness" not in shared:
+        t1 = time.perf_counter()
+        shared["hotness"] = tiers.hotness(graph, ds, args)
+        shared["presample_s"] = time.perf_counter() - t1
+    if way == "datapath_cache":
+        out = {"graph": graph, "features": tiers.cache_store(as_unified(ds.features), shared["hotness"],
+                                                             args.gpu_cache_frac),
+               "labels": ds.labels.to("cuda")}
+    elif way == "datapath_disk":
+        store, build_s = tiers.disk_store(shared["disk_file"], shared["hotness"], args.gpu_cache_frac,
+                                          args.host_memory_frac)
+        shared["store_build_s"] = build_s
+        out = {"graph": graph, "features": store, "labels": ds.labels.to("cuda")}
+    elif way == "gpu_resident":
+        out = {"graph": graph, "features": ds.features.to("cuda"), "labels": ds.labels.to("cuda")}
+    elif where == "unified" and torch.cuda.is_available():
         # pinned in place (cudaHostRegister), as a user with a table of tens of GB would: no second copy
         g = ds.graph
         out = {"graph": Graph(as_unified(g.indptr), as_unified(g.indices), validate=False),
@@ -302,43 +360,63 @@ def main() -> None:
         print(f"{spec.name}: {ds.graph.num_nodes:,} nodes, {ds.graph.num_edges:,} edges, "
               f"{ds.features.numel() * 4 / 2**30:.1f} GiB features, generated in {gen_s:.1f} s", flush=True)
         # py first, alone: pinning the table in place for datapath would make it "unified" for py too.
-        # datapath and gpu_resident then live side by side and their timed rounds alternate, so that
-        # drift (clocks, allocator, the host) hits both alike; each reports its median round.
-        groups = [[w] for w in ways if w == "py"] + [[w for w in ways if w != "py"]]
+        # The in-memory ways then live side by side and their timed rounds alternate, so that drift
+        # (clocks, allocator, the host) hits them alike; each reports its median round.  The disk way
+        # comes last (it writes the table to a file first), compared with the resident rounds of this run.
+        mem = [w for w in ways if w not in ("py", "datapath_disk")]
+        groups = [[w] for w in ways if w == "py"] + [mem] + [[w] for w in ways if w == "datapath_disk"]
+        shared: dict[str, Any] = {}
         for group in [g for g in groups if g]:
+            if group == ["datapath_disk"] and not tiers.prepare_disk(ds, spec.name, shared, datasets, args):
+                continue
             placed_by: dict[str, Any] = {}
             for way in group:
                 try:
-                    placed_by[way] = place(ds, way)
-                except (RuntimeError, MemoryError) as exc:
+                    placed_by[way] = place(ds, way, shared, args)
+                except (RuntimeError, MemoryError, OSError) as exc:
                     log.error("%s: placing for %s failed: %s", spec.name, way, exc)
                     datasets[spec.name]["place_s"][way] = f"failed: {exc}"
                     continue
                 datasets[spec.name]["place_s"][way] = placed_by[way].pop("seconds")
+            for key in ("presample_s", "store_build_s"):
+                if key in shared:
+                    datasets[spec.name][key] = shared[key]
             for model_name in args.models.split(","):
                 t0 = time.perf_counter()
                 ws = [setup_way(way, model_name, ds, placed_by[way], args, device) for way in placed_by]
-                for i in range(1 if group == ["py"] else args.rounds):
+                rounds = args.disk_rounds if group == ["datapath_disk"] else 1 if group == ["py"] else args.rounds
+                for i in range(rounds):
                     for w in (ws if i % 2 == 0 else ws[::-1]):
                         time_round(w, args)
                 for w in ws:
                     r = finish_way(w, args, device)
                     r["dataset"] = spec.name
+                    if w.way == "datapath_disk":
+                        r.update(tiers.disk_fields(w, ds, shared, args))
                     results.append(r)
                     write_result(args.name, {"partial": True, "datasets": datasets, "results": results})
-                    rounds = "/".join(f"{x * 1e3:.1f}" for x in r["per_batch_s_rounds"])
+                    rounds_txt = "/".join(f"{x * 1e3:.1f}" for x in r["per_batch_s_rounds"])
                     pipe = " ".join(f"{k} {v:.1f}" for k, v in r["pipeline_ms_per_batch"].items())
-                    print(f"  {w.way:>12} {model_name}: {r['per_batch_s'] * 1e3:7.1f} ms/batch (rounds {rounds}), "
+                    hits = " ".join(f"{k} {v:.2f}" for k, v in r.get("hit_rate", {}).items())
+                    print(f"  {w.way:>14} {model_name}: {r['per_batch_s'] * 1e3:7.1f} ms/batch (rounds {rounds_txt}), "
                           f"cpu {r['cpu_s_per_batch'] * 1e3:7.1f} ms/batch, val acc {r['val_acc']:.3f} "
-                          f"({time.perf_counter() - t0:.1f} s)\n      pipeline ms/batch: {pipe}", flush=True)
+                          f"({time.perf_counter() - t0:.1f} s)\n      pipeline ms/batch: {pipe}"
+                          + (f"\n      hit rate: {hits}" if hits else ""), flush=True)
+                    if isinstance(w.loader.features, FeatureStore):
+                        w.loader.features.close()
                 del ws
                 _release_memory(cuda)
             del placed_by
             _release_memory(cuda)
+        if "disk_file" in shared:
+            shared["disk_file"].unlink(missing_ok=True)
+        del shared
         del ds
         _release_memory(cuda)
     summary = summarize(results)
+    records = tiers.records(results, device_label())
     payload = {
+        "records": records,
         "description": "B2 GNN training epoch (PyTorch-Direct Fig. 4.8): py vs datapath vs gpu_resident",
         "config": {k: v for k, v in vars(args).items()}, "cuda_blocking_sync": BLOCKING_SYNC,
         "loader_note": ("all ways use the same NeighborLoader, one batch prefetched by a background thread"
@@ -378,11 +456,14 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if d and py:
             row["speedup_vs_py"] = py["per_batch_s"] / d["per_batch_s"]
             row["cpu_ratio_vs_py"] = d["cpu_s_per_batch"] / py["cpu_s_per_batch"]
-        if d and res:
-            row["ratio_vs_resident"] = d["per_batch_s"] / res["per_batch_s"]
-            pairs = [a / b for a, b in zip(d["per_batch_s_rounds"], res["per_batch_s_rounds"])]
-            row["ratio_vs_resident_per_round"] = pairs  # round i of each (they alternate): drift cancels
-            row["ratio_vs_resident_median_of_rounds"] = sorted(pairs)[len(pairs) // 2]
+        for way, key in (("datapath", "ratio_vs_resident"), ("datapath_cache", "cache_ratio_vs_resident"),
+                         ("datapath_disk", "disk_ratio_vs_resident")):
+            x = by.get(way)
+            if x and res:
+                row[key] = x["per_batch_s"] / res["per_batch_s"]
+                pairs = [a / b for a, b in zip(x["per_batch_s_rounds"], res["per_batch_s_rounds"])]
+                row[f"{key}_per_round"] = pairs  # round i of each (they alternate): drift cancels
+                row[f"{key}_median_of_rounds"] = sorted(pairs)[len(pairs) // 2]
         accs = [r["val_acc"] for r in by.values()]
         row["val_acc_spread"] = max(accs) - min(accs)
         if d and py:

@@ -118,6 +118,7 @@ def test_sort_rule() -> None:
     assert cfg.sorts(65536, 512, 4 << 30) and not cfg.sorts(65536, 512, 64 << 20)
     assert not cfg.sorts(65536, 4096, 4 << 30) and cfg.sorts(1 << 20, 4096, 4 << 30)
     assert cfg.sorts(10, 4, 10, sort=True) and not cfg.sorts(1 << 20, 4, 1 << 40, sort=False)
+    assert not cfg.sorts(1 << 20, 512, 4 << 30, on_host=False)  # GPU memory: no translation misses to avoid
     with pytest.raises(ValueError, match="sort_indices"):
         cfg.sort_indices = "sometimes"
     assert gather_config.sync_bounds_check is False  # the default does not wait for the GPU

@@ -40,7 +40,7 @@ from datapath.features.hotness import degree_hotness, rank
 from datapath.features.table_file import TableFile
 from datapath.features.tiers import FetchTier, TierStats
 from datapath.graph import Graph
-from datapath.memory import ErrorFlag, gather_rows, gather_tiered, placement_of
+from datapath.memory import ErrorFlag, gather_rows, gather_tiered, host_of, placement_of, to_placement
 from datapath.unified_tensor import as_unified
 
 log = logging.getLogger("datapath.features")
@@ -135,6 +135,10 @@ class FeatureStore:
 
     def _build_from_tensor(self, t: torch.Tensor, c: int, host_bytes: int | None, hotness: Any) -> None:
         where = placement_of(t)
+        if not host_of(t).is_contiguous() if where != "cuda" else not t.is_contiguous():
+            log.info("the table's rows are not contiguous: the store keeps a contiguous copy")
+            t = to_placement(host_of(t).contiguous() if where != "cuda" else t.contiguous(), where)
+            where = placement_of(t)
         if where == "cuda" or c == self.num_rows:
             self._direct = t if where == "cuda" else gather_rows(t, torch.arange(self.num_rows, device=self.device))
             self._direct_stats = self._gpu_stats if self._direct.device.type == "cuda" else self._host_stats
@@ -279,7 +283,9 @@ class FeatureStore:
         (one kernel serves both, so it is the same number); of ``disk``, the wall time of its fetches.
         """
         if self._counted:
-            counts = self._counts.tolist()  # waits for the gathers that count
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the gathers may run on the loader's streams
+            counts = self._counts.tolist()
             self._counts.zero_()
             self._counted = 0
             self._gpu_stats.add(counts[0], counts[0] * self.row_bytes)

@@ -84,11 +84,13 @@ def visit_order(keys: torch.Tensor, sort: bool) -> tuple[torch.Tensor, torch.Ten
 
 
 def launch_plain(direction: str, table: torch.Tensor, row_bytes: int, row_stride: int, idx: torch.Tensor,
-                 dev_rows: torch.Tensor, *, mode: str, sort: bool, flag_ptr: int, on_host: bool) -> None:
+                 dev_rows: torch.Tensor, *, mode: str, sort: bool, flag_ptr: int,
+                 on_host: bool) -> torch.cuda.Stream:
     """Gather (table -> dev_rows) or scatter (dev_rows -> table) rows ``idx`` (flat, contiguous, CUDA).
 
     ``table`` is any tensor whose rows are contiguous (pinned host or CUDA memory; its
     data pointer is what the GPU reads); ``dev_rows`` is (m, row) contiguous CUDA memory.
+    Returns the stream the kernel was queued on (the current one).
     """
     n_rows, m = table.shape[0], idx.numel()
     mode_id = GATHER_MODES[mode]
@@ -105,6 +107,7 @@ def launch_plain(direction: str, table: torch.Tensor, row_bytes: int, row_stride
          kernels.ptr(0 if order is None else order), np.int64(m), kernels.ptr(dev_rows), np.int32(g),
          np.uint64(flag_ptr)),
         0, _Stream(stream.cuda_stream))
+    return stream
 
 
 def launch_tiered(a: torch.Tensor, b: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, *, sort: bool,

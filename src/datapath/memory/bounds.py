@@ -36,6 +36,7 @@ class ErrorFlag:
     def __init__(self) -> None:
         self.host = pinned_empty((1,), torch.int64)
         self.host.fill_(NO_ERROR)
+        self._word = self.host.numpy()  # reads without a torch op (the check runs before every fetch)
         self._sizes: list[int] = []
         self._lock = threading.Lock()
 
@@ -46,23 +47,25 @@ class ErrorFlag:
 
     def note_size(self, n_rows: int) -> None:
         """Remember a table size for the error message (the last few distinct ones)."""
+        if n_rows in self._sizes:
+            return
         with self._lock:
             if n_rows not in self._sizes:
                 self._sizes = [*self._sizes[-(_MAX_SIZES - 1):], n_rows]
 
     def is_set(self) -> bool:
         """True when a launch has recorded a bad index (reads host memory; no CUDA call)."""
-        return int(self.host[0]) != NO_ERROR
+        return int(self._word[0]) != NO_ERROR
 
     def raise_if_set(self, context: str = "") -> None:
         """Raise ``IndexError`` if a finished launch saw an out-of-range index (the caller waited for it).
 
         The flag is cleared first, so each bad index is reported once.
         """
-        bad = int(self.host[0])
+        bad = int(self._word[0])
         if bad == NO_ERROR:
             return
-        self.host.fill_(NO_ERROR)
+        self._word[0] = NO_ERROR
         with self._lock:
             sizes = " or ".join(str(n) for n in sorted(self._sizes)) or "?"
         raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {sizes}{context}")

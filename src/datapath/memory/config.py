@@ -33,7 +33,7 @@ class GatherConfig:
         device_blocks_per_sm: grid of the kernels reading GPU memory (CUDA tables, the
             feature store's GPU cache): HBM wants more requests in flight.
         sort_indices: visit the rows in sorted index order (``True``/``False``), or
-            ``"auto"``: when the table has at least ``sort_min_table_bytes`` and the call
+            ``"auto"``: when the table is in host memory, has at least ``sort_min_table_bytes``, and the call
             moves at least ``sort_min_rows`` rows of fewer than ``sort_max_row_bytes``
             bytes, or at least ``sort_min_rows_long`` longer rows.  Random rows of a
             multi-GB table each cost an address-translation miss, which limits short rows
@@ -63,12 +63,16 @@ class GatherConfig:
             raise ValueError(f"sort_indices must be True, False or 'auto', got {value!r}")
         super().__setattr__(name, value)
 
-    def sorts(self, rows: int, row_bytes: int, table_bytes: int, sort: bool | None = None) -> bool:
-        """Whether a call moving ``rows`` rows of ``row_bytes`` from a table of ``table_bytes`` sorts its indices."""
+    def sorts(self, rows: int, row_bytes: int, table_bytes: int, sort: bool | None = None,
+              on_host: bool = True) -> bool:
+        """Whether a call moving ``rows`` rows of ``row_bytes`` from a table of ``table_bytes`` sorts its indices.
+
+        Only host tables are sorted by the auto rule (their translation misses are what the sort avoids).
+        """
         choice = self.sort_indices if sort is None else sort
         if choice != "auto":
             return bool(choice)
-        if table_bytes < self.sort_min_table_bytes:
+        if not on_host or table_bytes < self.sort_min_table_bytes:
             return False
         if row_bytes < self.sort_max_row_bytes:
             return rows >= self.sort_min_rows

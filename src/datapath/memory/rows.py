@@ -76,6 +76,7 @@ def _flag_for(error_flag: ErrorFlag | None, sync: bool | None) -> tuple[ErrorFla
 
 
 def _finish(flag: ErrorFlag, wait: bool, stream: torch.cuda.Stream, host_owner: torch.Tensor | None) -> None:
+    """Wait for the launch and raise (``wait``), or keep the host table alive until the GPU has read it."""
     if wait:
         event = torch.cuda.Event(blocking=True)
         event.record(stream)
@@ -217,11 +218,15 @@ def _launch_rows(direction: str, data: torch.Tensor, flat: torch.Tensor, dev_row
     row_bytes, row_stride = layout
     flag, wait = _flag_for(error_flag, sync)
     flag.note_size(n_rows)
-    stream = torch.cuda.current_stream(flat.device)
-    with torch.cuda.device(flat.device):
-        _launch.launch_plain(direction, data, row_bytes, row_stride, flat, dev_rows, mode=mode,
-                             sort=gather_config.sorts(flat.numel(), row_bytes, n_rows * row_stride, sort),
-                             flag_ptr=flag.ptr, on_host=on_host)
+    dev = flat.device
+    sorted_visit = gather_config.sorts(flat.numel(), row_bytes, n_rows * row_stride, sort, on_host)
+    if torch.cuda.current_device() == dev.index:
+        stream = _launch.launch_plain(direction, data, row_bytes, row_stride, flat, dev_rows, mode=mode,
+                                      sort=sorted_visit, flag_ptr=flag.ptr, on_host=on_host)
+    else:
+        with torch.cuda.device(dev):
+            stream = _launch.launch_plain(direction, data, row_bytes, row_stride, flat, dev_rows, mode=mode,
+                                          sort=sorted_visit, flag_ptr=flag.ptr, on_host=on_host)
     _finish(flag, wait, stream, data if on_host else None)
 
 
@@ -252,11 +257,15 @@ def gather_tiered(a: torch.Tensor, b: torch.Tensor, loc: torch.Tensor, out: torc
     b_on_host = b_data.device.type == "cpu"
     if b_on_host and b_data.numel() and not b_data.is_pinned():
         raise PlacementError("the host tier of a tiered gather must be pinned (unified) memory")
+    for name, t in (("a", a), ("b", b_data)):
+        if t.numel() and (_launch.row_layout(t) is None or t.shape[1:] != out.shape[1:]):
+            raise ValueError(f"table {name} of a tiered gather needs contiguous rows shaped like out's "
+                             f"{tuple(out.shape[1:])}, got {tuple(t.shape)} with strides {t.stride()}")
     row_bytes = out[0].numel() * out.element_size() if out.dim() > 1 else out.element_size()
     with torch.cuda.device(loc.device):
         _launch.launch_tiered(a, b_data, loc, out, flag_ptr=flag.ptr, counts=counts, b_on_host=b_on_host,
-                              sort=gather_config.sorts(loc.numel(), row_bytes,
-                                                       b_data.shape[0] * row_bytes if b_on_host else 0, sort))
+                              sort=gather_config.sorts(loc.numel(), row_bytes, b_data.shape[0] * row_bytes, sort,
+                                                       b_on_host))
     _finish(flag, wait, stream, b_data if b_on_host and b_data.numel() else None)
     return out
 

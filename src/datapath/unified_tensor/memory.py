@@ -9,7 +9,7 @@ import torch
 
 from datapath._runtime.pinned import HostRegisterError, pinnable_in_place, register_in_place
 from datapath.memory.placement import is_read_only
-from datapath.memory.placement import is_unified as is_unified  # the one answer, re-exported here
+from datapath.memory.placement import is_unified as is_unified  # noqa: F401 - the one answer, re-exported here
 from datapath.unified_tensor.tensor import Affinity, UnifiedTensor, to_unified
 
 log = logging.getLogger("datapath.unified_tensor.memory")

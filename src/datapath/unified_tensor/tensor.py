@@ -38,6 +38,7 @@ Affinity = str  # "host" | "gpu"
 _AFFINITIES = ("host", "gpu")
 
 aten = torch.ops.aten
+_INT_INDEX = (torch.int32, torch.int64)
 
 # In-place ops that would need atomics on the mutated tensor: over PCIe, atomics on
 # host memory are not supported on most platforms, so these always run on the CPU.
@@ -78,6 +79,14 @@ class UnifiedTensor(torch.Tensor):
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __getitem__(self, index: Any) -> Any:
+        """``u[cuda_idx]`` goes straight to the row gather (no indexing machinery); anything else as usual."""
+        if type(index) is torch.Tensor and index.device.type == "cuda" and index.dtype in _INT_INDEX:
+            from datapath.memory import gather_rows  # noqa: PLC0415 - memory imports this module lazily
+
+            return gather_rows(self, index)
+        return super().__getitem__(index)
 
     # --- affinity -----------------------------------------------------------------
     @property
