@@ -13,8 +13,10 @@ Ways (BENCHMARKS.md, B1):
   dp_shiftmask / dp_unaligned                                  the ablation schemes (alignment sweep)
   ideal        bytes / pinned cudaMemcpy bandwidth measured in this run
 
-Tables have N = 4M rows (BENCHMARKS.md: N >= 4M) except where the 32 GiB pinned buffer
-holds fewer (8 KB rows: 4M, 16 KB rows: 2M); a last sweep varies the table size.
+Tables have N = 4M rows (BENCHMARKS.md: N >= 4M) except where the 16 GiB pinned buffer
+holds fewer (8 KB rows: 2M, 16 KB rows: 1M); a last sweep varies the table size (1-16 GiB).
+Within a configuration the ways are timed in turn, in rotating order, after the GPU has
+been kept busy (its clocks drop while it idles); each reports its median.
 
 Run:  PYTHONPATH=src:. python benchmarks/gather.py [--quick]
 Writes benchmarks/results/gather.json and gather.png.
@@ -22,7 +24,9 @@ Writes benchmarks/results/gather.json and gather.png.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -34,12 +38,44 @@ from datapath.unified_tensor import as_unified, check_errors, gather
 
 
 def _fill(buf: torch.Tensor) -> None:
-    """Fill a large pinned buffer with random bytes fast (a random block, repeated)."""
+    """Fill a large pinned buffer with random bytes fast (random blocks made on the GPU, copied down)."""
     flat = buf.view(torch.uint8).view(-1)
-    block = torch.randint(0, 256, (min(flat.numel(), 1 << 26),), dtype=torch.uint8)
-    for start in range(0, flat.numel(), block.numel()):
-        n = min(block.numel(), flat.numel() - start)
-        flat[start:start + n].copy_(block[:n])
+    step = 1 << 28
+    block = torch.randint(0, 256, (min(flat.numel(), step),), dtype=torch.uint8, device="cuda")
+    for start in range(0, flat.numel(), step):
+        n = min(step, flat.numel() - start)
+        flat[start:start + n].copy_(block[:n], non_blocking=True)
+        block = block.roll(4099)  # different bytes in every block
+    torch.cuda.synchronize()
+
+
+def _warm_gpu(ms: float = 30.0) -> None:
+    """Keep the GPU busy for ``ms`` so that its clocks are up before a measurement (they drop when idle)."""
+    a = torch.randn(4096, 4096, device="cuda")
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < ms:
+        a @ a
+        torch.cuda.synchronize()
+
+
+def _interleaved_ms(fns: dict[str, list], next_set: Any, reps: int, warm: int) -> dict[str, float]:
+    """Median ms per way, the ways timed in turn (rotating order) so that drift hits them alike."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warm):
+            fns[name][next_set()]()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(reps):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[name][next_set()]()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {n: statistics.median(v) for n, v in times.items()}
 
 
 def _memcpy_gbps(buf: torch.Tensor, nbytes: int) -> float:
@@ -79,7 +115,7 @@ def _ways(table: torch.Tensor, sets: list[torch.Tensor], sets_cuda: list[torch.T
 def run(quick: bool) -> dict:
     require_cuda("the gather benchmark")
     torch.manual_seed(0)
-    buf_bytes = (2 << 30) if quick else (32 << 30)
+    buf_bytes = (2 << 30) if quick else (16 << 30)
     t0 = time.time()
     buf = pinned_empty((buf_bytes // 4,), torch.float32)
     _fill(buf)
@@ -111,13 +147,14 @@ def run(quick: bool) -> dict:
         ideal_ms = nbytes / (peak * 1e6)
         rec = {"sweep": sweep, "row_bytes": row_bytes, "rows": m, "table_rows": n,
                "bytes": nbytes, "ideal_ms": ideal_ms, "ideal_GBps": peak}
-        reps = 3 if nbytes > (1 << 30) else 10
-        for name, fns in _ways(table, sets, sets_cuda, include_py, ablation=sweep == "align").items():
-            if name.startswith("py") and nbytes > (1 << 30):
-                warm, rep = 1, 2
-            else:
-                warm, rep = 2, reps
-            ms = cuda_time_ms(lambda: fns[next_set()](), warmup=warm, repeat=rep)
+        reps = 3 if nbytes > (1 << 30) else 9
+        ways = _ways(table, sets, sets_cuda, include_py, ablation=sweep == "align")
+        slow = {k: ways.pop(k) for k in ("py", "py_pinned") if k in ways}  # 10x slower: timed apart, fewer times
+        _warm_gpu()
+        measured = _interleaved_ms(ways, next_set, reps, warm=2)
+        for name, fns in slow.items():
+            measured[name] = cuda_time_ms(lambda: fns[next_set()](), warmup=1, repeat=3)
+        for name, ms in measured.items():
             rec[f"{name}_ms"] = ms
             rec[f"{name}_GBps"] = nbytes / ms / 1e6
         want = table[idx_cpu[:1000]].view(torch.int32)  # random bytes: compare bits (NaNs are not equal)
@@ -143,7 +180,7 @@ def run(quick: bool) -> dict:
     # the same gathers from ever larger tables: small rows are limited by address
     # translation (one page per random row), not by the kernel: naive_zc shows it too
     for rb in (256, 512, 1024):
-        for gib in ((1, 2) if quick else (1, 4, 16, 32)):
+        for gib in ((1, 2) if quick else (1, 4, 16)):
             measure(rb, align_m, include_py=False, sweep=f"table{gib}G", table_rows=(gib << 30) // rb)
 
     # the bars (issues 2 and 16)

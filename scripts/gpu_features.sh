@@ -40,9 +40,14 @@ if [ "$stage" = call1 ]; then
   mv "$OUT"/gnn_epoch_papers_probe.* "$L"/ 2>/dev/null
 fi
 if [ "$stage" = call2 ]; then
-  run_bench "${T_PAPERS:-560}" gnn_epoch --datasets papers --models sage \
-    --ways datapath,datapath_cache,gpu_resident,datapath_disk --rounds 3 --batches 100 --warmup 5 --eval-nodes 4096 \
-    --profile-batches 4 --disk-batches "${DISK_BATCHES:-60}" --verify-batches 8 --name gnn_epoch_papers \
+  timeout "${T_TESTS:-60}" python3 -m pytest -q -p no:cacheprovider --maxfail=10 -m gpu tests/memory tests/features \
+    > "$L/gpu_tests.log" 2>&1
+  echo "gpu tests (memory, features) rc=$? (t=$((SECONDS - T0)) s)"; tail -2 "$L/gpu_tests.log"
+  grep -E "^(FAILED|ERROR)" "$L/gpu_tests.log" | head -20
+  run_bench "${T_GATHER:-150}" gather
+  run_bench "${T_PAPERS:-400}" gnn_epoch --datasets papers --models sage \
+    --ways datapath,datapath_cache,gpu_resident,datapath_disk --rounds 3 --batches 100 --warmup 3 --eval-nodes 1024 \
+    --profile-batches 2 --disk-batches "${DISK_BATCHES:-15}" --verify-batches 3 --name gnn_epoch_papers \
     --disk-dir "$PWD/bench-disk"
 fi
 rm -rf "$PWD/bench-disk"

@@ -70,7 +70,7 @@ def test_out_of_range_raises_and_the_context_survives(form: str) -> None:
         gather_rows(table, idx[:10])  # the thread's next fetch reports it
     _context_alive()
     gather_rows(table, torch.tensor([-1001], device="cuda"))
-    with pytest.raises(IndexError, match="index -1001 is out of bounds"):
+    with pytest.raises(IndexError, match="index -1001 is out of bounds for dimension 0 with size 1000"):
         check_errors()
     with pytest.raises(IndexError, match="index 5000 is out of bounds"):
         gather_rows(table, torch.tensor([3, 5000], device="cuda"), sync=True)  # waits: raises at once
@@ -87,7 +87,7 @@ def test_errors_stay_with_their_thread_and_error_flags() -> None:
     gather_rows(t, torch.tensor([100], device="cuda"), flag)  # the caller's flag: nothing for the thread
     torch.cuda.synchronize()
     gather_rows(t, torch.tensor([1], device="cuda"))
-    with pytest.raises(IndexError, match="index 100"):
+    with pytest.raises(IndexError, match="index 100 is out of bounds for dimension 0 with size 100"):
         flag.raise_if_set()
     seen: list[BaseException] = []
 
@@ -193,3 +193,23 @@ def test_default_config_does_not_wait() -> None:
     assert not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
     assert torch.equal(got.cpu(), t[idx.cpu()])
+
+
+def test_pinning_in_place_twice_keeps_the_memory_pinned() -> None:
+    import gc
+
+    t = _table(20_000, 32, seed=10)
+    a, b = as_unified(t), as_unified(t)  # the second call finds the memory pinned by the first
+    del a
+    gc.collect()
+    assert t.is_pinned()  # b still holds a reference on the registration
+    idx = torch.randint(0, 20_000, (5000,), device="cuda")
+    assert torch.equal(b[idx].cpu(), t[idx.cpu()])
+    del b
+    gc.collect()
+    torch.cuda.synchronize()
+    from datapath.memory import pending_host_reads
+
+    assert pending_host_reads() == 0 and not t.is_pinned()
+    p = torch.randn(100, 8).pin_memory()  # pinned by its allocator: wrapped as it is
+    assert torch.equal(as_unified(p)[torch.tensor([3], device="cuda")].cpu(), p[[3]])

@@ -202,11 +202,17 @@ def register_in_place(t: torch.Tensor, read_only: bool = False) -> HostRegistrat
     """
     if t.device.type != "cpu":
         raise ValueError(f"register_in_place needs a CPU tensor, got one on {t.device}")
-    if not torch.cuda.is_available() or t.is_pinned():
+    if not torch.cuda.is_available():
         return None
     storage = t.untyped_storage()
     if storage.nbytes() == 0:
         return None
+    with HostRegistration._lock:
+        ours = storage.data_ptr() in HostRegistration._active
+    if t.is_pinned() and not ours:  # pinned by its allocator (pin_memory(), cudaHostAlloc): nothing to do
+        return None
+    # not pinned, or registered here by an earlier call: a new handle (a reference on the registration), so
+    # that the memory stays pinned while any tensor made from it lives
     return HostRegistration(storage.data_ptr(), storage.nbytes(), read_only)
 
 

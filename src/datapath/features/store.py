@@ -40,7 +40,9 @@ from datapath.features.hotness import degree_hotness, rank
 from datapath.features.table_file import TableFile
 from datapath.features.tiers import FetchTier, TierStats
 from datapath.graph import Graph
-from datapath.memory import ErrorFlag, gather_rows, gather_tiered, host_of, placement_of, to_placement
+from datapath.memory import (
+    ErrorFlag, deferred_flag, gather_rows, gather_tiered, host_of, placement_of, to_placement,
+)
 from datapath.unified_tensor import as_unified
 
 log = logging.getLogger("datapath.features")
@@ -210,6 +212,8 @@ class FeatureStore:
             self._timed(start)
             self._direct_stats.add(flat.numel(), flat.numel() * self.row_bytes)
             return rows.view(*idx.shape, *rest)
+        if error_flag is None and self.device.type == "cuda":
+            error_flag = deferred_flag()  # one flag for the lookup and the gather (raised by the next fetch)
         loc = gather_rows(self._slots, flat, error_flag)
         out = torch.empty((flat.numel(), *rest), dtype=self.dtype, device=self.device)
         misses = None

@@ -29,7 +29,8 @@
 //   plain    `idx[pos]` indexes the table; a valid index lies in [-n_rows, n_rows)
 //            (negatives wrap, as in PyTorch).  An invalid index never reaches memory: the
 //            gather writes zeros into that output row, the scatter skips it, and the bad
-//            value is stored in *err so that the host can raise IndexError.
+//            value and the table's row count are stored in err[0], err[1] so that the host
+//            can raise IndexError naming both.
 //   tiered   `loc[pos]` names a row of one of two tables (the feature store's GPU cache
 //            and its host tier): 1..n_a is row loc-1 of table a, n_a+1..n_a+n_b row
 //            loc-1-n_a of table b; 0 marks an index the slot lookup found out of range
@@ -83,7 +84,8 @@ struct PlainRows {
         long long r = i < 0 ? i + n_rows : i;
         tier = 0;
         if (r < 0 || r >= n_rows) {
-            *err = i;  // any one bad value will do; plain store, last writer wins
+            err[0] = i;  // any one bad value will do; plain stores, last writer wins
+            err[1] = n_rows;
             state = ROW_ZERO;
             return nullptr;
         }
@@ -120,7 +122,10 @@ struct TierRows {
             tier = 1;
             return b + (v - 1 - n_a) * b_stride;
         }
-        if (v != 0) *err = v;  // a slot outside both tables: never read (the map is corrupt)
+        if (v != 0) {  // a slot outside both tables: never read (the map is corrupt)
+            err[0] = v;
+            err[1] = n_a + n_b;
+        }
         state = ROW_ZERO;
         tier = 3;
         return nullptr;

@@ -23,35 +23,25 @@ import torch
 from datapath._runtime.pinned import pinned_empty
 
 NO_ERROR = -(2**63)
-_MAX_SIZES = 4
 
 
 class ErrorFlag:
     """Where GPU fetches that do not wait record an out-of-range index.
 
     One flag may serve several launches; call `raise_if_set` after they are done (e.g.
-    after waiting for an event recorded behind them).  ``host``: (1,) int64, pinned.
+    after waiting for an event recorded behind them).  ``host``: (2,) int64, pinned: the bad
+    index and the row count of the table it was used on.
     """
 
     def __init__(self) -> None:
-        self.host = pinned_empty((1,), torch.int64)
+        self.host = pinned_empty((2,), torch.int64)
         self.host.fill_(NO_ERROR)
         self._word = self.host.numpy()  # reads without a torch op (the check runs before every fetch)
-        self._sizes: list[int] = []
-        self._lock = threading.Lock()
 
     @property
     def ptr(self) -> int:
         """The address a kernel writes to (host and device pointers agree under unified addressing)."""
         return self.host.data_ptr()
-
-    def note_size(self, n_rows: int) -> None:
-        """Remember a table size for the error message (the last few distinct ones)."""
-        if n_rows in self._sizes:
-            return
-        with self._lock:
-            if n_rows not in self._sizes:
-                self._sizes = [*self._sizes[-(_MAX_SIZES - 1):], n_rows]
 
     def is_set(self) -> bool:
         """True when a launch has recorded a bad index (reads host memory; no CUDA call)."""
@@ -62,13 +52,11 @@ class ErrorFlag:
 
         The flag is cleared first, so each bad index is reported once.
         """
-        bad = int(self._word[0])
+        bad, size = int(self._word[0]), int(self._word[1])
         if bad == NO_ERROR:
             return
         self._word[0] = NO_ERROR
-        with self._lock:
-            sizes = " or ".join(str(n) for n in sorted(self._sizes)) or "?"
-        raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {sizes}{context}")
+        raise IndexError(f"index {bad} is out of bounds for dimension 0 with size {size}{context}")
 
 
 class _ThreadFlags(threading.local):
@@ -103,6 +91,12 @@ def raise_deferred() -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # let every launch that may write it finish: one report per error
         flag.raise_if_set(_DEFERRED)
+
+
+def deferred_flag() -> ErrorFlag:
+    """For a fetch made of several launches: raise this thread's earlier error, then its flag for all of them."""
+    raise_deferred()
+    return thread_flag()
 
 
 def check_errors() -> None:

@@ -217,7 +217,6 @@ def _launch_rows(direction: str, data: torch.Tensor, flat: torch.Tensor, dev_row
         return
     row_bytes, row_stride = layout
     flag, wait = _flag_for(error_flag, sync)
-    flag.note_size(n_rows)
     dev = flat.device
     sorted_visit = gather_config.sorts(flat.numel(), row_bytes, n_rows * row_stride, sort, on_host)
     if torch.cuda.current_device() == dev.index:

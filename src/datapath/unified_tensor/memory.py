@@ -60,7 +60,7 @@ def as_unified(t: torch.Tensor | np.ndarray, affinity: Affinity = "host") -> Uni
     readonly = readonly or is_read_only(t)
     if not torch.cuda.is_available():
         return UnifiedTensor(t, affinity, (), readonly)
-    if not readonly and not pinnable_in_place(t):
+    if not readonly and not t.is_pinned() and not pinnable_in_place(t):
         # A writable mapping of a file on a disk filesystem: Linux does not let devices pin page-cache pages
         # long-term for writing.  The data must be resident to be read over PCIe anyway: copied once.
         return _copy(t, affinity, readonly, "a writable disk-file mapping cannot be pinned in place")
