@@ -28,7 +28,7 @@ from datapath.features import _aio
 from datapath.features.errors import DiskReadError, FeatureStoreError
 from datapath.features.table_file import TableFile
 from datapath.features.tiers import FetchTier
-from datapath.memory import gather_rows, pinned_empty
+from datapath.memory import ErrorFlag, gather_rows, pinned_empty
 
 log = logging.getLogger("datapath.features.disk")
 
@@ -216,6 +216,7 @@ class DiskTier(FetchTier):
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._staging_free: torch.cuda.Event | None = None
         self._lock = threading.Lock()
+        self._flag = ErrorFlag()  # the staging copy's own bounds flag (its indices are the tier's, always valid)
         self.stats.extra.update(reads=0, read_bytes=0, io_seconds=0.0)
         self._align = int(np.gcd(table.row_bytes, PAGE)) if table.row_bytes else PAGE
         self._r0 = table.offset % self._align
@@ -252,7 +253,8 @@ class DiskTier(FetchTier):
             rows = self._rows_view(staging, plan.nbytes)
             slot = torch.from_numpy((plan.row_at[inverse] - self._r0) // self._align)
             if out.device.type == "cuda":
-                got = gather_rows(rows, slot.to(out.device, non_blocking=True), sync=False)
+                self._flag.raise_if_set(" (the disk tier's staging copy: an internal error)")
+                got = gather_rows(rows, slot.to(out.device, non_blocking=True), self._flag)
                 out.index_copy_(0, positions, got.view(-1, *out.shape[1:]))
                 self._staging_free = torch.cuda.Event()
                 self._staging_free.record()

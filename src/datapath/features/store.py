@@ -41,7 +41,7 @@ from datapath.features.table_file import TableFile
 from datapath.features.tiers import FetchTier, TierStats
 from datapath.graph import Graph
 from datapath.memory import (
-    ErrorFlag, deferred_flag, gather_rows, gather_tiered, host_of, placement_of, to_placement,
+    ErrorFlag, deferred_flag, gather_rows, gather_tiered, host_of, is_unified, placement_of, to_placement,
 )
 from datapath.unified_tensor import as_unified
 
@@ -152,7 +152,9 @@ class FeatureStore:
                 f"host_memory={format_bytes(host_bytes)} is less than the {format_bytes(self.nbytes)} table given in "
                 f"memory, so rows would have to come from disk: pass the table as the path of its .npy file "
                 f"(FeatureStore('features.npy', ...)), or leave host_memory out")
-        host = t if where == "unified" or self.device.type == "cpu" else as_unified(t)
+        # as_unified also for memory that is pinned already: the store then holds a reference on the pinning
+        # (a tensor pinned in place by another unified tensor would be unpinned when that one is freed)
+        host = t if is_unified(t) or self.device.type == "cpu" else as_unified(t)
         self._host = host
         if c == 0:
             self._direct, self._direct_stats = host, self._host_stats
@@ -212,13 +214,16 @@ class FeatureStore:
             self._timed(start)
             self._direct_stats.add(flat.numel(), flat.numel() * self.row_bytes)
             return rows.view(*idx.shape, *rest)
-        if error_flag is None and self.device.type == "cuda":
+        own_flag = error_flag is None and self.device.type == "cuda"
+        if own_flag:
             error_flag = deferred_flag()  # one flag for the lookup and the gather (raised by the next fetch)
         loc = gather_rows(self._slots, flat, error_flag)
         out = torch.empty((flat.numel(), *rest), dtype=self.dtype, device=self.device)
         misses = None
         if self._fetch and flat.numel():
             pos = (loc < 0).nonzero().squeeze(1)  # the one host synchronisation of a batch with disk rows
+            if own_flag:
+                error_flag.raise_if_set()  # the lookup has run: a bad index is raised before any disk read
             if pos.numel():
                 ids = flat[pos].long()
                 misses = (pos, torch.where(ids < 0, ids + self.num_rows, ids), loc[pos])
