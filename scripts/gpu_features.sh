@@ -13,7 +13,7 @@ stage="${1:-call1}"
   nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
   df -h . /tmp /dev/shm; free -g; nproc; uname -r
   python3 -c "import torch, cupy, numpy; print('torch', torch.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
-  python3 -c "from datapath.features import _aio; print('native aio:', _aio.available() or 'ok')"
+  python3 -c "from datapath.features import native_aio_available as a; print('native aio:', a() or 'ok')"
 } > "$L/machine.txt" 2>&1
 cat "$L/machine.txt"
 T0=$SECONDS

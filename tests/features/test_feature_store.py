@@ -9,12 +9,11 @@ import torch
 
 from datapath.features import (
     DiskOptions, DiskReadError, FeatureStore, FeatureStoreError, TableFile, degree_hotness, parse_budget,
-    place_graph, plan_reads, presample_hotness, rank,
+    native_aio_available, place_graph, plan_reads, presample_hotness, rank,
 )
-from datapath.features import _aio
 from datapath.graph import generate
 
-ENGINES = ["threads"] + (["aio"] if _aio.available() is None else [])
+ENGINES = ["threads"] + (["aio"] if native_aio_available() is None else [])
 
 
 def _table(n: int, width: int, seed: int = 0) -> torch.Tensor:

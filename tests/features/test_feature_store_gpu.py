@@ -5,15 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from datapath.features import DiskOptions, FeatureStore, presample_hotness
-from datapath.features import _aio
+from datapath.features import DiskOptions, FeatureStore, native_aio_available, presample_hotness
 from datapath.graph import generate
 from datapath.loaders import NeighborLoader
 from datapath.memory import check_errors
 from datapath.unified_tensor import as_unified
 
 pytestmark = pytest.mark.gpu
-ENGINES = ["threads"] + (["aio"] if _aio.available() is None else [])
+ENGINES = ["threads"] + (["aio"] if native_aio_available() is None else [])
 
 
 def _table(n: int, width: int, seed: int = 0) -> torch.Tensor:

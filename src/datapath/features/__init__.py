@@ -13,7 +13,7 @@ e.g. a remote shard, implements), `disk` (the disk tier and its O_DIRECT engines
 `placement` (the graph's place).
 """
 from datapath.features.budget import format_bytes, parse_budget
-from datapath.features.disk import ENGINES, DiskReader, DiskTier, ReadPlan, plan_reads
+from datapath.features.disk import ENGINES, DiskReader, DiskTier, ReadPlan, native_aio_available, plan_reads
 from datapath.features.errors import DiskReadError, FeatureStoreError
 from datapath.features.hotness import degree_hotness, presample_hotness, rank
 from datapath.features.placement import GPU_RESERVE_BYTES, gpu_budget, graph_bytes, place_graph
@@ -24,5 +24,5 @@ from datapath.features.tiers import FetchTier, TierStats
 __all__ = [
     "DiskOptions", "DiskReadError", "DiskReader", "DiskTier", "ENGINES", "FeatureStore", "FeatureStoreError",
     "FetchTier", "GPU_RESERVE_BYTES", "ReadPlan", "TableFile", "TierStats", "degree_hotness", "format_bytes",
-    "gpu_budget", "graph_bytes", "parse_budget", "place_graph", "plan_reads", "presample_hotness", "rank",
+    "gpu_budget", "graph_bytes", "native_aio_available", "parse_budget", "place_graph", "plan_reads", "presample_hotness", "rank",
 ]

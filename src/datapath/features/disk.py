@@ -175,6 +175,11 @@ class DiskReader:
                     raise _aio.AioError(f"short read: {got} of {int(expected[k])} bytes", int(plan.offsets[k]), None)
 
 
+def native_aio_available() -> str | None:
+    """None when Linux native AIO (the ``"aio"`` engine) works here, else the reason it does not."""
+    return _aio.available()
+
+
 def _kvikio_gds() -> str | None:
     """None when kvikio imports and reads with GPUDirect Storage (not its POSIX compatibility mode)."""
     if not torch.cuda.is_available():
