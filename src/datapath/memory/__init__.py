@@ -17,7 +17,7 @@ from datapath._runtime.pinned import (
     HostRegistration, cuda_alias, pending_host_reads, pin_limit_bytes, pinned_empty, register_in_place,
 )
 from datapath.memory.bounds import ErrorFlag, check_errors, deferred_flag
-from datapath.memory.config import GATHER_MODES, GatherConfig, gather_config
+from datapath.memory.config import GATHER_MODES, GatherConfig, config_from_env, gather_config
 from datapath.memory.placement import (
     PLACEMENTS,
     Kind,
@@ -36,7 +36,7 @@ from datapath.memory.rows import ReadOnlyTableError, gather_rows, gather_tiered,
 __all__ = [
     "HostRegistration", "PinnedMemoryError", "cuda_alias", "pending_host_reads", "pin_limit_bytes", "pinned_empty",
     "register_in_place",
-    "ErrorFlag", "check_errors", "deferred_flag", "GATHER_MODES", "GatherConfig", "gather_config",
+    "ErrorFlag", "check_errors", "deferred_flag", "GATHER_MODES", "GatherConfig", "config_from_env", "gather_config",
     "PLACEMENTS", "Kind", "Placement", "PlacementError", "host_of", "is_read_only", "is_unified", "kernel_view",
     "kind_of", "placement_of", "to_placement",
     "ReadOnlyTableError", "gather_rows", "gather_tiered", "scatter_rows",

@@ -1,6 +1,21 @@
-"""The row fetch's one configuration object (`gather_config`; also ``datapath.unified_tensor.config``)."""
+"""Settings of the row fetch: arguments first, environment variables second, `gather_config` last.
+
+Every setting is an argument of the call that uses it (`datapath.memory.gather_rows`'s
+``sync``, ``mode``, ``sort``).  A call that leaves one out takes it from `gather_config`,
+whose defaults come from the environment when the process starts:
+
+=============================  ================================================
+``DATAPATH_GATHER_SYNC``        ``1``: wait for every gather and raise at once
+``DATAPATH_GATHER_MODE``        ``circular`` | ``shift_mask`` | ``unaligned``
+``DATAPATH_GATHER_SORT``        ``auto`` | ``1`` | ``0``
+=============================  ================================================
+
+Assigning to `gather_config` (also ``datapath.unified_tensor.config``) changes the default
+for the whole process; prefer the arguments.
+"""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -79,4 +94,33 @@ class GatherConfig:
         return rows >= self.sort_min_rows_long
 
 
-gather_config = GatherConfig()
+def _env_flag(name: str, value: str) -> bool | Literal["auto"]:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    if v == "auto" and name == "DATAPATH_GATHER_SORT":
+        return "auto"
+    raise ValueError(f"environment variable {name}={value!r} must be 1 or 0"
+                     f"{' or auto' if name == 'DATAPATH_GATHER_SORT' else ''}")
+
+
+def config_from_env(env: dict[str, str] | None = None) -> GatherConfig:
+    """A `GatherConfig` with the defaults the ``DATAPATH_GATHER_*`` variables of ``env`` (os.environ) ask for."""
+    env = dict(os.environ) if env is None else env
+    cfg = GatherConfig()
+    if "DATAPATH_GATHER_SYNC" in env:
+        cfg.sync_bounds_check = bool(_env_flag("DATAPATH_GATHER_SYNC", env["DATAPATH_GATHER_SYNC"]))
+    if "DATAPATH_GATHER_MODE" in env:
+        mode = env["DATAPATH_GATHER_MODE"].strip()
+        if mode not in GATHER_MODES:
+            raise ValueError(f"environment variable DATAPATH_GATHER_MODE={mode!r} must be one of "
+                             f"{sorted(GATHER_MODES)}")
+        cfg.gather_mode = mode  # type: ignore[assignment]
+    if "DATAPATH_GATHER_SORT" in env:
+        cfg.sort_indices = _env_flag("DATAPATH_GATHER_SORT", env["DATAPATH_GATHER_SORT"])
+    return cfg
+
+
+gather_config = config_from_env()
