@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from datapath.nn import GATConv, GCNConv, GINConv, SAGEConv
-from datapath.ops import CSRGraph
-from datapath.ops._random_graph import power_law_csr
+from datapath.graph import CSRGraph
+from datapath.testing.graphs import power_law_csr
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -213,10 +213,7 @@ def test_pair_input_and_fused_src_ids(device: str) -> None:
     layer = SAGEConv(16, 8).to(device)
     table = torch.randn(500, 16)
     if device == "cuda":
-        from datapath._runtime import pinned_empty
-        t = pinned_empty(table.shape, table.dtype)
-        t.copy_(table)
-        table = t
+        table = table.pin_memory()
     ids = torch.randperm(500)[: g.num_src_nodes].to(device)
     x = table.to(device)[ids]
     want = layer(g, x)

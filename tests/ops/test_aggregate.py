@@ -4,17 +4,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from datapath.graph import CSRGraph
 from datapath.ops import (
-    CSRGraph,
     DeviceMismatchError,
     FeatureShapeError,
     GraphFormatError,
     GraphIndexError,
     UnsupportedDtypeError,
     aggregate,
+    cached_keys,
     plan_aggregation,
 )
-from datapath.ops._random_graph import power_law_csr
+from datapath.testing.graphs import power_law_csr
+from datapath.testing.graphs import reference_aggregate as ref_aggregate
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TOL = {torch.float32: (2e-5, 2e-5), torch.float64: (1e-10, 1e-10),
@@ -24,48 +26,6 @@ TOL = {torch.float32: (2e-5, 2e-5), torch.float64: (1e-10, 1e-10),
 def make_graph(device: str, num_dst: int = 120, num_src: int = 150, num_edges: int = 900, seed: int = 0,
                index_dtype: torch.dtype = torch.int64) -> CSRGraph:
     return power_law_csr(num_dst, num_src, num_edges, seed=seed, index_dtype=index_dtype, device=device)
-
-
-def dense_adj(g: CSRGraph, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """(num_dst, num_src) float64 matrix, duplicates summed; weight (E,) float64."""
-    ip, ix = g.indptr.cpu(), g.indices.cpu().long()
-    rows = torch.repeat_interleave(torch.arange(g.num_dst_nodes), ip[1:] - ip[:-1])
-    w = torch.ones(ix.numel(), dtype=torch.float64) if weight is None else weight.cpu().to(torch.float64)
-    a = torch.zeros(g.num_dst_nodes, g.num_src_nodes, dtype=torch.float64)
-    a.index_put_((rows, ix), w, accumulate=True)
-    return a
-
-
-def ref_aggregate(g: CSRGraph, x: torch.Tensor, reduce: str, weight: torch.Tensor | None = None,
-                  norm: str | None = None) -> torch.Tensor:
-    """float64 reference on the CPU (autograd-capable in x and weight)."""
-    ip, ix = g.indptr.cpu(), g.indices.cpu().long()
-    deg_in = (ip[1:] - ip[:-1]).clamp(min=1).to(torch.float64)
-    if reduce == "max":
-        rows = []
-        for d in range(g.num_dst_nodes):
-            lo, hi = int(ip[d]), int(ip[d + 1])
-            if lo == hi:
-                rows.append(torch.zeros(x.shape[1], dtype=torch.float64))
-                continue
-            msg = x[ix[lo:hi]]
-            if weight is not None:
-                msg = msg * weight[lo:hi, None]
-            rows.append(msg.max(0).values)
-        return torch.stack(rows)
-    if weight is not None:
-        rows = torch.repeat_interleave(torch.arange(g.num_dst_nodes), ip[1:] - ip[:-1])
-        a = torch.zeros(g.num_dst_nodes, g.num_src_nodes, dtype=torch.float64)
-        a = a.index_put((rows, ix), weight, accumulate=True)
-    else:
-        a = dense_adj(g)
-    if norm == "gcn":
-        deg_out = torch.bincount(ix, minlength=g.num_src_nodes).clamp(min=1).to(torch.float64)
-        a = a / deg_in.sqrt()[:, None] / deg_out.sqrt()[None, :]
-    out = a @ x
-    if reduce == "mean":
-        out = out / deg_in[:, None]
-    return out
 
 
 def assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -202,10 +162,7 @@ def test_fused_src_ids_matches_gather_then_aggregate(device: str) -> None:
     torch.manual_seed(5)
     table = torch.randn(1000, 100)
     if device == "cuda":
-        from datapath._runtime import pinned_empty
-        pinned = pinned_empty(table.shape, table.dtype)
-        pinned.copy_(table)
-        table = pinned
+        table = table.pin_memory()
     ids = torch.randperm(1000)[: g.num_src_nodes].to(device)
     for reduce in ("sum", "mean", "max"):
         want = aggregate(g, table.to(device)[ids], reduce)
@@ -265,19 +222,36 @@ def test_input_validation() -> None:
         aggregate(g, x, edge_weight=torch.rand(g.indices.numel(), 3))
 
 
-def test_cache_is_reused_and_invalidated() -> None:
+def test_cache_is_kept_beside_the_graph_and_invalidated() -> None:
+    import gc
+    import weakref
+
     g = make_graph("cpu")
+    attrs = set(vars(g))
     x = torch.randn(g.num_src_nodes, 4, requires_grad=True)
     aggregate(g, x, "mean").sum().backward()
-    cache = g._datapath_cache
-    assert "edge_dst" in cache and "row_scale_mean_torch.float32" in cache
-    first = cache["edge_dst"]
-    aggregate(g, x, "mean")
-    assert g._datapath_cache["edge_dst"] is first
+    assert set(vars(g)) == attrs  # nothing set on the caller's object
+    keys = cached_keys(g)
+    assert "edge_dst" in keys and ("row_scale", "mean", torch.float32) in keys
     g.indices[0] = (g.indices[0] + 1) % g.num_src_nodes  # in-place change: the cache must drop
     out = aggregate(g, x.detach(), "sum", norm="gcn")  # gcn uses the (changed) source degrees
-    assert g._datapath_cache.get("edge_dst") is not first
+    assert ("row_scale", "mean", torch.float32) not in cached_keys(g)
     assert_close(out, ref_aggregate(g, x.detach().double(), "sum", norm="gcn"), torch.float32)
+    ref = weakref.ref(g)
+    del g, out
+    gc.collect()
+    assert ref() is None  # the cache does not keep the graph alive
+
+
+def test_tuple_graph_is_checked_every_call_and_object_once() -> None:
+    g = make_graph("cpu")
+    x = torch.randn(g.num_src_nodes, 3)
+    bad = g.indices.clone()
+    bad[0] = g.num_src_nodes
+    with pytest.raises(GraphIndexError):
+        aggregate((g.indptr, bad, g.num_src_nodes), x)
+    aggregate(g, x)
+    assert cached_keys(g)  # the object's check is kept
 
 
 @pytest.mark.gpu
@@ -346,7 +320,8 @@ def test_trusted_graph_skips_only_the_value_check() -> None:
 
 
 def test_sampled_blocks_are_trusted_and_correct() -> None:
-    from datapath.loaders import Graph, NeighborSampler
+    from datapath.graph import Graph
+    from datapath.sampling import NeighborSampler
 
     g = torch.Generator().manual_seed(3)
     graph = Graph.from_edge_index(torch.randint(0, 500, (2, 4000), generator=g), 500)

@@ -54,14 +54,29 @@ _STD_INCLUDES = ("#include <cstdint>", "#include <stdint.h>", "#include <cstddef
                  "#include <cmath>", "#include <math.h>", "#include <cfloat>", "#include <float.h>")
 
 
-def kernel_source(filename: str) -> str:
-    """The text of ``datapath/kernels/<filename>`` as NVRTC compiles it (with the prelude)."""
+def _read_kernel_text(filename: str, seen: tuple[str, ...] = ()) -> str:
+    """``datapath/kernels/<filename>`` with its local ``#include "x.cuh"`` lines inlined (once each)."""
     try:
         text = importlib.resources.files("datapath.kernels").joinpath(filename).read_text()
     except FileNotFoundError as exc:
         raise KernelLoadError(f"no kernel source datapath/kernels/{filename}") from exc
-    lines = [line for line in text.splitlines() if line.strip() not in _STD_INCLUDES]
-    return _PRELUDE + "\n".join(lines) + "\n"
+    lines = []
+    for line in text.splitlines():
+        s = line.strip()
+        if s in _STD_INCLUDES:
+            continue
+        if s.startswith('#include "') and s.endswith('.cuh"'):
+            header = s[len('#include "'):-1]
+            if header not in seen:
+                lines.append(_read_kernel_text(header, (*seen, header)))
+            continue
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def kernel_source(filename: str) -> str:
+    """The text of ``datapath/kernels/<filename>`` as NVRTC compiles it (with the prelude and local headers)."""
+    return _PRELUDE + _read_kernel_text(filename) + "\n"
 
 
 @functools.lru_cache(maxsize=None)

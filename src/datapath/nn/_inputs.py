@@ -7,9 +7,8 @@ from typing import Any
 import torch
 
 from datapath import memory
-from datapath.ops import FeatureShapeError, as_csr
-from datapath.ops._graph import CSRView
-from datapath.ops._inputs import check_ids, is_unified, resolve_table
+from datapath.ops import CSRView, FeatureShapeError, as_csr
+from datapath.ops._inputs import check_ids, resolve_table
 
 
 @dataclass

@@ -9,7 +9,7 @@ from torch import nn
 
 from datapath.nn._inputs import layer_inputs
 from datapath.ops import add_self_loops as _add_self_loops
-from datapath.ops import aggregate
+from datapath.ops import aggregate, prepare_aggregation
 
 
 class GCNConv(nn.Module):
@@ -39,6 +39,17 @@ class GCNConv(nn.Module):
         nn.init.xavier_uniform_(self.lin.weight)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
+
+    def prepare(self, graph: Any, dtype: torch.dtype = torch.float32, input_grad: bool = True) -> list[torch.Tensor]:
+        """Precompute this layer's aggregation data for ``graph`` (see `datapath.ops.prepare_aggregation`).
+
+        The rows aggregated are the projected ones (``out_channels`` wide), which always need a
+        gradient (the weight's).  Returns the tensors kept with the graph.
+        """
+        if self.add_self_loops:
+            graph = _add_self_loops(graph)
+        return prepare_aggregation(graph, self.out_channels, dtype, backward=True,
+                                   norm="gcn" if self.normalize else None)
 
     def forward(self, graph: Any, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                 src_ids: torch.Tensor | None = None, edge_weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,10 +4,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from datapath.nn._inputs import layer_inputs
-from datapath.ops import aggregate
+from datapath.ops import aggregate, prepare_aggregation
 
 
 class GINConv(nn.Module):
@@ -19,7 +20,9 @@ class GINConv(nn.Module):
         train_eps: learn epsilon (a parameter) instead of keeping it fixed (a buffer).
         aggr: ``"sum"`` (default), ``"mean"`` or ``"max"``.
 
-    ``forward(graph, x, src_ids=None, edge_weight=None)`` as in `SAGEConv`.
+    ``forward(graph, x, src_ids=None, edge_weight=None)`` as in `SAGEConv`.  When ``nn`` is a single
+    ``Linear`` that narrows the rows, the rows are projected before the aggregation (exact: the
+    layer is linear up to ``nn``'s output), so the aggregation moves ``out`` columns instead of ``in``.
     """
 
     def __init__(self, nn: nn.Module, eps: float = 0.0, train_eps: bool = False, aggr: str = "sum") -> None:  # noqa: A002
@@ -38,9 +41,33 @@ class GINConv(nn.Module):
                 m.reset_parameters()
         self.eps.data.fill_(self.initial_eps)
 
+    def _projects_first(self, x_width: int) -> bool:
+        """``nn`` is one Linear narrowing the rows: project, then aggregate (the same function, fewer bytes)."""
+        lin = self.nn
+        return (self.aggr in ("sum", "mean") and isinstance(lin, torch.nn.Linear)
+                and lin.in_features == x_width and lin.out_features < lin.in_features)
+
+    def prepare(self, graph: Any, dtype: torch.dtype = torch.float32, input_grad: bool = True) -> list[torch.Tensor]:
+        """Precompute this layer's aggregation data for ``graph`` (see `datapath.ops.prepare_aggregation`)."""
+        if self.aggr == "max":
+            return []
+        lin = self.nn
+        if isinstance(lin, torch.nn.Linear) and self._projects_first(lin.in_features):
+            return prepare_aggregation(graph, lin.out_features, dtype, backward=True, reduce=self.aggr)
+        width = lin.in_features if isinstance(lin, torch.nn.Linear) else None
+        if width is None:
+            return []
+        return prepare_aggregation(graph, width, dtype, backward=input_grad, reduce=self.aggr)
+
     def forward(self, graph: Any, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                 src_ids: torch.Tensor | None = None, edge_weight: torch.Tensor | None = None) -> torch.Tensor:
         inp = layer_inputs(graph, x, src_ids)
+        if not inp.fused and self._projects_first(inp.x_src.shape[-1]):
+            lin = self.nn
+            h_src = F.linear(inp.x_src, lin.weight)
+            h_dst = h_src[: inp.csr.num_dst] if not isinstance(x, tuple) else F.linear(inp.x_dst, lin.weight)
+            h = aggregate(inp.csr, h_src, self.aggr, edge_weight) + (1 + self.eps) * h_dst
+            return h + lin.bias if lin.bias is not None else h
         h = aggregate(inp.csr, inp.x_src, self.aggr, edge_weight, src_ids=inp.src_ids)
         return self.nn(h + (1 + self.eps) * inp.x_dst)
 

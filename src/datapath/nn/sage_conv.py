@@ -48,8 +48,8 @@ class SAGEConv(nn.Module):
         if self.aggr == "max":
             return []
         if self.in_channels > self.out_channels:  # projected first: the aggregated rows need a gradient
-            return prepare_aggregation(graph, self.out_channels, dtype, backward=True)
-        return prepare_aggregation(graph, self.in_channels, dtype, backward=input_grad)
+            return prepare_aggregation(graph, self.out_channels, dtype, backward=True, reduce=self.aggr)
+        return prepare_aggregation(graph, self.in_channels, dtype, backward=input_grad, reduce=self.aggr)
 
     def reset_parameters(self) -> None:
         self.lin_l.reset_parameters()

@@ -1,14 +1,16 @@
 """GNN aggregation ops: neighbor aggregation (SpMM), SDDMM and edge softmax, with autograd.
 
-On CUDA tensors they run GNNAdvisor-style kernels (neighbor groups, dimension workers,
-warp-aligned mapping, shared-memory accumulation, an analytical launch model); on the
-CPU a plain-PyTorch implementation with the same signature and semantics.
+On CUDA the aggregation runs the kernel planned for the graph (a row-split kernel, GNNAdvisor's
+neighbor groups, a TC-GNN tensor-core kernel for float16/bfloat16, or cuSPARSE: see
+`datapath.ops.plan`); on the CPU a plain-PyTorch implementation with the same signature and
+semantics.  Graphs follow the `datapath.graph.CSR` protocol; what the ops derive from a graph
+is kept in a cache keyed weakly by the graph object, never on the object itself.
 
     out = datapath.ops.aggregate(block, x, reduce="mean")          # (num_dst, F)
     out = datapath.ops.aggregate(block, table, src_ids=block_src)  # fused gather + aggregate
-    plan = datapath.ops.plan_aggregation(block, 128)                # inspect / override the launch
+    plan = datapath.ops.plan_aggregation(graph, 128, probe=True)    # time the kernels once, keep the best
 """
-from datapath.ops._graph import CSRGraph, CSRView, add_self_loops, as_csr
+from datapath.ops._graph import CSRView, add_self_loops, as_csr, cached_keys
 from datapath.ops.aggregate import aggregate, prepare_aggregation
 from datapath.ops.attention import edge_softmax, sddmm
 from datapath.ops.errors import (
@@ -18,10 +20,10 @@ from datapath.ops.errors import (
     GraphIndexError,
     UnsupportedDtypeError,
 )
-from datapath.ops.plan import AggregationPlan, plan_aggregation
+from datapath.ops.plan import KERNELS, AggregationPlan, plan_aggregation
 
 __all__ = [
-    "AggregationPlan", "CSRGraph", "CSRView", "DeviceMismatchError", "FeatureShapeError", "GraphFormatError",
-    "GraphIndexError", "UnsupportedDtypeError", "add_self_loops", "aggregate", "as_csr", "edge_softmax",
-    "plan_aggregation", "prepare_aggregation", "sddmm",
+    "KERNELS", "AggregationPlan", "CSRView", "DeviceMismatchError", "FeatureShapeError", "GraphFormatError",
+    "GraphIndexError", "UnsupportedDtypeError", "add_self_loops", "aggregate", "as_csr", "cached_keys",
+    "edge_softmax", "plan_aggregation", "prepare_aggregation", "sddmm",
 ]

@@ -1,9 +1,12 @@
-"""CUDA implementation of the aggregation ops: launches the kernels of ``datapath/kernels/aggregate.cu``.
+"""CUDA implementation of the aggregation ops: picks and launches the kernels.
 
-Same contract as `datapath.ops._torch_backend` (which stays the reference).  Kernel
-variants are compiled on first use per (element type, vector width, index type).
-Neighbor groups and the transpose CSR are built once per graph with torch ops on the
-GPU and cached on the graph (`CSRView.cache`).
+Same contract as `datapath.ops._torch_backend` (which stays the reference).  The sum family
+(sum, mean, GCN norm, edge weights) runs the plan chosen per graph (`datapath.ops._tune`):
+``rows``, ``tensor_core`` and ``cusparse`` (`datapath.ops._spmm`) or ``groups`` (GNNAdvisor's
+neighbor groups, here, from ``aggregate.cu``); the gradient of x is the same aggregation over
+the transposed CSR, built once per graph, with a plan of its own.  Max aggregation, the fused
+push over a host table, SDDMM and edge softmax have one kernel each (``aggregate.cu``).
+Nothing here synchronises with the host, except a graph's first probe (see `_tune`).
 """
 from __future__ import annotations
 
@@ -15,18 +18,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from datapath._runtime import kernels
+from datapath.ops import _launch, _spmm, _tune
 from datapath.ops import _torch_backend as _ref
 from datapath.ops._graph import CSRView
+from datapath.ops._launch import ptr as _p
 from datapath.ops._torch_backend import AggSpec, acc_dtype
 from datapath.ops.plan import AggregationPlan, plan_for
 
 log = logging.getLogger("datapath.ops.cuda")
 
 _SOURCE = "aggregate.cu"
-_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 _PUSH_NGS = 1 << 30  # push reads each row once: one group per row
-_NULL = np.uint64(0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,14 +43,11 @@ def available() -> bool:
 
 
 def _fn(name: str, dtype: torch.dtype, vec: int, idx_dtype: torch.dtype) -> Any:
-    opts = [f"-DDP_KIND={_KIND[dtype]}", f"-DDP_VEC={vec}"]
-    if idx_dtype == torch.int64:
-        opts.append("-DDP_IDX_64")
-    return kernels.get_function(_SOURCE, name, tuple(opts))
+    return _launch.function(_SOURCE, name, _launch.options(dtype, vec, idx_dtype))
 
 
-def _p(t: torch.Tensor | None) -> np.uint64:
-    return _NULL if t is None else kernels.ptr(t)
+def _go(kern: Any, grid: int, block: int, args: tuple, device: torch.device, shared_mem: int = 0) -> None:
+    _launch.launch(kern, grid, block, args, device.index, shared_mem)
 
 
 @dataclass(eq=False)
@@ -58,10 +57,12 @@ class _Groups:
     count: int                # groups the launch covers: G, or an upper bound of it (implicit)
     n_arg: int                # the kernels' n_groups argument: G, or R rows (implicit)
     max_per_row: int          # most groups of one row (implicit: taken as 2, the kernel may combine)
-    multi_rows: torch.Tensor | None  # (M,) int64 rows with several groups; None: not known, zero all rows
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.row, self.beg) if t is not None]
 
 
-def _groups(csr: CSRView, which: str, indptr: torch.Tensor, num_rows: int, ngs: int) -> _Groups:
+def _groups(view: CSRView, ngs: int) -> _Groups:
     """Neighbor groups of at most ``ngs`` edges per row, one (empty) group for an empty row (cached).
 
     Implicit: only ``cum``, the inclusive prefix sum of each row's group count, is built (four
@@ -69,63 +70,60 @@ def _groups(csr: CSRView, which: str, indptr: torch.Tensor, num_rows: int, ngs: 
     and the launch covers ``num_rows + num_edges // ngs`` groups, at least as many as there are.
     """
     def make() -> _Groups:
-        if num_rows == 0:
-            e = torch.empty(0, dtype=torch.int64, device=indptr.device)
-            return _Groups(e.int(), e, 0, 0, 0, e)
-        deg = indptr[1:] - indptr[:-1]
+        n = view.num_dst
+        if n == 0:
+            e = torch.empty(0, dtype=torch.int64, device=view.device)
+            return _Groups(e.int(), e, 0, 0, 0)
+        deg = view.in_degrees()
         cum = torch.cumsum(torch.div(deg + (ngs - 1), ngs, rounding_mode="floor").clamp_(min=1), 0)
-        return _Groups(None, cum, num_rows + csr.num_edges // ngs, num_rows, 2, None)
-    return csr.cached(f"groups_{which}_{ngs}", make)
+        return _Groups(None, cum, n + view.num_edges // ngs, n, 2)
+    return view.cached(("groups", ngs), make)
 
 
-def prepare(csr: CSRView, feat: int, dtype: torch.dtype, backward: bool,
-            plan: AggregationPlan | None) -> list[torch.Tensor]:
-    """Build the cached structures `forward` and `backward_x` of a sum/mean aggregation of ``feat``-wide
-    ``dtype`` rows will use (neighbor groups; the transpose CSR and its groups), on the current stream,
-    so that a training step using them launches only its own kernels (none of this waits for the GPU).
-    Returns every tensor now cached on ``csr`` (for ``record_stream`` by a caller on another stream)."""
-    p = plan or plan_for(csr.num_edges, csr.num_dst, feat, dtype.itemsize)
-    _groups(csr, "f", csr.indptr, csr.num_dst, p.ngs)
-    if backward and (plan is None or plan.backward != "atomic"):
-        t_indptr = csr.transpose()[0]
-        pb = plan or plan_for(csr.num_edges, csr.num_src, feat, dtype.itemsize)
-        _groups(csr, "t", t_indptr, csr.num_src, pb.ngs)
-    out: list[torch.Tensor] = []
-
-    def walk(v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (tuple, list)):
-            for u in v:
-                walk(u)
-        elif isinstance(v, _Groups):
-            out.extend(t for t in (v.row, v.beg, v.multi_rows) if t is not None)
-
-    for v in csr.cache.values():
-        walk(v)
-    return out
+def _schedule(view: CSRView, plan: AggregationPlan, dtype: torch.dtype) -> None:
+    """Build what ``plan``'s kernel reads for ``view`` (cached; no host synchronisation except the
+    tensor-core translation)."""
+    if plan.kernel == "groups":
+        _groups(view, plan.ngs)
+    elif plan.kernel == "rows":
+        if view.max_degree is None or view.max_degree > plan.cut:
+            _spmm._tail_cum(view, plan.cut)
+    elif plan.kernel == "tensor_core" and _spmm.tensor_core_ok(dtype):
+        _spmm.translation(view, dtype)
+    elif plan.kernel == "cusparse":
+        _spmm._csr_index(view)
 
 
-def _sorted_push_groups(t_indptr: torch.Tensor, row_map: torch.Tensor) -> _Groups:
-    """One group per transposed row that has edges, visited in ascending table-row order.
+def prepare(csr: CSRView, feat: int, dtype: torch.dtype, backward: bool, plan: AggregationPlan | None,
+            variant: str = "sum") -> list[torch.Tensor]:
+    """Build, on the current stream, what a sum-family aggregation of ``feat``-wide ``dtype`` rows over
+    ``csr`` will read (the plan's schedule; for ``backward``, the transposed CSR and its schedule), so
+    that a training step using them launches only its own kernels.  Returns every tensor kept with the
+    graph (for ``record_stream`` by a caller on another stream)."""
+    p = plan or _tune.choose(csr, feat, dtype, variant, False, 1)
+    _schedule(csr, p, dtype)
+    if backward and p.backward != "atomic":
+        t = csr.transposed()
+        pt = plan or _tune.choose(t, feat, dtype, variant, False, 1)
+        _schedule(t, pt, dtype)
+    return csr.tensors()
+
+
+def _push_order(view: CSRView, row_map: torch.Tensor) -> _Groups:
+    """One group per row of ``view``, visited in ascending ``row_map`` (table row) order.
 
     Consecutive warps then read nearby host rows (address-translation locality, as the
-    unified gather does), and rows without edges are never read.
+    unified gather does); the kernel skips rows without edges without reading them.
     """
     order = torch.argsort(row_map)
-    deg = (t_indptr[1:] - t_indptr[:-1]).index_select(0, order)
-    order = order[deg > 0]
-    e = torch.empty(0, dtype=torch.int64, device=order.device)
     n = int(order.numel())
-    return _Groups(order.to(torch.int32), t_indptr.index_select(0, order), n, n, 1, e)
+    return _Groups(order.to(torch.int32), view.indptr.index_select(0, order), n, n, 1)
 
 
-def _plan(spec: AggSpec, num_edges: int, num_rows: int, feat: int, dtype: torch.dtype) -> AggregationPlan:
-    if spec.plan is not None:
-        if spec.plan.feat_dim != feat:
-            raise ValueError(f"the plan is for width {spec.plan.feat_dim} but the features have {feat} columns")
-        return spec.plan
-    return plan_for(num_edges, num_rows, feat, dtype.itemsize)
+def _plan_of(spec: AggSpec, feat: int) -> AggregationPlan:
+    if spec.plan.feat_dim != feat:
+        raise ValueError(f"the plan is for width {spec.plan.feat_dim} but the features have {feat} columns")
+    return spec.plan
 
 
 def _vec_dw(plan: AggregationPlan, feat: int, head_dim: int, elem: int, *tensors: torch.Tensor) -> tuple[int, int]:
@@ -138,56 +136,49 @@ def _vec_dw(plan: AggregationPlan, feat: int, head_dim: int, elem: int, *tensors
     return vec, min(32, 1 << max(0, (feat // vec - 1).bit_length()))
 
 
-def _pull(csr: CSRView, which: str, indptr: torch.Tensor, indices: torch.Tensor, perm: torch.Tensor | None,
-          num_rows: int, x: torch.Tensor, src_map: torch.Tensor | None, w: torch.Tensor | None, heads: int,
+def _pull(view: CSRView, x: torch.Tensor, src_map: torch.Tensor | None, w: torch.Tensor | None, heads: int,
           nbr_scale: torch.Tensor | None, row_scale: torch.Tensor | None, plan: AggregationPlan) -> torch.Tensor:
-    """(num_rows, F) accumulation-dtype result of the neighbor-group pull kernel."""
+    """(num_dst, F) accumulation-dtype result of the neighbor-group pull kernel (GNNAdvisor)."""
     feat = x.shape[1]
     acc = acc_dtype(x.dtype)
-    grp = _groups(csr, which, indptr, num_rows, plan.ngs)
-    if grp.count == 0 or feat == 0:
-        return torch.zeros(num_rows, feat, dtype=acc, device=x.device)
-    # every row is written by its leader team; rows of several groups may be accumulated atomically
-    if grp.multi_rows is None:
-        out = torch.zeros(num_rows, feat, dtype=acc, device=x.device)
-    else:
-        out = torch.empty(num_rows, feat, dtype=acc, device=x.device)
-        if grp.multi_rows.numel():
-            out.index_fill_(0, grp.multi_rows, 0)
-    vec, dw = _vec_dw(plan, feat, feat // heads, x.element_size(), x)
-    tpb = max(plan.threads_per_block, dw)
-    teams = tpb // dw
-    combine = 1 if grp.max_per_row > 1 else 0
-    smem = (tpb * vec * acc.itemsize + teams * 4) if combine else 0
-    blocks = -(-grp.count // teams)
-    kern = _fn("agg_pull", x.dtype, vec, indices.dtype)
-    kernels.launch(kern, blocks, tpb, (
-        _p(indptr), _p(indices), _p(perm), _p(grp.row), _p(grp.beg), np.int64(grp.n_arg), np.int32(plan.ngs),
-        _p(x), _p(src_map), _p(w), np.int32(heads), np.int32(feat // heads), _p(nbr_scale), _p(row_scale),
-        _p(out), np.int32(feat), np.int32(dw), np.int32(combine)), shared_mem=smem)
-    return out
-
-
-def _push(csr: CSRView, which: str, indptr: torch.Tensor, indices: torch.Tensor, perm: torch.Tensor | None,
-          num_rows: int, num_out: int, x: torch.Tensor, row_map: torch.Tensor | None, w: torch.Tensor | None,
-          heads: int, nbr_scale: torch.Tensor | None, in_scale: torch.Tensor | None, plan: AggregationPlan,
-          ngs: int, align: bool, grp: _Groups | None = None) -> torch.Tensor:
-    """(num_out, F) accumulation-dtype result of the scatter kernel (atomics)."""
-    feat = x.shape[1]
-    acc = acc_dtype(x.dtype)
-    out = torch.zeros(num_out, feat, dtype=acc, device=x.device)
-    if grp is None:
-        grp = _groups(csr, which, indptr, num_rows, ngs)
+    n = view.num_dst
+    grp = _groups(view, plan.ngs)
+    out = torch.zeros(n, feat, dtype=acc, device=x.device)  # rows of several groups add atomically
     if grp.count == 0 or feat == 0:
         return out
     vec, dw = _vec_dw(plan, feat, feat // heads, x.element_size(), x)
     tpb = max(plan.threads_per_block, dw)
     teams = tpb // dw
-    kern = _fn("agg_push", x.dtype, vec, indices.dtype)
-    kernels.launch(kern, -(-grp.count // teams), tpb, (
-        _p(indptr), _p(indices), _p(perm), _p(grp.row), _p(grp.beg), np.int64(grp.n_arg), np.int32(ngs),
-        _p(x), _p(row_map), _p(w), np.int32(heads), np.int32(feat // heads), _p(nbr_scale), _p(in_scale),
-        _p(out), np.int32(feat), np.int32(dw), np.int32(1 if align else 0)))
+    combine = 1 if grp.max_per_row > 1 else 0
+    smem = (tpb * vec * acc.itemsize + teams * 4) if combine else 0
+    kern = _fn("agg_pull", x.dtype, vec, view.indices.dtype)
+    _go(kern, -(-grp.count // teams), tpb, (
+        _p(view.indptr), _p(view.indices), _p(view.edge_perm), _p(grp.row), _p(grp.beg), np.int64(grp.n_arg),
+        np.int32(plan.ngs), _p(x), _p(src_map), _p(w), np.int32(heads), np.int32(feat // heads), _p(nbr_scale),
+        _p(row_scale), _p(out), np.int32(feat), np.int32(dw), np.int32(combine)), x.device, shared_mem=smem)
+    return out
+
+
+def _push(view: CSRView, num_out: int, x: torch.Tensor, row_map: torch.Tensor | None, w: torch.Tensor | None,
+          heads: int, nbr_scale: torch.Tensor | None, in_scale: torch.Tensor | None, plan: AggregationPlan,
+          ngs: int, align: bool, grp: _Groups | None = None) -> torch.Tensor:
+    """(num_out, F) accumulation-dtype result of the scatter kernel: every row of ``view`` pushes
+    ``in_scale[r] * x[map(r)]`` to its neighbours (atomics)."""
+    feat = x.shape[1]
+    acc = acc_dtype(x.dtype)
+    out = torch.zeros(num_out, feat, dtype=acc, device=x.device)
+    if grp is None:
+        grp = _groups(view, ngs)
+    if grp.count == 0 or feat == 0:
+        return out
+    vec, dw = _vec_dw(plan, feat, feat // heads, x.element_size(), x)
+    tpb = max(plan.threads_per_block, dw)
+    teams = tpb // dw
+    kern = _fn("agg_push", x.dtype, vec, view.indices.dtype)
+    _go(kern, -(-grp.count // teams), tpb, (
+        _p(view.indptr), _p(view.indices), _p(view.edge_perm), _p(grp.row), _p(grp.beg), np.int64(grp.n_arg),
+        np.int32(ngs), _p(x), _p(row_map), _p(w), np.int32(heads), np.int32(feat // heads), _p(nbr_scale),
+        _p(in_scale), _p(out), np.int32(feat), np.int32(dw), np.int32(1 if align else 0)), x.device)
     return out
 
 
@@ -195,29 +186,68 @@ def _acc_weight(weight: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor |
     return None if weight is None else weight.to(acc).contiguous()
 
 
+def sum_forward(view: CSRView, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torch.Tensor | None,
+                row_scale: torch.Tensor | None, plan: AggregationPlan, heads: int = 1,
+                src_map: torch.Tensor | None = None) -> torch.Tensor:
+    """(num_dst, F) x.dtype: the sum-family aggregation over ``view`` by ``plan``'s kernel (see `_spmm`)."""
+    k = plan.kernel
+    if heads != 1 or k == "groups":
+        return _pull(view, x, src_map, w, heads, nbr_scale, row_scale, plan).to(x.dtype)
+    if k == "rows" or src_map is not None:
+        return _spmm.rows(view, x, w, nbr_scale, row_scale, plan if k == "rows" else plan.replace(kernel="rows"),
+                          src_map)
+    if k == "tensor_core":
+        return _spmm.tensor_core(view, x, w, nbr_scale, row_scale, plan)
+    return _spmm.cusparse(view, x, w, nbr_scale, row_scale)
+
+
+def _fused(csr: CSRView, x: torch.Tensor, w: torch.Tensor | None, spec: AggSpec) -> torch.Tensor:
+    """Aggregation of ``x[src_ids]`` without materialising it (a host table, or a GPU one)."""
+    feat = x.shape[1]
+    plan = _plan_of(spec, feat) if spec.plan is not None else plan_for(
+        csr.num_edges, csr.num_dst, feat, x.element_size())
+    fused = plan.fused
+    if fused == "auto":
+        fused = "push" if spec.table_on_host else "pull"
+    if fused == "pull":
+        return sum_forward(csr, x, w, spec.col_scale, spec.row_scale, plan.replace(kernel="rows"), spec.heads,
+                           src_map=spec.src_ids)
+    t = csr.transposed()
+    ids = spec.src_ids
+    order = t.cached(("push_order", ids.data_ptr(), ids._version, ids.numel()), lambda: _push_order(t, ids))
+    out = _push(t, csr.num_dst, x, ids, w, spec.heads, None, spec.col_scale, plan, _PUSH_NGS, align=True,
+                grp=order)
+    if spec.row_scale is not None:
+        out.mul_(spec.row_scale.unsqueeze(1))
+    return out.to(x.dtype)
+
+
 def forward(csr: CSRView, x: torch.Tensor, weight: torch.Tensor | None,
             spec: AggSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out (num_dst, F) x.dtype, argmax or None)``; see `_torch_backend.forward`."""
     feat = x.shape[1]
-    acc = acc_dtype(x.dtype)
-    w = _acc_weight(weight, acc)
-    plan = _plan(spec, csr.num_edges, csr.num_dst, feat, x.dtype)
+    w = _acc_weight(weight, acc_dtype(x.dtype))
     if spec.reduce == "max":
+        plan = _plan_of(spec, feat) if spec.plan is not None else plan_for(
+            csr.num_edges, csr.num_dst, feat, x.element_size())
         return _max(csr, x, w, spec, plan)
-    fused = plan.fused
-    if fused == "auto":
-        fused = "push" if spec.table_on_host else "pull"
-    if spec.src_ids is not None and fused == "push":
-        t_indptr, t_indices, t_perm = csr.transpose()
-        out = _push(csr, "t", t_indptr, t_indices, t_perm, csr.num_src, csr.num_dst, x, spec.src_ids, w,
-                    spec.heads, None, spec.col_scale, plan, _PUSH_NGS, align=True,
-                    grp=_sorted_push_groups(t_indptr, spec.src_ids))
-        if spec.row_scale is not None:
-            out.mul_(spec.row_scale.unsqueeze(1))
+    if spec.src_ids is not None:
+        return _fused(csr, x, w, spec), None
+    if spec.plan is not None:
+        plan = _plan_of(spec, feat)
     else:
-        out = _pull(csr, "f", csr.indptr, csr.indices, None, csr.num_dst, x, spec.src_ids, w, spec.heads,
-                    spec.col_scale, spec.row_scale, plan)
-    return out.to(x.dtype), None
+        weighted = w is not None
+        plan = csr.cache.get(_tune.plan_key(feat, x.dtype, spec.variant, weighted, spec.heads))
+        if plan is None:
+            allow = spec.heads == 1 and _tune.may_probe(csr)
+            plan = _tune.choose(csr, feat, x.dtype, spec.variant, weighted, spec.heads, allow_probe=allow,
+                                run=lambda p: sum_forward(csr, x, w, spec.col_scale, spec.row_scale, p))
+            if allow and spec.grad_x:  # the gradient's plan too, so that the backward never waits
+                t = csr.transposed()
+                g = torch.randn(csr.num_dst, feat, device=x.device).to(x.dtype)
+                _tune.choose(t, feat, x.dtype, spec.variant, weighted, 1, allow_probe=True,
+                             run=lambda p: sum_forward(t, g, w, spec.row_scale, spec.col_scale, p))
+    return sum_forward(csr, x, w, spec.col_scale, spec.row_scale, plan, spec.heads), None
 
 
 def _max(csr: CSRView, x: torch.Tensor, w: torch.Tensor | None, spec: AggSpec,
@@ -231,32 +261,31 @@ def _max(csr: CSRView, x: torch.Tensor, w: torch.Tensor | None, spec: AggSpec,
     tpb = max(plan.threads_per_block, dw)
     teams = tpb // dw
     kern = _fn("agg_max", x.dtype, vec, csr.indices.dtype)
-    kernels.launch(kern, -(-csr.num_dst // teams), tpb, (
+    _go(kern, -(-csr.num_dst // teams), tpb, (
         _p(csr.indptr), _p(csr.indices), np.int64(csr.num_dst), _p(x), _p(spec.src_ids), _p(w),
-        np.int32(spec.heads), np.int32(feat // spec.heads), _p(out), _p(argmax), np.int32(feat), np.int32(dw)))
+        np.int32(spec.heads), np.int32(feat // spec.heads), _p(out), _p(argmax), np.int32(feat), np.int32(dw)),
+        x.device)
     return out, argmax
 
 
 def backward_x(csr: CSRView, grad_out: torch.Tensor, weight: torch.Tensor | None, spec: AggSpec,
                argmax: torch.Tensor | None, x_dtype: torch.dtype) -> torch.Tensor:
-    """(num_src, F) gradient of x: pull over the cached transpose CSR, or atomic scatter (plan.backward)."""
+    """(num_src, F) gradient of x: the aggregation over the cached transposed CSR, or atomic scatter."""
     if spec.reduce == "max":
         return _ref.backward_x(csr, grad_out, weight, spec, argmax, x_dtype)
     feat = grad_out.shape[1]
-    acc = acc_dtype(grad_out.dtype)
-    w = _acc_weight(weight, acc)
     g = grad_out.contiguous()
+    w = _acc_weight(weight, acc_dtype(g.dtype))
     if spec.plan is not None and spec.plan.backward == "atomic":
-        out = _push(csr, "f", csr.indptr, csr.indices, None, csr.num_dst, csr.num_src, g, None, w, spec.heads,
-                    spec.col_scale, spec.row_scale, spec.plan, spec.plan.ngs, align=False)
+        out = _push(csr, csr.num_src, g, None, w, spec.heads, spec.col_scale, spec.row_scale, spec.plan,
+                    spec.plan.ngs, align=False)
+        return out.to(x_dtype)
+    t = csr.transposed()
+    if spec.plan is not None:
+        plan = _plan_of(spec, feat)
     else:
-        t_indptr, t_indices, t_perm = csr.transpose()
-        plan = spec.plan
-        if plan is None:
-            plan = plan_for(csr.num_edges, csr.num_src, feat, g.element_size())
-        out = _pull(csr, "t", t_indptr, t_indices, t_perm, csr.num_src, g, None, w, spec.heads,
-                    spec.row_scale, spec.col_scale, plan)
-    return out.to(x_dtype)
+        plan = _tune.choose(t, feat, g.dtype, spec.variant, w is not None, spec.heads)
+    return sum_forward(t, g, w, spec.row_scale, spec.col_scale, plan, spec.heads).to(x_dtype)
 
 
 def _sddmm(csr: CSRView, a: torch.Tensor, b: torch.Tensor, b_map: torch.Tensor | None, heads: int,
@@ -268,14 +297,14 @@ def _sddmm(csr: CSRView, a: torch.Tensor, b: torch.Tensor, b_map: torch.Tensor |
     if csr.num_edges == 0:
         return out.to(out_dtype)
     plan = plan_for(csr.num_edges, csr.num_dst, feat, a.element_size())
-    grp = _groups(csr, "f", csr.indptr, csr.num_dst, plan.ngs)
+    grp = _groups(csr, plan.ngs)
     dw = min(32, 1 << max(0, (d - 1).bit_length()))
     tpb = 128
     kern = _fn("sddmm_dot", a.dtype, 1, csr.indices.dtype)
-    kernels.launch(kern, -(-grp.count // (tpb // dw)), tpb, (
+    _go(kern, -(-grp.count // (tpb // dw)), tpb, (
         _p(csr.indptr), _p(csr.indices), _p(grp.row), _p(grp.beg), np.int64(grp.n_arg), np.int32(plan.ngs),
         _p(a), _p(b), _p(b_map), _p(row_scale), _p(col_scale), np.int32(heads), np.int32(d), _p(out),
-        np.int32(dw)))
+        np.int32(dw)), a.device)
     return out.to(out_dtype)
 
 
@@ -302,8 +331,8 @@ def edge_softmax(csr: CSRView, scores: torch.Tensor) -> torch.Tensor:
     if csr.num_edges == 0 or csr.num_dst == 0:
         return out
     kern = _fn("edge_softmax_fwd", scores.dtype, 1, csr.indices.dtype)
-    kernels.launch(kern, -(-csr.num_dst // 4), 128, (
-        _p(csr.indptr), np.int64(csr.num_dst), np.int32(scores.shape[1]), _p(scores), _p(out)))
+    _go(kern, -(-csr.num_dst // 4), 128, (
+        _p(csr.indptr), np.int64(csr.num_dst), np.int32(scores.shape[1]), _p(scores), _p(out)), scores.device)
     return out
 
 
@@ -314,6 +343,6 @@ def edge_softmax_backward(csr: CSRView, p: torch.Tensor, grad: torch.Tensor) -> 
         return out
     g = grad.to(p.dtype).contiguous()
     kern = _fn("edge_softmax_bwd", p.dtype, 1, csr.indices.dtype)
-    kernels.launch(kern, -(-csr.num_dst // 4), 128, (
-        _p(csr.indptr), np.int64(csr.num_dst), np.int32(p.shape[1]), _p(p), _p(g), _p(out)))
+    _go(kern, -(-csr.num_dst // 4), 128, (
+        _p(csr.indptr), np.int64(csr.num_dst), np.int32(p.shape[1]), _p(p), _p(g), _p(out)), p.device)
     return out

@@ -1,23 +1,28 @@
-"""The graph protocol of the ops: a CSR of destination rows, validated once, with cached derived structures.
+"""How the ops read a graph: the `datapath.graph.CSR` protocol, validated once, with per-graph derived data.
 
 Any object with ``indptr`` ((num_dst+1,) int32/int64), ``indices`` ((E,) int32/int64
 source ids), ``num_src_nodes`` and ``num_dst_nodes`` (ints or zero-argument methods)
-is a graph; so is a tuple ``(indptr, indices, num_src_nodes)``.  Blocks follow DGL's
-convention: the destination nodes are the first ``num_dst_nodes`` source nodes.
+is a graph (`datapath.graph.Graph`, `datapath.sampling.Block`, `datapath.graph.CSRGraph`);
+so is a tuple ``(indptr, indices, num_src_nodes)``.  Blocks follow DGL's convention:
+the destination nodes are the first ``num_dst_nodes`` source nodes.
 
-Derived structures (per-edge destination ids, degrees, the transpose CSR used by the
-backward pass, scale vectors) are computed once and kept in a ``_datapath_cache``
-dict attribute on the graph object when it accepts attributes; a tuple gets a fresh
-cache on every call.  The cache is dropped when the CSR tensors are replaced or
-modified in place (their data pointer or version counter changes).
+The ops never set attributes on the caller's graph.  Its validated view (`CSRView`) and
+everything derived from it (degrees, the transposed CSR of the backward pass, kernel
+schedules, the chosen kernel plans) live in a cache keyed weakly by the graph object,
+so they go away with the graph.  The view is rebuilt when the CSR tensors are replaced
+or modified in place (their data pointer or version counter changes).  A tuple cannot
+be weakly referenced: it is validated on every call.
 
-A graph whose contents are valid by construction may say so with an attribute
-``trusted = True`` (the loaders' sampled blocks do): its shapes, dtypes and devices
-are still checked, its index range is not (that check costs a host synchronisation).
+A graph whose contents are valid by construction may say so with ``trusted = True``
+(the samplers' blocks do): its shapes, dtypes and devices are still checked, its values
+are not (that check costs a host synchronisation).  Any other graph is checked once:
+``indptr`` starts at 0, never decreases and ends at E, every index lies in
+``[0, num_src_nodes)``; the largest row length is noted on the way (the kernels use it).
 """
 from __future__ import annotations
 
-import logging
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,50 +30,61 @@ from typing import Any
 import torch
 
 from datapath import memory
+from datapath.graph import CSRGraph
 from datapath.ops.errors import DeviceMismatchError, GraphFormatError, GraphIndexError
 
-log = logging.getLogger("datapath.ops.graph")
-
-_CACHE_ATTR = "_datapath_cache"
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_VIEWS: "weakref.WeakKeyDictionary[Any, tuple[tuple, CSRView]]" = weakref.WeakKeyDictionary()
+_VIEWS_LOCK = threading.Lock()
 
 
 def _plain_tensor(t: Any, what: str) -> torch.Tensor:
     """``t`` as an ordinary CPU/CUDA tensor (a unified tensor gives its pinned host tensor)."""
     if not isinstance(t, torch.Tensor):
-        raise GraphFormatError(f"graph {what} must be a torch.Tensor, got {type(t).__name__}")
+        raise GraphFormatError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type == "cuda":
+        return t
     try:
         where = memory.placement_of(t)
     except memory.PlacementError as exc:
-        raise DeviceMismatchError(f"graph {what} lives on device {t.device}; move it to 'cpu' or 'cuda'") from exc
+        raise DeviceMismatchError(f"{what} lives on device {t.device}; move it to 'cpu' or 'cuda'") from exc
     return t if where == "cuda" else memory.host_of(t)
 
 
-def _int_attr(obj: Any, *names: str) -> int | None:
-    for name in names:
-        if hasattr(obj, name):
-            v = getattr(obj, name)
-            if callable(v):
-                v = v()
-            if isinstance(v, torch.Tensor):
-                v = int(v.item())
-            return int(v)
-    return None
+def _count(obj: Any, name: str) -> int | None:
+    v = getattr(obj, name, None)
+    if v is None:
+        return None
+    if callable(v):
+        v = v()
+    if isinstance(v, torch.Tensor):
+        v = int(v.item())
+    return int(v)
 
 
 @dataclass(eq=False)
 class CSRView:
     """A validated CSR of destination rows: row ``d`` holds the source ids ``indices[indptr[d]:indptr[d+1]]``.
 
-    ``indptr``: (num_dst+1,) int64; ``indices``: (E,) int32 or int64, on the same
-    device.  ``cache`` persists on the graph object between calls when possible.
+    Attributes:
+        indptr: (num_dst+1,) int64.
+        indices: (E,) int32 or int64, on indptr's device.
+        num_src, num_dst: node counts.
+        trusted: the contents were not checked (the graph vouched for them).
+        max_degree: the largest row length when known (checked graphs), else None.
+        edge_perm: for the transposed view of a graph, (E,) int64: the original CSR position of
+            each of its edges; None for a graph's own view.
+        cache: derived data (`cached`); lives as long as the graph object.
     """
 
     indptr: torch.Tensor
     indices: torch.Tensor
     num_src: int
     num_dst: int
-    cache: dict[str, Any] = field(default_factory=dict)
+    trusted: bool = False
+    max_degree: int | None = None
+    edge_perm: torch.Tensor | None = None
+    cache: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def num_edges(self) -> int:
@@ -78,11 +94,12 @@ class CSRView:
     def device(self) -> torch.device:
         return self.indices.device
 
-    def cached(self, key: str, make: Callable[[], Any]) -> Any:
+    def cached(self, key: Any, make: Callable[[], Any]) -> Any:
         """``cache[key]``, computed by ``make()`` on first use."""
-        if key not in self.cache:
-            self.cache[key] = make()
-        return self.cache[key]
+        v = self.cache.get(key)
+        if v is None:
+            v = self.cache[key] = make()
+        return v
 
     # -- derived structures (all cached) -------------------------------------------------
     def in_degrees(self) -> torch.Tensor:
@@ -111,110 +128,139 @@ class CSRView:
             return self.indices
         return self.cached("indices64", lambda: self.indices.long())
 
-    def transpose(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The CSR of source rows: ``(t_indptr (num_src+1,) int64, t_indices (E,) dst ids, t_perm (E,) int64)``.
+    def transposed(self) -> CSRView:
+        """The CSR of source rows (built once, no host synchronisation), as a view of its own.
 
-        ``t_perm[k]`` is the position in the original CSR of the k-th transposed edge;
-        within a source row the destinations keep their original order (stable sort).
+        Row ``s`` lists the destinations of source ``s`` in their original order (stable sort);
+        its ``edge_perm[k]`` is the original CSR position of its k-th edge.  The gradient of an
+        aggregation with respect to its input is an aggregation over this view.
         """
-        def make() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        def make() -> CSRView:
             perm = torch.sort(self.indices64(), stable=True).indices
-            t_indices = self.edge_dst()[perm].to(self.indices.dtype)
+            t_indices = self.edge_dst().index_select(0, perm).to(self.indices.dtype)
             t_indptr = torch.zeros(self.num_src + 1, dtype=torch.int64, device=self.device)
             torch.cumsum(self.out_degrees(), 0, out=t_indptr[1:])
-            return t_indptr, t_indices, perm
-        return self.cached("transpose", make)
+            return CSRView(t_indptr, t_indices, self.num_dst, self.num_src, trusted=True, edge_perm=perm)
+        return self.cached("transposed", make)
 
     def row_scale(self, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(num_dst,) per-row factor: ``"mean"`` 1/max(deg,1); ``"gcn"`` 1/sqrt(max(deg,1))."""
         def make() -> torch.Tensor:
             deg = self.in_degrees().clamp(min=1).to(dtype)
             return deg.reciprocal() if kind == "mean" else deg.rsqrt()
-        return self.cached(f"row_scale_{kind}_{dtype}", make)
+        return self.cached(("row_scale", kind, dtype), make)
 
     def col_scale_gcn(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(num_src,) 1/sqrt(max(out_degree,1)), the source half of GCN's symmetric norm."""
-        return self.cached(f"col_scale_gcn_{dtype}", lambda: self.out_degrees().clamp(min=1).to(dtype).rsqrt())
+        return self.cached(("col_scale_gcn", dtype),
+                           lambda: self.out_degrees().clamp(min=1).to(dtype).rsqrt())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the view and of its cache (for ``record_stream`` by a caller on another stream)."""
+        out: list[torch.Tensor] = [self.indptr, self.indices]
+        if self.edge_perm is not None:
+            out.append(self.edge_perm)
+        seen: set[int] = set()
+
+        def walk(v: Any) -> None:
+            if id(v) in seen:
+                return
+            seen.add(id(v))
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif isinstance(v, (tuple, list)):
+                for u in v:
+                    walk(u)
+            elif isinstance(v, CSRView):
+                out.extend(v.tensors())
+            elif hasattr(v, "tensors") and callable(v.tensors):
+                out.extend(v.tensors())
+        for v in self.cache.values():
+            walk(v)
+        return out
 
 
-def _unpack(graph: Any) -> tuple[Any, Any, int | None, int | None, dict[str, Any] | None]:
+def _unpack(graph: Any) -> tuple[Any, Any, int | None, int | None]:
     if isinstance(graph, tuple):
         if len(graph) != 3:
             raise GraphFormatError(
                 f"a tuple graph must be (indptr, indices, num_src_nodes); got a tuple of {len(graph)} items"
             )
         indptr, indices, num_src = graph
-        return indptr, indices, int(num_src), None, None
+        return indptr, indices, int(num_src), None
     if not (hasattr(graph, "indptr") and hasattr(graph, "indices")):
         raise GraphFormatError(
             f"{type(graph).__name__} is not a graph: it needs `indptr` and `indices` attributes "
-            f"(a CSR of destination rows), or pass a tuple (indptr, indices, num_src_nodes)"
+            f"(a CSR of destination rows, see datapath.graph.CSR), or pass a tuple (indptr, indices, num_src_nodes)"
         )
-    num_src = _int_attr(graph, "num_src_nodes", "num_nodes")
-    num_dst = _int_attr(graph, "num_dst_nodes", "num_nodes")
-    cache = getattr(graph, _CACHE_ATTR, None)
-    if not isinstance(cache, dict):
-        cache = {}
-        try:
-            setattr(graph, _CACHE_ATTR, cache)
-        except (AttributeError, TypeError):
-            cache = None
-    return graph.indptr, graph.indices, num_src, num_dst, cache
+    num_src = _count(graph, "num_src_nodes")
+    if num_src is None:
+        num_src = _count(graph, "num_nodes")
+    num_dst = _count(graph, "num_dst_nodes")
+    if num_dst is None:
+        num_dst = _count(graph, "num_nodes")
+    return graph.indptr, graph.indices, num_src, num_dst
 
 
-def _validate(indptr: torch.Tensor, indices: torch.Tensor, num_src: int, num_dst: int,
-              values: bool = True) -> None:
-    """Check the CSR's shapes, dtypes and devices; with ``values``, also its contents (one host sync)."""
+def _check_layout(indptr: torch.Tensor, indices: torch.Tensor, num_src: int, num_dst: int) -> None:
+    """Shapes, dtypes and devices of the CSR (no synchronisation)."""
     if indptr.dim() != 1 or indices.dim() != 1:
         raise GraphFormatError(
-            f"indptr and indices must be 1-D, got shapes {tuple(indptr.shape)} and {tuple(indices.shape)}"
+            f"graph.indptr and graph.indices must be 1-D, got shapes {tuple(indptr.shape)} and "
+            f"{tuple(indices.shape)}"
         )
-    if indptr.dtype not in _INDEX_DTYPES or indices.dtype not in _INDEX_DTYPES:
-        raise GraphFormatError(
-            f"indptr and indices must be int32 or int64, got {indptr.dtype} and {indices.dtype}"
-        )
+    if indptr.dtype not in _INDEX_DTYPES:
+        raise GraphFormatError(f"graph.indptr must be int32 or int64, got {indptr.dtype}")
+    if indices.dtype not in _INDEX_DTYPES:
+        raise GraphFormatError(f"graph.indices must be int32 or int64, got {indices.dtype}")
     if indptr.device != indices.device:
-        raise DeviceMismatchError(f"indptr is on {indptr.device} but indices on {indices.device}; move both")
-    if indptr.numel() != num_dst + 1:
-        raise GraphFormatError(
-            f"indptr has {indptr.numel()} entries but num_dst_nodes is {num_dst}: it needs num_dst_nodes+1"
+        raise DeviceMismatchError(
+            f"graph.indptr is on {indptr.device} but graph.indices on {indices.device}; move both to one device"
         )
     if num_src < 0 or num_dst < 0:
         raise GraphFormatError(f"negative node counts: num_src_nodes={num_src}, num_dst_nodes={num_dst}")
+    if indptr.numel() != num_dst + 1:
+        raise GraphFormatError(
+            f"graph.indptr has {indptr.numel()} entries but num_dst_nodes is {num_dst}: it needs num_dst_nodes+1"
+        )
     if indices.numel() >= 2**31 - 1 and indices.dtype == torch.int32:
-        raise GraphFormatError("more than 2^31-1 edges need int64 indices")
-    if not values:
-        return
-    # one host sync for all scalar checks
+        raise GraphFormatError("more than 2^31-1 edges need int64 graph.indices")
+
+
+def _check_values(indptr: torch.Tensor, indices: torch.Tensor, num_src: int, num_dst: int) -> int:
+    """Check the CSR's values (one host synchronisation for all of them); returns the largest row length."""
     e = indices.numel()
     checks = [indptr[0], indptr[-1]]
     if num_dst > 0:
-        checks.append((indptr[1:] - indptr[:-1]).min())
+        d = indptr[1:] - indptr[:-1]
+        checks += [d.min(), d.max()]
     if e > 0:
-        checks += [indices.min(), indices.max()]
+        lo, hi = torch.aminmax(indices)
+        checks += [lo, hi]
     vals = torch.stack([c.to(torch.int64) for c in checks]).tolist()
     if vals[0] != 0 or vals[1] != e:
         raise GraphFormatError(
-            f"indptr must start at 0 and end at len(indices)={e}; it runs from {vals[0]} to {vals[1]}"
+            f"graph.indptr must start at 0 and end at len(graph.indices)={e}; it runs from {vals[0]} to {vals[1]}"
         )
     if num_dst > 0 and vals[2] < 0:
-        raise GraphFormatError("indptr must be non-decreasing (a row has a negative length)")
+        raise GraphFormatError("graph.indptr must be non-decreasing (sorted): a row has a negative length")
     if e > 0:
         lo, hi = vals[-2], vals[-1]
         if lo < 0 or hi >= num_src:
             raise GraphIndexError(
-                f"graph indices range over [{lo}, {hi}] but num_src_nodes is {num_src}; "
+                f"graph.indices range over [{lo}, {hi}] but num_src_nodes is {num_src}; "
                 f"every source id must lie in [0, num_src_nodes)"
             )
+    return int(vals[3]) if num_dst > 0 else 0
 
 
 def as_csr(graph: Any) -> CSRView:
-    """Validate ``graph`` (see the module docstring) and return its `CSRView` (cached on the graph)."""
+    """Validate ``graph`` (see the module docstring) and return its `CSRView` (cached per graph object)."""
     if isinstance(graph, CSRView):
         return graph
-    indptr, indices, num_src, num_dst, cache = _unpack(graph)
-    indptr = _plain_tensor(indptr, "indptr")
-    indices = _plain_tensor(indices, "indices")
+    indptr, indices, num_src, num_dst = _unpack(graph)
+    indptr = _plain_tensor(indptr, "graph.indptr")
+    indices = _plain_tensor(indices, "graph.indices")
     if num_dst is None:
         num_dst = indptr.numel() - 1
     if num_src is None:
@@ -222,40 +268,53 @@ def as_csr(graph: Any) -> CSRView:
             f"{type(graph).__name__} has no num_src_nodes (or num_nodes); the ops need the source count"
         )
     sig = (indptr.data_ptr(), indices.data_ptr(), indptr._version, indices._version,
-           tuple(indptr.shape), tuple(indices.shape), indptr.device, num_src, num_dst)
-    if cache is not None and cache.get("_sig") == sig:
-        view = cache.get("_view")
-        if view is not None:
-            return view
-    # a graph that declares ``trusted = True`` (the loaders' sampled blocks) is valid by construction:
-    # its contents are not re-checked, which would cost a host synchronisation per block
-    _validate(indptr, indices, num_src, num_dst, values=not getattr(graph, "trusted", False))
+           indptr.numel(), indices.numel(), num_src, num_dst)
+    weak = not isinstance(graph, tuple)
+    if weak:
+        try:
+            hit = _VIEWS.get(graph)
+        except TypeError:  # not weakly referenceable
+            hit, weak = None, False
+        if hit is not None and hit[0] == sig:
+            return hit[1]
+    _check_layout(indptr, indices, num_src, num_dst)
+    trusted = bool(getattr(graph, "trusted", False))
+    max_degree = None if trusted else _check_values(indptr, indices, num_src, num_dst)
     if indptr.dtype != torch.int64:
         indptr = indptr.long()
-    if cache is None:
-        return CSRView(indptr, indices, num_src, num_dst)
-    cache.clear()
-    view = CSRView(indptr, indices, num_src, num_dst, cache)
-    cache["_sig"] = sig
-    cache["_view"] = view
+    view = CSRView(indptr, indices, num_src, num_dst, trusted=trusted, max_degree=max_degree)
+    if weak:
+        with _VIEWS_LOCK:
+            _VIEWS[graph] = (sig, view)
     return view
 
 
-@dataclass(eq=False)
-class CSRGraph:
-    """A minimal graph object following the ops' protocol (it can carry a ``_datapath_cache``)."""
+def cached_keys(graph: Any) -> list[Any]:
+    """What the ops have derived and kept for ``graph`` so far (its view's cache keys; [] if none).
 
-    indptr: torch.Tensor
-    indices: torch.Tensor
-    num_src_nodes: int
-    num_dst_nodes: int
+    For inspection and tests: e.g. whether a loader's ``prepare`` hook built a block's
+    schedules before the training step ran.
+    """
+    try:
+        hit = _VIEWS.get(graph)
+    except TypeError:
+        return []
+    if hit is None:
+        return []
+    view = hit[1]
+    keys = list(view.cache)
+    t = view.cache.get("transposed")
+    if t is not None:
+        keys += [("transposed", k) for k in t.cache]
+    return keys
 
 
 def add_self_loops(graph: Any) -> CSRGraph:
-    """The graph with an edge ``d -> d`` appended to every destination row ``d`` (cached on ``graph``).
+    """The graph with an edge ``d -> d`` appended to every destination row ``d`` (kept with the graph's view).
 
     Needs ``num_dst_nodes <= num_src_nodes`` (destinations are the first sources).
-    Returns a `CSRGraph` (indptr int64, indices of the input dtype) on the graph's device.
+    Returns a trusted `datapath.graph.CSRGraph` (indptr int64, indices of the input dtype) on
+    the graph's device; no host synchronisation.
     """
     csr = as_csr(graph)
     if csr.num_dst > csr.num_src:
@@ -276,5 +335,13 @@ def add_self_loops(graph: Any) -> CSRGraph:
         new_idx[pos] = csr.indices
         rows = torch.arange(csr.num_dst, device=dev)
         new_idx[new_ptr[1:] - 1] = rows.to(csr.indices.dtype)
-        return CSRGraph(new_ptr, new_idx, csr.num_src, csr.num_dst)
+        g = CSRGraph(new_ptr, new_idx, csr.num_src, csr.num_dst, trusted=True)
+        if csr.max_degree is not None:  # the loop graph is valid by construction; carry what is known
+            view = CSRView(new_ptr, new_idx, csr.num_src, csr.num_dst, trusted=False,
+                           max_degree=csr.max_degree + 1)
+            sig = (new_ptr.data_ptr(), new_idx.data_ptr(), new_ptr._version, new_idx._version,
+                   new_ptr.numel(), new_idx.numel(), csr.num_src, csr.num_dst)
+            with _VIEWS_LOCK:
+                _VIEWS[g] = (sig, view)
+        return g
     return csr.cached("with_self_loops", make)

@@ -101,7 +101,9 @@ def flat_features(x: torch.Tensor, what: str) -> tuple[torch.Tensor, tuple[int, 
     if x.dim() not in (2, 3):
         raise FeatureShapeError(f"{what} must be 2-D (N, F) or 3-D (N, H, D), got shape {tuple(x.shape)}")
     tail = tuple(x.shape[1:])
-    return x.reshape(x.shape[0], -1).contiguous(), tail
+    if x.dim() == 2:
+        return (x if x.is_contiguous() else x.contiguous()), tail
+    return x.reshape(x.shape[0], tail[0] * tail[1]).contiguous(), tail  # explicit width: 0 rows or 0 columns
 
 
 def edge_weight_heads(w: Any, num_edges: int, tail: tuple[int, ...], device: torch.device) -> int:

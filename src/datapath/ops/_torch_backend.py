@@ -29,6 +29,8 @@ class AggSpec:
     src_ids: torch.Tensor | None            # (num_src,) int64 rows of the feature table, or None
     plan: Any = None                        # the CUDA launch plan (AggregationPlan); unused here
     table_on_host: bool = False             # src_ids index a pinned host table (read over PCIe)
+    variant: str = "sum"                    # "sum", "mean" or "gcn": which scales (the plans' key)
+    grad_x: bool = False                    # the features will need a gradient
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -107,14 +109,18 @@ def backward_x(csr: CSRView, grad_out: torch.Tensor, weight: torch.Tensor | None
         grad_x.index_add_(0, csr.indices64(), m)
         return grad_x.to(x_dtype)
     assert argmax is not None
+    if csr.num_edges == 0:
+        return grad_x.to(x_dtype)
+    # every (row, column) adds its gradient to its maximal edge's source; rows without edges
+    # (argmax -1) add zero to position 0 (no boolean masks: they would wait for the GPU)
     valid = argmax >= 0
-    e = argmax[valid]
-    gv = g[valid]
+    e = argmax.clamp(min=0)
+    gv = torch.where(valid, g, 0)
     if coef is not None:
-        head = (torch.arange(f, device=g.device) // (f // spec.heads)).unsqueeze(0).expand_as(argmax)[valid]
+        head = (torch.arange(f, device=g.device) // (f // spec.heads)).unsqueeze(0).expand_as(argmax)
         gv = gv * coef[e, head]
-    col = torch.arange(f, device=g.device).unsqueeze(0).expand_as(argmax)[valid]
-    grad_x.view(-1).index_add_(0, csr.indices64()[e] * f + col, gv)
+    col = torch.arange(f, device=g.device).unsqueeze(0).expand_as(argmax)
+    grad_x.view(-1).index_add_(0, (csr.indices64()[e] * f + col).reshape(-1), gv.reshape(-1))
     return grad_x.to(x_dtype)
 
 
@@ -131,12 +137,12 @@ def backward_weight(csr: CSRView, x: torch.Tensor, grad_out: torch.Tensor, spec:
         return prod.view(-1, spec.heads, d).sum(2).to(w_dtype)
     assert argmax is not None
     valid = argmax >= 0
-    e = argmax[valid]
-    col = torch.arange(f, device=g.device).unsqueeze(0).expand_as(argmax)[valid]
-    contrib = g[valid] * rows[e, col]
-    grad_w = torch.zeros(csr.num_edges * spec.heads, dtype=acc, device=g.device)
-    grad_w.index_add_(0, e * spec.heads + col // d, contrib)
-    return grad_w.view(-1, spec.heads).to(w_dtype)
+    e = argmax.clamp(min=0)
+    col = torch.arange(f, device=g.device).unsqueeze(0).expand_as(argmax)
+    contrib = torch.where(valid, g * rows[e, col], 0) if csr.num_edges else g * 0
+    grad_w = torch.zeros(max(1, csr.num_edges) * spec.heads, dtype=acc, device=g.device)
+    grad_w.index_add_(0, (e * spec.heads + col // d).reshape(-1), contrib.reshape(-1))
+    return grad_w[: csr.num_edges * spec.heads].view(-1, spec.heads).to(w_dtype)
 
 
 def sddmm_dot(csr: CSRView, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

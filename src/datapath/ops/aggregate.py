@@ -15,7 +15,7 @@ NORMS = (None, "gcn")
 
 
 class _AggregateFn(torch.autograd.Function):
-    """out = aggregate(x, weight); backward for x (transpose CSR on GPU) and for the edge weight (SDDMM)."""
+    """out = aggregate(x, weight); backward for x (transposed CSR on GPU) and for the edge weight (SDDMM)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, csr: CSRView, spec: AggSpec,
@@ -42,13 +42,24 @@ class _AggregateFn(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
+def _check_reduce(reduce: str, norm: str | None) -> None:
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+    if norm not in NORMS:
+        raise ValueError(f"norm must be None or 'gcn', got {norm!r}")
+    if norm == "gcn" and reduce != "sum":
+        raise ValueError(f"norm='gcn' is a normalized sum; use reduce='sum' (got {reduce!r})")
+
+
 def aggregate(graph: Any, x: torch.Tensor, reduce: str = "sum", edge_weight: torch.Tensor | None = None,
               norm: str | None = None, src_ids: torch.Tensor | None = None, plan: Any = None) -> torch.Tensor:
     """Aggregate source features into destination rows: ``out[d] = REDUCE_{e in row d} w_e * x[src_e]``.
 
     Args:
-        graph: a CSR of destination rows (object with ``indptr``/``indices``/``num_src_nodes``/
-            ``num_dst_nodes``, or a tuple ``(indptr, indices, num_src_nodes)``), on x's device.
+        graph: a CSR of destination rows (the `datapath.graph.CSR` protocol: `Graph`, `Block`,
+            `CSRGraph`, or a tuple ``(indptr, indices, num_src_nodes)``), on x's device.  Checked
+            once per graph object unless it is ``trusted``; what the kernels derive from it
+            (transposed CSR, schedules, the chosen kernel) is kept with it (a weak-keyed cache).
         x: (num_src, F) or (num_src, H, D) float16/bfloat16/float32/float64 source features; with
             ``src_ids``, the feature *table* (rows, F): CUDA, pinned CPU or unified.
         reduce: ``"sum"``, ``"mean"`` (sum / in-degree) or ``"max"``; rows without edges give 0.
@@ -58,34 +69,31 @@ def aggregate(graph: Any, x: torch.Tensor, reduce: str = "sum", edge_weight: tor
         src_ids: optional (num_src,) int map into the feature table: the op reads ``x[src_ids]`` without
             materializing it (fused gather; from host memory when the table is unified/pinned). The
             table gets no gradient.
-        plan: an `AggregationPlan` overriding the CUDA launch parameters (`plan_aggregation` gives the
-            default); ignored on the CPU.
+        plan: an `AggregationPlan` forcing the CUDA kernel and its launch (`plan_aggregation`); by
+            default the graph's own plan (see `datapath.ops.plan`).  Ignored on the CPU.
 
     Returns:
-        (num_dst, F) or (num_dst, H, D), x's dtype, on x's (or src_ids') device; accumulates in float32.
+        (num_dst, F) or (num_dst, H, D), x's dtype, on x's (or src_ids') device; accumulates in float32
+        (float64 for float64).  Empty inputs (no rows, no columns) give an empty or zero result.
     """
-    if reduce not in REDUCTIONS:
-        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
-    if norm not in NORMS:
-        raise ValueError(f"norm must be None or 'gcn', got {norm!r}")
-    if norm == "gcn" and reduce != "sum":
-        raise ValueError(f"norm='gcn' is a normalized sum; use reduce='sum' (got {reduce!r})")
+    if reduce not in REDUCTIONS or norm is not None:
+        _check_reduce(reduce, norm)
     _inputs.check_float(x, "x")
     csr = as_csr(graph)
+    on_host = False
     if src_ids is not None:
         if x.requires_grad and torch.is_grad_enabled():
             raise FeatureShapeError(
                 "aggregate with src_ids reads the feature table in place and gives it no gradient, but the "
                 "table requires grad; gather first (x[src_ids]) or detach the table"
             )
-        on_host = src_ids.device.type == "cuda" and (_inputs.is_unified(x) or x.device.type == "cpu")
+        on_host = src_ids.device.type == "cuda" and x.device.type != "cuda"
         table = _inputs.resolve_table(x, src_ids)
         ids = _inputs.check_ids(src_ids, table.shape[0], csr.num_src, "src_ids")
         device = ids.device
         xf, tail = _inputs.flat_features(table, "the feature table")
     else:
         ids = None
-        on_host = False
         device = x.device
         if x.shape[0] != csr.num_src:
             raise FeatureShapeError(
@@ -93,33 +101,49 @@ def aggregate(graph: Any, x: torch.Tensor, reduce: str = "sum", edge_weight: tor
                 f"(num_src_nodes, F) (for a block: the features of its source nodes)"
             )
         xf, tail = _inputs.flat_features(x, "x")
-    _inputs.check_graph_device(csr, device)
+    if csr.device != device:
+        _inputs.check_graph_device(csr, device)
     heads = 1
     w = None
     if edge_weight is not None:
         heads = _inputs.edge_weight_heads(edge_weight, csr.num_edges, tail, device)
-        w = edge_weight.reshape(csr.num_edges, heads).contiguous()
+        w = edge_weight.reshape(csr.num_edges, heads)
+        if not w.is_contiguous():
+            w = w.contiguous()
+    feat = xf.shape[1]
+    if feat == 0 or csr.num_dst == 0:
+        out = torch.zeros(csr.num_dst, *tail, dtype=x.dtype, device=device)
+        return out + 0 * xf.sum() if xf.requires_grad and torch.is_grad_enabled() else out
     row_scale = col_scale = None
     sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    variant = reduce
     if reduce == "mean":
         row_scale = csr.row_scale("mean", sdt)
     elif norm == "gcn":
+        variant = "gcn"
         row_scale = csr.row_scale("gcn", sdt)
         col_scale = csr.col_scale_gcn(sdt)
-    spec = AggSpec("max" if reduce == "max" else "sum", row_scale, col_scale, heads, ids, plan, on_host)
-    out = _AggregateFn.apply(xf, w, csr, spec, _inputs.backend_for(device))
-    return out.view(csr.num_dst, *tail)
+    grad = torch.is_grad_enabled() and (xf.requires_grad or (w is not None and w.requires_grad))
+    spec = AggSpec("max" if reduce == "max" else "sum", row_scale, col_scale, heads, ids, plan, on_host, variant,
+                   grad and xf.requires_grad)
+    backend = _inputs.backend_for(device)
+    if grad:
+        out = _AggregateFn.apply(xf, w, csr, spec, backend)
+    else:
+        out = backend.forward(csr, xf, w, spec)[0]
+    return out if len(tail) == 1 else out.view(csr.num_dst, *tail)
 
 
 def prepare_aggregation(graph: Any, feat: int, dtype: torch.dtype = torch.float32, *, backward: bool = True,
-                        plan: Any = None) -> list[torch.Tensor]:
+                        plan: Any = None, reduce: str = "sum", norm: str | None = None) -> list[torch.Tensor]:
     """Precompute, on the current stream, what a sum/mean `aggregate` over ``graph`` will need.
 
-    The CUDA kernels read per-graph schedules (neighbor groups; for the gradient, the
-    transposed CSR: a sort and a dozen small ops per layer, none of which waits for the GPU).
-    Built here, e.g. in a data loader's thread while the previous batch trains
-    (`NeighborLoader`'s ``prepare``), the training step launches only its own kernels.  Cached
-    on ``graph``; later `aggregate` calls with the same width and dtype find them.
+    The CUDA kernels read per-graph data: the scale vectors of ``mean``/``gcn``, the kernel's
+    schedule and, for the gradient, the transposed CSR and its schedule (a sort and a few small
+    ops per graph, none of which waits for the GPU on a sampled block).  Built here, e.g. in a
+    data loader's thread while the previous batch trains (`NeighborLoader`'s ``prepare``), the
+    training step launches only its own kernels.  Kept with the graph (weak-keyed); later
+    `aggregate` calls with the same width and dtype find them.
 
     Args:
         graph: as for `aggregate`.
@@ -127,15 +151,28 @@ def prepare_aggregation(graph: Any, feat: int, dtype: torch.dtype = torch.float3
         dtype: their dtype.
         backward: also what the gradient with respect to the rows needs.
         plan: the `AggregationPlan` the calls will pass, if any.
+        reduce, norm: as the calls will pass them (``"max"`` needs nothing prepared).
 
     Returns:
-        Every tensor cached on the graph (call ``record_stream`` on them before using the graph
-        on another stream); empty where nothing needs preparing (the CPU).
+        Every tensor kept with the graph (call ``record_stream`` on them before using the graph
+        on another stream); empty where nothing needs preparing (the CPU, ``reduce="max"``).
     """
     if feat < 1:
         raise ValueError(f"feat must be >= 1, got {feat}")
+    _check_reduce(reduce, norm)
     csr = as_csr(graph)
-    prep = getattr(_inputs.backend_for(csr.device), "prepare", None)
-    if prep is None or csr.num_dst == 0:
+    if reduce == "max" or csr.num_dst == 0:
         return []
-    return prep(csr, int(feat), dtype, backward, plan)
+    backend = _inputs.backend_for(csr.device)
+    prep = getattr(backend, "prepare", None)
+    if prep is None:
+        return []
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    variant = reduce
+    if reduce == "mean":
+        csr.row_scale("mean", sdt)
+    elif norm == "gcn":
+        variant = "gcn"
+        csr.row_scale("gcn", sdt)
+        csr.col_scale_gcn(sdt)
+    return prep(csr, int(feat), dtype, backward, plan, variant)

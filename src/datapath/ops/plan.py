@@ -1,22 +1,37 @@
-"""The analytical launch model of the CUDA aggregation kernels (GNNAdvisor §6), inspectable and overridable.
+"""Which kernel aggregates a graph, and with which launch parameters: `AggregationPlan` and its model.
 
-The kernel maps one *neighbor group* (up to ``ngs`` consecutive neighbors of one
-destination row) to a team of ``dw`` lanes (*dimension workers*) of one warp; each lane
-reads ``vec`` consecutive feature elements per load (16-byte loads where the row width
-allows), so a team covers ``dw * vec`` columns per pass and ``ceil(F / (dw*vec))``
-passes cover a row.  Teams of a block combine the partial sums of groups of the same row
-in shared memory; one team (the leader) writes each row, atomically only when the row's
-groups span several blocks.
+Four implementations of the sum/mean/GCN aggregation run on CUDA:
 
-The model, after GNNAdvisor's eq. 5-6 adapted to vector loads:
+``"rows"``
+    row split with coalesced row caching (GE-SpMM): a team of ``dw`` lanes per (row,
+    column chunk) walks the row's edges, each lane ``cf`` vectors of ``vec`` columns wide;
+    rows longer than ``cut`` edges get extra teams that add atomically.  Results are stored
+    directly (no zeroing pass, no atomics on ordinary rows).
+``"groups"``
+    GNNAdvisor: neighbor groups of at most ``ngs`` edges, ``dw`` dimension workers per group,
+    partial sums of a row combined in shared memory (its analytical model, eq. 5-6, below).
+``"tensor_core"``
+    TC-GNN: the rows cut into 16-row windows whose distinct neighbours are condensed into
+    16 x 16 (half, bfloat16) or 16 x 8 (tf32) tiles multiplied with ``mma.sync``.  For float16
+    and bfloat16, and for float32 when ``torch.backends.cuda.matmul.allow_tf32`` is set.
+``"cusparse"``
+    ``torch.sparse.mm`` with a CSR matrix built once per graph (cuSPARSE SpMM).
+
+The model (`plan_for`) picks ``rows`` and its parameters from the graph's size and the row
+width alone (no GPU work).  For a graph the ops checked themselves (not ``trusted``: a
+whole graph rather than a sampled block) the first call of each (width, dtype, variant)
+also times every applicable kernel once on the call's own input (a short probe, a
+synchronisation once per graph) and keeps the fastest; `plan_aggregation(..., probe=True)`
+does the same ahead of time.  The choice is cached with the graph.
+
+GNNAdvisor's model for ``groups``, adapted to vector loads:
 
 - ``vec``: the widest load (16 bytes / element size, then halving) that divides ``F``;
 - ``dw``: ``min(32, next_pow2(F / vec))`` lanes, so a team covers a row in one pass when
   the row is narrow and a full warp works on wide rows (eq. 6: ``dw = tpw`` when ``Dim >= tpw``);
 - ``ngs``: work per thread ``WPT = ngs * passes`` (vector loads per lane) near
   ``WPT_TARGET``, between 2 and 32, and no larger than needed for the average degree;
-- ``threads_per_block``: 128 (4 warps; GNNAdvisor found 1-4 warps best), shared memory
-  ``SMEM = threads_per_block * vec * 4`` bytes (one fp32 accumulator slice per lane).
+- ``threads_per_block``: 128 (4 warps), shared memory ``threads_per_block * vec * 4`` bytes.
 """
 from __future__ import annotations
 
@@ -26,32 +41,38 @@ from typing import Any
 
 import torch
 
-from datapath.ops._graph import as_csr
-
 WPT_TARGET = 64
-"""Vector loads per lane per neighbor group that the model aims at."""
+"""Vector loads per lane per neighbor group that the GNNAdvisor model aims at."""
 
+KERNELS = ("rows", "groups", "tensor_core", "cusparse")
 BACKWARD_MODES = ("transpose", "atomic")
 FUSED_MODES = ("auto", "push", "pull")
+ROW_CUT = 128
+"""Edges one ``rows`` team aggregates before the rest of a long row goes to extra teams."""
 
 
 @dataclass(frozen=True)
 class AggregationPlan:
-    """Launch parameters of the aggregation kernels for one graph and feature width.
+    """The kernel and launch parameters of an aggregation for one graph and feature width.
 
     Attributes:
         feat_dim: F, feature columns per row.
         elem_bytes: bytes per feature element.
         vec: elements per vector load (1, 2, 4 or 8).
-        dw: dimension workers: lanes per neighbor group (a power of two <= 32).
-        ngs: neighbor-group size: neighbors one team aggregates.
+        dw: lanes per team (``rows``: per row and column chunk; ``groups``: per neighbor group).
+        ngs: ``groups``: neighbor-group size.
         threads_per_block: threads per CUDA block (a multiple of 32).
-        work_per_thread: ``ngs * passes`` vector loads per lane per group (the model's WPT).
-        shared_mem_bytes: shared memory per block for the partial sums.
-        backward: gradient of x via the cached ``"transpose"`` CSR (no atomics) or ``"atomic"`` scatter.
-        fused: with ``src_ids`` over a host table: ``"push"`` reads every source row once and scatters
-            it (transposed block, atomics in GPU memory), ``"pull"`` reads a row per edge; ``"auto"``
-            picks push for host tables and pull for GPU tables.
+        work_per_thread: ``groups``: ``ngs * passes`` vector loads per lane per group.
+        shared_mem_bytes: ``groups``: shared memory per block for the partial sums.
+        backward: gradient of x over the cached transposed CSR (``"transpose"``, with a plan of
+            its own) or by atomic scatter over this one (``"atomic"``).
+        fused: with ``src_ids`` over a host table: ``"push"`` reads every source row once and
+            scatters it, ``"pull"`` reads a row per edge; ``"auto"``: push for host tables.
+        kernel: one of `KERNELS`.
+        cf: ``rows``: column vectors per lane (1 or 2).
+        cut: ``rows``: edges per team before a long row is split.
+        nt: ``tensor_core``: 8-column tiles per warp (1, 2 or 4).
+        probed_ms: forward time measured by the probe that chose this plan (None: the model's pick).
     """
 
     feat_dim: int
@@ -64,11 +85,21 @@ class AggregationPlan:
     shared_mem_bytes: int
     backward: str = "transpose"
     fused: str = "auto"
+    kernel: str = "rows"
+    cf: int = 1
+    cut: int = ROW_CUT
+    nt: int = 2
+    probed_ms: float | None = None
 
     @property
     def passes(self) -> int:
-        """Column passes a team makes over a row: ``ceil(F / (dw * vec))``."""
+        """Column passes a ``groups`` team makes over a row: ``ceil(F / (dw * vec))``."""
         return -(-self.feat_dim // (self.dw * self.vec))
+
+    @property
+    def chunks(self) -> int:
+        """``rows``: column chunks per row (teams per row): ``ceil(F / (dw * vec * cf))``."""
+        return -(-self.feat_dim // (self.dw * self.vec * self.cf))
 
     @property
     def teams_per_block(self) -> int:
@@ -83,7 +114,9 @@ class AggregationPlan:
         )
 
     def check(self) -> None:
-        """Raise ValueError when a field is out of the kernels' range."""
+        """Raise ValueError naming the field that is out of the kernels' range."""
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
         if self.dw not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"dw must be a power of two <= 32, got {self.dw}")
         if self.vec not in (1, 2, 4, 8) or self.vec * self.elem_bytes > 16:
@@ -99,19 +132,31 @@ class AggregationPlan:
             raise ValueError(f"backward must be one of {BACKWARD_MODES}, got {self.backward!r}")
         if self.fused not in FUSED_MODES:
             raise ValueError(f"fused must be one of {FUSED_MODES}, got {self.fused!r}")
+        if self.cf not in (1, 2):
+            raise ValueError(f"cf must be 1 or 2, got {self.cf}")
+        if self.cut < 1:
+            raise ValueError(f"cut must be >= 1, got {self.cut}")
+        if self.nt not in (1, 2, 4):
+            raise ValueError(f"nt must be 1, 2 or 4, got {self.nt}")
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def widest_vec(feat_dim: int, elem_bytes: int) -> int:
+    """The widest vector (elements, at most 16 bytes) that divides ``feat_dim``."""
+    vec = max(1, 16 // elem_bytes)
+    while feat_dim % vec:
+        vec //= 2
+    return vec
+
+
 def plan_for(num_edges: int, num_dst: int, feat_dim: int, elem_bytes: int, **overrides: Any) -> AggregationPlan:
     """The model's plan from the graph's size and the row width (see the module docstring)."""
     if feat_dim < 1:
         raise ValueError(f"feature width must be >= 1, got {feat_dim}")
-    vec = max(1, 16 // elem_bytes)
-    while feat_dim % vec:
-        vec //= 2
+    vec = widest_vec(feat_dim, elem_bytes)
     nv = feat_dim // vec
     dw = min(32, _next_pow2(nv))
     passes = -(-nv // dw)
@@ -119,20 +164,40 @@ def plan_for(num_edges: int, num_dst: int, feat_dim: int, elem_bytes: int, **ove
     ngs = max(2, min(32, WPT_TARGET // passes))
     ngs = max(2, min(ngs, _next_pow2(max(1, int(avg_deg * 2)))))
     tpb = 128
+    cf = 2 if nv > 32 else 1
+    nt = 4 if feat_dim >= 128 else 2 if feat_dim > 8 else 1
     plan = AggregationPlan(
         feat_dim=feat_dim, elem_bytes=elem_bytes, vec=vec, dw=dw, ngs=ngs, threads_per_block=tpb,
-        work_per_thread=ngs * passes, shared_mem_bytes=tpb * vec * 4,
+        work_per_thread=ngs * passes, shared_mem_bytes=tpb * vec * 4, cf=cf, nt=nt,
     )
     return plan.replace(**overrides) if overrides else plan
 
 
-def plan_aggregation(graph: Any, feat_dim: int, dtype: torch.dtype = torch.float32,
+def plan_aggregation(graph: Any, feat_dim: int, dtype: torch.dtype = torch.float32, reduce: str = "sum", *,
+                     probe: bool = False, edge_weight: bool = False, norm: str | None = None,
                      **overrides: Any) -> AggregationPlan:
-    """The launch plan the CUDA kernels use for ``graph`` at width ``feat_dim`` (pure arithmetic, no GPU).
+    """The plan `aggregate` uses for ``graph`` at width ``feat_dim``.
 
-    Keyword overrides (``ngs=``, ``dw=``, ``vec=``, ``threads_per_block=``, ``backward=``, ``fused=``)
-    replace the model's choices; pass the result as ``aggregate(..., plan=plan)``.
+    Without ``probe``: the model's plan (pure arithmetic, no GPU work) with keyword
+    overrides (``kernel=``, ``ngs=``, ``dw=``, ``vec=``, ``cf=``, ``cut=``, ``nt=``,
+    ``threads_per_block=``, ``backward=``, ``fused=``) applied; pass it as
+    ``aggregate(..., plan=plan)`` to force it.
+
+    With ``probe=True`` (a CUDA graph): every applicable kernel is timed on random rows of
+    ``dtype`` and the fastest becomes ``graph``'s plan for this width, dtype, ``reduce``,
+    ``norm`` and ``edge_weight`` (whether the calls pass one), forward and backward (the
+    transposed CSR gets its own); later `aggregate` calls use it without probing again.
     """
+    from datapath.ops._graph import as_csr  # noqa: PLC0415
+
     csr = as_csr(graph)
     elem = torch.empty((), dtype=dtype).element_size()
-    return plan_for(csr.num_edges, csr.num_dst, feat_dim, elem, **overrides)
+    if not probe:
+        return plan_for(csr.num_edges, csr.num_dst, feat_dim, elem, **overrides)
+    if overrides:
+        raise ValueError("plan_aggregation: pass either probe=True or overrides, not both")
+    if csr.device.type != "cuda":
+        raise ValueError(f"probe=True times the CUDA kernels; the graph is on {csr.device}")
+    from datapath.ops._tune import tune_graph  # noqa: PLC0415
+
+    return tune_graph(csr, feat_dim, dtype, reduce, norm, edge_weight)

@@ -1,0 +1,176 @@
+// Row-split SpMM (GE-SpMM style): out[r, :] = row_scale[r] * sum_k coef(k) * x[map(indices[k]), :].
+//
+// Compiled per variant through NVRTC options (DP_KIND, DP_VEC, DP_IDX_64: see agg_common.cuh) and
+//   DP_CF       column vectors per lane (1 or 2: "warp merging", two independent loads per edge)
+//   DP_OUT_ACC  defined: agg_rows writes an accumulation-type (A) buffer instead of T rows
+//
+// A team of `dw` lanes (a power of two <= 32, so a team never straddles a warp) owns one
+// (row, column chunk); lane l covers the VEC-wide column vectors chunk*dw*VEC*CF + (j*dw + l)*VEC,
+// j < CF.  Coalesced row caching: the team loads `dw` consecutive CSR positions at once (one
+// index, one source-map entry and one coefficient per lane, coalesced) and hands them round with
+// shuffles, so each neighbour costs every lane one vector load of x and no index load.
+//
+// Long rows: agg_rows covers the first `cut` edges of every row and stores its result (no
+// zeroing, no atomics); agg_rows_tail covers the rest of the rows longer than `cut`, one team per
+// further piece of `cut` edges, and adds atomically into the stored rows (launched after
+// agg_rows on the same stream).  Its pieces are found from `tail_cum`, the inclusive prefix sum
+// over rows of max(0, ceil(deg / cut) - 1), by binary search, so the host never needs their
+// number: the launch covers num_edges / cut pieces, an upper bound.
+
+#include "agg_common.cuh"
+
+#ifndef DP_CF
+#define DP_CF 1
+#endif
+constexpr int CF = DP_CF;
+
+namespace {
+
+constexpr int UNROLL = 4 / CF;  // independent vector loads in flight per lane: UNROLL * CF = 4
+
+__device__ __forceinline__ unsigned team_mask(int dw) {
+    if (dw == 32) return 0xffffffffu;
+    const int first = (threadIdx.x % 32) / dw * dw;
+    return ((1u << dw) - 1u) << first;
+}
+
+// acc[q][:] += sum over k in [beg, end) of coef(k) * x[map(indices[k]), col(q) : col(q) + VEC]
+__device__ __forceinline__ void team_sum(long long beg, long long end, const I* __restrict__ indices,
+                                         const long long* __restrict__ perm, const T* __restrict__ x,
+                                         const long long* __restrict__ src_map, const A* __restrict__ w,
+                                         const A* __restrict__ nbr_scale, int F, int dw, int lane,
+                                         unsigned mask, const int col[CF], A acc[CF][VEC]) {
+    for (long long k0 = beg; k0 < end; k0 += dw) {
+        const int nb = static_cast<int>(min(static_cast<long long>(dw), end - k0));
+        long long s_l = 0;
+        A c_l = 0;
+        if (lane < nb) {
+            const long long k = k0 + lane;
+            const long long s = static_cast<long long>(indices[k]);
+            c_l = 1;
+            if (w != nullptr) c_l = w[perm != nullptr ? perm[k] : k];
+            if (nbr_scale != nullptr) c_l *= nbr_scale[s];
+            s_l = src_map != nullptr ? src_map[s] : s;
+        }
+        int j = 0;
+        for (; j + UNROLL <= nb; j += UNROLL) {
+            long long s[UNROLL];
+            A c[UNROLL];
+            Pack v[UNROLL][CF];  // raw words: converted at the multiply, half the registers for 16-bit T
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                s[u] = __shfl_sync(mask, s_l, j + u, dw);
+                c[u] = __shfl_sync(mask, c_l, j + u, dw);
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+                for (int q = 0; q < CF; ++q)
+                    if (col[q] < F) v[u][q].w = __ldg(reinterpret_cast<const W*>(x + s[u] * F + col[q]));
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+                for (int q = 0; q < CF; ++q)
+                    if (col[q] < F)
+#pragma unroll
+                        for (int i = 0; i < VEC; ++i) acc[q][i] += c[u] * to_acc(v[u][q].v[i]);
+        }
+        for (; j < nb; ++j) {
+            const long long s = __shfl_sync(mask, s_l, j, dw);
+            const A c = __shfl_sync(mask, c_l, j, dw);
+#pragma unroll
+            for (int q = 0; q < CF; ++q) {
+                if (col[q] < F) {
+                    A v[VEC];
+                    load_vec(x + s * F + col[q], v);
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) acc[q][i] += c * v[i];
+                }
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void team_columns(int chunk, int dw, int lane, int col[CF]) {
+#pragma unroll
+    for (int q = 0; q < CF; ++q) col[q] = (chunk * CF * dw + q * dw + lane) * VEC;
+}
+
+}  // namespace
+
+// The first `cut` edges of every row: out[r] = row_scale[r] * partial sum (plain stores).
+extern "C" __global__ void agg_rows(const long long* __restrict__ indptr, const I* __restrict__ indices,
+                                    const long long* __restrict__ perm, long long n_rows, int chunks,
+                                    long long cut, const T* __restrict__ x,
+                                    const long long* __restrict__ src_map, const A* __restrict__ w,
+                                    const A* __restrict__ nbr_scale, const A* __restrict__ row_scale,
+                                    void* __restrict__ out, int F, int dw) {
+    const long long team = static_cast<long long>(blockIdx.x) * (blockDim.x / dw) + threadIdx.x / dw;
+    const long long row = team / chunks;
+    if (row >= n_rows) return;  // the whole team leaves together
+    const int chunk = static_cast<int>(team % chunks);
+    const int lane = threadIdx.x % dw;
+    const unsigned mask = team_mask(dw);
+    int col[CF];
+    team_columns(chunk, dw, lane, col);
+    A acc[CF][VEC];
+#pragma unroll
+    for (int q = 0; q < CF; ++q)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[q][i] = 0;
+    const long long beg = indptr[row];
+    const long long end = min(indptr[row + 1], beg + cut);
+    team_sum(beg, end, indices, perm, x, src_map, w, nbr_scale, F, dw, lane, mask, col, acc);
+    const A rs = row_scale != nullptr ? row_scale[row] : A(1);
+#pragma unroll
+    for (int q = 0; q < CF; ++q) {
+        if (col[q] >= F) continue;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[q][i] *= rs;
+#ifdef DP_OUT_ACC
+        store_acc(reinterpret_cast<A*>(out) + row * F + col[q], acc[q]);
+#else
+        store_vec(reinterpret_cast<T*>(out) + row * F + col[q], acc[q]);
+#endif
+    }
+}
+
+// The edges past the first `cut` of long rows, a piece of `cut` edges per team, added atomically.
+extern "C" __global__ void agg_rows_tail(const long long* __restrict__ indptr, const I* __restrict__ indices,
+                                         const long long* __restrict__ perm, long long n_rows, int chunks,
+                                         long long cut, const long long* __restrict__ tail_cum,
+                                         const T* __restrict__ x, const long long* __restrict__ src_map,
+                                         const A* __restrict__ w, const A* __restrict__ nbr_scale,
+                                         const A* __restrict__ row_scale, A* __restrict__ out, int F, int dw) {
+    const long long team = static_cast<long long>(blockIdx.x) * (blockDim.x / dw) + threadIdx.x / dw;
+    const long long piece = team / chunks;
+    if (n_rows <= 0 || piece >= tail_cum[n_rows - 1]) return;
+    long long lo = 0, hi = n_rows - 1;  // the first row whose inclusive count exceeds `piece`
+    while (lo < hi) {
+        const long long mid = (lo + hi) >> 1;
+        if (tail_cum[mid] > piece) hi = mid; else lo = mid + 1;
+    }
+    const long long row = lo;
+    const long long first = row ? tail_cum[row - 1] : 0;
+    const long long beg = indptr[row] + (piece - first + 1) * cut;
+    const long long end = min(indptr[row + 1], beg + cut);
+    const int chunk = static_cast<int>(team % chunks);
+    const int lane = threadIdx.x % dw;
+    const unsigned mask = team_mask(dw);
+    int col[CF];
+    team_columns(chunk, dw, lane, col);
+    A acc[CF][VEC];
+#pragma unroll
+    for (int q = 0; q < CF; ++q)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[q][i] = 0;
+    team_sum(beg, end, indices, perm, x, src_map, w, nbr_scale, F, dw, lane, mask, col, acc);
+    const A rs = row_scale != nullptr ? row_scale[row] : A(1);
+#pragma unroll
+    for (int q = 0; q < CF; ++q) {
+        if (col[q] >= F) continue;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[q][i] *= rs;
+        atomic_add_vec(out + row * F + col[q], acc[q]);
+    }
+}

@@ -1,0 +1,87 @@
+"""Kernel launches with as little host work as possible: the aggregation's fixed cost per call.
+
+`datapath._runtime.kernels` compiles the sources (NVRTC through CuPy, once per variant);
+here each variant's CuPy ``Function`` is looked up once per (source, name, options) and
+launched on PyTorch's current stream directly (no stream context switch per call).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+from datapath._runtime import kernels
+
+KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+NULL = np.uint64(0)
+
+
+class _StreamRef:
+    """What CuPy's ``Function.__call__`` needs of a stream: its handle as ``ptr``."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+_STREAMS: dict[int, _StreamRef] = {}
+
+
+def _raw_stream(device: int) -> int:
+    try:
+        return torch._C._cuda_getCurrentRawStream(device)  # noqa: SLF001 - 0.2 us instead of 2 us
+    except AttributeError:  # pragma: no cover - older torch
+        return torch.cuda.current_stream(device).cuda_stream
+
+
+def current_stream(device: int) -> _StreamRef:
+    h = _raw_stream(device)
+    ref = _STREAMS.get(h)
+    if ref is None:
+        ref = _STREAMS[h] = _StreamRef(h)
+    return ref
+
+
+@functools.lru_cache(maxsize=None)
+def function(source: str, name: str, options: tuple[str, ...]) -> Any:
+    """The compiled kernel ``name`` of ``datapath/kernels/<source>`` (CuPy ``Function``)."""
+    raw = kernels.get_function(source, name, options)
+    fn = getattr(raw, "kernel", None)
+    return fn if fn is not None else _Fallback(raw)
+
+
+class _Fallback:
+    """A ``RawKernel`` without a ``kernel`` attribute: launched through `kernels.launch`."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, stream: Any = None) -> None:
+        kernels.launch(self.raw, grid, block, args, shared_mem=shared_mem)
+
+
+def options(dtype: torch.dtype, vec: int, idx_dtype: torch.dtype, *extra: str) -> tuple[str, ...]:
+    opts = [f"-DDP_KIND={KIND[dtype]}", f"-DDP_VEC={vec}"]
+    if idx_dtype == torch.int64:
+        opts.append("-DDP_IDX_64")
+    return (*opts, *extra)
+
+
+def launch(fn: Any, grid: int | tuple[int, ...], block: int, args: tuple, device: int, shared_mem: int = 0) -> None:
+    """Launch ``fn`` on PyTorch's current stream of ``device``."""
+    g = grid if isinstance(grid, tuple) else (int(grid),)
+    fn(g, (int(block),), args, shared_mem, current_stream(device))
+
+
+def ptr(t: torch.Tensor | None) -> np.uint64:
+    return NULL if t is None else np.uint64(t.data_ptr())
+
+
+def aligned_vec(vec: int, feat: int, elem: int, *tensors: torch.Tensor | None) -> int:
+    """``vec`` narrowed until it divides ``feat`` and every tensor's base address is aligned to it."""
+    while vec > 1 and (feat % vec or any(t is not None and t.data_ptr() % (vec * elem) for t in tensors)):
+        vec //= 2
+    return vec

@@ -1,0 +1,152 @@
+"""The sum-family aggregation on CUDA by the ``rows``, ``tensor_core`` and ``cusparse`` kernels.
+
+Each computes, over a `CSRView` (a graph, or its transposed view for the gradient)::
+
+    out[r, :] = row_scale[r] * sum_{k in row r} w[e(k)] * nbr_scale[indices[k]] * x[map(indices[k]), :]
+
+with ``e(k) = edge_perm[k]`` on a transposed view (the weight of the original edge), any
+factor absent when its tensor is None, ``map`` the optional ``src_map``; ``x`` (rows, F) is
+contiguous, ``w`` (E,) float32 (float64 for float64 x), the result (num_dst, F) in x's dtype,
+accumulated in float32 (float64).  Everything a kernel needs besides its inputs is built
+once per view and kept in its cache; no function here synchronises with the host except
+the tensor-core translation (once per graph).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from datapath.ops import _launch
+from datapath.ops._graph import CSRView
+from datapath.ops._launch import aligned_vec, launch, ptr
+from datapath.ops._sgt import Translation, translate
+from datapath.ops.plan import AggregationPlan, widest_vec
+
+ROWS_THREADS = 256
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _tail_cum(view: CSRView, cut: int) -> torch.Tensor:
+    """(num_dst,) inclusive prefix sum of the extra pieces (beyond the first ``cut`` edges) of each row."""
+    def make() -> torch.Tensor:
+        extra = torch.div(view.in_degrees() + (cut - 1), cut, rounding_mode="floor").sub_(1).clamp_(min=0)
+        return torch.cumsum(extra, 0)
+    return view.cached(("tail_cum", cut), make)
+
+
+def rows(view: CSRView, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torch.Tensor | None,
+         row_scale: torch.Tensor | None, plan: AggregationPlan, src_map: torch.Tensor | None = None) -> torch.Tensor:
+    """The row-split kernel (``spmm_rows.cu``)."""
+    n, f = view.num_dst, x.shape[1]
+    dtype = x.dtype
+    if n == 0 or f == 0:
+        return torch.zeros(n, f, dtype=dtype, device=x.device)
+    elem = x.element_size()
+    vec = aligned_vec(plan.vec, f, elem, x)
+    dw, cf = plan.dw, plan.cf
+    if vec != plan.vec:  # a misaligned x: the widths the model would give for this vector
+        nv = f // vec
+        dw, cf = min(32, _next_pow2(nv)), (2 if nv > 32 else 1)
+    chunks = -(-f // (dw * vec * cf))
+    cut = plan.cut
+    tail = view.max_degree is None or view.max_degree > cut
+    wide_acc = tail and dtype not in (torch.float32, torch.float64)
+    out = torch.empty(n, f, dtype=torch.float32 if wide_acc else dtype, device=x.device)
+    extra = [f"-DDP_CF={cf}"] + (["-DDP_OUT_ACC"] if wide_acc else [])
+    opts = _launch.options(dtype, vec, view.indices.dtype, *extra)
+    dev = x.device.index
+    teams_per_block = ROWS_THREADS // dw
+    common = (ptr(view.indptr), ptr(view.indices), ptr(view.edge_perm), np.int64(n), np.int32(chunks),
+              np.int64(cut))
+    tail_args = (ptr(x), ptr(src_map), ptr(w), ptr(nbr_scale), ptr(row_scale), ptr(out), np.int32(f),
+                 np.int32(dw))
+    launch(_launch.function("spmm_rows.cu", "agg_rows", opts), -(-(n * chunks) // teams_per_block),
+           ROWS_THREADS, common + tail_args, dev)
+    if tail:
+        pieces = view.num_edges // cut
+        if pieces > 0:
+            launch(_launch.function("spmm_rows.cu", "agg_rows_tail", opts),
+                   -(-(pieces * chunks) // teams_per_block), ROWS_THREADS,
+                   common + (ptr(_tail_cum(view, cut)),) + tail_args, dev)
+    return out.to(dtype) if wide_acc else out
+
+
+TC_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def tensor_core_ok(dtype: torch.dtype) -> bool:
+    """Whether the tensor-core kernel takes ``dtype`` (float32 as tf32 only when matmuls may use tf32)."""
+    return dtype in TC_DTYPES or (dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+
+
+def translation(view: CSRView, dtype: torch.dtype) -> Translation:
+    kb = 8 if dtype == torch.float32 else 16
+    return view.cached(("sgt", kb), lambda: translate(view, kb))
+
+
+def tensor_core(view: CSRView, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torch.Tensor | None,
+                row_scale: torch.Tensor | None, plan: AggregationPlan) -> torch.Tensor:
+    """The tensor-core kernel (``spmm_tc.cu``) over the graph's sparse graph translation."""
+    n, f = view.num_dst, x.shape[1]
+    if not tensor_core_ok(x.dtype):
+        raise ValueError(f"the tensor-core kernel takes float16/bfloat16 (float32 with tf32 allowed), not {x.dtype}")
+    if n == 0 or f == 0:
+        return torch.zeros(n, f, dtype=x.dtype, device=x.device)
+    sgt = translation(view, x.dtype)
+    elem = x.element_size()
+    vec = aligned_vec(widest_vec(f, elem), f, elem, x)
+    nt = plan.nt
+    nw = max(1, min(4, -(-f // (8 * nt))))
+    ct = nw * nt * 8
+    tiles = -(-f // ct)
+    smem = sgt.kb * (ct + 16 // elem) * elem + 16 * sgt.kb * 4 + sgt.kb * 4
+    out = torch.empty(n, f, dtype=x.dtype, device=x.device)
+    opts = (f"-DDP_KIND={_launch.KIND[x.dtype]}", f"-DDP_VEC={vec}", f"-DDP_NT={nt}")
+    fn = _launch.function("spmm_tc.cu", "spmm_tc", opts)
+    launch(fn, (sgt.num_windows, tiles), nw * 32, (
+        ptr(sgt.win_ptr), ptr(sgt.blk_col), ptr(sgt.blk_eptr), ptr(sgt.e_slot),
+        ptr(sgt.e_id if w is not None else None), np.int64(n), ptr(x), ptr(w), ptr(nbr_scale),
+        ptr(row_scale), ptr(out), np.int32(f)), x.device.index, shared_mem=smem)
+    return out
+
+
+def _csr_index(view: CSRView) -> tuple[torch.Tensor, torch.Tensor]:
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        small = view.num_edges < 2**31 - 1 and view.num_src < 2**31 - 1
+        dt = torch.int32 if small else torch.int64
+        return view.indptr.to(dt), view.indices.to(dt)
+    return view.cached("cusparse_index", make)
+
+
+def _values(view: CSRView, w: torch.Tensor | None, nbr_scale: torch.Tensor | None,
+            row_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """(E,) per-edge value of the matrix in ``dtype``: weight times both scales."""
+    if w is not None:
+        v = w if view.edge_perm is None else w.index_select(0, view.edge_perm)
+    else:
+        v = torch.ones(view.num_edges, dtype=torch.float32 if dtype != torch.float64 else dtype, device=view.device)
+    if nbr_scale is not None:
+        v = v * nbr_scale.index_select(0, view.indices64())
+    if row_scale is not None:
+        v = v * row_scale.index_select(0, view.edge_dst())
+    return v.to(dtype)
+
+
+def cusparse(view: CSRView, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torch.Tensor | None,
+             row_scale: torch.Tensor | None) -> torch.Tensor:
+    """``torch.sparse.mm`` with the view as a CSR matrix (cuSPARSE SpMM); the matrix is kept when unweighted."""
+    crow, col = _csr_index(view)
+    size = (view.num_dst, view.num_src)
+
+    def build(values: torch.Tensor) -> torch.Tensor:
+        return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
+
+    if w is None:
+        key = ("cusparse_matrix", x.dtype, id(nbr_scale), id(row_scale))
+        mat = view.cached(key, lambda: build(_values(view, None, nbr_scale, row_scale, x.dtype)))
+    else:
+        mat = build(_values(view, w, nbr_scale, row_scale, x.dtype))
+    return torch.sparse.mm(mat, x)

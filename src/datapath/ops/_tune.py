@@ -1,0 +1,129 @@
+"""The per-graph kernel choice: the model's plan, confirmed by a short timing probe where that is cheap.
+
+`choose` returns the plan kept with a view for (width, dtype, variant, weighted, heads), making
+it on first use: the model's plan, or, for a graph whose values the ops checked themselves
+(not ``trusted``; whole graphs, not sampled blocks) with enough edges, the fastest candidate
+of a probe on the call's own input (one warm-up and three timed runs each, CUDA events, one
+synchronisation once per graph and key).  Sampled blocks never probe: their plans come from
+the model alone, so preparing them in a loader thread never waits for the GPU.  Set
+``DATAPATH_OPS_PROBE=0`` to use the model everywhere.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from datapath._runtime.errors import KernelLoadError
+from datapath.ops._graph import CSRView, as_csr
+from datapath.ops.plan import AggregationPlan, plan_for
+
+log = logging.getLogger("datapath.ops.tune")
+
+PROBE_MIN_EDGES = 1 << 14
+"""Graphs with fewer edges use the model's plan: their calls cost the launch, whatever the kernel."""
+PROBE_RUNS = 3
+
+
+def plan_key(feat: int, dtype: torch.dtype, variant: str, weighted: bool, heads: int) -> tuple:
+    return ("plan", feat, dtype, variant, weighted, heads)
+
+
+def model_plan(view: CSRView, feat: int, dtype: torch.dtype, heads: int) -> AggregationPlan:
+    p = plan_for(view.num_edges, view.num_dst, feat, dtype.itemsize)
+    return p if heads == 1 else p.replace(kernel="groups")
+
+
+def candidates(view: CSRView, feat: int, dtype: torch.dtype, heads: int) -> list[AggregationPlan]:
+    """Every kernel (and the row split's alternative cut) that can run this aggregation."""
+    from datapath.ops._spmm import tensor_core_ok  # noqa: PLC0415
+
+    base = model_plan(view, feat, dtype, heads)
+    if heads != 1:
+        return [base]
+    out = [base]
+    if view.max_degree is None or view.max_degree > base.cut:
+        out.append(base.replace(cut=4 * base.cut))
+    out += [base.replace(kernel="groups"), base.replace(kernel="cusparse")]
+    if tensor_core_ok(dtype) and feat >= 8:
+        out.append(base.replace(kernel="tensor_core"))
+    return out
+
+
+def may_probe(view: CSRView) -> bool:
+    if view.trusted or view.num_edges < PROBE_MIN_EDGES or view.device.type != "cuda":
+        return False
+    if os.environ.get("DATAPATH_OPS_PROBE", "1") == "0":
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+def probe(cands: list[AggregationPlan], run: Callable[[AggregationPlan], Any]) -> AggregationPlan:
+    """The candidate with the smallest median time of ``run(plan)`` (candidates that fail are skipped)."""
+    timed: list[tuple[float, int]] = []
+    for i, p in enumerate(cands):
+        try:
+            run(p)  # warm-up: compiles the variant, builds the kernel's schedule
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * PROBE_RUNS)]
+            for r in range(PROBE_RUNS):
+                events[2 * r].record()
+                run(p)
+                events[2 * r + 1].record()
+            events[-1].synchronize()
+            ms = statistics.median(events[2 * r].elapsed_time(events[2 * r + 1]) for r in range(PROBE_RUNS))
+        except (RuntimeError, ValueError, NotImplementedError, KernelLoadError) as exc:
+            log.debug("probe: %s failed (%s); skipped", p.kernel, exc)
+            continue
+        timed.append((ms, i))
+    if not timed:
+        raise RuntimeError("every aggregation kernel failed in the probe")
+    ms, i = min(timed)
+    log.debug("probe: %s", ", ".join(f"{cands[j].kernel}/{cands[j].cut}={t:.3f}ms" for t, j in timed))
+    return cands[i].replace(probed_ms=ms)
+
+
+def choose(view: CSRView, feat: int, dtype: torch.dtype, variant: str, weighted: bool, heads: int,
+           run: Callable[[AggregationPlan], Any] | None = None, allow_probe: bool = False) -> AggregationPlan:
+    """The plan kept with ``view`` for this key; made on first use (probed with ``run`` if ``allow_probe``)."""
+    key = plan_key(feat, dtype, variant, weighted, heads)
+    p = view.cache.get(key)
+    if p is not None:
+        return p
+    if run is not None and heads == 1 and allow_probe:
+        if view.max_degree is None:  # known degrees spare the row split its tail launch; a sync is fine here
+            view.max_degree = int(view.in_degrees().max()) if view.num_dst else 0
+        p = probe(candidates(view, feat, dtype, heads), run)
+    else:
+        p = model_plan(view, feat, dtype, heads)
+    view.cache[key] = p
+    return p
+
+
+def tune_graph(graph: Any, feat: int, dtype: torch.dtype, reduce: str, norm: str | None,
+               weighted: bool) -> AggregationPlan:
+    """Probe the kernels for ``graph`` (forward, and backward over its transpose) on random rows."""
+    from datapath.ops import _cuda_backend  # noqa: PLC0415
+
+    csr = as_csr(graph)
+    variant = "gcn" if norm == "gcn" else reduce
+    if variant not in ("sum", "mean", "gcn"):
+        raise ValueError(f"only sum, mean and gcn aggregations have plans to probe, got reduce={reduce!r}")
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    dev = csr.device
+    w = torch.rand(csr.num_edges, dtype=acc, device=dev) if weighted else None
+    row_scale = col_scale = None
+    if variant == "mean":
+        row_scale = csr.row_scale("mean", acc)
+    elif variant == "gcn":
+        row_scale, col_scale = csr.row_scale("gcn", acc), csr.col_scale_gcn(acc)
+    for view, nbr, rs, n_in in ((csr, col_scale, row_scale, csr.num_src),
+                                (csr.transposed(), row_scale, col_scale, csr.num_dst)):
+        view.cache.pop(plan_key(feat, dtype, variant, weighted, 1), None)
+        x = torch.randn(n_in, feat, device=dev).to(dtype)
+        choose(view, feat, dtype, variant, weighted, 1, allow_probe=True,
+               run=lambda p, v=view, x=x, nbr=nbr, rs=rs: _cuda_backend.sum_forward(v, x, w, nbr, rs, p))
+    return csr.cache[plan_key(feat, dtype, variant, weighted, 1)]

@@ -1,0 +1,164 @@
+"""Every CUDA aggregation kernel against the float64 reference: each dtype, variant and width, forward and backward.
+
+Plans force the kernel (rows, groups, tensor_core, cusparse) in both directions (the gradient
+runs the same kernel over the transposed CSR).  Also: the row split's long-row pieces, tf32,
+the probe, the fused path over every table form, empty inputs, and the checked-once rule.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from datapath.graph import CSRGraph
+from datapath.ops import KERNELS, aggregate, cached_keys, plan_aggregation
+from datapath.testing.graphs import power_law_csr, reference_aggregate
+
+pytestmark = pytest.mark.gpu
+
+# relative to max |ref|: fp32 accumulation; half/bf16 inputs rounded once, outputs once
+TOL = {torch.float32: 3e-5, torch.float64: 1e-10, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+VARIANTS = ("sum", "mean", "gcn_weighted")
+
+
+def _graph(seed: int, index_dtype: torch.dtype, trusted: bool = False, num_edges: int = 2500) -> CSRGraph:
+    g = power_law_csr(300, 260, num_edges, seed=seed, index_dtype=index_dtype, device="cuda")
+    return CSRGraph(g.indptr, g.indices, g.num_src_nodes, g.num_dst_nodes, trusted=trusted)
+
+
+def _check(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
+    got = got.detach().double().cpu()
+    ref = ref.detach().double()
+    assert torch.isfinite(got).all(), what
+    err = float((got - ref).abs().max()) / max(1.0, float(ref.abs().max()))
+    assert err <= tol, f"{what}: max error {err:.3g} relative to max |ref| (tolerance {tol:.3g})"
+
+
+def _run(g: CSRGraph, kernel: str, dtype: torch.dtype, variant: str, width: int, tol: float, **plan_kw) -> None:
+    torch.manual_seed(width)
+    x = torch.randn(g.num_src_nodes, width, device="cuda").to(dtype).requires_grad_()
+    w = (torch.rand(g.indices.numel(), device="cuda") + 0.25).requires_grad_() if variant == "gcn_weighted" else None
+    reduce = "mean" if variant == "mean" else "sum"
+    norm = "gcn" if variant == "gcn_weighted" else None
+    plan = plan_aggregation(g, width, dtype, kernel=kernel, **plan_kw)
+    out = aggregate(g, x, reduce, edge_weight=w, norm=norm, plan=plan)
+    assert out.dtype == dtype and out.shape == (g.num_dst_nodes, width)
+    gy = torch.randn(out.shape, device="cuda").to(dtype)
+    out.backward(gy)
+    x64 = x.detach().double().cpu().requires_grad_()
+    w64 = w.detach().double().cpu().requires_grad_() if w is not None else None
+    ref = reference_aggregate(g, x64, reduce, w64, norm)
+    ref.backward(gy.double().cpu())
+    what = f"{kernel} {dtype} {variant} F={width}"
+    _check(out, ref, tol, what + " forward")
+    _check(x.grad, x64.grad, tol, what + " grad x")
+    if w is not None:
+        _check(w.grad, w64.grad, max(tol, 1e-4), what + " grad w")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("width", [3, 16, 64, 602])
+def test_every_kernel_matches_the_reference(kernel: str, dtype: torch.dtype, variant: str, width: int) -> None:
+    if kernel == "tensor_core" and dtype not in (torch.float16, torch.bfloat16):
+        pytest.skip("the tensor-core kernel takes float16/bfloat16 (float32 only as tf32, tested below)")
+    idx = torch.int32 if width % 2 else torch.int64
+    g = _graph(width + len(variant), idx)
+    tol = TOL[dtype]
+    if kernel == "tensor_core" and variant == "gcn_weighted":
+        tol *= 2  # the tile holds weight * scale rounded to the operand dtype
+    _run(g, kernel, dtype, variant, width, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("trusted", [False, True])
+@pytest.mark.parametrize("cut", [1, 8])
+def test_row_split_long_rows(dtype: torch.dtype, trusted: bool, cut: int) -> None:
+    """Rows longer than ``cut`` go to the atomic tail pieces; a trusted graph's degrees are unknown."""
+    g = power_law_csr(200, 180, 6000, alpha=2.0, seed=3, device="cuda")  # a few rows of hundreds of edges
+    g = CSRGraph(g.indptr, g.indices, g.num_src_nodes, g.num_dst_nodes, trusted=trusted)
+    _run(g, "rows", dtype, "gcn_weighted", 40, TOL[dtype], cut=cut)
+    _run(g, "rows", dtype, "mean", 128, TOL[dtype], cut=cut, cf=2)
+
+
+def test_tensor_core_tf32() -> None:
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        for variant in VARIANTS:
+            _run(_graph(7, torch.int32), "tensor_core", torch.float32, variant, 48, 4e-3)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    with pytest.raises(ValueError, match="tensor-core"):  # tf32 is opt-in, as for matmuls
+        aggregate(_graph(7, torch.int32), torch.randn(260, 8, device="cuda"),
+                  plan=plan_aggregation(_graph(7, torch.int32), 8, kernel="tensor_core"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_probe_chooses_once_and_the_choice_is_kept(dtype: torch.dtype) -> None:
+    g = power_law_csr(20_000, 20_000, 200_000, seed=1, index_dtype=torch.int32, device="cuda")
+    plan = plan_aggregation(g, 64, dtype, "mean", probe=True)
+    assert plan.kernel in KERNELS and plan.probed_ms is not None and plan.probed_ms > 0
+    assert any(isinstance(k, tuple) and k[0] == "plan" for k in cached_keys(g))
+    x = torch.randn(g.num_src_nodes, 64, device="cuda").to(dtype).requires_grad_()
+    out = aggregate(g, x, "mean")
+    out.backward(torch.randn_like(out))
+    ref = reference_aggregate(g, x.detach().double().cpu(), "mean")
+    _check(out, ref, TOL[dtype], f"probed {plan.kernel}")
+
+
+def test_untrusted_graph_is_checked_and_tuned_once_then_never_waits() -> None:
+    g = power_law_csr(30_000, 30_000, 300_000, seed=2, index_dtype=torch.int32, device="cuda")
+    x = torch.randn(g.num_src_nodes, 32, device="cuda", requires_grad=True)
+    aggregate(g, x, "mean").sum().backward()  # checks the graph, probes forward and backward kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            out = aggregate(g, x, "mean")
+            out.backward(torch.ones_like(out))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _tables(table: torch.Tensor) -> dict[str, torch.Tensor]:
+    from datapath.unified_tensor import as_unified
+
+    return {"cuda": table.cuda(), "pinned": table.clone().pin_memory(), "as_unified": as_unified(table.clone()),
+            "to_unified": table.clone().to("unified")}
+
+
+@pytest.mark.parametrize("form", ["cuda", "pinned", "as_unified", "to_unified"])
+def test_fused_aggregation_over_every_table_form(form: str) -> None:
+    """Issue 16's crash: a unified table read inside the fused aggregation (push and pull)."""
+    g = _graph(11, torch.int32)
+    torch.manual_seed(5)
+    host = torch.randn(1000, 100)
+    table = _tables(host)[form]
+    ids = torch.randperm(1000)[: g.num_src_nodes].cuda()
+    x = host.cuda()[ids]
+    w = torch.rand(g.indices.numel(), device="cuda")
+    for reduce in ("sum", "mean", "max"):
+        want = aggregate(g, x, reduce)
+        for fused in ("auto", "push", "pull"):
+            got = aggregate(g, table, reduce, src_ids=ids, plan=plan_aggregation(g, 100, fused=fused))
+            _check(got, want.double().cpu(), 1e-5, f"{form} {reduce} {fused}")
+    got = aggregate(g, table, "sum", edge_weight=w, norm="gcn", src_ids=ids)
+    _check(got, aggregate(g, x, "sum", w, "gcn").double().cpu(), 1e-5, f"{form} gcn weighted")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_empty_inputs_give_empty_results(kernel: str) -> None:
+    dt = torch.float16
+    for nd, ns, f in ((0, 5, 8), (6, 5, 0), (6, 0, 8), (6, 5, 8)):
+        g = CSRGraph(torch.zeros(nd + 1, dtype=torch.int64, device="cuda"),
+                     torch.empty(0, dtype=torch.int32, device="cuda"), ns, nd)
+        x = torch.randn(ns, f, device="cuda").to(dt).requires_grad_()
+        plan = plan_aggregation(g, max(f, 1), dt, kernel=kernel) if f else None
+        for reduce in ("sum", "mean", "max"):
+            out = aggregate(g, x, reduce, plan=plan if reduce != "max" else None)
+            assert out.shape == (nd, f) and bool((out == 0).all())
+            out.sum().backward()
+            assert x.grad.shape == x.shape and bool((x.grad == 0).all())
+            x.grad = None
