@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The aggregation kernels' GPU session (issue 17): GPU tests, then benchmarks; logs and results under $OUT.
 #   scripts/gpu_kernels.sh check   correctness of every kernel + a timing sweep of every candidate (model fitting)
+#   scripts/gpu_kernels.sh profile  GPU tests + host/kernel profile + the parts not yet run (fused, layers, reorder)
 #   scripts/gpu_kernels.sh final   GPU tests + the full B3 (benchmarks/aggregate.py) + benchmarks/full_graph.py
 set -u
 cd "$(dirname "$0")/.."
@@ -9,7 +10,7 @@ OUT=${OUT:-/tmp/kernels-out}
 mkdir -p "$OUT/results"
 export DATAPATH_RESULTS=$OUT/results
 MODE=${1:-check}
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > "$OUT/gpu.txt" 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv 2>&1 | tail -n 1
 T0=$(date +%s)
 step() { echo "=== $1 ($(( $(date +%s) - T0 )) s)"; }
 if [[ $MODE == check ]]; then
@@ -24,6 +25,24 @@ if [[ $MODE == check ]]; then
   timeout 50 python benchmarks/full_graph.py --graphs citeseer,ppi,amazon0505 --epochs 5 > "$OUT/full.log" 2>&1
   echo "full_graph rc=$?"; tail -n 12 "$OUT/full.log"
   tail -n 60 "$OUT/bench.log"
+elif [[ $MODE == profile ]]; then
+  step tests
+  timeout 150 python -m pytest -q -rf -p no:cacheprovider tests/ops tests/nn > "$OUT/tests.log" 2>&1
+  echo "pytest rc=$?"; grep -E "FAILED|passed|failed" "$OUT/tests.log" | tail -n 15
+  step profile
+  timeout 120 python scripts/profile_aggregate.py --out /tmp > "$OUT/profile.log" 2>&1
+  cp /tmp/profile.json "$OUT/" 2>/dev/null
+  echo "profile rc=$?"
+  step aggregate
+  timeout 120 python benchmarks/aggregate.py --parts fixed,fused,layers,reorder --repeat 3 \
+    --graphs citeseer,soc-BlogCatalog,artist,amazon0505 --dtypes float32 > "$OUT/bench.log" 2>&1
+  echo "aggregate rc=$?"
+  step full_graph
+  timeout 40 python benchmarks/full_graph.py --graphs citeseer,cora,pubmed --epochs 5 > "$OUT/full.log" 2>&1
+  echo "full_graph rc=$?"; tail -n 12 "$OUT/full.log"
+  mv "$OUT/results/"*.png /tmp/ 2>/dev/null
+  grep -E "^host:|^  [a-zA-Z]" "$OUT/profile.log" | head -n 40
+  grep -E "fused_|/|layer|reorder|fixed" "$OUT/bench.log" | tail -n 40
 else
   step tests
   timeout 170 python -m pytest -q -rf -p no:cacheprovider tests/ops tests/nn > "$OUT/tests.log" 2>&1

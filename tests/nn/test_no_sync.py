@@ -79,9 +79,10 @@ def test_weighted_layers_never_wait() -> None:
     block = CSRGraph(g.indptr, g.indices, g.num_src_nodes, g.num_dst_nodes, trusted=True)
     w = torch.rand(block.indices.numel(), device="cuda", requires_grad=True)
     x = torch.randn(block.num_src_nodes, 24, device="cuda", requires_grad=True)
+    layers = [layer.cuda() for layer in (SAGEConv(24, 16), GCNConv(24, 16), GINConv(nn.Linear(24, 8)))]
     with no_sync():
-        for layer in (SAGEConv(24, 16), GCNConv(24, 16), GINConv(nn.Linear(24, 8))):
-            _step(layer.cuda(), block, x, w)
+        for layer in layers:
+            _step(layer, block, x, w)
 
 
 def test_models_never_wait() -> None:

@@ -2,6 +2,7 @@
 //
 // Compiled per variant through NVRTC options (DP_KIND, DP_VEC, DP_IDX_64: see agg_common.cuh) and
 //   DP_CF       column vectors per lane (1 or 2: "warp merging", two independent loads per edge)
+//   DP_UNROLL   neighbours per unrolled step (default 4 / CF)
 //   DP_OUT_ACC  defined: agg_rows writes an accumulation-type (A) buffer instead of T rows
 //
 // A team of `dw` lanes (a power of two <= 32, so a team never straddles a warp) owns one
@@ -22,11 +23,14 @@
 #ifndef DP_CF
 #define DP_CF 1
 #endif
+#ifndef DP_UNROLL
+#define DP_UNROLL (4 / DP_CF)
+#endif
 constexpr int CF = DP_CF;
 
 namespace {
 
-constexpr int UNROLL = 4 / CF;  // independent vector loads in flight per lane: UNROLL * CF = 4
+constexpr int UNROLL = DP_UNROLL;  // neighbours per unrolled step: UNROLL * CF vector loads in flight per lane
 
 __device__ __forceinline__ unsigned team_mask(int dw) {
     if (dw == 32) return 0xffffffffu;

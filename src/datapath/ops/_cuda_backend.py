@@ -214,11 +214,36 @@ def _fused(csr: CSRView, x: torch.Tensor, w: torch.Tensor | None, spec: AggSpec)
                            src_map=spec.src_ids)
     t = csr.transposed()
     ids = spec.src_ids
-    order = t.cached(("push_order", ids.data_ptr(), ids._version, ids.numel()), lambda: _push_order(t, ids))
-    out = _push(t, csr.num_dst, x, ids, w, spec.heads, None, spec.col_scale, plan, _PUSH_NGS, align=True,
-                grp=order)
-    if spec.row_scale is not None:
-        out.mul_(spec.row_scale.unsqueeze(1))
+    order = t.cached(("push_order", ids.data_ptr(), ids._version, ids.numel()),
+                     lambda: torch.argsort(ids).to(torch.int32))
+    return _push_rows(t, csr.num_dst, x, ids, order, w, spec.col_scale, spec.row_scale, spec.heads, plan)
+
+
+def _push_rows(t: CSRView, num_out: int, x: torch.Tensor, row_map: torch.Tensor, order: torch.Tensor,
+               w: torch.Tensor | None, src_scale: torch.Tensor | None, dst_scale: torch.Tensor | None, heads: int,
+               plan: AggregationPlan) -> torch.Tensor:
+    """(num_out, F) x.dtype: the pipelined push (``fused_push.cu``) over the transposed block ``t``."""
+    feat = x.shape[1]
+    if heads != 1:  # per-head weights: the general scatter kernel
+        out = _push(t, num_out, x, row_map, w, heads, None, src_scale, plan, _PUSH_NGS, align=True,
+                    grp=_push_order(t, row_map))
+        if dst_scale is not None:
+            out.mul_(dst_scale.unsqueeze(1))
+        return out.to(x.dtype)
+    out = torch.zeros(num_out, feat, dtype=acc_dtype(x.dtype), device=x.device)
+    n = t.num_dst
+    if n == 0 or feat == 0 or t.num_edges == 0:
+        return out.to(x.dtype)
+    vec = _launch.aligned_vec(plan.vec, feat, x.element_size(), x)
+    wpl = -(-(feat // vec) // 32)
+    warps = min(n, _launch.multiprocessors(x.device.index) * 48)
+    per_warp = -(-n // warps)
+    warps = -(-n // per_warp)
+    kern = _launch.function("fused_push.cu", "push_rows",
+                            _launch.options(x.dtype, vec, t.indices.dtype, f"-DDP_WPL={wpl}"))
+    _go(kern, -(-warps // 8), 256, (
+        _p(t.indptr), _p(t.indices), _p(t.edge_perm), _p(order), np.int64(n), np.int64(per_warp), _p(row_map),
+        _p(x), _p(w), _p(src_scale), _p(dst_scale), _p(out), np.int32(feat)), x.device)
     return out.to(x.dtype)
 
 

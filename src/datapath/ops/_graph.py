@@ -258,25 +258,27 @@ def as_csr(graph: Any) -> CSRView:
     """Validate ``graph`` (see the module docstring) and return its `CSRView` (cached per graph object)."""
     if isinstance(graph, CSRView):
         return graph
-    indptr, indices, num_src, num_dst = _unpack(graph)
-    indptr = _plain_tensor(indptr, "graph.indptr")
-    indices = _plain_tensor(indices, "graph.indices")
+    weak = not isinstance(graph, tuple)
+    if weak:  # the hot path: the same graph object, its tensors untouched (identity and version counters)
+        try:
+            hit = _VIEWS.get(graph)
+        except TypeError:  # not weakly referenceable
+            hit, weak = None, False
+        if hit is not None:
+            sig, view = hit
+            ip, ix = getattr(graph, "indptr", None), getattr(graph, "indices", None)
+            if (ip is sig[0] and ix is sig[1] and ip._version == sig[2] and ix._version == sig[3]
+                    and _num_src(graph) == view.num_src and _num_dst(graph, view.num_dst) == view.num_dst):
+                return view
+    raw_ptr, raw_idx, num_src, num_dst = _unpack(graph)
+    indptr = _plain_tensor(raw_ptr, "graph.indptr")
+    indices = _plain_tensor(raw_idx, "graph.indices")
     if num_dst is None:
         num_dst = indptr.numel() - 1
     if num_src is None:
         raise GraphFormatError(
             f"{type(graph).__name__} has no num_src_nodes (or num_nodes); the ops need the source count"
         )
-    sig = (indptr.data_ptr(), indices.data_ptr(), indptr._version, indices._version,
-           indptr.numel(), indices.numel(), num_src, num_dst)
-    weak = not isinstance(graph, tuple)
-    if weak:
-        try:
-            hit = _VIEWS.get(graph)
-        except TypeError:  # not weakly referenceable
-            hit, weak = None, False
-        if hit is not None and hit[0] == sig:
-            return hit[1]
     _check_layout(indptr, indices, num_src, num_dst)
     trusted = bool(getattr(graph, "trusted", False))
     max_degree = None if trusted else _check_values(indptr, indices, num_src, num_dst)
@@ -285,8 +287,20 @@ def as_csr(graph: Any) -> CSRView:
     view = CSRView(indptr, indices, num_src, num_dst, trusted=trusted, max_degree=max_degree)
     if weak:
         with _VIEWS_LOCK:
-            _VIEWS[graph] = (sig, view)
+            _VIEWS[graph] = ((raw_ptr, raw_idx, raw_ptr._version, raw_idx._version), view)
     return view
+
+
+def _num_src(graph: Any) -> int | None:
+    n = _count(graph, "num_src_nodes")
+    return _count(graph, "num_nodes") if n is None else n
+
+
+def _num_dst(graph: Any, default: int) -> int:
+    n = _count(graph, "num_dst_nodes")
+    if n is None:
+        n = _count(graph, "num_nodes")
+    return default if n is None else n
 
 
 def cached_keys(graph: Any) -> list[Any]:
@@ -339,8 +353,7 @@ def add_self_loops(graph: Any) -> CSRGraph:
         if csr.max_degree is not None:  # the loop graph is valid by construction; carry what is known
             view = CSRView(new_ptr, new_idx, csr.num_src, csr.num_dst, trusted=False,
                            max_degree=csr.max_degree + 1)
-            sig = (new_ptr.data_ptr(), new_idx.data_ptr(), new_ptr._version, new_idx._version,
-                   new_ptr.numel(), new_idx.numel(), csr.num_src, csr.num_dst)
+            sig = (new_ptr, new_idx, new_ptr._version, new_idx._version)
             with _VIEWS_LOCK:
                 _VIEWS[g] = (sig, view)
         return g

@@ -85,15 +85,18 @@ def check_ids(ids: torch.Tensor, num_rows: int, expected_len: int, what: str) ->
     return ids.long()
 
 
+_CUDA_BACKEND: list[ModuleType] = []
+
+
 def backend_for(device: torch.device) -> ModuleType:
     """The module implementing the ops on ``device``: CUDA kernels on a GPU, plain torch otherwise."""
     if device.type != "cuda":
         return _torch_backend
-    try:
+    if not _CUDA_BACKEND:
         from datapath.ops import _cuda_backend  # noqa: PLC0415
-    except ImportError:  # pragma: no cover - only before the kernels exist
-        return _torch_backend
-    return _cuda_backend if _cuda_backend.available() else _torch_backend
+
+        _CUDA_BACKEND.append(_cuda_backend if _cuda_backend.available() else _torch_backend)
+    return _CUDA_BACKEND[0]
 
 
 def flat_features(x: torch.Tensor, what: str) -> tuple[torch.Tensor, tuple[int, ...]]:

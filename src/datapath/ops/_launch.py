@@ -85,3 +85,9 @@ def aligned_vec(vec: int, feat: int, elem: int, *tensors: torch.Tensor | None) -
     while vec > 1 and (feat % vec or any(t is not None and t.data_ptr() % (vec * elem) for t in tensors)):
         vec //= 2
     return vec
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: int) -> int:
+    """Number of SMs of CUDA device ``device``."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -37,41 +37,67 @@ def _tail_cum(view: CSRView, cut: int) -> torch.Tensor:
     return view.cached(("tail_cum", cut), make)
 
 
+class _RowsLaunch:
+    """Everything about a row-split launch that does not change between calls (kept with the view)."""
+
+    __slots__ = ("head", "tail", "grid_head", "grid_tail", "prefix", "tail_prefix", "wide_acc", "tail_args")
+
+    def __init__(self, view: CSRView, dtype: torch.dtype, f: int, vec: int, dw: int, cf: int, cut: int,
+                 unroll: int) -> None:
+        n = view.num_dst
+        chunks = -(-f // (dw * vec * cf))
+        tail = view.max_degree is None or view.max_degree > cut
+        pieces = view.num_edges // cut if tail else 0
+        self.wide_acc = pieces > 0 and dtype not in (torch.float32, torch.float64)
+        extra = [f"-DDP_CF={cf}", f"-DDP_UNROLL={unroll or ROWS_UNROLL[cf]}"] + (["-DDP_OUT_ACC"] if self.wide_acc else [])
+        opts = _launch.options(dtype, vec, view.indices.dtype, *extra)
+        teams_per_block = ROWS_THREADS // dw
+        self.head = _launch.function("spmm_rows.cu", "agg_rows", opts)
+        self.grid_head = (-(-(n * chunks) // teams_per_block),)
+        self.prefix = (ptr(view.indptr), ptr(view.indices), ptr(view.edge_perm), np.int64(n), np.int32(chunks),
+                       np.int64(cut))
+        self.tail_args = (np.int32(f), np.int32(dw))
+        self.tail = None
+        if pieces > 0:
+            self.tail = _launch.function("spmm_rows.cu", "agg_rows_tail", opts)
+            self.grid_tail = (-(-(pieces * chunks) // teams_per_block),)
+            self.tail_prefix = self.prefix + (ptr(_tail_cum(view, cut)),)
+
+    def run(self, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torch.Tensor | None,
+            row_scale: torch.Tensor | None, src_map: torch.Tensor | None, n: int) -> torch.Tensor:
+        f = x.shape[1]
+        out = torch.empty((n, f), dtype=torch.float32, device=x.device) if self.wide_acc else x.new_empty((n, f))
+        args = (ptr(x), ptr(src_map), ptr(w), ptr(nbr_scale), ptr(row_scale), ptr(out)) + self.tail_args
+        stream = _launch.current_stream(x.device.index)
+        self.head(self.grid_head, _ROWS_BLOCK, self.prefix + args, 0, stream)
+        if self.tail is not None:
+            self.tail(self.grid_tail, _ROWS_BLOCK, self.tail_prefix + args, 0, stream)
+            if self.wide_acc:
+                return out.to(x.dtype)
+        return out
+
+
+_ROWS_BLOCK = (ROWS_THREADS,)
+ROWS_UNROLL = {1: 4, 2: 2}
+"""Neighbours per unrolled step of a rows team, by column vectors per lane (4 vector loads in flight)."""
+
+
 def rows(view: CSRView, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torch.Tensor | None,
          row_scale: torch.Tensor | None, plan: AggregationPlan, src_map: torch.Tensor | None = None) -> torch.Tensor:
-    """The row-split kernel (``spmm_rows.cu``)."""
+    """The row-split kernel (``spmm_rows.cu``); its launch is prepared once per (view, dtype, width, plan)."""
     n, f = view.num_dst, x.shape[1]
-    dtype = x.dtype
     if n == 0 or f == 0:
-        return torch.zeros(n, f, dtype=dtype, device=x.device)
-    elem = x.element_size()
-    vec = aligned_vec(plan.vec, f, elem, x)
-    dw, cf = plan.dw, plan.cf
-    if vec != plan.vec:  # a misaligned x: the widths the model would give for this vector
+        return torch.zeros(n, f, dtype=x.dtype, device=x.device)
+    vec, dw, cf = plan.vec, plan.dw, plan.cf
+    if x.data_ptr() % (vec * x.element_size()):  # a misaligned x: the widths the model would give for this vector
+        vec = aligned_vec(vec, f, x.element_size(), x)
         nv = f // vec
         dw, cf = min(32, _next_pow2(nv)), (2 if nv > 32 else 1)
-    chunks = -(-f // (dw * vec * cf))
-    cut = plan.cut
-    tail = view.max_degree is None or view.max_degree > cut
-    wide_acc = tail and dtype not in (torch.float32, torch.float64)
-    out = torch.empty(n, f, dtype=torch.float32 if wide_acc else dtype, device=x.device)
-    extra = [f"-DDP_CF={cf}"] + (["-DDP_OUT_ACC"] if wide_acc else [])
-    opts = _launch.options(dtype, vec, view.indices.dtype, *extra)
-    dev = x.device.index
-    teams_per_block = ROWS_THREADS // dw
-    common = (ptr(view.indptr), ptr(view.indices), ptr(view.edge_perm), np.int64(n), np.int32(chunks),
-              np.int64(cut))
-    tail_args = (ptr(x), ptr(src_map), ptr(w), ptr(nbr_scale), ptr(row_scale), ptr(out), np.int32(f),
-                 np.int32(dw))
-    launch(_launch.function("spmm_rows.cu", "agg_rows", opts), -(-(n * chunks) // teams_per_block),
-           ROWS_THREADS, common + tail_args, dev)
-    if tail:
-        pieces = view.num_edges // cut
-        if pieces > 0:
-            launch(_launch.function("spmm_rows.cu", "agg_rows_tail", opts),
-                   -(-(pieces * chunks) // teams_per_block), ROWS_THREADS,
-                   common + (ptr(_tail_cum(view, cut)),) + tail_args, dev)
-    return out.to(dtype) if wide_acc else out
+    key = ("rows_launch", x.dtype, f, vec, dw, cf, plan.cut, plan.unroll)
+    launch_ = view.cache.get(key)
+    if launch_ is None:
+        launch_ = view.cache[key] = _RowsLaunch(view, x.dtype, f, vec, dw, cf, plan.cut, plan.unroll)
+    return launch_.run(x, w, nbr_scale, row_scale, src_map, n)
 
 
 TC_DTYPES = (torch.float16, torch.bfloat16)
@@ -125,6 +151,7 @@ def _values(view: CSRView, w: torch.Tensor | None, nbr_scale: torch.Tensor | Non
             row_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """(E,) per-edge value of the matrix in ``dtype``: weight times both scales."""
     if w is not None:
+        w = w.reshape(-1)
         v = w if view.edge_perm is None else w.index_select(0, view.edge_perm)
     else:
         v = torch.ones(view.num_edges, dtype=torch.float32 if dtype != torch.float64 else dtype, device=view.device)

@@ -45,7 +45,7 @@ def candidates(view: CSRView, feat: int, dtype: torch.dtype, heads: int) -> list
     base = model_plan(view, feat, dtype, heads)
     if heads != 1:
         return [base]
-    out = [base]
+    out = [base, base.replace(unroll=8 // base.cf)]
     if view.max_degree is None or view.max_degree > base.cut:
         out.append(base.replace(cut=4 * base.cut))
     out += [base.replace(kernel="groups"), base.replace(kernel="cusparse")]

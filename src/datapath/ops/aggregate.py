@@ -51,6 +51,20 @@ def _check_reduce(reduce: str, norm: str | None) -> None:
         raise ValueError(f"norm='gcn' is a normalized sum; use reduce='sum' (got {reduce!r})")
 
 
+def _spec(csr: CSRView, reduce: str, norm: str | None, sdt: torch.dtype, heads: int, ids: torch.Tensor | None,
+          plan: Any, on_host: bool, grad_x: bool) -> AggSpec:
+    row_scale = col_scale = None
+    variant = reduce
+    if reduce == "mean":
+        row_scale = csr.row_scale("mean", sdt)
+    elif norm == "gcn":
+        variant = "gcn"
+        row_scale = csr.row_scale("gcn", sdt)
+        col_scale = csr.col_scale_gcn(sdt)
+    return AggSpec("max" if reduce == "max" else "sum", row_scale, col_scale, heads, ids, plan, on_host, variant,
+                   grad_x)
+
+
 def aggregate(graph: Any, x: torch.Tensor, reduce: str = "sum", edge_weight: torch.Tensor | None = None,
               norm: str | None = None, src_ids: torch.Tensor | None = None, plan: Any = None) -> torch.Tensor:
     """Aggregate source features into destination rows: ``out[d] = REDUCE_{e in row d} w_e * x[src_e]``.
@@ -114,18 +128,16 @@ def aggregate(graph: Any, x: torch.Tensor, reduce: str = "sum", edge_weight: tor
     if feat == 0 or csr.num_dst == 0:
         out = torch.zeros(csr.num_dst, *tail, dtype=x.dtype, device=device)
         return out + 0 * xf.sum() if xf.requires_grad and torch.is_grad_enabled() else out
-    row_scale = col_scale = None
-    sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    variant = reduce
-    if reduce == "mean":
-        row_scale = csr.row_scale("mean", sdt)
-    elif norm == "gcn":
-        variant = "gcn"
-        row_scale = csr.row_scale("gcn", sdt)
-        col_scale = csr.col_scale_gcn(sdt)
     grad = torch.is_grad_enabled() and (xf.requires_grad or (w is not None and w.requires_grad))
-    spec = AggSpec("max" if reduce == "max" else "sum", row_scale, col_scale, heads, ids, plan, on_host, variant,
-                   grad and xf.requires_grad)
+    grad_x = grad and xf.requires_grad
+    sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if ids is None and plan is None and heads == 1:  # the common call: its spec is kept with the graph
+        key = ("spec", reduce, norm, sdt, grad_x)
+        spec = csr.cache.get(key)
+        if spec is None:
+            spec = csr.cache[key] = _spec(csr, reduce, norm, sdt, 1, None, None, False, grad_x)
+    else:
+        spec = _spec(csr, reduce, norm, sdt, heads, ids, plan, on_host, grad_x)
     backend = _inputs.backend_for(device)
     if grad:
         out = _AggregateFn.apply(xf, w, csr, spec, backend)

@@ -72,6 +72,7 @@ class AggregationPlan:
         cf: ``rows``: column vectors per lane (1 or 2).
         cut: ``rows``: edges per team before a long row is split.
         nt: ``tensor_core``: 8-column tiles per warp (1, 2 or 4).
+        unroll: ``rows``: neighbours per unrolled step (0: ``4 / cf``, four vector loads in flight).
         probed_ms: forward time measured by the probe that chose this plan (None: the model's pick).
     """
 
@@ -89,6 +90,7 @@ class AggregationPlan:
     cf: int = 1
     cut: int = ROW_CUT
     nt: int = 2
+    unroll: int = 0
     probed_ms: float | None = None
 
     @property
@@ -138,6 +140,8 @@ class AggregationPlan:
             raise ValueError(f"cut must be >= 1, got {self.cut}")
         if self.nt not in (1, 2, 4):
             raise ValueError(f"nt must be 1, 2 or 4, got {self.nt}")
+        if self.unroll not in (0, 1, 2, 4, 8):
+            raise ValueError(f"unroll must be 0 (default), 1, 2, 4 or 8, got {self.unroll}")
 
 
 def _next_pow2(n: int) -> int:
