@@ -334,3 +334,65 @@ def test_sampled_blocks_are_trusted_and_correct() -> None:
         dst = torch.repeat_interleave(torch.arange(b.num_dst_nodes), b.in_degrees())
         ref.index_add_(0, dst, x[b.indices])
         torch.testing.assert_close(aggregate(b, x, reduce="sum"), ref)
+
+
+def test_bad_input_names_the_argument_before_any_kernel_runs() -> None:
+    g = make_graph("cpu")
+    x = torch.randn(g.num_src_nodes, 4)
+    unsorted = g.indptr.clone()
+    unsorted[10], unsorted[11] = g.indptr[11] + 3, g.indptr[10]
+    cases = [
+        ((g.indptr.float(), g.indices, g.num_src_nodes), GraphFormatError, "graph.indptr must be int32 or int64"),
+        ((g.indptr, g.indices.float(), g.num_src_nodes), GraphFormatError, "graph.indices must be int32 or int64"),
+        ((unsorted, g.indices, g.num_src_nodes), GraphFormatError, "graph.indptr must be non-decreasing"),
+        ((g.indptr.clone().fill_(0), g.indices, g.num_src_nodes), GraphFormatError, "graph.indptr must start at 0"),
+        ((g.indptr, g.indices.clone().fill_(-1), g.num_src_nodes), GraphIndexError, "graph.indices range"),
+        ((g.indptr.view(1, -1), g.indices, g.num_src_nodes), GraphFormatError, "graph.indptr and graph.indices must be 1-D"),
+    ]
+    for graph, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            aggregate(graph, x)
+    with pytest.raises(UnsupportedDtypeError, match="x has dtype torch.int64"):
+        aggregate(g, x.long())
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        aggregate(g, x, "min")
+    with pytest.raises(ValueError, match="norm must be None or 'gcn'"):
+        aggregate(g, x, norm="sym")
+    with pytest.raises(UnsupportedDtypeError, match="edge_weight"):
+        aggregate(g, x, edge_weight=torch.ones(g.indices.numel(), dtype=torch.int32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_inputs_give_empty_results(device: str) -> None:
+    """Issue 14: zero rows or zero width give an empty (or zero) result, and a zero gradient."""
+    for nd, ns, f in ((0, 5, 8), (6, 5, 0), (6, 0, 8), (0, 0, 0)):
+        g = CSRGraph(torch.zeros(nd + 1, dtype=torch.int64, device=device),
+                     torch.empty(0, dtype=torch.int64, device=device), ns, nd)
+        for shape in ((ns, f), (ns, 2, f)):
+            x = torch.randn(*shape, device=device, requires_grad=True)
+            for reduce in ("sum", "mean", "max"):
+                out = aggregate(g, x, reduce)
+                assert out.shape == (nd, *shape[1:]) and bool((out == 0).all())
+                out.sum().backward()
+                assert x.grad.shape == x.shape and bool((x.grad == 0).all())
+                x.grad = None
+
+
+def test_plan_api() -> None:
+    from datapath.ops import KERNELS, AggregationPlan
+
+    g = make_graph("cpu")
+    p = plan_aggregation(g, 64, torch.bfloat16)
+    assert isinstance(p, AggregationPlan) and p.kernel == "rows" and p.probed_ms is None
+    assert p.vec == 8 and p.dw == 8 and p.chunks == 1
+    for k in KERNELS:
+        assert plan_aggregation(g, 64, kernel=k).kernel == k
+    assert plan_aggregation(g, 602).chunks == 5  # vec 2, 32 lanes, two vectors per lane: 128 columns a team
+    with pytest.raises(ValueError, match="kernel"):
+        plan_aggregation(g, 64, kernel="magic")
+    with pytest.raises(ValueError, match="unroll"):
+        plan_aggregation(g, 64, unroll=3)
+    with pytest.raises(ValueError, match="probe"):
+        plan_aggregation(g, 64, probe=True)  # the probe times CUDA kernels; the graph is on the CPU
+    x = torch.randn(g.num_src_nodes, 64)
+    torch.testing.assert_close(aggregate(g, x, plan=p.replace(vec=4)), aggregate(g, x))  # ignored on the CPU
