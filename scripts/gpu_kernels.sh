@@ -15,7 +15,7 @@ T0=$(date +%s)
 step() { echo "=== $1 ($(( $(date +%s) - T0 )) s)"; }
 if [[ $MODE == check ]]; then
   step tests
-  timeout 200 python -m pytest -q -rf -p no:cacheprovider tests/ops tests/nn > "$OUT/tests.log" 2>&1
+  timeout 200 python -m pytest -q -rf -p no:cacheprovider tests/ops tests/nn tests/graph > "$OUT/tests.log" 2>&1
   echo "pytest rc=$?"; tail -n 25 "$OUT/tests.log"
   step aggregate
   timeout 170 python benchmarks/aggregate.py --candidates --parts fixed,spmm,fused --repeat 3 \
@@ -27,7 +27,7 @@ if [[ $MODE == check ]]; then
   tail -n 60 "$OUT/bench.log"
 elif [[ $MODE == profile ]]; then
   step tests
-  timeout 150 python -m pytest -q -rf -p no:cacheprovider tests/ops tests/nn > "$OUT/tests.log" 2>&1
+  timeout 150 python -m pytest -q -rf -p no:cacheprovider tests/ops tests/nn tests/graph > "$OUT/tests.log" 2>&1
   echo "pytest rc=$?"; grep -E "FAILED|passed|failed" "$OUT/tests.log" | tail -n 15
   step profile
   timeout 120 python scripts/profile_aggregate.py --out /tmp > "$OUT/profile.log" 2>&1
@@ -45,7 +45,7 @@ elif [[ $MODE == profile ]]; then
   grep -E "fused_|/|layer|reorder|fixed" "$OUT/bench.log" | tail -n 40
 else
   step tests
-  timeout 170 python -m pytest -q -rf -p no:cacheprovider tests/ops tests/nn > "$OUT/tests.log" 2>&1
+  timeout 170 python -m pytest -q -rf -p no:cacheprovider tests/ops tests/nn tests/graph > "$OUT/tests.log" 2>&1
   echo "pytest rc=$?"; tail -n 8 "$OUT/tests.log"
   step aggregate
   timeout 330 python benchmarks/aggregate.py --repeat 5 > "$OUT/bench.log" 2>&1

@@ -79,6 +79,7 @@ def test_row_split_long_rows(dtype: torch.dtype, trusted: bool, cut: int) -> Non
     g = CSRGraph(g.indptr, g.indices, g.num_src_nodes, g.num_dst_nodes, trusted=trusted)
     _run(g, "rows", dtype, "gcn_weighted", 40, TOL[dtype], cut=cut)
     _run(g, "rows", dtype, "mean", 128, TOL[dtype], cut=cut, cf=2)
+    _run(g, "rows", dtype, "sum", 602, TOL[dtype], cut=cut, cf=4)
 
 
 def test_tensor_core_tf32() -> None:

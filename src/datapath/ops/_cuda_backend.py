@@ -81,13 +81,12 @@ def _groups(view: CSRView, ngs: int) -> _Groups:
 
 
 def _schedule(view: CSRView, plan: AggregationPlan, dtype: torch.dtype) -> None:
-    """Build what ``plan``'s kernel reads for ``view`` (cached; no host synchronisation except the
-    tensor-core translation)."""
+    """Build what ``plan``'s kernel reads for ``view`` and its launch for aligned rows (cached; no host
+    synchronisation except the tensor-core translation)."""
     if plan.kernel == "groups":
-        _groups(view, plan.ngs)
+        _pull_launch(view, dtype, plan.feat_dim, 1, plan, plan.vec, plan.dw)
     elif plan.kernel == "rows":
-        if view.max_degree is None or view.max_degree > plan.cut:
-            _spmm._tail_cum(view, plan.cut)
+        _spmm.rows_launch(view, dtype, plan.feat_dim, plan.vec, plan.dw, plan.cf, plan)
     elif plan.kernel == "tensor_core" and _spmm.tensor_core_ok(dtype):
         _spmm.translation(view, dtype)
     elif plan.kernel == "cusparse":
@@ -136,26 +135,37 @@ def _vec_dw(plan: AggregationPlan, feat: int, head_dim: int, elem: int, *tensors
     return vec, min(32, 1 << max(0, (feat // vec - 1).bit_length()))
 
 
+def _pull_launch(view: CSRView, dtype: torch.dtype, feat: int, heads: int, plan: AggregationPlan, vec: int,
+                 dw: int) -> tuple[_launch.PackedLaunch | None, bool]:
+    """The neighbor-group pull's launch for this view and layout (kept with the view)."""
+    def make() -> tuple[_launch.PackedLaunch | None, bool]:
+        grp = _groups(view, plan.ngs)
+        if grp.count == 0:
+            return None, False
+        acc = acc_dtype(dtype)
+        tpb = max(plan.threads_per_block, dw)
+        teams = tpb // dw
+        combine = 1 if grp.max_per_row > 1 else 0
+        smem = (tpb * vec * acc.itemsize + teams * 4) if combine else 0
+        args = (_p(view.indptr), _p(view.indices), _p(view.edge_perm), _p(grp.row), _p(grp.beg), np.int64(grp.n_arg),
+                np.int32(plan.ngs), None, None, None, np.int32(heads), np.int32(feat // heads), None, None, None,
+                np.int32(feat), np.int32(dw), np.int32(combine))
+        fn = _fn("agg_pull", dtype, vec, view.indices.dtype)
+        return _launch.PackedLaunch(fn, (-(-grp.count // teams),), tpb, args, (7, 8, 9, 12, 13, 14), smem), True
+    return view.cached(("pull_launch", dtype, feat, heads, plan.ngs, vec, dw, plan.threads_per_block), make)
+
+
 def _pull(view: CSRView, x: torch.Tensor, src_map: torch.Tensor | None, w: torch.Tensor | None, heads: int,
           nbr_scale: torch.Tensor | None, row_scale: torch.Tensor | None, plan: AggregationPlan) -> torch.Tensor:
     """(num_dst, F) accumulation-dtype result of the neighbor-group pull kernel (GNNAdvisor)."""
     feat = x.shape[1]
-    acc = acc_dtype(x.dtype)
-    n = view.num_dst
-    grp = _groups(view, plan.ngs)
-    out = torch.zeros(n, feat, dtype=acc, device=x.device)  # rows of several groups add atomically
-    if grp.count == 0 or feat == 0:
+    out = torch.zeros(view.num_dst, feat, dtype=acc_dtype(x.dtype), device=x.device)  # rows of several groups add
+    if feat == 0 or view.num_dst == 0:
         return out
     vec, dw = _vec_dw(plan, feat, feat // heads, x.element_size(), x)
-    tpb = max(plan.threads_per_block, dw)
-    teams = tpb // dw
-    combine = 1 if grp.max_per_row > 1 else 0
-    smem = (tpb * vec * acc.itemsize + teams * 4) if combine else 0
-    kern = _fn("agg_pull", x.dtype, vec, view.indices.dtype)
-    _go(kern, -(-grp.count // teams), tpb, (
-        _p(view.indptr), _p(view.indices), _p(view.edge_perm), _p(grp.row), _p(grp.beg), np.int64(grp.n_arg),
-        np.int32(plan.ngs), _p(x), _p(src_map), _p(w), np.int32(heads), np.int32(feat // heads), _p(nbr_scale),
-        _p(row_scale), _p(out), np.int32(feat), np.int32(dw), np.int32(combine)), x.device, shared_mem=smem)
+    launch, ok = _pull_launch(view, x.dtype, feat, heads, plan, vec, dw)
+    if ok:
+        launch(x.device.index, x, src_map, w, nbr_scale, row_scale, out)
     return out
 
 
@@ -214,36 +224,10 @@ def _fused(csr: CSRView, x: torch.Tensor, w: torch.Tensor | None, spec: AggSpec)
                            src_map=spec.src_ids)
     t = csr.transposed()
     ids = spec.src_ids
-    order = t.cached(("push_order", ids.data_ptr(), ids._version, ids.numel()),
-                     lambda: torch.argsort(ids).to(torch.int32))
-    return _push_rows(t, csr.num_dst, x, ids, order, w, spec.col_scale, spec.row_scale, spec.heads, plan)
-
-
-def _push_rows(t: CSRView, num_out: int, x: torch.Tensor, row_map: torch.Tensor, order: torch.Tensor,
-               w: torch.Tensor | None, src_scale: torch.Tensor | None, dst_scale: torch.Tensor | None, heads: int,
-               plan: AggregationPlan) -> torch.Tensor:
-    """(num_out, F) x.dtype: the pipelined push (``fused_push.cu``) over the transposed block ``t``."""
-    feat = x.shape[1]
-    if heads != 1:  # per-head weights: the general scatter kernel
-        out = _push(t, num_out, x, row_map, w, heads, None, src_scale, plan, _PUSH_NGS, align=True,
-                    grp=_push_order(t, row_map))
-        if dst_scale is not None:
-            out.mul_(dst_scale.unsqueeze(1))
-        return out.to(x.dtype)
-    out = torch.zeros(num_out, feat, dtype=acc_dtype(x.dtype), device=x.device)
-    n = t.num_dst
-    if n == 0 or feat == 0 or t.num_edges == 0:
-        return out.to(x.dtype)
-    vec = _launch.aligned_vec(plan.vec, feat, x.element_size(), x)
-    wpl = -(-(feat // vec) // 32)
-    warps = min(n, _launch.multiprocessors(x.device.index) * 48)
-    per_warp = -(-n // warps)
-    warps = -(-n // per_warp)
-    kern = _launch.function("fused_push.cu", "push_rows",
-                            _launch.options(x.dtype, vec, t.indices.dtype, f"-DDP_WPL={wpl}"))
-    _go(kern, -(-warps // 8), 256, (
-        _p(t.indptr), _p(t.indices), _p(t.edge_perm), _p(order), np.int64(n), np.int64(per_warp), _p(row_map),
-        _p(x), _p(w), _p(src_scale), _p(dst_scale), _p(out), np.int32(feat)), x.device)
+    order = t.cached(("push_order", ids.data_ptr(), ids._version, ids.numel()), lambda: _push_order(t, ids))
+    out = _push(t, csr.num_dst, x, ids, w, spec.heads, None, spec.col_scale, plan, _PUSH_NGS, align=True, grp=order)
+    if spec.row_scale is not None:
+        out.mul_(spec.row_scale.unsqueeze(1))
     return out.to(x.dtype)
 
 

@@ -40,7 +40,7 @@ def _tail_cum(view: CSRView, cut: int) -> torch.Tensor:
 class _RowsLaunch:
     """Everything about a row-split launch that does not change between calls (kept with the view)."""
 
-    __slots__ = ("head", "tail", "grid_head", "grid_tail", "prefix", "tail_prefix", "wide_acc", "tail_args")
+    __slots__ = ("head", "tail", "wide_acc")
 
     def __init__(self, view: CSRView, dtype: torch.dtype, f: int, vec: int, dw: int, cf: int, cut: int,
                  unroll: int) -> None:
@@ -49,36 +49,36 @@ class _RowsLaunch:
         tail = view.max_degree is None or view.max_degree > cut
         pieces = view.num_edges // cut if tail else 0
         self.wide_acc = pieces > 0 and dtype not in (torch.float32, torch.float64)
-        extra = [f"-DDP_CF={cf}", f"-DDP_UNROLL={unroll or ROWS_UNROLL[cf]}"] + (["-DDP_OUT_ACC"] if self.wide_acc else [])
+        extra = [f"-DDP_CF={cf}", f"-DDP_UNROLL={unroll or ROWS_UNROLL[cf]}"] + (
+            ["-DDP_OUT_ACC"] if self.wide_acc else [])
         opts = _launch.options(dtype, vec, view.indices.dtype, *extra)
         teams_per_block = ROWS_THREADS // dw
-        self.head = _launch.function("spmm_rows.cu", "agg_rows", opts)
-        self.grid_head = (-(-(n * chunks) // teams_per_block),)
-        self.prefix = (ptr(view.indptr), ptr(view.indices), ptr(view.edge_perm), np.int64(n), np.int32(chunks),
-                       np.int64(cut))
-        self.tail_args = (np.int32(f), np.int32(dw))
+        prefix = (ptr(view.indptr), ptr(view.indices), ptr(view.edge_perm), np.int64(n), np.int32(chunks),
+                  np.int64(cut))
+        call = (None,) * 6 + (np.int32(f), np.int32(dw))  # x, src_map, w, nbr_scale, row_scale, out; F, dw
+        self.head = _launch.PackedLaunch(_launch.function("spmm_rows.cu", "agg_rows", opts),
+                                         (-(-(n * chunks) // teams_per_block),), ROWS_THREADS, prefix + call,
+                                         range(6, 12))
         self.tail = None
         if pieces > 0:
-            self.tail = _launch.function("spmm_rows.cu", "agg_rows_tail", opts)
-            self.grid_tail = (-(-(pieces * chunks) // teams_per_block),)
-            self.tail_prefix = self.prefix + (ptr(_tail_cum(view, cut)),)
+            self.tail = _launch.PackedLaunch(_launch.function("spmm_rows.cu", "agg_rows_tail", opts),
+                                             (-(-(pieces * chunks) // teams_per_block),), ROWS_THREADS,
+                                             prefix + (ptr(_tail_cum(view, cut)),) + call, range(7, 13))
 
     def run(self, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torch.Tensor | None,
             row_scale: torch.Tensor | None, src_map: torch.Tensor | None, n: int) -> torch.Tensor:
         f = x.shape[1]
         out = torch.empty((n, f), dtype=torch.float32, device=x.device) if self.wide_acc else x.new_empty((n, f))
-        args = (ptr(x), ptr(src_map), ptr(w), ptr(nbr_scale), ptr(row_scale), ptr(out)) + self.tail_args
-        stream = _launch.current_stream(x.device.index)
-        self.head(self.grid_head, _ROWS_BLOCK, self.prefix + args, 0, stream)
+        dev = x.device.index
+        self.head(dev, x, src_map, w, nbr_scale, row_scale, out)
         if self.tail is not None:
-            self.tail(self.grid_tail, _ROWS_BLOCK, self.tail_prefix + args, 0, stream)
+            self.tail(dev, x, src_map, w, nbr_scale, row_scale, out)
             if self.wide_acc:
                 return out.to(x.dtype)
         return out
 
 
-_ROWS_BLOCK = (ROWS_THREADS,)
-ROWS_UNROLL = {1: 4, 2: 2}
+ROWS_UNROLL = {1: 4, 2: 2, 4: 1}
 """Neighbours per unrolled step of a rows team, by column vectors per lane (4 vector loads in flight)."""
 
 
@@ -93,11 +93,17 @@ def rows(view: CSRView, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torc
         vec = aligned_vec(vec, f, x.element_size(), x)
         nv = f // vec
         dw, cf = min(32, _next_pow2(nv)), (2 if nv > 32 else 1)
-    key = ("rows_launch", x.dtype, f, vec, dw, cf, plan.cut, plan.unroll)
+    return rows_launch(view, x.dtype, f, vec, dw, cf, plan).run(x, w, nbr_scale, row_scale, src_map, n)
+
+
+def rows_launch(view: CSRView, dtype: torch.dtype, f: int, vec: int, dw: int, cf: int,
+                plan: AggregationPlan) -> _RowsLaunch:
+    """The row-split launch for this view and layout (compiled and kept with the view on first use)."""
+    key = ("rows_launch", dtype, f, vec, dw, cf, plan.cut, plan.unroll)
     launch_ = view.cache.get(key)
     if launch_ is None:
-        launch_ = view.cache[key] = _RowsLaunch(view, x.dtype, f, vec, dw, cf, plan.cut, plan.unroll)
-    return launch_.run(x, w, nbr_scale, row_scale, src_map, n)
+        launch_ = view.cache[key] = _RowsLaunch(view, dtype, f, vec, dw, cf, plan.cut, plan.unroll)
+    return launch_
 
 
 TC_DTYPES = (torch.float16, torch.bfloat16)

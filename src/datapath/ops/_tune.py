@@ -46,6 +46,8 @@ def candidates(view: CSRView, feat: int, dtype: torch.dtype, heads: int) -> list
     if heads != 1:
         return [base]
     out = [base, base.replace(unroll=8 // base.cf)]
+    if feat // base.vec > 64:  # wide rows: four vectors per lane, fewer teams per row
+        out.append(base.replace(cf=4))
     if view.max_degree is None or view.max_degree > base.cut:
         out.append(base.replace(cut=4 * base.cut))
     out += [base.replace(kernel="groups"), base.replace(kernel="cusparse")]

@@ -65,6 +65,14 @@ def _spec(csr: CSRView, reduce: str, norm: str | None, sdt: torch.dtype, heads: 
                    grad_x)
 
 
+def _kept_spec(csr: CSRView, reduce: str, norm: str | None, sdt: torch.dtype, grad_x: bool) -> AggSpec:
+    key = ("spec", reduce, norm, sdt, grad_x)
+    spec = csr.cache.get(key)
+    if spec is None:
+        spec = csr.cache[key] = _spec(csr, reduce, norm, sdt, 1, None, None, False, grad_x)
+    return spec
+
+
 def aggregate(graph: Any, x: torch.Tensor, reduce: str = "sum", edge_weight: torch.Tensor | None = None,
               norm: str | None = None, src_ids: torch.Tensor | None = None, plan: Any = None) -> torch.Tensor:
     """Aggregate source features into destination rows: ``out[d] = REDUCE_{e in row d} w_e * x[src_e]``.
@@ -132,10 +140,7 @@ def aggregate(graph: Any, x: torch.Tensor, reduce: str = "sum", edge_weight: tor
     grad_x = grad and xf.requires_grad
     sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     if ids is None and plan is None and heads == 1:  # the common call: its spec is kept with the graph
-        key = ("spec", reduce, norm, sdt, grad_x)
-        spec = csr.cache.get(key)
-        if spec is None:
-            spec = csr.cache[key] = _spec(csr, reduce, norm, sdt, 1, None, None, False, grad_x)
+        spec = _kept_spec(csr, reduce, norm, sdt, grad_x)
     else:
         spec = _spec(csr, reduce, norm, sdt, heads, ids, plan, on_host, grad_x)
     backend = _inputs.backend_for(device)
@@ -180,11 +185,6 @@ def prepare_aggregation(graph: Any, feat: int, dtype: torch.dtype = torch.float3
     if prep is None:
         return []
     sdt = torch.float64 if dtype == torch.float64 else torch.float32
-    variant = reduce
-    if reduce == "mean":
-        csr.row_scale("mean", sdt)
-    elif norm == "gcn":
-        variant = "gcn"
-        csr.row_scale("gcn", sdt)
-        csr.col_scale_gcn(sdt)
-    return prep(csr, int(feat), dtype, backward, plan, variant)
+    for grad_x in (False, True):
+        spec = _kept_spec(csr, reduce, norm, sdt, grad_x)  # builds the scale vectors
+    return prep(csr, int(feat), dtype, backward, plan, spec.variant)

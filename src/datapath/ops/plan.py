@@ -69,7 +69,7 @@ class AggregationPlan:
         fused: with ``src_ids`` over a host table: ``"push"`` reads every source row once and
             scatters it, ``"pull"`` reads a row per edge; ``"auto"``: push for host tables.
         kernel: one of `KERNELS`.
-        cf: ``rows``: column vectors per lane (1 or 2).
+        cf: ``rows``: column vectors per lane (1, 2 or 4).
         cut: ``rows``: edges per team before a long row is split.
         nt: ``tensor_core``: 8-column tiles per warp (1, 2 or 4).
         unroll: ``rows``: neighbours per unrolled step (0: ``4 / cf``, four vector loads in flight).
@@ -134,8 +134,8 @@ class AggregationPlan:
             raise ValueError(f"backward must be one of {BACKWARD_MODES}, got {self.backward!r}")
         if self.fused not in FUSED_MODES:
             raise ValueError(f"fused must be one of {FUSED_MODES}, got {self.fused!r}")
-        if self.cf not in (1, 2):
-            raise ValueError(f"cf must be 1 or 2, got {self.cf}")
+        if self.cf not in (1, 2, 4):
+            raise ValueError(f"cf must be 1, 2 or 4, got {self.cf}")
         if self.cut < 1:
             raise ValueError(f"cut must be >= 1, got {self.cut}")
         if self.nt not in (1, 2, 4):
