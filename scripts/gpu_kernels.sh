@@ -48,10 +48,10 @@ else
   timeout 150 python -m pytest -q -rf -p no:cacheprovider tests/ops tests/nn tests/graph > "$OUT/tests.log" 2>&1
   echo "pytest rc=$?"; grep -E "FAILED|passed|failed" "$OUT/tests.log" | tail -n 12
   step aggregate
-  timeout 290 python benchmarks/aggregate.py --repeat 5 > "$OUT/bench.log" 2>&1
+  timeout 260 python benchmarks/aggregate.py --repeat 5 > "$OUT/bench.log" 2>&1
   echo "aggregate rc=$?"
   step full_graph
-  timeout 130 python benchmarks/full_graph.py > "$OUT/full.log" 2>&1
+  timeout 120 python benchmarks/full_graph.py > "$OUT/full.log" 2>&1
   echo "full_graph rc=$?"; tail -n 30 "$OUT/full.log"; tail -n 60 "$OUT/bench.log"
 fi
 step done
