@@ -47,12 +47,12 @@ def test_matches_pyg_and_trains(name: str, device: str) -> None:
 def test_gin_projects_first_only_when_exact() -> None:
     g, _ = seed_graph("citeseer")
     x = torch.randn(g.num_dst_nodes, 32, dtype=torch.float64)
-    lin = nn.Linear(32, 8).double()
-    layer = GINConv(lin, eps=0.3)
-    assert layer._projects_first(32) and not GINConv(nn.Linear(8, 32))._projects_first(8)
     from datapath.ops import aggregate
-    ref = lin(aggregate(g, x) + 1.3 * x)
-    torch.testing.assert_close(layer(g, x), ref)
+
+    for lin in (nn.Linear(32, 8).double(), nn.Linear(32, 48).double(),
+                nn.Sequential(nn.Linear(32, 8), nn.ReLU()).double()):  # narrowing, widening, not linear
+        layer = GINConv(lin, eps=0.3)
+        torch.testing.assert_close(layer(g, x), lin(aggregate(g, x) + 1.3 * x))
 
 
 def test_bad_arguments() -> None:
