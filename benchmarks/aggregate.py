@@ -137,7 +137,8 @@ def bench_spmm(graphs: dict[str, CSRGraph], widths: tuple[int, ...], dtypes: dic
                 from datapath.ops import as_csr  # noqa: PLC0415 - the backward's plan, for the record
 
                 bwd = as_csr(g).transposed().cache.get(("plan", f, dt, "sum", False, 1))
-                row = {"graph": name, "nodes": g.num_dst_nodes, "edges": e, "F": f, "dtype": dname,
+                row = {"device": torch.cuda.get_device_name(), "graph": name, "nodes": g.num_dst_nodes, "edges": e,
+                       "F": f, "dtype": dname,
                        "kernel_fwd": plan.kernel, "kernel_bwd": bwd.kernel if bwd is not None else None,
                        "plan": str(plan), "probe_ms": t_probe,
                        **{f"{w}_fwd_ms": v[0] for w, v in res.items()},
@@ -165,7 +166,7 @@ def bench_fixed(repeat: int = 300) -> dict:
     a, _ = csr_tensors(g, torch.float32)
     ways = {"datapath": lambda: aggregate(g, x), "datapath_mean": lambda: aggregate(g, x, "mean"),
             "cusparse": lambda: torch.sparse.mm(a, x)}
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name()}
     with torch.no_grad():
         for w, fn in ways.items():
             out[f"{w}_event_ms"] = cuda_time_ms(fn, warmup=20, repeat=50)
@@ -177,7 +178,7 @@ def bench_fixed(repeat: int = 300) -> dict:
             out[f"{w}_host_us"] = (time.perf_counter() - t0) / repeat * 1e6
     out["ratio_event_vs_cusparse"] = out["datapath_event_ms"] / out["cusparse_event_ms"]
     out["ratio_host_vs_cusparse"] = out["datapath_host_us"] / out["cusparse_host_us"]
-    print("  fixed cost: " + ", ".join(f"{k}={v:.4g}" for k, v in out.items()), flush=True)
+    print("  fixed cost: " + ", ".join(f"{k}={v:.4g}" for k, v in out.items() if k != "device"), flush=True)
     return out
 
 
@@ -193,7 +194,7 @@ def bench_reorder(graphs: dict[str, CSRGraph], repeat: int) -> list[dict]:
             t0 = time.perf_counter()
             g = g0 if method == "none" else reorder(g0, method)[0]
             t_reorder = time.perf_counter() - t0
-            rec = {"graph": name, "method": method, "reorder_s": t_reorder,
+            rec = {"device": torch.cuda.get_device_name(), "graph": name, "method": method, "reorder_s": t_reorder,
                    "unique_nbrs_per_window": window_locality(g)}
             for dname, dt, f in (("float32", torch.float32, 64), ("bfloat16", torch.bfloat16, 64)):
                 x = torch.randn(g.num_src_nodes, f, device="cuda").to(dt)
@@ -239,7 +240,7 @@ def bench_layers(graphs: dict[str, CSRGraph], repeat: int, fin: int = 128, fout:
                 err = float((ours(g, x) - theirs(x, edge_index)).abs().max())
             t_ours = time_pair(lambda x: ours(g, x), x, gy, repeat)
             t_pyg = time_pair(lambda x: theirs(x, edge_index), x, gy, repeat)
-            rows.append({"graph": name, "layer": kind, "in": fin, "out": fout, "max_abs_diff": err,
+            rows.append({"device": torch.cuda.get_device_name(), "graph": name, "layer": kind, "in": fin, "out": fout, "max_abs_diff": err,
                          "datapath_fwd_ms": t_ours[0], "datapath_fb_ms": t_ours[1], "pyg_fwd_ms": t_pyg[0],
                          "pyg_fb_ms": t_pyg[1], "speedup_fwd": t_pyg[0] / t_ours[0],
                          "speedup_fb": t_pyg[1] / t_ours[1]})
@@ -317,7 +318,7 @@ def bench_fused(shape: str, num_nodes: int, feat: int, batch: int, fanouts: tupl
         ms[way] = cuda_time_ms(fn, warmup=2, repeat=repeat)
         print(f"    {way:>24}: {ms[way]:.3f} ms", flush=True)
     src_bytes = ns * feat * 4
-    rec = {"shape": shape, "num_nodes": num_nodes, "feat": feat, "batch": batch, "fanouts": list(fanouts),
+    rec = {"device": torch.cuda.get_device_name(), "shape": shape, "num_nodes": num_nodes, "feat": feat, "batch": batch, "fanouts": list(fanouts),
            "block_dst": nd, "block_src": ns, "block_edges": e, "ms": ms,
            "src_rows_gbps": {k: src_bytes / v / 1e6 for k, v in ms.items()}}
     for mode in ("cold", "prepared"):

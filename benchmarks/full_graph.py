@@ -63,7 +63,7 @@ def bench(name: str, model_name: str, warmup: int, repeat: int) -> dict:
         a, b = ours(g, x), theirs(g, x)
         diff = float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
     setup_s = time.perf_counter() - t0
-    rec: dict[str, Any] = {"graph": name, "model": model_name, "nodes": n, "edges": int(g.indices.numel()),
+    rec: dict[str, Any] = {"device": torch.cuda.get_device_name(), "graph": name, "model": model_name, "nodes": n, "edges": int(g.indices.numel()),
                            "features": spec.num_features, "classes": spec.num_classes, "rel_diff": diff,
                            "setup_s": setup_s}
     for label, model in (("datapath", ours), ("pyg", theirs)):
