@@ -36,7 +36,7 @@ from benchmarks._common import RESULTS_DIR, cuda_time_ms, print_table, write_res
 from datapath import memory
 from datapath.graph import CSRGraph
 from datapath.ops import KERNELS, aggregate, plan_aggregation, prepare_aggregation
-from datapath.testing.graphs import seed_graph
+from datapath.testing import seed_graph
 
 GRAPHS = ("citeseer", "ppi", "OVCAR-8H", "amazon0505", "artist", "soc-BlogCatalog")
 WIDTHS = (16, 64, 128, 602)
@@ -183,7 +183,7 @@ def bench_fixed(repeat: int = 300) -> dict:
 
 
 def bench_reorder(graphs: dict[str, CSRGraph], repeat: int) -> list[dict]:
-    from datapath.graph.reorder import reorder, window_locality  # noqa: PLC0415
+    from datapath.graph import reorder, window_locality  # noqa: PLC0415
 
     rows = []
     for name in ("amazon0505", "soc-BlogCatalog", "artist"):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from benchmarks._common import RESULTS_DIR, print_table, write_result
 from datapath.nn import build_full_graph_model
-from datapath.testing.graphs import SEED_GRAPHS, seed_graph
+from datapath.testing import SEED_GRAPHS, seed_graph
 
 
 def _median_ms(fn: Any, warmup: int, repeat: int) -> float:

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from datapath.graph import CSRGraph, Graph
-from datapath.graph.reorder import METHODS, reorder, window_locality
+from datapath.graph import REORDER_METHODS as METHODS, reorder, window_locality
 from datapath.ops import aggregate
-from datapath.testing.graphs import power_law_csr
+from datapath.testing import power_law_csr
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

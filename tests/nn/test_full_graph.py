@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from datapath.nn import GCN, GIN, GINConv, build_full_graph_model
-from datapath.testing.graphs import seed_graph
+from datapath.testing import seed_graph
 
 pytest.importorskip("torch_geometric")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

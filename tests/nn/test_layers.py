@@ -9,7 +9,7 @@ from torch import nn
 
 from datapath.nn import GATConv, GCNConv, GINConv, SAGEConv
 from datapath.graph import CSRGraph
-from datapath.testing.graphs import power_law_csr
+from datapath.testing import power_law_csr
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from datapath.graph import CSRGraph
 from datapath.nn import GAT, GCN, GIN, GATConv, GCNConv, GINConv, GraphSAGE, SAGEConv
-from datapath.testing.graphs import power_law_csr
+from datapath.testing import power_law_csr
 
 pytestmark = pytest.mark.gpu
 

@@ -15,8 +15,8 @@ from datapath.ops import (
     cached_keys,
     plan_aggregation,
 )
-from datapath.testing.graphs import power_law_csr
-from datapath.testing.graphs import reference_aggregate as ref_aggregate
+from datapath.testing import power_law_csr
+from datapath.testing import reference_aggregate as ref_aggregate
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TOL = {torch.float32: (2e-5, 2e-5), torch.float64: (1e-10, 1e-10),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from datapath.ops import FeatureShapeError, edge_softmax, sddmm
-from datapath.testing.graphs import power_law_csr
+from datapath.testing import power_law_csr
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

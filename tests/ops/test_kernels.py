@@ -11,7 +11,7 @@ import torch
 
 from datapath.graph import CSRGraph
 from datapath.ops import KERNELS, aggregate, cached_keys, plan_aggregation
-from datapath.testing.graphs import power_law_csr, reference_aggregate
+from datapath.testing import power_law_csr, reference_aggregate
 
 pytestmark = pytest.mark.gpu
 

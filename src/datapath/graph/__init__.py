@@ -11,9 +11,11 @@ from datapath.graph.csr import CSR, CSRGraph
 from datapath.graph.datasets import Dataset, get_dataset, load_dataset, prepare_dataset
 from datapath.graph.errors import DatasetError, InvalidGraphError
 from datapath.graph.graph import Graph, validate_csr
+from datapath.graph.reordering import METHODS as REORDER_METHODS, permute, reorder, window_locality
 from datapath.graph.synthetic import PRESETS, SyntheticSpec, generate, papers_spec, preset_spec
 
 __all__ = [
     "CSR", "CSRGraph", "Dataset", "DatasetError", "Graph", "InvalidGraphError", "PRESETS", "SyntheticSpec",
-    "generate", "get_dataset", "load_dataset", "papers_spec", "prepare_dataset", "preset_spec", "validate_csr",
+    "REORDER_METHODS", "generate", "get_dataset", "load_dataset", "papers_spec", "permute", "prepare_dataset", "preset_spec",
+    "reorder", "validate_csr", "window_locality",
 ]

@@ -249,6 +249,13 @@ class Graph:
                   num_src_nodes=self.num_src_nodes, validate=False)
         return g
 
+    def reorder(self, method: str = "degree") -> "tuple[Graph, torch.Tensor]":
+        """This graph renumbered for locality (`datapath.graph.reorder`): ``(new_graph, perm)`` with
+        ``perm[new_id] = old_id``; ``"degree"``, ``"rcm"`` or ``"community"``."""
+        from datapath.graph.reordering import reorder  # noqa: PLC0415 - reorder builds Graphs
+
+        return reorder(self, method)
+
     # -- queries ----------------------------------------------------------------------------
     @property
     def num_nodes(self) -> int:
