@@ -142,7 +142,7 @@ def test_rank_path_and_host_budget_split(monkeypatch: pytest.MonkeyPatch) -> Non
     from datapath._runtime import pin_limit_bytes
 
     with offload_rank(None, "host", min_bytes=0, offload_cpu_tensors=True) as cache:
-        budget = cache.host.pool.budget
+        budget = cache.store.budget
     assert budget <= pin_limit_bytes() * 0.8 / 4 * 1.05
 
 

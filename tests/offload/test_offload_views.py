@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from datapath.offload._host_pool import ALIGN, HostPool
-from datapath.offload._views import ViewSpec, is_plain_strided, rebuild, storage_bytes
+from datapath.offload.views import ViewSpec, is_plain_strided, rebuild, storage_bytes
 
 
 def _roundtrip(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,210 @@
+"""``memory_budget=``: fit a step's peak memory in a budget, as fast as this machine allows.
+
+The first forward passes run with everything offloaded (the lowest memory the
+offloader reaches; the first pays one-time costs).  The next one is profiled
+(`BudgetProfile`: segment times and interval memory peaks, measured in the
+allocator's own counters), and `plan_budget` chooses, per saved storage and per
+block, keep, offload or recompute.  A planned step then
+
+- offloads the planned prefix of storages, admitting each store only while the
+  device's allocated memory stays under the budget minus the forward's measured
+  working set (backpressure: the forward waits for stores to drain instead of the
+  allocator growing);
+- recomputes the planned blocks (non-reentrant checkpointing, RNG replayed);
+- loads ahead in the backward only while the memory stays under the budget.
+
+Each step's measured peak is compared with the budget: above it, the plan is
+made again for a budget lowered by the excess (a step whose peak exceeds the
+budget corrects the plan for the next); well below it, once, for a budget raised
+by part of the gap.  A budget below what the profile measured with everything
+offloaded raises `OffloadConfigError` naming that minimum.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import TYPE_CHECKING
+
+from datapath.offload.budget_planner import BudgetPlan, BudgetProfile, SegmentCost, plan_budget
+from datapath.offload.errors import OffloadConfigError
+from datapath.offload.policy import Policy, derived_bound
+from datapath.offload.recompute import already_recomputed, clear_recompute, set_recompute
+from datapath.offload.scopes import Record, Segment
+
+if TYPE_CHECKING:
+    from datapath.offload.cache import TensorCache
+
+log = logging.getLogger("datapath.offload.budget")
+
+WARMUP_RECORDS = 1   # forwards run with everything offloaded before the profiled one
+RELAX_BELOW = 0.96   # a planned step under this share of the budget may relax the plan (once)
+
+
+def _gb(n: float) -> str:
+    """Bytes for a message: GB with 2 decimals, MB below 0.1 GB."""
+    return f"{n / 1e9:.2f} GB" if abs(n) >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+class BudgetPolicy(Policy):
+    """Keep / offload / recompute planned from a profiled step to fit ``budget`` bytes."""
+
+    name = "budget"
+
+    def __init__(self, cache: "TensorCache", budget: int) -> None:
+        super().__init__(cache)
+        self.budget = int(budget)
+        self.target = float(budget)      # the budget the planner aims at (lowered after an overshoot)
+        self.plan: BudgetPlan | None = None
+        self.profile: BudgetProfile | None = None
+        self.last_peak: int | None = None
+        self.peaks: list[int] = []
+        self.replans = 0
+        self._records = 0
+        self._profiling: Record | None = None
+        self._planned_step = False
+        self._overshot = False
+        self._relaxed = False
+        self._head_fwd = 0
+        self._head_bwd = 0
+        self._error: OffloadConfigError | None = None
+
+    # ------------------------------------------------------------ steps
+    def on_step_start(self) -> None:
+        if self._error is not None:
+            raise self._error
+        peak = self.c.meter.lap()
+        rec = self._profiling
+        if rec is not None and rec.complete and rec.backward_started:
+            self.c.scopes.close_lap(rec, peak)
+            self._profiling = None
+            self._make_plan(rec)
+            return
+        if self._planned_step:
+            self._planned_step = False
+            self.last_peak = peak
+            self.peaks.append(peak)
+            self._feedback(peak)
+
+    def _feedback(self, peak: int) -> None:
+        if self.plan is None or self.profile is None:
+            return
+        if peak > self.budget:
+            self._overshot = True
+            self.target -= (peak - self.budget) * 1.1 + 0.002 * self.budget
+            self.c.stats.plan_corrections += 1
+            log.info("memory budget: the step's peak %s exceeded the budget %s; planning for %s",
+                     _gb(peak), _gb(self.budget), _gb(self.target))
+            self._replan()
+        elif (peak < RELAX_BELOW * self.budget and not self._overshot and not self._relaxed
+              and (self.plan.offload_bytes or self.plan.recompute)):
+            self._relaxed = True
+            self.target += 0.7 * (0.985 * self.budget - peak)
+            log.info("memory budget: the step's peak %s is well under the budget %s; planning for %s",
+                     _gb(peak), _gb(self.budget), _gb(self.target))
+            self._replan()
+
+    def on_record_start(self, rec: Record) -> None:
+        rec.distance = self.c.config.flow.prefetch_distance
+        rec.plan = self.plan
+        if self.plan is None and self._profiling is None and self.profile is None \
+                and self._records >= WARMUP_RECORDS:
+            rec.profiling = True
+            self._profiling = rec
+        self._records += 1
+        if self.plan is not None:
+            self._planned_step = True
+
+    def on_record_dropped(self, rec: Record) -> None:
+        if self._profiling is rec:
+            self._profiling = None
+
+    def on_record_done(self, rec: Record) -> None:
+        if self._profiling is rec and not rec.backward_started:
+            self._profiling = None
+
+    # ------------------------------------------------------------ decisions
+    def decide(self, rec: Record, seg: Segment, idx: int, nbytes: int) -> bool:
+        plan = rec.plan
+        if plan is None:
+            return super().decide(rec, seg, idx, nbytes)
+        return plan.offloads(seg.index, seg.offloaded_bytes)
+
+    def admit(self, rec: Record, nbytes: int) -> float:
+        t = self.c.transfers
+        if rec.plan is None:  # warm-up and profile: the lowest memory, two storages in flight
+            return t.admit(nbytes, 2.0 * self.c.max_storage_bytes)
+        mark = self.target - self._head_fwd
+        meter = self.c.meter
+        if meter.allocated() <= mark:
+            return 0.0
+        # the device holds more than the budget allows here: wait for stores to free memory
+        return t.admit_until(lambda: meter.allocated() <= mark)
+
+    def prefetch_bound(self, rec: Record) -> float:
+        if rec.plan is None:
+            return derived_bound(self.c, self.c.bandwidth()[1])
+        return max(0.0, self.target - self._head_bwd - self.c.meter.allocated())
+
+    def paces(self, rec: Record) -> bool:
+        return rec.plan is None or rec.plan.offload_bytes > 0
+
+    # ------------------------------------------------------------ planning
+    def _make_plan(self, rec: Record) -> None:
+        self.profile = self._build_profile(rec)
+        segs = rec.segments
+        self._head_fwd = max((s.mem_fwd - s.alloc_fwd for s in segs), default=0)
+        self._head_bwd = max((s.mem_bwd - s.alloc_bwd for s in segs if s.mem_bwd is not None), default=0)
+        self._replan()
+
+    def _replan(self) -> None:
+        assert self.profile is not None
+        plan = plan_budget(self.profile, int(self.target))
+        self.replans += 1
+        if plan.infeasible and self.budget >= self.profile.min_peak:
+            # the budget itself is reachable (the profiled step held it): the lowest plan there is
+            log.info("memory budget: no plan is modelled under %s; using the lowest (%s modelled)",
+                     _gb(self.target), _gb(plan.predicted_peak))
+            plan = dataclasses.replace(plan, infeasible=False)
+        if plan.infeasible:
+            blocks = self.c.scopes.blocks
+            clear_recompute(blocks)
+            self.plan = None
+            self._error = OffloadConfigError(
+                f"memory_budget={_gb(self.budget)} cannot be met: the measured minimum for this model and batch "
+                f"is {_gb(plan.min_peak)} (parameters, gradients and optimizer state "
+                f"{_gb(self.c.static_bytes())} plus the smallest working set, with every activation offloaded). "
+                f"Raise the budget to at least {_gb(plan.min_peak * 1.03)}, or lower the batch size.")
+            raise self._error
+        self.plan = plan
+        set_recompute(self.c.scopes.blocks, plan.recompute)
+        log.info("memory budget %s (planning for %s): offload %s (%d segments), recompute %d block(s) %s, "
+                 "predicted peak %s, predicted step %.1f ms", _gb(self.budget), _gb(self.target),
+                 _gb(plan.offload_bytes), plan.cut_segment, len(plan.recompute), list(plan.recompute),
+                 _gb(plan.predicted_peak), plan.predicted_time * 1e3)
+
+    def _build_profile(self, rec: Record) -> BudgetProfile:
+        sc = self.c.scopes
+        segs = []
+        n = len(rec.segments)
+        for i, s in enumerate(rec.segments):
+            if s.t_start is not None and s.t_end is not None:
+                t = sc.seconds(s.t_start, s.t_end)
+            elif s.t_start is not None and i + 1 < n and rec.segments[i + 1].t_start is not None:
+                t = sc.seconds(s.t_start, rec.segments[i + 1].t_start)
+            else:
+                t = 0.0
+            segs.append(SegmentCost(s.is_unit, s.block, max(0.0, t - s.wait_s), s.mem_fwd, s.mem_bwd))
+        storages = [(si, nb) for si, nb, _ in rec.tensors]
+        blocks = sc.blocks
+        recomputable = [b for b in sorted({s.block for s in rec.segments if s.block >= 0})
+                        if b < len(blocks) and not already_recomputed(blocks[b])]
+        w, r = self.c.bandwidth()
+        return BudgetProfile(segs, storages, rec.mem_tail, dict(rec.block_inputs), w, r, recomputable)
+
+    def close(self) -> None:
+        clear_recompute(self.c.scopes.blocks)
+
+    @property
+    def min_peak(self) -> float:
+        return self.profile.min_peak if self.profile is not None else math.nan
