@@ -85,7 +85,7 @@ def _megatron_worker(rank: int, world: int, port: int, tp: int, out: str) -> Non
                     p.grad = None
                 fb(forward_step_func=step, data_iterator=iter(data[2 * s: 2 * s + 2]), model=model,
                    num_microbatches=2, seq_length=seq, micro_batch_size=mb, forward_only=False)
-                grads.append([p.grad.detach().clone() for p in model.parameters() if p.grad is not None])
+                grads.append([p.grad.detach().cpu() for p in model.parameters() if p.grad is not None])
                 with torch.no_grad():
                     for p in model.parameters():
                         if p.grad is not None:
@@ -162,7 +162,7 @@ def _fsdp2_worker(rank: int, world: int, port: int, out: str) -> None:
                 torch.manual_seed(10 + i)
                 with sdpa_kernel(SDPBackend.MATH), torch.autocast("cuda", dtype=torch.bfloat16):
                     model(input_ids=ids, labels=ids).loss.backward()
-                grads.append([p.grad.to_local().clone() for p in model.parameters() if p.grad is not None])
+                grads.append([p.grad.to_local().detach().cpu() for p in model.parameters() if p.grad is not None])
                 opt.step()
             peaks = list(cache.policy.peaks) if cache is not None else []
         return grads, peaks

@@ -38,7 +38,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("datapath.offload.budget")
 
 WARMUP_RECORDS = 1   # forwards run with everything offloaded before the profiled one
-RELAX_BELOW = 0.96   # a planned step under this share of the budget may relax the plan (once)
+RELAX_BELOW = 0.93   # a planned step under this share of the budget may relax the plan (once)
+LOOKAHEAD = 4        # forward segments whose working set a pack's admission leaves room for
+OVER = 1.005         # a planned step over this share of the budget corrects the plan (measurement noise below)
 
 
 def _gb(n: float) -> str:
@@ -62,34 +64,44 @@ class BudgetPolicy(Policy):
         self.replans = 0
         self._records = 0
         self._profiling: Record | None = None
-        self._planned_step = False
+        self._pending_peak: int | None = None
         self._overshot = False
         self._relaxed = False
-        self._head_fwd = 0
+        self._head_fwd: list[int] = []
         self._head_bwd = 0
         self._error: OffloadConfigError | None = None
 
     # ------------------------------------------------------------ steps
     def on_step_start(self) -> None:
+        """A forward begins: a new memory lap (the peak is read at the end of the backward), and the
+        plan is made or corrected from what the last steps measured."""
         if self._error is not None:
             raise self._error
-        peak = self.c.meter.lap()
+        self.c.meter.lap()
         rec = self._profiling
-        if rec is not None and rec.complete and rec.backward_started:
-            self.c.scopes.close_lap(rec, peak)
+        if rec is not None and rec.backward_started and rec.bwd_done:
             self._profiling = None
             self._make_plan(rec)
             return
-        if self._planned_step:
-            self._planned_step = False
+        peak, self._pending_peak = self._pending_peak, None
+        if peak is not None:
+            self._feedback(peak)
+
+    def on_backward_end(self, rec: Record) -> None:
+        peak = self.c.meter.lap()
+        if rec.profiling:
+            self.c.scopes.close_lap(rec, peak)
+            rec.mem_open = []
+            rec.bwd_done = True
+        elif rec.plan is not None:
             self.last_peak = peak
             self.peaks.append(peak)
-            self._feedback(peak)
+            self._pending_peak = max(peak, self._pending_peak or 0)
 
     def _feedback(self, peak: int) -> None:
         if self.plan is None or self.profile is None:
             return
-        if peak > self.budget:
+        if peak > OVER * self.budget:
             self._overshot = True
             self.target -= (peak - self.budget) * 1.1 + 0.002 * self.budget
             self.c.stats.plan_corrections += 1
@@ -99,7 +111,7 @@ class BudgetPolicy(Policy):
         elif (peak < RELAX_BELOW * self.budget and not self._overshot and not self._relaxed
               and (self.plan.offload_bytes or self.plan.recompute)):
             self._relaxed = True
-            self.target += 0.7 * (0.985 * self.budget - peak)
+            self.target += 0.5 * (0.985 * self.budget - peak)
             log.info("memory budget: the step's peak %s is well under the budget %s; planning for %s",
                      _gb(peak), _gb(self.budget), _gb(self.target))
             self._replan()
@@ -112,8 +124,6 @@ class BudgetPolicy(Policy):
             rec.profiling = True
             self._profiling = rec
         self._records += 1
-        if self.plan is not None:
-            self._planned_step = True
 
     def on_record_dropped(self, rec: Record) -> None:
         if self._profiling is rec:
@@ -134,7 +144,9 @@ class BudgetPolicy(Policy):
         t = self.c.transfers
         if rec.plan is None:  # warm-up and profile: the lowest memory, two storages in flight
             return t.admit(nbytes, 2.0 * self.c.max_storage_bytes)
-        mark = self.target - self._head_fwd
+        s = rec.segments[-1].index if rec.segments else 0
+        heads = self._head_fwd
+        mark = self.target - (heads[s] if s < len(heads) else max(heads, default=0))
         meter = self.c.meter
         if meter.allocated() <= mark:
             return 0.0
@@ -153,7 +165,10 @@ class BudgetPolicy(Policy):
     def _make_plan(self, rec: Record) -> None:
         self.profile = self._build_profile(rec)
         segs = rec.segments
-        self._head_fwd = max((s.mem_fwd - s.alloc_fwd for s in segs), default=0)
+        # what the forward allocates beyond what it holds at a segment's start, over the next few segments:
+        # a pack waits for stores while the device holds more than the budget minus that
+        grow = [max(0, s.mem_fwd - s.alloc_fwd) for s in segs]
+        self._head_fwd = [max(grow[i: i + LOOKAHEAD]) for i in range(len(grow))]
         self._head_bwd = max((s.mem_bwd - s.alloc_bwd for s in segs if s.mem_bwd is not None), default=0)
         self._replan()
 

@@ -127,8 +127,10 @@ class SavedTensorHooks:
                     "one of the variables needed for gradient computation has been modified by an inplace "
                     "operation after it was saved (seen by datapath.offload while storing it).")
             rec = e.record
-            if in_backward() and not rec.backward_started:
-                c.scopes.begin_backward(rec)
+            if in_backward():
+                c.scopes.watch_backward_end(rec)
+                if not rec.backward_started:
+                    c.scopes.begin_backward(rec)
             c.transfers.bring_back(e, prefetch=False)
             c.transfers.not_ahead(e)
             if rec.segments and not rec.segments[e.segment].prefetched:

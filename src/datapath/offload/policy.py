@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("datapath.offload.policy")
 
-INFLIGHT_WINDOW_S = 0.02  # bytes in flight: what the store moves in 20 ms at its measured bandwidth
+INFLIGHT_WINDOW_S = 0.01  # bytes in flight: what the store moves in 10 ms at its measured bandwidth
 
 
 class Policy:
@@ -48,6 +48,9 @@ class Policy:
 
     def on_record_dropped(self, rec: Record) -> None:
         """``rec`` saved nothing offloadable and is forgotten."""
+
+    def on_backward_end(self, rec: Record) -> None:
+        """The backward of ``rec`` has finished (autograd's engine, at the end of its graph task)."""
 
     def on_record_done(self, rec: Record) -> None:
         """Every saved tensor of ``rec`` was consumed or freed."""

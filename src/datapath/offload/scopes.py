@@ -107,6 +107,8 @@ class Record:
         self.pace_fwd: collections.deque[Any] = collections.deque()
         self.pace_bwd: collections.deque[Any] = collections.deque()
         self.bwd_paced = False
+        self.end_queued = False    # a callback runs at the end of this record's backward
+        self.bwd_done = False      # profiling: the backward finished and its last interval is measured
         self.bytes_written = 0
         self.write_s = 0.0
         self.bytes_read = 0
@@ -259,6 +261,18 @@ class ScopeTracker:
         if rec.segments:
             self.prefetch_range(rec, len(rec.segments) - 1)
 
+    def watch_backward_end(self, rec: Record) -> None:
+        """Inside the backward of ``rec``: have `policy.on_backward_end` run when the backward finishes
+        (the step's memory peak is read there, before anything outside the step resets the counters)."""
+        if rec.end_queued or not in_backward():
+            return
+        rec.end_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._on_backward_end, rec))
+
+    def _on_backward_end(self, rec: Record) -> None:
+        with self.c.lock:
+            self.c.policy.on_backward_end(rec)
+
     def record_done(self, rec: Record) -> None:
         rec.complete = True
         if rec.microbatch is not None and self.by_mb.get(rec.microbatch) is rec:
@@ -347,7 +361,9 @@ class ScopeTracker:
                     while len(rec.pace_fwd) > lead:  # lead 0: the event just recorded
                         wait_ev = rec.pace_fwd.popleft()
         if wait_ev is not None:
+            t0 = time.perf_counter()
             wait_ev.synchronize()
+            rec.segments[-1].wait_s += time.perf_counter() - t0
 
     def _on_unit_exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward():
@@ -393,6 +409,7 @@ class ScopeTracker:
         if wait_ev is not None:
             wait_ev.synchronize()
         with c.lock:
+            self.watch_backward_end(rec)
             if rec.profiling:
                 seg.t_bwd = self.mark()
                 self._memory_lap(rec)
