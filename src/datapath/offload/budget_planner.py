@@ -33,6 +33,7 @@ search: memory falls as the prefix grows); the fastest plan wins.  None fits:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -60,6 +61,7 @@ class BudgetProfile:
     read_bandwidth: float                # bytes/s
     recomputable: list[int] = field(default_factory=list)  # blocks the planner may recompute
     backward_ratio: float = 2.0
+    storage_inputs: list[int] = field(default_factory=list)  # per storage: the block it is the input of, or -1
 
     @property
     def min_peak(self) -> int:
@@ -160,9 +162,11 @@ def _kept(model: _Model, recompute: set[int], k: int) -> tuple[list[tuple[int, i
     res: list[tuple[int, int, int]] = []
     off: list[tuple[int, int]] = []
     i = 0
-    for seg, nb in p.storages:
+    for j, (seg, nb) in enumerate(p.storages):
         b = p.segments[seg].block
         if b in recompute:
+            if j < len(p.storage_inputs) and p.storage_inputs[j] == b:
+                continue  # the block's input: held by the checkpoint, counted below
             own = model.own[seg]
             last = model.last_unit.get(b)
             if own is not None and last is not None:
@@ -221,8 +225,8 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.9) -> 
     """The fastest plan whose modelled peak fits ``budget`` bytes (see the module docstring)."""
     p = profile
     model = _Model(p)
-    scaled = BudgetProfile(p.segments, p.storages, p.mem_tail, p.block_inputs, p.write_bandwidth * safety,
-                           p.read_bandwidth * safety, p.recomputable, p.backward_ratio)
+    scaled = dataclasses.replace(p, write_bandwidth=p.write_bandwidth * safety,
+                                 read_bandwidth=p.read_bandwidth * safety)
     tmodel = _Model(scaled)
     best: tuple[float, int, int, set[int], float] | None = None
     lowest = math.inf

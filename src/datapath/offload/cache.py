@@ -99,6 +99,7 @@ class TensorCache:
         self._shut = False
         self._warned_full = False
         self._probe: tuple[float, float] | None = None
+        self._probe_done = threading.Event()
         self.store = make_store(config)
         self.transfers = Transfers(self.store, self.lock, self.stats, config.on_error)
         self.scopes = ScopeTracker(self)
@@ -127,6 +128,7 @@ class TensorCache:
             chunk = self.config.store.io_chunk_bytes
             nbytes = min(nbytes, 8 * chunk, files.max_disk_bytes // 4) // 4096 * 4096
         if nbytes <= 0:
+            self._probe_done.set()
             return
         store = self.store.host if isinstance(self.store, TieredStore) else self.store
 
@@ -140,6 +142,8 @@ class TensorCache:
                           self._probe[0] / 1e9, self._probe[1] / 1e9)
             except (OSError, RuntimeError) as exc:  # a full disk must not fail training: plan on measurements
                 log.info("%s store bandwidth probe failed (%s); using measured transfers", store.kind, exc)
+            finally:
+                self._probe_done.set()
         self.transfers._worker(self.transfers.store_workers, store.kind, "store", 4).submit(job)
 
     # ------------------------------------------------------------------ info
@@ -210,8 +214,10 @@ class TensorCache:
             r = pr or r
         return (w or 1e9, r or w or 1e9)
 
-    def probed_bandwidth(self) -> tuple[float | None, float | None]:
-        """The store's bandwidth probe (None when it did not run or failed)."""
+    def probed_bandwidth(self, wait: float = 0.0) -> tuple[float | None, float | None]:
+        """The store's bandwidth probe (None when it did not run or failed); waits up to ``wait`` s for it."""
+        if wait > 0:
+            self._probe_done.wait(wait)
         return self._probe if self._probe is not None else (None, None)
 
     def reset_stats(self) -> OffloadStats:

@@ -87,6 +87,7 @@ class SavedTensorHooks:
             rec.first_packs += 1
             if rec.profiling:
                 rec.tensors.append((seg.index, nbytes, scopes.mark(t.device)))
+                rec.input_of.append(rec.input_ptrs.get(storage.data_ptr(), -1))
             if not c.policy.decide(rec, seg, idx, nbytes):
                 st.bytes_kept_policy += view_bytes
                 setattr(storage, self.attr, -rec.rid)  # later saves of it in this forward are not new storages

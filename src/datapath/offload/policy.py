@@ -196,7 +196,7 @@ class AdaptivePolicy(Policy):
         w = r = None
         if self.c.config.target == "ssd":
             # the profiled step's stores were cut short by forwarding: the disk probe is steadier
-            w, r = self.c.probed_bandwidth()
+            w, r = self.c.probed_bandwidth(wait=5.0)  # made at construction; waited for once, here
             if w:
                 log.info("disk probe: write %.2f GB/s, read %.2f GB/s (profiled step: write %.2f GB/s)",
                          w / 1e9, (r or 0) / 1e9, prof.write_bandwidth / 1e9)

@@ -5,8 +5,9 @@ names and state dict stay as they are) by one that runs the original under
 ``checkpoint(..., use_reentrant=False)``: its activations are not saved, its input
 is held by the checkpoint, and in backward the forward runs again with the CPU
 and CUDA RNG states it first ran with (``preserve_rng_state``), so dropout draws
-the same masks and gradients stay bit-identical.  `set_recompute` switches
-blocks on and off between steps.
+the same masks and gradients stay bit-identical.  As with Hugging Face's own
+checkpointing, a recomputed block runs without a KV cache.  `set_recompute`
+switches blocks on and off between steps.
 """
 from __future__ import annotations
 
@@ -30,10 +31,20 @@ def is_recomputed(block: nn.Module) -> bool:
     return _ORIGINAL in block.__dict__
 
 
+_CACHES = ("past_key_value", "past_key_values", "layer_past")
+
+
 def _wrap(original: Any) -> Any:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
+        # as Hugging Face's own checkpointing does: a recomputed block runs without a KV cache (the
+        # recomputation would append to it a second time)
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        for name in _CACHES:
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
         return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
     return forward
 

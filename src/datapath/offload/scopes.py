@@ -101,6 +101,8 @@ class Record:
         self.t_bwd0: Any = None
         self.tensors: list[tuple[int, int, Any]] = []  # profiling: (segment, nbytes, ready mark)
         self.block_inputs: dict[int, int] = {}         # profiling: block -> bytes of its input's storage
+        self.input_ptrs: dict[int, int] = {}           # profiling: storage address of a block's input -> block
+        self.input_of: list[int] = []                  # profiling: per tensor, the block it is the input of (-1)
         self.mem_tail = 0                              # profiling: peak from the forward's end to the first unit backward
         self.mem_open: list[Any] = []                  # profiling: the interval a memory lap closes
         self.pace = -1
@@ -321,7 +323,9 @@ class ScopeTracker:
             rec.block = index
             self._block_changed(rec)
             if rec.profiling and args and isinstance(args[0], torch.Tensor):
-                rec.block_inputs[index] = args[0].untyped_storage().nbytes()
+                st = args[0].untyped_storage()
+                rec.block_inputs[index] = st.nbytes()
+                rec.input_ptrs[st.data_ptr()] = index
 
     def _on_block_exit(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward():
