@@ -302,6 +302,8 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         r = {"model": name, "method": method, "budget_gb": None if budget is None else budget / 1e9,
              "step_ms": None, "peak_gb": None, "grads_identical": None, "device": dev_name, **kw}
         records.append(r)
+        if args.out:  # written after every method: a run stopped midway keeps what it measured
+            Path(args.out).write_text(json.dumps(records))
         print(f"  {name} {method} {'' if budget is None else f'budget {budget / 1e9:.2f} GB '}"
               f"{r.get('status', 'ok')}: {r.get('step_ms') or 0:.1f} ms, peak {r.get('peak_gb') or 0:.2f} GB, "
               f"grads identical {r.get('grads_identical')}", flush=True)
@@ -360,7 +362,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     models = list(dict.fromkeys(r["model"] for r in records))
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5), squeeze=False)
     for ax, m in zip(axes[0], models):
-        rs = [r for r in records if r["model"] == m and r.get("step_ms")]
+        rs = [r for r in records if r["model"] == m and r.get("step_ms") and r.get("peak_gb") is not None]
         for r in rs:
             if r["method"] != "datapath-budget":
                 ax.scatter(r["peak_gb"], r["step_ms"], s=45)
@@ -388,7 +390,7 @@ def bars(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     peers = ("keep", "checkpoint", "save_on_cpu", "torchtune", "compile_budget")
     for m in dict.fromkeys(r["model"] for r in records):
-        rs = [r for r in records if r["model"] == m and r.get("step_ms")]
+        rs = [r for r in records if r["model"] == m and r.get("step_ms") and r.get("peak_gb") is not None]
         soc = next((r for r in rs if r["method"] == "save_on_cpu"), None)
         dall = next((r for r in rs if r["method"] == "datapath-all"), None)
         if soc and dall:
@@ -435,15 +437,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}", flush=True)
         path = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         rc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": path}).returncode
-        if rc == 0 and tmp.exists():
+        if tmp.exists():
             records += json.loads(tmp.read_text())
             tmp.unlink()
-        else:
-            records.append({"model": name, "method": "keep", "status": "error", "reason": f"child exited {rc}",
+        if rc != 0:
+            records.append({"model": name, "method": "run", "status": "error", "reason": f"child exited {rc}",
                             "budget_gb": None, "step_ms": None, "peak_gb": None, "grads_identical": None,
                             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"})
+        save(records, partial=True)  # a run cut short still leaves the models measured so far
+    save(records, partial=False)
     checks = bars(records)
-    path = write_result("offload", {"records": records, "bars": checks,
+    if any(r.get("step_ms") for r in records):
+        plot(records, RESULTS_DIR / "offload.png")
+    print_table([{k: r.get(k) for k in ("model", "method", "budget_gb", "step_ms", "peak_gb", "grads_identical",
+                                        "status")} for r in records])
+    print_table(checks)
+    return 0
+
+
+def save(records: list[dict[str, Any]], partial: bool) -> None:
+    """offload.json: the record list; offload_meta.json: machine, command, bars and how things were measured."""
+    checks = bars(records)
+    path = write_result("offload", {"records": records, "bars": checks, "partial": partial,
                                     "torchtune": torchtune_offload()[1] or TORCHTUNE_HOW,
                                     "grads_check": "one extra step per method from the same weights, batch and seed, "
                                                    "attention through SDPA's math backend (deterministic); per "
@@ -455,12 +470,6 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(doc["records"], indent=1))  # the record list the issue asks for ...
     (RESULTS_DIR / "offload_meta.json").write_text(json.dumps(  # ... and the machine, command, bars beside it
         {k: v for k, v in doc.items() if k != "records"}, indent=1, default=str))
-    if any(r.get("step_ms") for r in records):
-        plot(records, RESULTS_DIR / "offload.png")
-    print_table([{k: r.get(k) for k in ("model", "method", "budget_gb", "step_ms", "peak_gb", "grads_identical",
-                                        "status")} for r in records])
-    print_table(checks)
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """``memory_budget=``: fit a step's peak memory in a budget, as fast as this machine allows.
 
-The first forward passes run with everything offloaded (the lowest memory the
-offloader reaches; the first pays one-time costs).  The next one is profiled
-(`BudgetProfile`: segment times and interval memory peaks, measured in the
-allocator's own counters), and `plan_budget` chooses, per saved storage and per
-block, keep, offload or recompute.  A planned step then
+The first forward pass runs with everything offloaded (the lowest memory the
+offloader reaches; it pays the one-time costs), and so does the next, profiled for
+memory (interval peaks in the allocator's own counters).  The one after runs with
+nothing offloaded and every block recomputed, profiled for time (each segment's
+compute time without offloading's stalls, each block's recompute cost; about
+checkpointing's memory).  From the two (`BudgetProfile`), `plan_budget` chooses, per
+saved storage and per block, keep, offload or recompute.  A planned step then
 
 - offloads the planned prefix of storages, admitting each store only while the
   device's allocated memory stays under the budget minus the forward's measured
@@ -26,7 +28,7 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
-from datapath.offload.budget_planner import BudgetPlan, BudgetProfile, SegmentCost, plan_budget
+from datapath.offload.budget_planner import KEEP_ALL, BudgetPlan, BudgetProfile, SegmentCost, plan_budget
 from datapath.offload.errors import OffloadConfigError
 from datapath.offload.policy import Policy, derived_bound
 from datapath.offload.recompute import already_recomputed, clear_recompute, set_recompute
@@ -63,7 +65,9 @@ class BudgetPolicy(Policy):
         self.peaks: list[int] = []
         self.replans = 0
         self._records = 0
-        self._profiling: Record | None = None
+        self._profiling: Record | None = None   # the memory profile: everything offloaded
+        self._memory: Record | None = None      # ... once measured, until the timing profile is too
+        self._timing: Record | None = None      # the time profile: nothing offloaded, every block recomputed
         self._pending_peak: int | None = None
         self._overshot = False
         self._relaxed = False
@@ -81,17 +85,29 @@ class BudgetPolicy(Policy):
         rec = self._profiling
         if rec is not None and rec.backward_started and rec.bwd_done:
             self._profiling = None
-            self._make_plan(rec)
+            self._memory = rec
+            if not self._recomputable(rec):
+                self._make_plan(rec, None)  # nothing to recompute: plan on the memory profile's own times
+            return
+        rec = self._timing
+        if rec is not None and rec.backward_started and rec.bwd_done and self._memory is not None:
+            self._timing = None
+            self._make_plan(self._memory, rec)
+            self._memory = None
             return
         peak, self._pending_peak = self._pending_peak, None
         if peak is not None:
             self._feedback(peak)
 
     def on_backward_end(self, rec: Record) -> None:
-        peak = self.c.meter.lap()
+        # a planned step's peak is read, not reset: whoever measures the step after it still sees it
+        peak = self.c.meter.lap() if rec.profiling else self.c.meter.peak()
         if rec.profiling:
             self.c.scopes.close_lap(rec, peak)
             rec.mem_open = []
+            rec.bwd_done = True
+        elif rec.timing:
+            rec.t_end = self.c.scopes.mark()
             rec.bwd_done = True
         elif rec.plan is not None:
             self.last_peak = peak
@@ -117,21 +133,34 @@ class BudgetPolicy(Policy):
             self._replan()
 
     def on_record_start(self, rec: Record) -> None:
-        rec.distance = self.c.config.flow.prefetch_distance
+        # planned steps load ahead as far as the budget's memory allows (`prefetch_bound`): the offloaded
+        # storages are the first ones, needed last, and their loads overlap the whole backward before them
+        rec.distance = self.c.config.flow.prefetch_distance if self.plan is None else 1 << 30
         rec.plan = self.plan
-        if self.plan is None and self._profiling is None and self.profile is None \
-                and self._records >= WARMUP_RECORDS:
-            rec.profiling = True
-            self._profiling = rec
+        if self.plan is None and self.profile is None:
+            if self._memory is None and self._profiling is None and self._records >= WARMUP_RECORDS:
+                rec.profiling = True
+                self._profiling = rec
+            elif self._memory is not None and self._timing is None:
+                # compute times without offloading's stalls, and each block's recompute cost: one step with
+                # every block recomputed and nothing offloaded (about checkpointing's memory)
+                rec.timing = True
+                rec.plan = KEEP_ALL
+                self._timing = rec
+                set_recompute(self.c.scopes.blocks, self._recomputable(self._memory))
         self._records += 1
 
     def on_record_dropped(self, rec: Record) -> None:
         if self._profiling is rec:
             self._profiling = None
+        if self._timing is rec:
+            self._timing = None
 
     def on_record_done(self, rec: Record) -> None:
         if self._profiling is rec and not rec.backward_started:
             self._profiling = None
+        if self._timing is rec and not rec.backward_started:
+            self._timing = None
 
     # ------------------------------------------------------------ decisions
     def decide(self, rec: Record, seg: Segment, idx: int, nbytes: int) -> bool:
@@ -159,11 +188,16 @@ class BudgetPolicy(Policy):
         return max(0.0, self.target - self._head_bwd - self.c.meter.allocated())
 
     def paces(self, rec: Record) -> bool:
-        return rec.plan is None or rec.plan.offload_bytes > 0
+        return not rec.timing and (rec.plan is None or rec.plan.offload_bytes > 0)
 
     # ------------------------------------------------------------ planning
-    def _make_plan(self, rec: Record) -> None:
-        self.profile = self._build_profile(rec)
+    def _recomputable(self, rec: Record) -> list[int]:
+        blocks = self.c.scopes.blocks
+        return [b for b in sorted({s.block for s in rec.segments if s.block >= 0})
+                if b < len(blocks) and not already_recomputed(blocks[b])]
+
+    def _make_plan(self, rec: Record, timing: Record | None) -> None:
+        self.profile = self._build_profile(rec, timing)
         segs = rec.segments
         # what the forward allocates beyond what it holds at a segment's start, over the next few segments:
         # a pack waits for stores while the device holds more than the budget minus that
@@ -198,10 +232,11 @@ class BudgetPolicy(Policy):
                  _gb(plan.offload_bytes), plan.cut_segment, len(plan.recompute), list(plan.recompute),
                  _gb(plan.predicted_peak), plan.predicted_time * 1e3)
 
-    def _build_profile(self, rec: Record) -> BudgetProfile:
+    def _times(self, rec: Record) -> list[float]:
+        """Forward compute time of each segment of ``rec`` (the time it waited for stores left out)."""
         sc = self.c.scopes
-        segs = []
         n = len(rec.segments)
+        out = []
         for i, s in enumerate(rec.segments):
             if s.t_start is not None and s.t_end is not None:
                 t = sc.seconds(s.t_start, s.t_end)
@@ -209,14 +244,27 @@ class BudgetPolicy(Policy):
                 t = sc.seconds(s.t_start, rec.segments[i + 1].t_start)
             else:
                 t = 0.0
-            segs.append(SegmentCost(s.is_unit, s.block, max(0.0, t - s.wait_s), s.mem_fwd, s.mem_bwd))
+            out.append(max(0.0, t - s.wait_s))
+        return out
+
+    def _build_profile(self, rec: Record, timing: Record | None) -> BudgetProfile:
+        """Memory from the everything-offloaded step ``rec``; times from the recompute step ``timing``."""
+        times = self._times(rec)
+        ratio = 2.0
+        if timing is not None and len(timing.segments) == len(rec.segments):
+            times = self._times(timing)
+            sc = self.c.scopes
+            t_f = sum(times)
+            t_b = sc.seconds(timing.t_bwd0, timing.t_end) if timing.t_bwd0 is not None and timing.t_end \
+                is not None else 0.0
+            recomputed = sum(t for t, s in zip(times, rec.segments) if s.block >= 0)
+            if t_f > 0 and t_b > recomputed:
+                ratio = min(4.0, max(1.0, (t_b - recomputed) / t_f))
+        segs = [SegmentCost(s.is_unit, s.block, t, s.mem_fwd, s.mem_bwd) for s, t in zip(rec.segments, times)]
         storages = [(si, nb) for si, nb, _ in rec.tensors]
-        blocks = sc.blocks
-        recomputable = [b for b in sorted({s.block for s in rec.segments if s.block >= 0})
-                        if b < len(blocks) and not already_recomputed(blocks[b])]
         w, r = self.c.bandwidth()
-        return BudgetProfile(segs, storages, rec.mem_tail, dict(rec.block_inputs), w, r, recomputable,
-                             storage_inputs=list(rec.input_of))
+        return BudgetProfile(segs, storages, rec.mem_tail, dict(rec.block_inputs), w, r, self._recomputable(rec),
+                             backward_ratio=ratio, storage_inputs=list(rec.input_of))
 
     def close(self) -> None:
         clear_recompute(self.c.scopes.blocks)

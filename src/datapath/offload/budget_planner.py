@@ -22,7 +22,10 @@ Time model.  Compute from the profile's segment times (waits for stores removed)
 backward = ``backward_ratio`` x forward.  Offloaded bytes go to the store in forward
 order at the write bandwidth; the forward ends when its compute is done and the
 bytes still unstored fit the budget's slack.  Loads run in reverse order at the
-read bandwidth and delay the backward where they arrive late.  A recomputed block
+read bandwidth and delay the backward where they arrive late; bandwidths are
+taken at 0.6 of those measured and a step that offloads pays `PACING_COST` (its
+transfers compete with the step, its CPU is paced to the GPU), so offloading is
+chosen where it hides behind compute, recomputing elsewhere.  A recomputed block
 costs its forward time again in the backward.
 
 Search.  For each number ``m`` of recomputed blocks (the last ``m`` recomputable
@@ -95,6 +98,9 @@ class BudgetPlan:
                 "offload_bytes": self.offload_bytes, "predicted_peak": self.predicted_peak,
                 "predicted_time": self.predicted_time, "budget": self.budget, "infeasible": self.infeasible,
                 "min_peak": self.min_peak}
+
+
+KEEP_ALL = BudgetPlan(0, 0, (), 0, 0, 0.0, 0)  # offloads nothing, recomputes nothing
 
 
 class _Model:
@@ -218,10 +224,14 @@ def _time(model: _Model, recompute: set[int], off: list[tuple[int, int]], slack:
             if t_load > need:
                 stall += t_load - need
         elapsed += bwd[s]
-    return fwd_end + elapsed + stall
+    pacing = PACING_COST * (t_fwd + elapsed) if off else 0.0
+    return fwd_end + elapsed + stall + pacing
 
 
-def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.9) -> BudgetPlan:
+PACING_COST = 0.03  # a step that offloads paces the CPU to the GPU: this share of its compute time
+
+
+def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6) -> BudgetPlan:
     """The fastest plan whose modelled peak fits ``budget`` bytes (see the module docstring)."""
     p = profile
     model = _Model(p)

@@ -2,8 +2,9 @@
 
 `CudaMeter` reads the caching allocator's counters (``memory_allocated``, and the
 peak since the last `lap`, which resets ``max_memory_allocated``: with a memory
-budget, ``torch.cuda.max_memory_allocated()`` then reports the peak since the
-current step's forward began).  `CpuMeter` counts, on a machine without a GPU,
+budget, a lap starts when each forward begins, so ``torch.cuda.max_memory_allocated()``
+read after a step reports that step's peak; during the one profiled step laps
+also start at every unit).  `CpuMeter` counts, on a machine without a GPU,
 the bytes of the model's parameters and buffers plus every storage a torch op
 creates on this thread while the cache's hooks are active (a dispatch mode):
 the same quantity, so the CPU tests exercise the budget end to end.
@@ -26,6 +27,10 @@ class MemoryMeter:
 
     def lap(self) -> int:
         """The peak since the previous lap; a new lap starts now."""
+        raise NotImplementedError
+
+    def peak(self) -> int:
+        """The peak since the previous lap, without starting a new one (the counters stay as they are)."""
         raise NotImplementedError
 
     def total(self) -> int:
@@ -52,6 +57,9 @@ class CudaMeter(MemoryMeter):
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         return peak
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
 
     def total(self) -> int:
         return torch.cuda.get_device_properties(self.device).total_memory
@@ -88,13 +96,13 @@ class CpuMeter(MemoryMeter):
     def __init__(self, base: int = 0) -> None:
         self.base = base
         self.live = 0
-        self.peak = 0
+        self.high = 0
         self.keys: set[int] = set()
         self._modes: list[_LiveBytes] = []
 
     def add(self, nbytes: int) -> None:
         self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        self.high = max(self.high, self.live)
 
     def free(self, key: int, nbytes: int) -> None:
         if key in self.keys:
@@ -105,8 +113,11 @@ class CpuMeter(MemoryMeter):
         return self.base + self.live
 
     def lap(self) -> int:
-        peak, self.peak = self.peak, self.live
-        return self.base + peak
+        high, self.high = self.high, self.live
+        return self.base + high
+
+    def peak(self) -> int:
+        return self.base + self.high
 
     def total(self) -> int:
         import psutil  # noqa: PLC0415

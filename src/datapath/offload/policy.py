@@ -200,6 +200,8 @@ class AdaptivePolicy(Policy):
             if w:
                 log.info("disk probe: write %.2f GB/s, read %.2f GB/s (profiled step: write %.2f GB/s)",
                          w / 1e9, (r or 0) / 1e9, prof.write_bandwidth / 1e9)
+        if not w and prof.write_bandwidth <= 0:
+            w, r = self.c.probed_bandwidth(wait=5.0)  # no store finished in the profiled step: the probe's figure
         if not w and prof.write_bandwidth <= 0 and self._retries < 3:
             # no bandwidth known: no store finished during the profiled step (and no probe): measure again
             self._retries += 1

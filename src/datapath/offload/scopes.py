@@ -82,7 +82,8 @@ class Record:
 
     def __init__(self, rid: int, profiling: bool, microbatch: int | None, expected_units: int | None) -> None:
         self.rid = rid
-        self.profiling = profiling
+        self.profiling = profiling       # memory laps and time marks at every boundary
+        self.timing = False              # time marks only (the budget's compute-time profile)
         self.microbatch = microbatch
         self.expected_units = expected_units
         self.cutoff: int | None = None   # adaptive plan: offload the first ``cutoff`` storages
@@ -99,6 +100,7 @@ class Record:
         self.complete = False
         self.t0: Any = None
         self.t_bwd0: Any = None
+        self.t_end: Any = None     # timing: when the backward ended
         self.tensors: list[tuple[int, int, Any]] = []  # profiling: (segment, nbytes, ready mark)
         self.block_inputs: dict[int, int] = {}         # profiling: block -> bytes of its input's storage
         self.input_ptrs: dict[int, int] = {}           # profiling: storage address of a block's input -> block
@@ -165,15 +167,18 @@ class ScopeTracker:
     # ------------------------------------------------------------- attaching
     def attach(self, model: nn.Module, unit_list: list[nn.Module], blocks: list[nn.Module]) -> list[Any]:
         names = {id(m): n for n, m in model.named_modules()}
-        hooks = [model.register_forward_pre_hook(self._on_root_forward),
-                 model.register_forward_hook(self._on_root_exit)]
+        # the hooks run eagerly under torch.compile (a graph break at each unit): they take locks,
+        # record events and wait, and keep the scopes of a compiled model as those of an eager one
+        eager = torch.compiler.disable
+        hooks = [model.register_forward_pre_hook(eager(self._on_root_forward)),
+                 model.register_forward_hook(eager(self._on_root_exit))]
         for u in unit_list:
             name = names.get(id(u), u.__class__.__name__)
-            hooks.append(u.register_forward_pre_hook(functools.partial(self._on_unit_enter, name)))
-            hooks.append(u.register_forward_hook(functools.partial(self._on_unit_exit, name)))
+            hooks.append(u.register_forward_pre_hook(eager(functools.partial(self._on_unit_enter, name))))
+            hooks.append(u.register_forward_hook(eager(functools.partial(self._on_unit_exit, name))))
         for i, b in enumerate(blocks):
-            hooks.append(b.register_forward_pre_hook(functools.partial(self._on_block_enter, i)))
-            hooks.append(b.register_forward_hook(functools.partial(self._on_block_exit, i)))
+            hooks.append(b.register_forward_pre_hook(eager(functools.partial(self._on_block_enter, i))))
+            hooks.append(b.register_forward_hook(eager(functools.partial(self._on_block_exit, i))))
         self.blocks = blocks
         return hooks
 
@@ -185,7 +190,7 @@ class ScopeTracker:
                      self.expected_units)
         c.policy.on_record_start(rec)
         rec.pace = c.pace_lead() if c.wants_pacing(rec) else -1
-        if rec.profiling:
+        if rec.profiling or rec.timing:
             rec.t0 = self.mark()
         if rec.microbatch is not None:
             self.by_mb[rec.microbatch] = rec
@@ -217,6 +222,8 @@ class ScopeTracker:
     def _new_segment(self, rec: Record, is_unit: bool, name: str) -> Segment:
         self._close_segment(rec)
         seg = Segment(len(rec.segments), is_unit, rec.units, rec.block, name)
+        if rec.timing:
+            seg.t_start = self.mark()
         if rec.profiling:
             seg.t_start = self.mark()
             self._memory_lap(rec)
@@ -226,7 +233,8 @@ class ScopeTracker:
         return seg
 
     def _close_segment(self, rec: Record) -> None:
-        if rec.segments and not rec.segments[-1].is_unit and rec.profiling and rec.segments[-1].t_end is None:
+        if rec.segments and not rec.segments[-1].is_unit and (rec.profiling or rec.timing) \
+                and rec.segments[-1].t_end is None:
             rec.segments[-1].t_end = self.mark()
 
     def _memory_lap(self, rec: Record) -> None:
@@ -248,7 +256,7 @@ class ScopeTracker:
 
     def begin_backward(self, rec: Record) -> None:
         rec.backward_started = True
-        if rec.profiling:
+        if rec.profiling or rec.timing:
             rec.t_bwd0 = self.mark()
             self._close_segment(rec)
         self.expected_units = rec.units
@@ -305,8 +313,9 @@ class ScopeTracker:
             rec = self.record
             if rec is None or rec.backward_started:
                 return
-            if rec.profiling:
+            if rec.profiling or rec.timing:
                 self._close_segment(rec)
+            if rec.profiling:
                 self._memory_lap(rec)
                 rec.mem_open = ["tail", None]
             if rec.pace >= 0 and rec.live:
@@ -380,7 +389,7 @@ class ScopeTracker:
             if rec.depth:
                 return
             seg = rec.segments[-1]
-            if rec.profiling:
+            if rec.profiling or rec.timing:
                 seg.t_end = self.mark()
             seen: set[int] = set()
             for t in tensors_in(output):
