@@ -20,10 +20,9 @@ from typing import Any
 import torch
 
 from benchmarks._common import RESULTS_DIR, print_table, write_result
-from datapath._runtime import device_label
-from datapath.offload.presets import TransformerConfig, build_workload, get_preset
-from datapath.offload.rok import RokPoint, RokResult, sweep
-from datapath.offload.ssd_plan import activation_breakdown
+from datapath.analysis.presets import TransformerConfig, build_workload, get_preset
+from datapath.analysis.rok import RokPoint, RokResult, sweep
+from datapath.analysis.ssd_plan import activation_breakdown
 
 OFFLOAD_PREFIX = ("offload-", "recompute+offload-")
 
@@ -211,7 +210,7 @@ def main() -> None:
             "wall_s": time.perf_counter() - t_start,
         }
         write_result("rok", payload)
-        _plot(results, budget, device_label() if cuda else "cpu")
+        _plot(results, budget, torch.cuda.get_device_name() if cuda else "cpu")
 
     for spec in configs:
         cfg = get_preset(spec)

@@ -1,4 +1,8 @@
-"""Where does the activation peak form?  B4's model under several TensorCache settings, with a memory trace.
+"""Where does the activation peak form?  A B4 model under several TensorCache settings, with a memory trace.
+
+Run: PYTHONPATH=src:. python scripts/offload_memtrace.py --model llama --variants keep,host-all \
+         --extra '{"all-1G": {"target": "host", "max_inflight_bytes": 1e9}}'
+Budget variants ({"memory_budget": ...}) need --no-trace: the trace resets the peak counters the budget reads.
 
 For each variant: step time, activation peak, bytes offloaded/forwarded, the plan, and
 the allocator's memory (CPU order, which is what the peak counts) at every leaf module's
@@ -22,10 +26,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.offload import Stack, pick_ssd_dir
+from benchmarks.offload import build
+
+
+def pick_ssd_dir(requested: str | None) -> str:
+    for c in [requested] if requested else ["/var/tmp", "/tmp", os.getcwd()]:
+        if c and os.path.isdir(c) and os.access(c, os.W_OK):
+            return c
+    return requested or "/tmp"
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "keep": {},
+    "host-all": dict(target="host"),
     "host-adaptive-blocks": dict(target="host", policy="adaptive", units="blocks"),
     "host-adaptive-leaves": dict(target="host", policy="adaptive", units="leaves"),
     "host-all-leaves": dict(target="host", policy="all", units="leaves", keep_last_modules=0),
@@ -79,19 +91,19 @@ class MemTrace:
                 "trace": [[lab, round(t * 1e3, 2), round(a, 3), round(p, 3)] for lab, t, a, p in pts]}
 
 
-def run_variant(name: str, spec: dict[str, Any], model: Stack, x: torch.Tensor, ssd_dir: str,
-                warmup: int, steps: int) -> dict[str, Any]:
+def run_variant(name: str, spec: dict[str, Any], w: Any, ssd_dir: str, warmup: int, steps: int,
+                trace_on: bool = True) -> dict[str, Any]:
     from datapath.offload import TensorCache
 
     cache = None
     if spec:
         kw = {k: v for k, v in spec.items() if k not in ("target", "units")}
         cache = TensorCache(spec["target"], ssd_dir if spec["target"] == "ssd" else None, **kw)
+    model = w.model
+    if cache is not None:
         cache.attach(model, units=spec.get("units"))
-    trace = MemTrace(model)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+    trace = MemTrace(model if trace_on else nn.Module())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
     times, peaks, summaries = [], [], []
     try:
         for i in range(warmup + steps):
@@ -104,21 +116,22 @@ def run_variant(name: str, spec: dict[str, Any], model: Stack, x: torch.Tensor, 
             b = torch.cuda.Event(enable_timing=True)
             a.record()
             ctx = cache if cache is not None else contextlib.nullcontext()
+            opt.zero_grad(set_to_none=True)  # gradients allocated in backward, as B4 measures
             with ctx:
-                loss = model(x.clone()).square().mean()
+                loss = w.loss(model, w.batch)
                 loss.backward()
             opt.step()
-            opt.zero_grad(set_to_none=False)
             b.record()
             b.synchronize()
             del loss
             peak = max([p for *_, p in trace.points] + [torch.cuda.max_memory_allocated()])
+            base = 0  # peaks include parameters and gradients (allocated in backward)
             if i >= warmup:
                 times.append(a.elapsed_time(b))
                 peaks.append(peak - base)
                 summaries.append(trace.summary(base))
         out: dict[str, Any] = {"variant": name, "spec": spec, "step_ms": statistics.median(times),
-                               "step_ms_all": times, "act_peak_GB": max(peaks) / 1e9}
+                               "step_ms_all": times, "act_peak_GB": max(peaks) / 1e9, "peak_GB": max(peaks) / 1e9}
         worst = max(range(len(peaks)), key=lambda i: peaks[i])
         out["memtrace"] = summaries[worst]
         if cache is not None:
@@ -128,7 +141,8 @@ def run_variant(name: str, spec: dict[str, Any], model: Stack, x: torch.Tensor, 
                        queued_GB=st.bytes_queued / steps / 1e9, loaded_GB=st.bytes_loaded / steps / 1e9,
                        wait_ms=st.unpack_wait_seconds * 1e3 / steps, write_GBps=st.write_bandwidth / 1e9,
                        read_GBps=st.read_bandwidth / 1e9, engine=cache.engine,
-                       plan=cache.plan.as_dict() if cache.plan is not None else None)
+                       plan=cache.plan.as_dict() if cache.plan is not None else None,
+                       step_peaks_GB=[p / 1e9 for p in getattr(cache.policy, "peaks", [])])
         return out
     finally:
         for h in trace.handles:
@@ -143,11 +157,8 @@ def run_variant(name: str, spec: dict[str, Any], model: Stack, x: torch.Tensor, 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--hidden", type=int, default=8192)
-    ap.add_argument("--heads", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--model", default="gpt-h8192", help="gpt-h8192, llama or gpt2 (B4's shapes)")
+    ap.add_argument("--no-trace", action="store_true", help="step peaks only (for memory_budget variants)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--ssd-dir", default=None)
@@ -166,14 +177,11 @@ def main() -> int:
     variants = dict(VARIANTS)
     if args.extra:
         variants.update(json.loads(args.extra))
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Stack(args.hidden, args.heads, args.layers).to(torch.bfloat16)
-    x = torch.randn(args.micro_batch, args.seq, args.hidden, device="cuda", dtype=torch.bfloat16)
+    w = build(args.model, torch.device("cuda"), False)
     ssd_dir = pick_ssd_dir(args.ssd_dir)
     results = []
     for name in [v for v in args.variants.split(",") if v]:
-        r = run_variant(name, variants[name], model, x, ssd_dir, args.warmup, args.steps)
+        r = run_variant(name, variants[name], w, ssd_dir, args.warmup, args.steps, not args.no_trace)
         results.append(r)
         m = r["memtrace"]
         print(f"{name:24s} {r['step_ms']:7.1f} ms act {r['act_peak_GB']:5.2f} GB off {r.get('off_GB', 0):5.2f} "

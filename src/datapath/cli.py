@@ -25,7 +25,7 @@ from datapath._runtime.errors import DatapathError
 COMMAND_MODULES = (
     "datapath.apps.info",
     "datapath.apps.cli",
-    "datapath.offload._cli",
+    "datapath.analysis.cli",
 )
 
 USER_ERRORS: tuple[type[BaseException], ...] = (DatapathError, ValueError, OSError)

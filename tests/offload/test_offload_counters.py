@@ -90,14 +90,14 @@ def test_forwarding_returns_tensors_still_being_stored(tmp_path) -> None:
     cache = TensorCache("ssd", str(tmp_path), min_bytes=0, offload_cpu_tensors=True, keep_last_modules=0,
                         io_chunk_bytes=8192)
     gate = threading.Event()
-    engine = cache.ssd.posix
-    real = engine._pwrite
+    engine = cache.file_store.posix
+    real = engine.pwrite
 
     def held(fd: int, mv: memoryview, off: int) -> int:  # the disk is "slow": nothing finishes until the gate
         gate.wait()
         return real(fd, mv, off)
 
-    engine._pwrite = held
+    engine.pwrite = held
     cache.attach(model)
     got = run_steps(model, batches, lambda m, x: m(x).pow(2).mean(), ctx=cache)
     assert_identical(ref, got)
@@ -178,14 +178,14 @@ def test_max_inflight_bytes_bounds_unstored_memory(tmp_path) -> None:
     bound = 3 * 64 * 64 * 4  # three activation storages
     cache = TensorCache("ssd", str(tmp_path), min_bytes=0, offload_cpu_tensors=True, keep_last_modules=0,
                         io_chunk_bytes=8192, max_inflight_bytes=bound)
-    real = cache.ssd.posix._pwrite
+    real = cache.file_store.posix.pwrite
     gate = threading.Event()
     threading.Timer(0.2, gate.set).start()  # the disk accepts nothing for 0.2 s: the forward must wait
 
     def slow(fd: int, mv: memoryview, off: int) -> int:
         gate.wait()
         return real(fd, mv, off)
-    cache.ssd.posix._pwrite = slow
+    cache.file_store.posix.pwrite = slow
     cache.attach(model)
     got = run_steps(model, batches, lambda m, x: m(x).pow(2).mean(), ctx=cache)
     assert_identical(ref, got)
@@ -270,14 +270,14 @@ def test_adaptive_plan_backs_off_when_the_backward_waits_for_loads(tmp_path) -> 
     cache = TensorCache("ssd", str(tmp_path), policy="adaptive", min_bytes=0, offload_cpu_tensors=True,
                         io_chunk_bytes=65536, pace=False)
     cache.attach(model)
-    real = cache.ssd.posix._preadv
+    real = cache.file_store.posix.preadv
     slow = {"on": False}
 
     def preadv(fd: int, bufs: list, off: int) -> int:
         if slow["on"]:
             _time.sleep(0.02)
         return real(fd, bufs, off)
-    cache.ssd.posix._preadv = preadv
+    cache.file_store.posix.preadv = preadv
     plans = []
 
     def between() -> None:
@@ -295,10 +295,10 @@ def test_adaptive_plan_backs_off_when_the_backward_waits_for_loads(tmp_path) -> 
 
 def test_disk_probe_measures_and_leaves_nothing(tmp_path) -> None:
     cache = TensorCache("ssd", str(tmp_path), engine="posix", io_chunk_bytes=1 << 20)
-    w, r = cache.ssd.probe(4 << 20, None)
+    w, r = cache.store.probe(4 << 20, None)
     assert w > 0 and r > 0
-    assert cache.files() == [] and not any(f.startswith("probe") for f in cache.ssd.files())
-    assert cache.ssd.reserved == 0
+    assert cache.files() == [] and not any(f.startswith("probe") for f in cache.store.files())
+    assert cache.store.in_use == 0
     cache.close()
 
 
@@ -307,7 +307,7 @@ def test_disk_probe_leaves_the_global_rng_alone(tmp_path) -> None:
     torch.manual_seed(123)
     expected = torch.rand(4)
     torch.manual_seed(123)
-    cache.ssd.probe(1 << 20, None)
+    cache.store.probe(1 << 20, None)
     assert torch.equal(torch.rand(4), expected)
     cache.close()
 

@@ -38,7 +38,7 @@ def _failing_write(code: int):
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
 def test_write_error_raises_in_the_step(tmp_path, code: int) -> None:
     model, batches, _, cache = _setup(tmp_path)
-    cache.ssd.posix._pwrite = _failing_write(code)
+    cache.file_store.posix.pwrite = _failing_write(code)
     with pytest.raises(OffloadError) as info:
         run_steps(model, batches, _loss, ctx=cache, between=cache.wait_io)
     assert info.value.errno == code
@@ -54,7 +54,7 @@ def test_write_error_raises_in_the_step(tmp_path, code: int) -> None:
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
 def test_write_error_keeps_tensor_when_asked(tmp_path, code: int) -> None:
     model, batches, ref, cache = _setup(tmp_path, on_error="keep")
-    cache.ssd.posix._pwrite = _failing_write(code)
+    cache.file_store.posix.pwrite = _failing_write(code)
     got = run_steps(model, batches, _loss, ctx=cache, between=cache.wait_io)
     assert_identical(ref, got)
     st = cache.stats
@@ -66,13 +66,13 @@ def test_write_error_keeps_tensor_when_asked(tmp_path, code: int) -> None:
 
 def test_short_write_is_an_error(tmp_path) -> None:
     model, batches, _, cache = _setup(tmp_path)
-    real = cache.ssd.posix._pwrite
+    real = cache.file_store.posix.pwrite
 
     def short(fd: int, mv: memoryview, off: int) -> int:
         if len(mv) > 4096:
             return real(fd, mv[:4096], off)  # a partial write...
         return 0                             # ...then the device accepts nothing more
-    cache.ssd.posix._pwrite = short
+    cache.file_store.posix.pwrite = short
     with pytest.raises(OffloadError, match="short write") as info:
         run_steps(model, batches, _loss, ctx=cache, between=cache.wait_io)
     assert info.value.errno == errno.ENOSPC
@@ -81,13 +81,13 @@ def test_short_write_is_an_error(tmp_path) -> None:
 
 def test_partial_writes_that_progress_are_completed(tmp_path) -> None:
     model, batches, ref, cache = _setup(tmp_path, verify=True)
-    real = cache.ssd.posix._pwrite
+    real = cache.file_store.posix.pwrite
     calls = []
 
     def partial(fd: int, mv: memoryview, off: int) -> int:  # the kernel may write less than asked
         calls.append(len(mv))
         return real(fd, mv[:4096], off)
-    cache.ssd.posix._pwrite = partial
+    cache.file_store.posix.pwrite = partial
     got = run_steps(model, batches, _loss, ctx=cache, between=cache.wait_io)
     assert_identical(ref, got)
     assert any(n > 4096 for n in calls) and cache.stats.bytes_loaded > 0
@@ -99,7 +99,7 @@ def test_read_error_raises(tmp_path) -> None:
 
     def preadv(fd: int, bufs: list, off: int) -> int:
         raise OSError(errno.EIO, "Input/output error")
-    cache.ssd.posix._preadv = preadv
+    cache.file_store.posix.preadv = preadv
     with pytest.raises(OffloadError) as info:
         run_steps(model, batches, _loss, ctx=cache, between=cache.wait_io)
     assert info.value.errno == errno.EIO

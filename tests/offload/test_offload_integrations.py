@@ -10,7 +10,7 @@ from torch import nn
 
 from _offload_models import mlp
 from datapath.offload import TensorCache
-from datapath.offload.integrations import patch_schedules
+from datapath.offload import patch_schedules, restore_patches
 
 
 def test_nothing_patched_without_the_packages(monkeypatch) -> None:
@@ -58,8 +58,8 @@ def test_megatron_1f1b_order_with_hints() -> None:
     stage = _Stage(body, config, ModelType.encoder_or_decoder)
     cache = TensorCache("host", min_bytes=0, offload_cpu_tensors=True, keep_last_modules=1)
     cache.attach(stage, units=list(body))
-    names = cache.patch_schedules()
-    assert {"megatron.forward_step", "megatron.backward_step"} <= set(names)
+    patches = patch_schedules(cache)
+    assert {"megatron.forward_step", "megatron.backward_step"} <= {p.name for p in patches}
     assert schedules.forward_step is not original_f
 
     def step_func(it, model):
@@ -95,5 +95,6 @@ def test_megatron_1f1b_order_with_hints() -> None:
     assert st.records == 3                  # one record per micro-batch
     assert st.microbatch_hints == 6         # each forward_step and backward_step named its micro-batch
     assert st.bytes_loaded > 0 and st.loads_on_demand == 0
+    restore_patches(patches)
     cache.close()
     assert schedules.forward_step is original_f and schedules.backward_step is original_b

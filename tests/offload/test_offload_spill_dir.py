@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from datapath.offload._spill_dir import SpillDir, clean_stale
+from datapath.offload.spill_dir import SpillDir, clean_stale
 
 
 def test_private_mode_and_removal(tmp_path: Path) -> None:
@@ -29,7 +29,7 @@ def _child(tmp_path: Path, code: str) -> str:
 
 def test_removed_at_interpreter_exit(tmp_path: Path) -> None:
     path = _child(tmp_path, f"""
-        from datapath.offload._spill_dir import SpillDir
+        from datapath.offload.spill_dir import SpillDir
         d = SpillDir({str(tmp_path)!r})
         open(d.file("a.act"), "wb").write(b"x" * 100)
         print(d.path)

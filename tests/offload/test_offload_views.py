@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from datapath.offload._host_pool import ALIGN, HostPool
-from datapath.offload._views import ViewSpec, is_plain_strided, rebuild, storage_bytes
+from datapath.offload import HostStore
+from datapath.offload.views import ViewSpec, is_plain_strided, rebuild, storage_bytes
 
 
 def _roundtrip(t: torch.Tensor) -> torch.Tensor:
@@ -44,27 +44,30 @@ def test_plain_strided_filter() -> None:
     assert not is_plain_strided(torch.empty(3, device="meta"))
 
 
-def test_host_pool_alignment_reuse_and_budget() -> None:
-    pool = HostPool(budget=1 << 20, slab_bytes=256 << 10, pinned=False)
-    assert pool.try_reserve(100_000) and pool.try_reserve(50_000)
-    a = pool.alloc(100_000)
-    b = pool.alloc(50_000)
-    for blk in (a, b):
-        assert blk.data.data_ptr() % ALIGN == 0 and blk.data.numel() == blk.nbytes
-    a.data.fill_(1)
-    b.data.fill_(2)
-    assert int(a.data.sum()) == 100_000  # blocks do not overlap
-    cap = pool.capacity
-    pool.free(a)
-    pool.free(b)
-    assert pool.in_use == 0 and pool.reserved == 0
-    assert pool.try_reserve(150_000)
-    c = pool.alloc(150_000)  # the freed ranges were merged: fits in the same slab
-    assert pool.capacity == cap
-    pool.free(c)
-    assert not pool.try_reserve(2 << 20)  # over the budget
-    big = HostPool(budget=4 << 20, slab_bytes=64 << 10, pinned=False)
-    assert big.try_reserve(1 << 20)
-    d = big.alloc(1 << 20)  # larger than a slab: a slab of its own
-    assert d.data.numel() == 1 << 20
+def test_host_store_alignment_reuse_and_budget() -> None:
+    """HostStore: 4 KiB-aligned blocks that do not overlap, freed ranges reused, the budget enforced."""
+    store = HostStore(1 << 20, slab_bytes=256 << 10, pinned=False)
+    a_src = torch.randint(0, 255, (100_000,), dtype=torch.uint8)
+    b_src = torch.randint(0, 255, (50_000,), dtype=torch.uint8)
+    a, b = store.reserve(100_000), store.reserve(50_000)
+    assert a is not None and b is not None
+    for slot, src in ((a, a_src), (b, b_src)):
+        res = store.write(slot, src, None, None, "x", lambda: False)
+        slot.loc = res.loc
+        assert slot.loc.data.data_ptr() % 4096 == 0 and slot.loc.data.numel() == src.numel()
+    for slot, src in ((a, a_src), (b, b_src)):  # neither write overwrote the other
+        dst = torch.empty_like(src)
+        store.read(slot, dst, None, None, "x")  # a read consumes the slot
+        assert torch.equal(dst, src)
+    assert store.in_use == 0
+    c = store.reserve(150_000)  # the freed ranges were merged: fits again
+    assert c is not None
+    store.unreserve(c)
+    assert store.reserve(2 << 20) is None  # over the budget
+    big = HostStore(4 << 20, slab_bytes=64 << 10, pinned=False)
+    d = big.reserve(1 << 20)
+    res = big.write(d, torch.ones(1 << 20, dtype=torch.uint8), None, None, "d", lambda: False)
+    d.loc = res.loc  # larger than a slab: a slab of its own
+    assert d.loc.data.numel() == 1 << 20
     big.free(d)
+    assert big.in_use == 0

@@ -1,33 +1,63 @@
-"""Activation offloading (SSDTrain): saved activations go to pinned host memory or disk during
-forward and come back, prefetched in reverse module order, before backward needs them.
+"""Activation offloading: saved activations leave device memory in forward and come back, prefetched
+in reverse module order, before backward needs them; within a memory budget, each is kept, offloaded
+or recomputed, whichever fits fastest.
 
     from datapath.offload import offload
-    with offload(model, target="host" | "ssd" | "tiered", path="/nvme/act", policy="adaptive"):
+    with offload(model, memory_budget="10GB"):                      # or "12GiB", 0.5 (of the GPU)
         loss = model(batch).loss
         loss.backward()
+    with offload(model, target="ssd", path="/nvme/act"):            # everything to disk ("host", "tiered")
+        ...
 
-`TensorCache` gives explicit control (attach/detach, micro-batch and backward
-hints, `wait_io`, statistics); `plan_offload` is the adaptive planner.  `sweep`
-(module `rok`) measures the recompute-offload-keep curve of a model; `plan`
-(module `ssd_plan`) is SSDTrain's bandwidth and SSD-lifespan model.
+`TensorCache` gives explicit control (attach/detach, micro-batch and backward hints,
+`wait_io`, statistics); `OffloadConfig` holds its settings; `plan_budget` and
+`plan_offload` are the budget and adaptive planners; `HostStore`, `FileStore` and
+`TieredStore` implement the one `Store` interface.  Workload modelling (ROK curves,
+the SSD plan, presets) lives in `datapath.analysis`.
 """
+import importlib
+import warnings
+from typing import Any
+
+from datapath.offload.budget_planner import BudgetPlan, BudgetProfile, SegmentCost, plan_budget
 from datapath.offload.cache import TensorCache
+from datapath.offload.config import FlowOptions, OffloadConfig, SelectOptions, StoreOptions, parse_memory_budget
 from datapath.offload.context import offload
 from datapath.offload.distributed import clean_stale_ranks, offload_rank, rank_path
-from datapath.offload.errors import OffloadConfigError, OffloadError
-from datapath.offload.planner import OffloadPlan, StepProfile, plan_offload
-from datapath.offload.presets import PRESETS, TransformerConfig, Workload, build_workload, get_preset
-from datapath.offload.rok import STRATEGIES, RokError, RokPoint, RokResult, sweep
-from datapath.offload.ssd_plan import (
-    Drive, GpuSpec, Parallelism, PlanError, SsdPlan, TransformerShape, activation_breakdown,
-    activation_bytes_per_step, model_flops_per_step, plan,
-)
+from datapath.offload.errors import OffloadConfigError, OffloadError, OffloadWarning
+from datapath.offload.file_store import FileStore
+from datapath.offload.host_store import HostStore
+from datapath.offload.integrations import patch_schedules, restore_patches
+from datapath.offload.planner import OffloadPlan, SegmentProfile, StepProfile, TensorProfile, plan_offload
+from datapath.offload.recompute import set_recompute
+from datapath.offload.spill_dir import SpillDir, clean_stale, reclaim_stale
 from datapath.offload.stats import OffloadStats
+from datapath.offload.store import Slot, Store
+from datapath.offload.tiered_store import TieredStore
 
 __all__ = [
-    "PRESETS", "STRATEGIES", "Drive", "GpuSpec", "OffloadConfigError", "OffloadError", "OffloadPlan",
-    "OffloadStats", "Parallelism", "PlanError", "RokError", "RokPoint", "RokResult", "SsdPlan", "StepProfile",
-    "TensorCache", "TransformerConfig", "TransformerShape", "Workload", "activation_breakdown",
-    "activation_bytes_per_step", "build_workload", "clean_stale_ranks", "get_preset", "model_flops_per_step",
-    "offload", "offload_rank", "plan", "plan_offload", "rank_path", "sweep",
+    "BudgetPlan", "BudgetProfile", "FileStore", "FlowOptions", "HostStore", "OffloadConfig", "OffloadConfigError",
+    "OffloadError", "OffloadPlan", "OffloadStats", "OffloadWarning", "SegmentCost", "SegmentProfile",
+    "SelectOptions", "Slot", "SpillDir", "StepProfile", "Store", "StoreOptions", "TensorCache", "TensorProfile",
+    "TieredStore", "clean_stale", "clean_stale_ranks", "offload", "offload_rank", "parse_memory_budget",
+    "patch_schedules", "plan_budget", "plan_offload", "rank_path", "reclaim_stale", "restore_patches",
+    "set_recompute",
 ]
+
+# workload modelling moved to datapath.analysis: the old names work for one more release
+_MOVED = {
+    "PRESETS": "presets", "TransformerConfig": "presets", "Workload": "presets", "build_workload": "presets",
+    "get_preset": "presets", "STRATEGIES": "rok", "RokError": "rok", "RokPoint": "rok_result",
+    "RokResult": "rok_result", "sweep": "rok", "Drive": "ssd_plan", "GpuSpec": "ssd_plan",
+    "Parallelism": "ssd_plan", "PlanError": "ssd_plan", "SsdPlan": "ssd_plan", "TransformerShape": "ssd_plan",
+    "activation_breakdown": "ssd_plan", "activation_bytes_per_step": "ssd_plan",
+    "model_flops_per_step": "ssd_plan", "plan": "ssd_plan",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        warnings.warn(f"datapath.offload.{name} moved to datapath.analysis.{name}; import it from there "
+                      f"(the old name goes in the next release)", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(f"datapath.analysis.{_MOVED[name]}"), name)
+    raise AttributeError(f"module 'datapath.offload' has no attribute {name!r}")

@@ -26,7 +26,7 @@ def os_error(exc: OSError, what: str, path: str) -> OffloadError:
     """An `OffloadError` for OS error ``exc`` raised while doing ``what`` on ``path``."""
     code = exc.errno
     if code == _errno.ENOSPC:
-        hint = "the disk is full: free space, lower max_disk_bytes, or build the cache with on_error='keep'"
+        hint = "the disk is full: free space or lower max_disk_bytes"
     elif code == _errno.EIO:
         hint = "the device reported an I/O error: check the disk (dmesg) or offload to another path"
     elif code == _errno.ENOENT:
@@ -88,8 +88,8 @@ class Staging:
 class PosixEngine:
     """Reads and writes files with ``pwrite``/``preadv`` from a thread pool, O_DIRECT when available.
 
-    ``_pwrite``/``_preadv`` are the system calls used (instance attributes, so a
-    test can inject ENOSPC/EIO/short writes on one engine).
+    ``pwrite``/``preadv`` are the system calls used: instance attributes, so a test can
+    inject ENOSPC/EIO/short writes into one engine.
     """
 
     name = "posix"
@@ -103,8 +103,8 @@ class PosixEngine:
         self.threads = threads
         self.direct = probe_direct(directory) if direct is None else (direct and bool(_O_DIRECT))
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="datapath-io")
-        self._pwrite = os.pwrite
-        self._preadv = os.preadv
+        self.pwrite = os.pwrite
+        self.preadv = os.preadv
         log.info("POSIX offload engine in %s: %d threads, %d MiB chunks, O_DIRECT %s",
                  directory, threads, chunk_bytes >> 20, "on" if self.direct else "off (filesystem refuses it)")
 
@@ -135,7 +135,7 @@ class PosixEngine:
         done = 0
         try:
             while done < total:
-                k = self._pwrite(fd, mv[done:], offset + done)
+                k = self.pwrite(fd, mv[done:], offset + done)
                 if k <= 0:
                     raise OffloadError(
                         f"short write to {path}: {done} of {total} bytes at offset {offset} written, "
@@ -154,7 +154,7 @@ class PosixEngine:
         done = 0
         try:
             while done < n:
-                k = self._preadv(fd, [mv[done:]], offset + done)
+                k = self.preadv(fd, [mv[done:]], offset + done)
                 if k <= 0:
                     raise OffloadError(
                         f"short read from {path}: the file ends after {offset + done} bytes but "

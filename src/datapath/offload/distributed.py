@@ -29,7 +29,7 @@ from typing import Any
 from torch import nn
 
 from datapath._runtime import pin_limit_bytes
-from datapath.offload._spill_dir import clean_stale
+from datapath.offload.spill_dir import clean_stale
 from datapath.offload.cache import TensorCache
 from datapath.offload.context import offload
 from datapath.offload.errors import OffloadConfigError

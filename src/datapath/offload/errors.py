@@ -26,3 +26,7 @@ class OffloadError(DatapathError, OSError):
 
 class OffloadConfigError(DatapathError, ValueError):
     """A `TensorCache` / ``offload`` argument is invalid (unknown target, bad budget, missing path)."""
+
+
+class OffloadWarning(UserWarning):
+    """Offloading did less than asked (a store with no room left): training goes on, the tensor stays in memory."""

@@ -17,12 +17,19 @@ import importlib
 import logging
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from datapath.offload.cache import TensorCache
+from typing import Any, Protocol
 
 log = logging.getLogger("datapath.offload.integrations")
+
+
+class ScheduleHints(Protocol):
+    """What the patched schedules call (a `TensorCache` is one)."""
+
+    def set_microbatch(self, index: int) -> None: ...
+
+    def begin_backward(self) -> None: ...
+
+    def prefetch_last_module(self) -> None: ...
 
 
 @dataclass
@@ -56,7 +63,7 @@ def _patch(owner: Any, attr: str, name: str, make: Any) -> Patch | None:
     return Patch(name, owner, attr, original)
 
 
-def patch_megatron(cache: "TensorCache") -> list[Patch]:
+def patch_megatron(cache: ScheduleHints) -> list[Patch]:
     """Wrap ``megatron.core.pipeline_parallel.schedules.forward_step``/``backward_step``.
 
     Megatron runs the backwards of a pipeline stage in the order of its forwards
@@ -92,7 +99,7 @@ def patch_megatron(cache: "TensorCache") -> list[Patch]:
     return out
 
 
-def patch_deepspeed(cache: "TensorCache") -> list[Patch]:
+def patch_deepspeed(cache: ScheduleHints) -> list[Patch]:
     """Wrap DeepSpeed ``PipelineEngine``'s forward, backward and gradient-receive instructions."""
     mod = _import("deepspeed.runtime.pipe.engine")
     engine = getattr(mod, "PipelineEngine", None) if mod is not None else None
@@ -128,6 +135,12 @@ def patch_deepspeed(cache: "TensorCache") -> list[Patch]:
     return out
 
 
-def patch_schedules(cache: "TensorCache") -> list[Patch]:
-    """Every patch that applies here (none when neither package imports)."""
+def patch_schedules(cache: ScheduleHints) -> list[Patch]:
+    """Every patch that applies here (none when neither package imports); `restore_patches` undoes them."""
     return patch_megatron(cache) + patch_deepspeed(cache)
+
+
+def restore_patches(patches: list[Patch]) -> None:
+    """Put the original functions back, last patch first."""
+    while patches:
+        patches.pop().restore()

@@ -41,10 +41,11 @@ class OffloadStats:
     write_seconds: float = 0.0     # busy time of the store path
     read_seconds: float = 0.0      # busy time of the load path
     unpack_wait_seconds: float = 0.0  # time autograd was blocked in unpack waiting for a load
-    store_wait_seconds: float = 0.0   # time pack hooks waited for stores (max_inflight_bytes)
+    store_wait_seconds: float = 0.0   # time pack hooks waited for stores (backpressure)
     peak_inflight_bytes: int = 0      # most bytes waiting to be stored at once
     peak_prefetch_bytes: int = 0      # most bytes loaded ahead by prefetches and not yet used at once
     plan_backoffs: int = 0            # adaptive plans shortened because the backward waited for loads
+    plan_corrections: int = 0         # budget plans made again because a step's peak exceeded the budget
     files_created: int = 0
     files_removed: int = 0
     peak_disk_bytes: int = 0

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from datapath.cli import main
-from datapath.offload.presets import build_workload, get_preset
-from datapath.offload.ssd_plan import activation_breakdown
+from datapath.analysis.presets import build_workload, get_preset
+from datapath.analysis.ssd_plan import activation_breakdown
 
 
 def _saved_bytes(model: torch.nn.Module, batch: tuple) -> int:

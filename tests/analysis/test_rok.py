@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from datapath.cli import main
-from datapath.offload.presets import PRESETS, Workload, build_workload, get_preset
-from datapath.offload.rok import (
+from datapath.analysis.presets import PRESETS, Workload, build_workload, get_preset
+from datapath.analysis.rok import (
     RokError,
     RokPoint,
     RokResult,
-    _recompute,
+    recompute_layers,
     load_model_factory,
     measure_flops_per_step,
     sweep,
@@ -35,7 +35,7 @@ def test_recompute_gives_the_same_gradients(name: str) -> None:
     batch = w.make_batch(2)
     ref = _grads(w, batch, seed=11)  # dropout is on: recomputation must replay the same masks
     layers_before = [list(lst) for lst in w.layer_lists]
-    with _recompute(w, "checkpoint"):
+    with recompute_layers(w, "checkpoint"):
         assert all(type(m).__name__ == "_Checkpointed" for lst in w.layer_lists for m in lst)
         got = _grads(w, batch, seed=11)
     assert [list(lst) for lst in w.layer_lists] == layers_before  # layers restored

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from datapath.offload.ssd_plan import (
+from datapath.analysis.ssd_plan import (
     DRIVES,
     GPUS,
     Drive,

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("datapath.offload.cli")
+log = logging.getLogger("datapath.analysis.cli")
 
 
 def _int_list(text: str) -> list[int]:
@@ -21,7 +21,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def _add_model_args(p: argparse.ArgumentParser, default_preset: str | None) -> None:
-    from datapath.offload.presets import PRESETS
+    from datapath.analysis.presets import PRESETS
 
     g = p.add_argument_group("model")
     g.add_argument("--preset", default=default_preset,
@@ -35,13 +35,25 @@ def _add_model_args(p: argparse.ArgumentParser, default_preset: str | None) -> N
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from datapath.offload.presets import get_preset
+    from datapath.analysis.presets import get_preset
 
     cfg = get_preset(args.preset, hidden=args.hidden, layers=args.layers, seq=args.seq,
                      heads=args.heads, vocab=args.vocab)
     if args.family and args.family != cfg.family:
         cfg = cfg.replace(family=args.family, name="")
     return cfg
+
+
+def _check_dir_arg(flag: str, path: str) -> None:
+    """``path`` is a directory, or can be made one (no regular file on the way)."""
+    from datapath.analysis.rok import RokError
+
+    p = Path(path).expanduser()
+    for q in [p, *p.parents]:
+        if q.exists():
+            if not q.is_dir():
+                raise RokError(f"{flag} {path}: {q} is not a directory")
+            break
 
 
 def _dump(path: str | None, doc: dict[str, Any]) -> None:
@@ -57,8 +69,8 @@ def _cmd_rok(args: argparse.Namespace) -> int:
     import torch
 
     from datapath._runtime import machine_info
-    from datapath.offload.rok import RokError, load_model_factory, sweep
-    from datapath.offload.ssd_plan import PlanError
+    from datapath.analysis.rok import RokError, load_model_factory, sweep
+    from datapath.analysis.ssd_plan import PlanError
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
@@ -74,6 +86,8 @@ def _cmd_rok(args: argparse.Namespace) -> int:
         log.info("%s mb=%d: %s, activation peak %s, %s", pt.strategy, pt.micro_batch, pt.status, peak, tput)
 
     try:
+        if args.ssd_path:
+            _check_dir_arg("--ssd-path", args.ssd_path)
         model: Any = load_model_factory(args.model_factory) if args.model_factory else _config(args)
         result = sweep(model, strategies, args.micro_batches, steps=args.steps, warmup=args.warmup,
                        device=args.device, dtype=dtype, ssd_path=args.ssd_path,
@@ -82,6 +96,11 @@ def _cmd_rok(args: argparse.Namespace) -> int:
         print(f"error: {exc}")
         return 2
     budget = None if args.budget_gb is None else args.budget_gb * 1e9
+    failed = [p for p in result.points if not p.ok]
+    if result.points and len(failed) == len(result.points):
+        print(f"error: every point failed; the first: {failed[0].strategy} at micro-batch "
+              f"{failed[0].micro_batch}: {failed[0].status}: {failed[0].error}")
+        return 1
     doc = result.to_dict(budget)
     doc["machine"] = machine_info()
     _dump(args.json, doc)
@@ -94,7 +113,7 @@ def _cmd_rok(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- ssd-plan
 
 def _cmd_ssd_plan(args: argparse.Namespace) -> int:
-    from datapath.offload.ssd_plan import (
+    from datapath.analysis.ssd_plan import (
         DRIVES, GPUS, Drive, GpuSpec, Parallelism, PlanError, TransformerShape, paper_table_5_4, plan,
         sweep_plan,
     )
@@ -182,14 +201,14 @@ def _plot_sweep(path: str, param: str, values: list[float], plans: list[Any]) ->
 
 
 def _rows_text(rows: list[dict[str, Any]]) -> str:
-    from datapath.offload.rok import _format_rows
+    from datapath.analysis.rok_result import format_rows
 
-    return _format_rows(rows)
+    return format_rows(rows)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``rok`` and ``ssd-plan`` to the ``datapath`` command."""
-    from datapath.offload.ssd_plan import DRIVES, GPUS
+    from datapath.analysis.ssd_plan import DRIVES, GPUS
 
     p = subparsers.add_parser(
         "rok", help="ROK curve: activation peak vs model throughput for keep/recompute/offload",
@@ -197,7 +216,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                     "write JSON and a PNG of the recompute-offload-keep curve; name the best under a budget.")
     _add_model_args(p, "bert-tiny")
     p.add_argument("--model-factory", metavar="MODULE:FUNCTION",
-                   help="your model: FUNCTION(device, dtype) returns a datapath.offload.rok.Workload "
+                   help="your model: FUNCTION(device, dtype) returns a datapath.analysis.Workload "
                         "or (model, make_batch); overrides --preset")
     p.add_argument("--strategies", default="keep,recompute,offload-host,offload-ssd-adaptive,recompute+offload-host",
                    help="comma-separated: keep, recompute, offload-host, offload-host-adaptive, offload-ssd, "

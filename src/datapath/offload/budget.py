@@ -1,0 +1,274 @@
+"""``memory_budget=``: fit a step's peak memory in a budget, as fast as this machine allows.
+
+The first forward pass runs with everything offloaded (the lowest memory the
+offloader reaches; it pays the one-time costs), and so does the next, profiled for
+memory (interval peaks in the allocator's own counters).  The one after runs with
+nothing offloaded and every block recomputed, profiled for time (each segment's
+compute time without offloading's stalls, each block's recompute cost; about
+checkpointing's memory).  From the two (`BudgetProfile`), `plan_budget` chooses, per
+saved storage and per block, keep, offload or recompute.  A planned step then
+
+- offloads the planned prefix of storages, admitting each store only while the
+  device's allocated memory stays under the budget minus the forward's measured
+  working set (backpressure: the forward waits for stores to drain instead of the
+  allocator growing);
+- recomputes the planned blocks (non-reentrant checkpointing, RNG replayed);
+- loads ahead in the backward only while the memory stays under the budget.
+
+Each step's measured peak is compared with the budget: above it, the plan is
+made again for a budget lowered by the excess (a step whose peak exceeds the
+budget corrects the plan for the next); well below it, once, for a budget raised
+by part of the gap.  A budget below what the profile measured with everything
+offloaded raises `OffloadConfigError` naming that minimum.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import TYPE_CHECKING
+
+from datapath.offload.budget_planner import KEEP_ALL, BudgetPlan, BudgetProfile, SegmentCost, plan_budget
+from datapath.offload.errors import OffloadConfigError
+from datapath.offload.policy import Policy, derived_bound
+from datapath.offload.recompute import already_recomputed, clear_recompute, set_recompute
+from datapath.offload.scopes import Record, Segment
+
+if TYPE_CHECKING:
+    from datapath.offload.cache import TensorCache
+
+log = logging.getLogger("datapath.offload.budget")
+
+WARMUP_RECORDS = 1   # forwards run with everything offloaded before the profiled one
+RELAX_BELOW = 0.93   # a planned step under this share of the budget may relax the plan (once)
+LOOKAHEAD = 4        # forward segments whose working set a pack's admission leaves room for
+OVER = 1.005         # a planned step over this share of the budget corrects the plan (measurement noise below)
+
+
+def _gb(n: float) -> str:
+    """Bytes for a message: GB with 2 decimals, MB below 0.1 GB."""
+    return f"{n / 1e9:.2f} GB" if abs(n) >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+class BudgetPolicy(Policy):
+    """Keep / offload / recompute planned from a profiled step to fit ``budget`` bytes."""
+
+    name = "budget"
+
+    def __init__(self, cache: "TensorCache", budget: int) -> None:
+        super().__init__(cache)
+        self.budget = int(budget)
+        self.target = float(budget)      # the budget the planner aims at (lowered after an overshoot)
+        self.plan: BudgetPlan | None = None
+        self.profile: BudgetProfile | None = None
+        self.last_peak: int | None = None
+        self.peaks: list[int] = []
+        self.replans = 0
+        self._records = 0
+        self._profiling: Record | None = None   # the memory profile: everything offloaded
+        self._memory: Record | None = None      # ... once measured, until the timing profile is too
+        self._timing: Record | None = None      # the time profile: nothing offloaded, every block recomputed
+        self._pending_peak: int | None = None
+        self._overshot = False
+        self._relaxed = False
+        self._head_fwd: list[int] = []
+        self._head_bwd = 0
+        self._error: OffloadConfigError | None = None
+
+    # ------------------------------------------------------------ steps
+    def on_step_start(self) -> None:
+        """A forward begins: a new memory lap (the peak is read at the end of the backward), and the
+        plan is made or corrected from what the last steps measured."""
+        if self._error is not None:
+            raise self._error
+        self.c.meter.lap()
+        rec = self._profiling
+        if rec is not None and rec.backward_started and rec.bwd_done:
+            self._profiling = None
+            self._memory = rec
+            if not self._recomputable(rec):
+                self._make_plan(rec, None)  # nothing to recompute: plan on the memory profile's own times
+            return
+        rec = self._timing
+        if rec is not None and rec.backward_started and rec.bwd_done and self._memory is not None:
+            self._timing = None
+            self._make_plan(self._memory, rec)
+            self._memory = None
+            return
+        peak, self._pending_peak = self._pending_peak, None
+        if peak is not None:
+            self._feedback(peak)
+
+    def on_backward_end(self, rec: Record) -> None:
+        # a planned step's peak is read, not reset: whoever measures the step after it still sees it
+        peak = self.c.meter.lap() if rec.profiling else self.c.meter.peak()
+        if rec.profiling:
+            self.c.scopes.close_lap(rec, peak)
+            rec.mem_open = []
+            rec.bwd_done = True
+        elif rec.timing:
+            rec.t_end = self.c.scopes.mark()
+            rec.bwd_done = True
+        elif rec.plan is not None:
+            self.last_peak = peak
+            self.peaks.append(peak)
+            self._pending_peak = max(peak, self._pending_peak or 0)
+
+    def _feedback(self, peak: int) -> None:
+        if self.plan is None or self.profile is None:
+            return
+        if peak > OVER * self.budget:
+            self._overshot = True
+            self.target -= (peak - self.budget) * 1.1 + 0.002 * self.budget
+            self.c.stats.plan_corrections += 1
+            log.info("memory budget: the step's peak %s exceeded the budget %s; planning for %s",
+                     _gb(peak), _gb(self.budget), _gb(self.target))
+            self._replan()
+        elif (peak < RELAX_BELOW * self.budget and not self._overshot and not self._relaxed
+              and (self.plan.offload_bytes or self.plan.recompute)):
+            self._relaxed = True
+            self.target += 0.5 * (0.985 * self.budget - peak)
+            log.info("memory budget: the step's peak %s is well under the budget %s; planning for %s",
+                     _gb(peak), _gb(self.budget), _gb(self.target))
+            self._replan()
+
+    def on_record_start(self, rec: Record) -> None:
+        # planned steps load ahead as far as the budget's memory allows (`prefetch_bound`): the offloaded
+        # storages are the first ones, needed last, and their loads overlap the whole backward before them
+        rec.distance = self.c.config.flow.prefetch_distance if self.plan is None else 1 << 30
+        rec.plan = self.plan
+        if self.plan is None and self.profile is None:
+            if self._memory is None and self._profiling is None and self._records >= WARMUP_RECORDS:
+                rec.profiling = True
+                self._profiling = rec
+            elif self._memory is not None and self._timing is None:
+                # compute times without offloading's stalls, and each block's recompute cost: one step with
+                # every block recomputed and nothing offloaded (about checkpointing's memory)
+                rec.timing = True
+                rec.plan = KEEP_ALL
+                self._timing = rec
+                set_recompute(self.c.scopes.blocks, self._recomputable(self._memory))
+        self._records += 1
+
+    def on_record_dropped(self, rec: Record) -> None:
+        if self._profiling is rec:
+            self._profiling = None
+        if self._timing is rec:
+            self._timing = None
+
+    def on_record_done(self, rec: Record) -> None:
+        if self._profiling is rec and not rec.backward_started:
+            self._profiling = None
+        if self._timing is rec and not rec.backward_started:
+            self._timing = None
+
+    # ------------------------------------------------------------ decisions
+    def decide(self, rec: Record, seg: Segment, idx: int, nbytes: int) -> bool:
+        plan = rec.plan
+        if plan is None:
+            return super().decide(rec, seg, idx, nbytes)
+        return plan.offloads(seg.index, seg.offloaded_bytes)
+
+    def admit(self, rec: Record, nbytes: int) -> float:
+        t = self.c.transfers
+        if rec.plan is None:  # warm-up and profile: the lowest memory, two storages in flight
+            return t.admit(nbytes, 2.0 * self.c.max_storage_bytes)
+        s = rec.segments[-1].index if rec.segments else 0
+        heads = self._head_fwd
+        mark = self.target - (heads[s] if s < len(heads) else max(heads, default=0))
+        meter = self.c.meter
+        if meter.allocated() <= mark:
+            return 0.0
+        # the device holds more than the budget allows here: wait for stores to free memory
+        return t.admit_until(lambda: meter.allocated() <= mark)
+
+    def prefetch_bound(self, rec: Record) -> float:
+        if rec.plan is None:
+            return derived_bound(self.c, self.c.bandwidth()[1])
+        return max(0.0, self.target - self._head_bwd - self.c.meter.allocated())
+
+    def paces(self, rec: Record) -> bool:
+        return not rec.timing and (rec.plan is None or rec.plan.offload_bytes > 0)
+
+    # ------------------------------------------------------------ planning
+    def _recomputable(self, rec: Record) -> list[int]:
+        blocks = self.c.scopes.blocks
+        return [b for b in sorted({s.block for s in rec.segments if s.block >= 0})
+                if b < len(blocks) and not already_recomputed(blocks[b])]
+
+    def _make_plan(self, rec: Record, timing: Record | None) -> None:
+        self.profile = self._build_profile(rec, timing)
+        segs = rec.segments
+        # what the forward allocates beyond what it holds at a segment's start, over the next few segments:
+        # a pack waits for stores while the device holds more than the budget minus that
+        grow = [max(0, s.mem_fwd - s.alloc_fwd) for s in segs]
+        self._head_fwd = [max(grow[i: i + LOOKAHEAD]) for i in range(len(grow))]
+        self._head_bwd = max((s.mem_bwd - s.alloc_bwd for s in segs if s.mem_bwd is not None), default=0)
+        self._replan()
+
+    def _replan(self) -> None:
+        assert self.profile is not None
+        plan = plan_budget(self.profile, int(self.target))
+        self.replans += 1
+        if plan.infeasible and self.budget >= self.profile.min_peak:
+            # the budget itself is reachable (the profiled step held it): the lowest plan there is
+            log.info("memory budget: no plan is modelled under %s; using the lowest (%s modelled)",
+                     _gb(self.target), _gb(plan.predicted_peak))
+            plan = dataclasses.replace(plan, infeasible=False)
+        if plan.infeasible:
+            blocks = self.c.scopes.blocks
+            clear_recompute(blocks)
+            self.plan = None
+            self._error = OffloadConfigError(
+                f"memory_budget={_gb(self.budget)} cannot be met: the measured minimum for this model and batch "
+                f"is {_gb(plan.min_peak)} (parameters, gradients and optimizer state "
+                f"{_gb(self.c.static_bytes())} plus the smallest working set, with every activation offloaded). "
+                f"Raise the budget to at least {_gb(plan.min_peak * 1.03)}, or lower the batch size.")
+            raise self._error
+        self.plan = plan
+        set_recompute(self.c.scopes.blocks, plan.recompute)
+        log.info("memory budget %s (planning for %s): offload %s (%d segments), recompute %d block(s) %s, "
+                 "predicted peak %s, predicted step %.1f ms", _gb(self.budget), _gb(self.target),
+                 _gb(plan.offload_bytes), plan.cut_segment, len(plan.recompute), list(plan.recompute),
+                 _gb(plan.predicted_peak), plan.predicted_time * 1e3)
+
+    def _times(self, rec: Record) -> list[float]:
+        """Forward compute time of each segment of ``rec`` (the time it waited for stores left out)."""
+        sc = self.c.scopes
+        n = len(rec.segments)
+        out = []
+        for i, s in enumerate(rec.segments):
+            if s.t_start is not None and s.t_end is not None:
+                t = sc.seconds(s.t_start, s.t_end)
+            elif s.t_start is not None and i + 1 < n and rec.segments[i + 1].t_start is not None:
+                t = sc.seconds(s.t_start, rec.segments[i + 1].t_start)
+            else:
+                t = 0.0
+            out.append(max(0.0, t - s.wait_s))
+        return out
+
+    def _build_profile(self, rec: Record, timing: Record | None) -> BudgetProfile:
+        """Memory from the everything-offloaded step ``rec``; times from the recompute step ``timing``."""
+        times = self._times(rec)
+        ratio = 2.0
+        if timing is not None and len(timing.segments) == len(rec.segments):
+            times = self._times(timing)
+            sc = self.c.scopes
+            t_f = sum(times)
+            t_b = sc.seconds(timing.t_bwd0, timing.t_end) if timing.t_bwd0 is not None and timing.t_end \
+                is not None else 0.0
+            recomputed = sum(t for t, s in zip(times, rec.segments) if s.block >= 0)
+            if t_f > 0 and t_b > recomputed:
+                ratio = min(4.0, max(1.0, (t_b - recomputed) / t_f))
+        segs = [SegmentCost(s.is_unit, s.block, t, s.mem_fwd, s.mem_bwd) for s, t in zip(rec.segments, times)]
+        storages = [(si, nb) for si, nb, _ in rec.tensors]
+        w, r = self.c.bandwidth()
+        return BudgetProfile(segs, storages, rec.mem_tail, dict(rec.block_inputs), w, r, self._recomputable(rec),
+                             backward_ratio=ratio, storage_inputs=list(rec.input_of))
+
+    def close(self) -> None:
+        clear_recompute(self.c.scopes.blocks)
+
+    @property
+    def min_peak(self) -> float:
+        return self.profile.min_peak if self.profile is not None else math.nan

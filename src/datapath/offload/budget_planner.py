@@ -1,0 +1,294 @@
+"""The memory-budget planner: per saved storage and per block, keep, offload or recompute.
+
+Input: a `BudgetProfile` of one step run with everything offloaded (the lowest
+memory the offloader reaches), which gives, per forward *segment* (a unit call or
+the code between units), its compute time and the memory peak of its forward
+interval; per unit, the memory peak of its backward interval; the memory peak
+between the forward's end and the first unit's backward (the loss); every
+offloadable storage (its segment and size); the blocks (layers) and the size of
+each block's input; the measured store and load bandwidth.
+
+Memory model.  The intervals of a step, in the order the allocator sees them, are
+the forward segments 0..n-1, the tail T, then the backward intervals of the units
+from the last to the first.  A storage of segment ``s`` is needed again in the
+backward interval of the first unit at or after ``s`` (its *own* interval); a kept
+storage adds its bytes to every interval strictly between its forward segment and
+its own interval, an offloaded one adds nothing there (the profile already holds
+what is in flight), and a recomputed block's storages vanish from those intervals
+while its input (held by the checkpoint) is kept.  These intervals are one
+contiguous range of positions, so a plan's peak is one prefix sum.
+
+Time model.  Compute from the profile's segment times (waits for stores removed),
+backward = ``backward_ratio`` x forward.  Offloaded bytes go to the store in forward
+order at the write bandwidth; the forward ends when its compute is done and the
+bytes still unstored fit the budget's slack.  Loads run in reverse order at the
+read bandwidth and delay the backward where they arrive late; bandwidths are
+taken at 0.6 of those measured and a step that offloads pays `PACING_COST` (its
+transfers compete with the step, its CPU is paced to the GPU), so offloading is
+chosen where it hides behind compute, recomputing elsewhere.  A recomputed block
+costs its forward time again in the backward.
+
+Search.  For each number ``m`` of recomputed blocks (the last ``m`` recomputable
+ones, identical layers being equally good per byte and the first ones having the
+most time to store), the shortest offloaded prefix that fits the budget (binary
+search: memory falls as the prefix grows); the fastest plan wins.  None fits:
+`infeasible` is set and ``min_peak`` is the lowest peak the profile allows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SegmentCost:
+    """One forward segment of the profiled step."""
+
+    is_unit: bool
+    block: int               # enclosing block, -1 outside every block
+    forward_s: float         # compute time of its forward (store waits removed)
+    mem_forward: int         # memory peak of its forward interval (bytes)
+    mem_backward: int | None = None  # units: memory peak of their backward interval
+
+
+@dataclass
+class BudgetProfile:
+    """What the profiled step measured (see the module docstring)."""
+
+    segments: list[SegmentCost]
+    storages: list[tuple[int, int]]      # (segment, nbytes), in the order they were first saved
+    mem_tail: int                        # memory peak from the forward's end to the first unit's backward
+    block_inputs: dict[int, int]         # block -> bytes of its input's storage
+    write_bandwidth: float               # bytes/s
+    read_bandwidth: float                # bytes/s
+    recomputable: list[int] = field(default_factory=list)  # blocks the planner may recompute
+    backward_ratio: float = 2.0
+    storage_inputs: list[int] = field(default_factory=list)  # per storage: the block it is the input of, or -1
+
+    @property
+    def min_peak(self) -> int:
+        """The highest interval peak of the profiled step: the lowest peak with everything offloaded."""
+        peaks = [s.mem_forward for s in self.segments] + [self.mem_tail]
+        peaks += [s.mem_backward for s in self.segments if s.mem_backward is not None]
+        return max(peaks) if peaks else 0
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """Offload the storages of segments before ``cut_segment`` and ``cut_bytes`` of that segment's;
+    recompute the blocks in ``recompute``; keep the rest."""
+
+    cut_segment: int
+    cut_bytes: int
+    recompute: tuple[int, ...]
+    offload_bytes: int
+    predicted_peak: int
+    predicted_time: float
+    budget: int
+    infeasible: bool = False
+    min_peak: int = 0
+
+    def offloads(self, segment: int, done_in_segment: int) -> bool:
+        """Whether a storage of ``segment`` is offloaded, ``done_in_segment`` bytes of it being offloaded already."""
+        return segment < self.cut_segment or (segment == self.cut_segment and done_in_segment < self.cut_bytes)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"cut_segment": self.cut_segment, "cut_bytes": self.cut_bytes, "recompute": list(self.recompute),
+                "offload_bytes": self.offload_bytes, "predicted_peak": self.predicted_peak,
+                "predicted_time": self.predicted_time, "budget": self.budget, "infeasible": self.infeasible,
+                "min_peak": self.min_peak}
+
+
+KEEP_ALL = BudgetPlan(0, 0, (), 0, 0, 0.0, 0)  # offloads nothing, recomputes nothing
+
+
+class _Model:
+    """Precomputed positions and costs of one profile."""
+
+    def __init__(self, p: BudgetProfile) -> None:
+        self.p = p
+        n = len(p.segments)
+        self.n = n
+        units = [i for i, s in enumerate(p.segments) if s.is_unit]
+        own: list[int | None] = [None] * n  # first unit at or after each segment
+        nxt: int | None = None
+        for i in range(n - 1, -1, -1):
+            if p.segments[i].is_unit:
+                nxt = i
+            own[i] = nxt
+        self.own = own
+        # positions: forward segments 0..n-1, tail n, backward of unit u at 2n - u
+        self.mem: list[float] = [-math.inf] * (2 * n + 1)
+        for i, s in enumerate(p.segments):
+            self.mem[i] = s.mem_forward
+            if s.is_unit and s.mem_backward is not None:
+                self.mem[2 * n - i] = s.mem_backward
+        self.mem[n] = p.mem_tail
+        self.units = units
+        self.first_seg: dict[int, int] = {}
+        self.last_unit: dict[int, int] = {}
+        for i, s in enumerate(p.segments):
+            if s.block >= 0:
+                self.first_seg.setdefault(s.block, i)
+                if s.is_unit:
+                    self.last_unit[s.block] = i
+
+    def middle(self, seg: int) -> tuple[int, int]:
+        """Positions [lo, hi] where a kept storage of ``seg`` adds its bytes."""
+        u = self.own[seg]
+        return seg + 1, (2 * self.n - u - 1) if u is not None else self.n - 1
+
+    def peak(self, resident: list[tuple[int, int, int]]) -> float:
+        """Highest interval memory with each (lo, hi, bytes) of ``resident`` held over positions lo..hi."""
+        diff = [0] * (2 * self.n + 2)
+        for lo, hi, nb in resident:
+            if lo <= hi:
+                diff[lo] += nb
+                diff[hi + 1] -= nb
+        best = -math.inf
+        run = 0
+        for pos in range(2 * self.n + 1):
+            run += diff[pos]
+            m = self.mem[pos]
+            if m != -math.inf and m + run > best:
+                best = m + run
+        return best
+
+
+def _kept(model: _Model, recompute: set[int], k: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """(resident ranges, offloaded storages) when the first ``k`` eligible storages are offloaded.
+
+    A kept storage is resident between its save and its use (`_Model.middle`).  A recomputed
+    block's storages are not saved, but its backward recomputes them all at once: each is
+    resident from the backward of the block's last unit to its own backward interval.
+    """
+    p = model.p
+    n = model.n
+    res: list[tuple[int, int, int]] = []
+    off: list[tuple[int, int]] = []
+    i = 0
+    for j, (seg, nb) in enumerate(p.storages):
+        b = p.segments[seg].block
+        if b in recompute:
+            if j < len(p.storage_inputs) and p.storage_inputs[j] == b:
+                continue  # the block's input: held by the checkpoint, counted below
+            own = model.own[seg]
+            last = model.last_unit.get(b)
+            if own is not None and last is not None:
+                res.append((2 * n - last, 2 * n - own, nb))
+            continue
+        if i < k:
+            off.append((seg, nb))
+        else:
+            lo, hi = model.middle(seg)
+            res.append((lo, hi, nb))
+        i += 1
+    for b in recompute:  # the checkpoint holds the block's input
+        if b in model.first_seg and b in p.block_inputs:
+            lo, hi = model.middle(model.first_seg[b])
+            res.append((lo, hi, p.block_inputs[b]))
+    return res, off
+
+
+def _eligible(p: BudgetProfile, recompute: set[int]) -> int:
+    return sum(1 for seg, _ in p.storages if p.segments[seg].block not in recompute)
+
+
+def _time(model: _Model, recompute: set[int], off: list[tuple[int, int]], slack: float) -> float:
+    """Estimated step time (see the module docstring)."""
+    p = model.p
+    w, r = max(p.write_bandwidth, 1.0), max(p.read_bandwidth, 1.0)
+    segs = p.segments
+    start = [0.0] * len(segs)
+    t = 0.0
+    for i, s in enumerate(segs):
+        start[i] = t
+        t += s.forward_s
+    t_fwd = t
+    queue = 0.0
+    for seg, nb in off:  # stores in forward order, each from the end of its segment
+        queue = max(queue, start[seg] + segs[seg].forward_s) + nb / w
+    fwd_end = max(t_fwd, queue - slack / w)
+    bwd = [s.forward_s * p.backward_ratio + (s.forward_s if s.block in recompute else 0.0) for s in segs]
+    by_seg: dict[int, int] = {}
+    for seg, nb in off:
+        by_seg[seg] = by_seg.get(seg, 0) + nb
+    t_load = fwd_end
+    stall = 0.0
+    elapsed = 0.0  # backward compute done before segment s begins
+    for s in range(len(segs) - 1, -1, -1):
+        need = fwd_end + elapsed + stall
+        if s in by_seg:
+            t_load = max(t_load, fwd_end) + by_seg[s] / r
+            if t_load > need:
+                stall += t_load - need
+        elapsed += bwd[s]
+    pacing = PACING_COST * (t_fwd + elapsed) if off else 0.0
+    return fwd_end + elapsed + stall + pacing
+
+
+PACING_COST = 0.03  # a step that offloads paces the CPU to the GPU: this share of its compute time
+
+
+def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6) -> BudgetPlan:
+    """The fastest plan whose modelled peak fits ``budget`` bytes (see the module docstring)."""
+    p = profile
+    model = _Model(p)
+    scaled = dataclasses.replace(p, write_bandwidth=p.write_bandwidth * safety,
+                                 read_bandwidth=p.read_bandwidth * safety)
+    tmodel = _Model(scaled)
+    best: tuple[float, int, int, set[int], float] | None = None
+    lowest = math.inf
+    lowest_plan: tuple[int, set[int]] = (0, set())
+    order = list(p.recomputable)
+    for m in range(len(order) + 1):
+        rec = set(order[len(order) - m:]) if m else set()
+        n_elig = _eligible(p, rec)
+        lo, hi = 0, n_elig
+        floor = model.peak(_kept(model, rec, n_elig)[0])
+        if floor < lowest:
+            lowest, lowest_plan = floor, (n_elig, rec)
+        if floor > budget:
+            continue
+        while lo < hi:  # smallest k that fits
+            mid = (lo + hi) // 2
+            if model.peak(_kept(model, rec, mid)[0]) <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        kept, off = _kept(model, rec, lo)
+        peak = model.peak(kept)
+        lowest = min(lowest, peak)
+        t = _time(tmodel, rec, off, max(0.0, budget - peak))
+        key = (t, sum(nb for _, nb in off))
+        if best is None or key < (best[0], best[2]):
+            best = (t, lo, sum(nb for _, nb in off), rec, peak)
+    if best is None:  # the plan with the lowest modelled peak, marked infeasible
+        k, rec = lowest_plan
+        cut_segment, cut_bytes = _cut(p, rec, k)
+        off = _kept(model, rec, k)[1]
+        return BudgetPlan(cut_segment, cut_bytes, tuple(sorted(rec)), sum(nb for _, nb in off), int(lowest),
+                          math.inf, budget, infeasible=True, min_peak=int(min(lowest, p.min_peak)))
+    t, k, nbytes, rec, peak = best
+    cut_segment, cut_bytes = _cut(p, rec, k)
+    return BudgetPlan(cut_segment, cut_bytes, tuple(sorted(rec)), nbytes, int(peak), t, budget,
+                      min_peak=int(min(lowest, p.min_peak)))
+
+
+def _cut(p: BudgetProfile, recompute: set[int], k: int) -> tuple[int, int]:
+    """The first ``k`` eligible storages as (segment before which all go, bytes of that segment that go)."""
+    if k == 0:
+        return 0, 0
+    i = 0
+    last_seg, in_seg = 0, 0
+    for seg, nb in p.storages:
+        if p.segments[seg].block in recompute:
+            continue
+        if i == k:
+            break
+        if seg != last_seg:
+            last_seg, in_seg = seg, 0
+        in_seg += nb
+        i += 1
+    return last_seg, in_seg

@@ -1,0 +1,89 @@
+"""One offloaded storage (`Entry`) and what autograd holds in its place (`Handle`).
+
+An entry moves through these states::
+
+    PENDING --store starts--> STORING --store done--> STORED --load starts--> LOADING --> RESIDENT
+       |                         |                                                        ^
+       +--needed first (cancel)--+--needed first (forward from memory)--------------------+
+    any store or load error --> RESIDENT (on_error="keep", stores only) or FAILED (raised in the step)
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from datapath.offload.store import Slot, Store
+from datapath.offload.views import ViewSpec
+
+if TYPE_CHECKING:
+    from datapath.offload.scopes import Record
+
+PENDING, STORING, STORED, LOADING, RESIDENT, FAILED = "pending", "storing", "stored", "loading", "resident", "failed"
+
+
+class Entry:
+    """One offloaded storage and where its bytes are."""
+
+    __slots__ = ("sid", "nbytes", "device", "record", "segment", "slot", "state", "src", "tensor", "version",
+                 "pack_event", "pack_stream", "gpu", "ready", "ready_event", "alloc_stream", "handles",
+                 "released", "forwarded", "cancelled", "modified", "error", "name", "counted", "ahead",
+                 "__weakref__")
+
+    def __init__(self, sid: int, nbytes: int, device: torch.device, record: "Record", segment: int,
+                 slot: Slot, src: torch.Tensor, tensor: torch.Tensor) -> None:
+        self.sid = sid
+        self.nbytes = nbytes
+        self.device = device
+        self.record = record
+        self.segment = segment
+        self.slot = slot                           # room in the store (slot.store: the tier that holds it)
+        self.state = PENDING
+        self.src: torch.Tensor | None = src        # uint8 alias of the storage, held until stored
+        self.tensor: torch.Tensor | None = tensor  # the packed tensor (its version counter), held until stored
+        self.version = tensor._version
+        self.pack_event: Any = None
+        self.pack_stream: Any = None
+        self.gpu: torch.Tensor | None = None       # the bytes in device memory (forwarded or reloaded)
+        self.ready = threading.Event()
+        self.ready_event: Any = None
+        self.alloc_stream: Any = None
+        self.handles = 0
+        self.released = False
+        self.forwarded = False
+        self.cancelled = False
+        self.modified = False
+        self.error: BaseException | None = None
+        self.name = f"{sid}.act"
+        self.counted = True  # its bytes count as in flight until its store ends
+        self.ahead = False   # loaded by a prefetch and not yet handed to autograd
+
+    @property
+    def store(self) -> Store:
+        return self.slot.store
+
+
+class Releaser(Protocol):
+    def drop_handle(self, e: Entry) -> None: ...
+
+
+class Handle:
+    """What autograd keeps instead of an offloaded tensor: the entry and the view to rebuild."""
+
+    __slots__ = ("owner", "entry", "spec", "tref", "version")
+
+    def __init__(self, owner: Releaser, entry: Entry, t: torch.Tensor) -> None:
+        self.owner = owner
+        self.entry = entry
+        self.spec = ViewSpec.of(t)
+        self.tref = weakref.ref(t)
+        self.version = t._version
+        entry.handles += 1
+
+    def __del__(self) -> None:
+        try:
+            self.owner.drop_handle(self.entry)
+        except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter shutdown)
+            pass

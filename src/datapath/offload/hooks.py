@@ -1,0 +1,141 @@
+"""The saved-tensor hooks: what autograd saves is kept, or replaced by a handle to an offloaded storage.
+
+The pack hook gets every tensor autograd saves.  Kept as they are: tensor
+subclasses and sparse/quantized tensors, CPU tensors (unless asked), parameters,
+buffers and views of them, storages under ``min_bytes``, tensors saved during
+backward (reentrant checkpoint recomputation, double backward) and what the
+policy keeps.  Any other tensor is replaced by a `Handle` naming its *storage*
+and its view: one store per storage whatever number of views of it autograd
+saves; every view is rebuilt on unpack (bit-identical).  The unpack hook waits
+for the storage's load (or takes it from memory when its store has not finished)
+and rebuilds the view on the consumer's stream.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from datapath.offload.entry import Entry, Handle
+from datapath.offload.scopes import in_backward
+from datapath.offload.views import is_plain_strided, rebuild, storage_bytes
+
+if TYPE_CHECKING:
+    from datapath.offload.cache import TensorCache
+
+
+class SavedTensorHooks:
+    """``pack``/``unpack`` for `torch.autograd.graph.saved_tensors_hooks`, on behalf of a `TensorCache`."""
+
+    def __init__(self, cache: "TensorCache") -> None:
+        self.c = cache
+        self.attr = f"_datapath_sid_{uuid.uuid4().hex[:10]}"  # storage -> entry id (negative: kept by record)
+        self._ids = iter(range(1, 1 << 62))
+
+    def context(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    # ------------------------------------------------------------------ pack
+    def pack(self, t: torch.Tensor) -> Any:
+        c = self.c
+        st = c.stats
+        with c.lock:
+            c.transfers.raise_pending()
+            st.packs += 1
+            if not is_plain_strided(t):
+                st.bytes_kept_other += t.numel() * t.element_size() if t.layout == torch.strided else 0
+                return t
+            view_bytes = t.numel() * t.element_size()
+            if t.device.type == "cpu" and not c.config.select.offload_cpu_tensors:
+                st.bytes_kept_cpu += view_bytes
+                return t.detach()
+            storage = t.untyped_storage()
+            if c.is_parameter(t, storage):
+                st.bytes_kept_param += view_bytes
+                return t
+            scopes = c.scopes
+            sid = getattr(storage, self.attr, None)
+            if sid is not None and sid < 0:
+                rec = scopes.record
+                if rec is not None and -sid == rec.rid and not in_backward():
+                    # a storage this forward already chose to keep: saved again, kept again (not a new one)
+                    st.bytes_kept_policy += view_bytes
+                    return t.detach()
+                sid = None
+            if sid is not None:
+                e = c.transfers.entries.get(sid)
+                if e is not None and not e.released:
+                    st.bytes_deduplicated += view_bytes
+                    st.dedup_hits += 1
+                    rec = e.record
+                    if not in_backward() and rec is scopes.record and not rec.backward_started:
+                        seg = scopes.current_segment(rec)
+                        if e not in seg.entries:
+                            seg.entries.append(e)
+                    return Handle(c, e, t)
+            nbytes = storage.nbytes()
+            if nbytes < c.config.select.min_bytes:
+                st.bytes_kept_small += view_bytes
+                return t.detach()
+            if in_backward():
+                st.bytes_kept_backward += view_bytes
+                return t.detach()
+            rec = scopes.current()
+            seg = scopes.current_segment(rec)
+            idx = rec.first_packs
+            rec.first_packs += 1
+            if rec.profiling:
+                rec.tensors.append((seg.index, nbytes, scopes.mark(t.device)))
+                rec.input_of.append(rec.input_ptrs.get(storage.data_ptr(), -1))
+            if not c.policy.decide(rec, seg, idx, nbytes):
+                st.bytes_kept_policy += view_bytes
+                setattr(storage, self.attr, -rec.rid)  # later saves of it in this forward are not new storages
+                return t.detach()
+            seg.wait_s += c.policy.admit(rec, nbytes)
+            slot = c.store.reserve(nbytes)
+            if slot is None:
+                c.store_full(nbytes)
+                st.bytes_kept_budget += view_bytes
+                setattr(storage, self.attr, -rec.rid)
+                return t.detach()
+            seg.offloaded_bytes += nbytes
+            e = Entry(next(self._ids), nbytes, t.device, rec, seg.index, slot, storage_bytes(t), t.detach())
+            setattr(storage, self.attr, e.sid)
+            seg.entries.append(e)
+            rec.live += 1
+            rec.entries_made += 1
+            c.transfers.submit_store(e)
+            return Handle(c, e, t)
+
+    # ---------------------------------------------------------------- unpack
+    def unpack(self, obj: Any) -> torch.Tensor:
+        if isinstance(obj, torch.Tensor):
+            return obj
+        h: Handle = obj
+        t = h.tref()
+        if t is not None and t._version != h.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a saved tensor of shape {list(h.spec.shape)} is at version {t._version}; "
+                f"expected version {h.version} instead (datapath.offload checks this in autograd's place).")
+        e = h.entry
+        c = self.c
+        with c.lock:
+            c.transfers.raise_pending()
+            if e.modified:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    "operation after it was saved (seen by datapath.offload while storing it).")
+            rec = e.record
+            if in_backward():
+                c.scopes.watch_backward_end(rec)
+                if not rec.backward_started:
+                    c.scopes.begin_backward(rec)
+            c.transfers.bring_back(e, prefetch=False)
+            c.transfers.not_ahead(e)
+            if rec.segments and not rec.segments[e.segment].prefetched:
+                c.scopes.prefetch_range(rec, e.segment)  # no module hooks fired: prefetch from here on
+            data = c.transfers.acquire(e)
+            c.stats.unpacks += 1
+        return rebuild(data, h.spec)

@@ -1,0 +1,72 @@
+"""Recomputing whole blocks: non-reentrant `torch.utils.checkpoint` put around a block's forward in place.
+
+The block's ``forward`` is replaced on the instance (the module tree, parameter
+names and state dict stay as they are) by one that runs the original under
+``checkpoint(..., use_reentrant=False)``: its activations are not saved, its input
+is held by the checkpoint, and in backward the forward runs again with the CPU
+and CUDA RNG states it first ran with (``preserve_rng_state``), so dropout draws
+the same masks and gradients stay bit-identical.  As with Hugging Face's own
+checkpointing, a recomputed block runs without a KV cache.  `set_recompute`
+switches blocks on and off between steps.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+_ORIGINAL = "_datapath_recompute_original"
+
+
+def already_recomputed(block: nn.Module) -> bool:
+    """True when ``block`` recomputes itself already (Hugging Face gradient checkpointing is on)."""
+    return bool(getattr(block, "gradient_checkpointing", False)) and block.training
+
+
+def is_recomputed(block: nn.Module) -> bool:
+    """True when datapath put ``block`` under recomputation."""
+    return _ORIGINAL in block.__dict__
+
+
+_CACHES = ("past_key_value", "past_key_values", "layer_past")
+
+
+def _wrap(original: Any) -> Any:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        # as Hugging Face's own checkpointing does: a recomputed block runs without a KV cache (the
+        # recomputation would append to it a second time)
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        for name in _CACHES:
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+        return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    return forward
+
+
+def set_recompute(blocks: list[nn.Module], which: Iterable[int]) -> None:
+    """Recompute exactly the blocks whose indices are in ``which``; restore the others."""
+    chosen = set(which)
+    for i, block in enumerate(blocks):
+        on = is_recomputed(block)
+        if i in chosen and not on:
+            had_own = "forward" in block.__dict__
+            original = block.forward
+            block.__dict__[_ORIGINAL] = (original, had_own)
+            block.forward = _wrap(original)  # type: ignore[method-assign]
+        elif i not in chosen and on:
+            original, had_own = block.__dict__.pop(_ORIGINAL)
+            if had_own:
+                block.forward = original  # type: ignore[method-assign]
+            else:
+                del block.forward
+
+
+def clear_recompute(blocks: list[nn.Module]) -> None:
+    """Restore every block's own forward."""
+    set_recompute(blocks, ())

@@ -1,0 +1,488 @@
+"""Scope tracking: which forward pass and which part of it a saved tensor belongs to, and when its
+backward comes.
+
+Module hooks cut each forward pass (a `Record`; one per micro-batch with
+`set_microbatch`) into `Segment` s: each call of a *unit* module opens one, and
+the code between units gets its own.  When the backward reaches a unit (a
+pre-hook on the grad_fn of the unit's output), the storages of the segments
+before it are prefetched, in reverse forward order.  On CUDA the CPU is *paced*:
+it runs at most a few units ahead of the GPU, because the allocator counts
+memory in CPU order and stores free memory in GPU time.  *Blocks* (the layers of
+the model's largest ``ModuleList``) are tracked too: the budget planner recomputes
+whole blocks.  Profiling records, per segment, its times and the memory peak of
+its forward and backward intervals.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from datapath.offload.entry import STORED, Entry
+
+if TYPE_CHECKING:
+    from datapath.offload.cache import TensorCache
+
+log = logging.getLogger("datapath.offload.scopes")
+
+
+def in_backward() -> bool:
+    """True while the autograd engine is running a backward pass (on any thread)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside a module output (tensor, tuple/list, dict, ModelOutput)."""
+    out: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (tuple, list)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+    return out
+
+
+class Segment:
+    """A unit call, or the code between units, in one forward pass."""
+
+    __slots__ = ("index", "is_unit", "unit_pos", "block", "name", "entries", "t_start", "t_end", "t_bwd",
+                 "bwd_fired", "prefetched", "wait_s", "mem_fwd", "mem_bwd", "alloc_fwd", "alloc_bwd", "offloaded_bytes")
+
+    def __init__(self, index: int, is_unit: bool, unit_pos: int, block: int, name: str) -> None:
+        self.index = index
+        self.is_unit = is_unit
+        self.unit_pos = unit_pos
+        self.block = block          # index of the enclosing block, -1 outside every block
+        self.name = name
+        self.entries: list[Entry] = []
+        self.t_start: Any = None
+        self.t_end: Any = None
+        self.t_bwd: Any = None
+        self.bwd_fired = False
+        self.prefetched = False
+        self.wait_s = 0.0           # time packs of this segment waited for stores (backpressure)
+        self.mem_fwd = 0            # profiling: memory peak of its forward interval
+        self.mem_bwd: int | None = None  # profiling (units): peak from its backward start to the next unit's
+        self.alloc_fwd = 0          # profiling: memory held when its forward began
+        self.alloc_bwd = 0          # profiling (units): memory held when its backward began
+        self.offloaded_bytes = 0    # bytes of this segment chosen for offloading so far
+
+
+class Record:
+    """The saved tensors of one forward pass (one micro-batch)."""
+
+    def __init__(self, rid: int, profiling: bool, microbatch: int | None, expected_units: int | None) -> None:
+        self.rid = rid
+        self.profiling = profiling       # memory laps and time marks at every boundary
+        self.timing = False              # time marks only (the budget's compute-time profile)
+        self.microbatch = microbatch
+        self.expected_units = expected_units
+        self.cutoff: int | None = None   # adaptive plan: offload the first ``cutoff`` storages
+        self.distance = 1                # prefetch distance in units
+        self.plan: Any = None            # budget plan in force for this record
+        self.segments: list[Segment] = []
+        self.units = 0
+        self.depth = 0
+        self.block = -1
+        self.first_packs = 0
+        self.live = 0
+        self.entries_made = 0
+        self.backward_started = False
+        self.complete = False
+        self.t0: Any = None
+        self.t_bwd0: Any = None
+        self.t_end: Any = None     # timing: when the backward ended
+        self.tensors: list[tuple[int, int, Any]] = []  # profiling: (segment, nbytes, ready mark)
+        self.block_inputs: dict[int, int] = {}         # profiling: block -> bytes of its input's storage
+        self.input_ptrs: dict[int, int] = {}           # profiling: storage address of a block's input -> block
+        self.input_of: list[int] = []                  # profiling: per tensor, the block it is the input of (-1)
+        self.mem_tail = 0                              # profiling: peak from the forward's end to the first unit backward
+        self.mem_open: list[Any] = []                  # profiling: the interval a memory lap closes
+        self.pace = -1
+        self.pace_fwd: collections.deque[Any] = collections.deque()
+        self.pace_bwd: collections.deque[Any] = collections.deque()
+        self.bwd_paced = False
+        self.end_queued = False    # a callback runs at the end of this record's backward
+        self.bwd_done = False      # profiling: the backward finished and its last interval is measured
+        self.bytes_written = 0
+        self.write_s = 0.0
+        self.bytes_read = 0
+        self.read_s = 0.0
+        self.wait_s = 0.0  # time autograd waited in unpack for this record's loads
+
+
+def _leaf_units(model: nn.Module) -> list[nn.Module]:
+    """Every module below ``model`` that owns parameters itself (Linear, LayerNorm, Embedding, ...)."""
+    out = [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))]
+    return out or auto_blocks(model)
+
+
+def auto_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of ``model``: children of its largest (by parameters) ModuleList/Sequential, else its children."""
+    best: nn.Module | None = None
+    best_size = -1
+    for m in model.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2:
+            size = sum(p.numel() for p in m.parameters())
+            if size > best_size:
+                best, best_size = m, size
+    if best is not None:
+        return list(best)
+    return [c for c in model.children() if any(True for _ in c.parameters())]
+
+
+def resolve_units(model: nn.Module, units: Any) -> list[nn.Module]:
+    """``units`` as a list of modules: ``"blocks"``, ``"leaves"``, an iterable of modules, or None (blocks)."""
+    from datapath.offload.errors import OffloadConfigError  # noqa: PLC0415
+
+    if isinstance(units, str):
+        if units not in ("blocks", "leaves"):
+            raise OffloadConfigError(f"units must be 'blocks', 'leaves' or a list of modules, got {units!r}")
+        return auto_blocks(model) if units == "blocks" else _leaf_units(model)
+    return list(units) if units is not None else auto_blocks(model)
+
+
+class ScopeTracker:
+    """The module hooks, the records and segments they build, pacing and prefetching."""
+
+    def __init__(self, cache: "TensorCache") -> None:
+        self.c = cache
+        self.record: Record | None = None
+        self.by_mb: dict[int, Record] = {}
+        self.mb: int | None = None
+        self.expected_units: int | None = None
+        self.models: list[tuple[Any, list[Any]]] = []
+        self.blocks: list[nn.Module] = []
+        self._rids = iter(range(1, 1 << 62))
+
+    # ------------------------------------------------------------- attaching
+    def attach(self, model: nn.Module, unit_list: list[nn.Module], blocks: list[nn.Module]) -> list[Any]:
+        names = {id(m): n for n, m in model.named_modules()}
+        # the hooks run eagerly under torch.compile (a graph break at each unit): they take locks,
+        # record events and wait, and keep the scopes of a compiled model as those of an eager one
+        eager = torch.compiler.disable
+        hooks = [model.register_forward_pre_hook(eager(self._on_root_forward)),
+                 model.register_forward_hook(eager(self._on_root_exit))]
+        for u in unit_list:
+            name = names.get(id(u), u.__class__.__name__)
+            hooks.append(u.register_forward_pre_hook(eager(functools.partial(self._on_unit_enter, name))))
+            hooks.append(u.register_forward_hook(eager(functools.partial(self._on_unit_exit, name))))
+        for i, b in enumerate(blocks):
+            hooks.append(b.register_forward_pre_hook(eager(functools.partial(self._on_block_enter, i))))
+            hooks.append(b.register_forward_hook(eager(functools.partial(self._on_block_exit, i))))
+        self.blocks = blocks
+        return hooks
+
+    # ---------------------------------------------------------------- records
+    def start_record(self, microbatch: int | None = None) -> Record:
+        c = self.c
+        self.drop_idle(self.record)
+        rec = Record(next(self._rids), False, microbatch if microbatch is not None else self.mb,
+                     self.expected_units)
+        c.policy.on_record_start(rec)
+        rec.pace = c.pace_lead() if c.wants_pacing(rec) else -1
+        if rec.profiling or rec.timing:
+            rec.t0 = self.mark()
+        if rec.microbatch is not None:
+            self.by_mb[rec.microbatch] = rec
+        self.record = rec
+        c.stats.records += 1
+        return rec
+
+    def drop_idle(self, rec: Record | None) -> None:
+        """Forget a record that saved nothing offloadable (no-grad forward) so it cannot block profiling."""
+        if rec is not None and rec.first_packs == 0 and not rec.backward_started:
+            self.c.policy.on_record_dropped(rec)
+            if rec.microbatch is not None and self.by_mb.get(rec.microbatch) is rec:
+                del self.by_mb[rec.microbatch]
+
+    def current(self) -> Record:
+        """The record packs go to now (a new one after a backward began)."""
+        rec = self.record
+        if rec is None or rec.backward_started:
+            rec = self.start_record()
+        return rec
+
+    def current_segment(self, rec: Record) -> Segment:
+        """The segment packs go to now.  Every unit call is followed by a segment for the code after it
+        (empty or not), so segment indices are the same in every forward of the same model."""
+        if rec.depth == 0 and (not rec.segments or rec.segments[-1].is_unit):
+            self._new_segment(rec, False, "(between units)")
+        return rec.segments[-1]
+
+    def _new_segment(self, rec: Record, is_unit: bool, name: str) -> Segment:
+        self._close_segment(rec)
+        seg = Segment(len(rec.segments), is_unit, rec.units, rec.block, name)
+        if rec.timing:
+            seg.t_start = self.mark()
+        if rec.profiling:
+            seg.t_start = self.mark()
+            self._memory_lap(rec)
+            seg.alloc_fwd = self.c.meter.allocated()
+            rec.mem_open = ["fwd", seg]
+        rec.segments.append(seg)
+        return seg
+
+    def _close_segment(self, rec: Record) -> None:
+        if rec.segments and not rec.segments[-1].is_unit and (rec.profiling or rec.timing) \
+                and rec.segments[-1].t_end is None:
+            rec.segments[-1].t_end = self.mark()
+
+    def _memory_lap(self, rec: Record) -> None:
+        """Profiling: the memory peak since the previous boundary goes to the interval it closes."""
+        self.close_lap(rec, self.c.meter.lap())
+
+    @staticmethod
+    def close_lap(rec: Record, peak: int) -> None:
+        """Give ``peak`` to the interval of ``rec`` that is open now."""
+        if not rec.mem_open:
+            return
+        kind, seg = rec.mem_open
+        if kind == "fwd":
+            seg.mem_fwd = max(seg.mem_fwd, peak)
+        elif kind == "tail":
+            rec.mem_tail = max(rec.mem_tail, peak)
+        else:
+            seg.mem_bwd = max(seg.mem_bwd or 0, peak)
+
+    def begin_backward(self, rec: Record) -> None:
+        rec.backward_started = True
+        if rec.profiling or rec.timing:
+            rec.t_bwd0 = self.mark()
+            self._close_segment(rec)
+        self.expected_units = rec.units
+        keep_last = self.c.config.select.keep_last_modules
+        if rec.cutoff is None and rec.plan is None and rec.expected_units is None:
+            # the first forward did not know which units are last: drop their queued stores now
+            for seg in rec.segments:
+                if seg.unit_pos > rec.units - keep_last:
+                    for e in seg.entries:
+                        if e.state == "pending":
+                            self.c.transfers.forward_pending(e)
+        if rec.segments:
+            self.prefetch_range(rec, len(rec.segments) - 1)
+
+    def watch_backward_end(self, rec: Record) -> None:
+        """Inside the backward of ``rec``: have `policy.on_backward_end` run when the backward finishes
+        (the step's memory peak is read there, before anything outside the step resets the counters)."""
+        if rec.end_queued or not in_backward():
+            return
+        rec.end_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._on_backward_end, rec))
+
+    def _on_backward_end(self, rec: Record) -> None:
+        with self.c.lock:
+            self.c.policy.on_backward_end(rec)
+
+    def record_done(self, rec: Record) -> None:
+        rec.complete = True
+        if rec.microbatch is not None and self.by_mb.get(rec.microbatch) is rec:
+            del self.by_mb[rec.microbatch]
+        self.c.policy.on_record_done(rec)
+
+    # ------------------------------------------------------------ hooks
+    def _on_root_forward(self, module: nn.Module, args: Any) -> None:
+        if in_backward():
+            return
+        c = self.c
+        with c.lock:
+            c.transfers.raise_pending()
+            c.refresh_params()
+            c.policy.on_step_start()
+            rec = self.record
+            if rec is None or rec.microbatch is None or rec.segments or rec.backward_started:
+                rec = self.start_record()
+            self.current_segment(rec)  # the code before the first unit: always segment 0
+
+    def _on_root_exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Pacing: what follows the forward (loss, the first backward ops) is launched once the GPU has
+        finished the forward, so its memory is counted after the stores made during the forward."""
+        if in_backward():
+            return
+        ev = None
+        with self.c.lock:
+            rec = self.record
+            if rec is None or rec.backward_started:
+                return
+            if rec.profiling or rec.timing:
+                self._close_segment(rec)
+            if rec.profiling:
+                self._memory_lap(rec)
+                rec.mem_open = ["tail", None]
+            if rec.pace >= 0 and rec.live:
+                ev = torch.cuda.Event()
+                ev.record()
+        if ev is not None:
+            ev.synchronize()
+
+    def _on_block_enter(self, index: int, module: nn.Module, args: Any) -> None:
+        if in_backward():
+            return
+        with self.c.lock:
+            rec = self.current()
+            rec.block = index
+            self._block_changed(rec)
+            if rec.profiling and args and isinstance(args[0], torch.Tensor):
+                st = args[0].untyped_storage()
+                rec.block_inputs[index] = st.nbytes()
+                rec.input_ptrs[st.data_ptr()] = index
+
+    def _on_block_exit(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if in_backward():
+            return
+        with self.c.lock:
+            rec = self.record
+            if rec is not None and rec.block == index:
+                rec.block = -1
+                self._block_changed(rec)
+
+    def _block_changed(self, rec: Record) -> None:
+        """Code between units belongs to one block or none: a between-units segment never spans two."""
+        if rec.depth == 0 and rec.segments and not rec.segments[-1].is_unit \
+                and rec.segments[-1].block != rec.block:
+            self._new_segment(rec, False, "(between units)")
+
+    def _on_unit_enter(self, name: str, module: nn.Module, args: Any) -> None:
+        if in_backward():
+            return
+        wait_ev = None
+        with self.c.lock:
+            rec = self.current()
+            rec.depth += 1
+            if rec.depth == 1:
+                rec.units += 1
+                self._new_segment(rec, True, name)
+                if rec.pace >= 0:
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    rec.pace_fwd.append(ev)
+                    lead = rec.pace
+                    n = rec.expected_units
+                    if n and rec.units > n - max(1, n // 8):
+                        # the last eighth of the forward, where the peak forms: launch a unit only once
+                        # the GPU has finished the one before (its stores have had that much more time)
+                        lead = 0
+                    while len(rec.pace_fwd) > lead:  # lead 0: the event just recorded
+                        wait_ev = rec.pace_fwd.popleft()
+        if wait_ev is not None:
+            t0 = time.perf_counter()
+            wait_ev.synchronize()
+            rec.segments[-1].wait_s += time.perf_counter() - t0
+
+    def _on_unit_exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        if in_backward():
+            return
+        with self.c.lock:
+            rec = self.record
+            if rec is None or rec.depth == 0:
+                return
+            rec.depth -= 1
+            if rec.depth:
+                return
+            seg = rec.segments[-1]
+            if rec.profiling or rec.timing:
+                seg.t_end = self.mark()
+            seen: set[int] = set()
+            for t in tensors_in(output):
+                fn = t.grad_fn
+                if fn is not None and id(fn) not in seen:
+                    seen.add(id(fn))
+                    fn.register_prehook(functools.partial(self._on_unit_backward, rec, seg.index))
+            self._new_segment(rec, False, "(between units)")
+
+    def _on_unit_backward(self, rec: Record, j: int, grad_outputs: Any) -> None:
+        c = self.c
+        wait_ev = None
+        with c.lock:
+            seg = rec.segments[j]
+            if seg.bwd_fired:
+                return
+            seg.bwd_fired = True
+            if rec.pace >= 0:
+                ev = torch.cuda.Event()
+                ev.record()
+                # the first backward unit waits for the whole forward (the memory peak forms here);
+                # later ones for the GPU to reach the backward of the unit ``lead`` units before
+                first = not rec.bwd_paced
+                rec.bwd_paced = True
+                rec.pace_bwd.append(ev)
+                if first:
+                    wait_ev = ev
+                while len(rec.pace_bwd) > rec.pace:  # lead 0: the event just recorded
+                    wait_ev = rec.pace_bwd.popleft()
+        if wait_ev is not None:
+            wait_ev.synchronize()
+        with c.lock:
+            self.watch_backward_end(rec)
+            if rec.profiling:
+                seg.t_bwd = self.mark()
+                self._memory_lap(rec)
+                seg.alloc_bwd = self.c.meter.allocated()
+                rec.mem_open = ["bwd", seg]
+            if not rec.backward_started:
+                self.begin_backward(rec)
+            for e in seg.entries:
+                if e.state == "pending":
+                    c.transfers.forward_pending(e)
+            self.prefetch_range(rec, j)
+
+    # ------------------------------------------------------------ prefetching
+    def prefetch_range(self, rec: Record, j: int) -> None:
+        """Prefetch segment ``j`` and those before it, down to the ``distance``-th unit before ``j``
+        (only while the loads started here stay within the prefetch bound)."""
+        d = rec.distance
+        units_before = [i for i in range(j - 1, -1, -1) if rec.segments[i].is_unit]
+        lo = units_before[d - 1] if len(units_before) >= d else 0
+        limit = self.c.policy.prefetch_bound(rec)
+        started = 0
+        for s in range(j, lo - 1, -1):
+            if s != j:
+                need = sum(e.nbytes for e in rec.segments[s].entries if e.state == STORED and not e.released)
+                if started + need > limit:
+                    break
+            started += self._prefetch_segment(rec, s)
+
+    def _prefetch_segment(self, rec: Record, s: int) -> int:
+        """Start bringing back the storages of segment ``s``; the bytes of the loads started."""
+        seg = rec.segments[s]
+        if seg.prefetched:
+            return 0
+        seg.prefetched = True
+        live = [e for e in seg.entries if not e.released]
+        if not live:
+            return 0
+        self.c.stats.prefetch_order.append((rec.rid, s))
+        started = 0
+        for e in live:
+            if e.state == STORED:
+                started += e.nbytes
+            self.c.transfers.bring_back(e, prefetch=True)
+        return started
+
+    # ---------------------------------------------------------------- timing
+    def mark(self, device: torch.device | None = None) -> Any:
+        """A time mark: a CUDA event on CUDA models (GPU time), else the host clock."""
+        if (device is None and torch.cuda.is_available() and self.c.cuda_model()) or (
+                device is not None and device.type == "cuda"):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    @staticmethod
+    def seconds(a: Any, b: Any) -> float:
+        if isinstance(a, float) and isinstance(b, float):
+            return b - a
+        if isinstance(a, float) or isinstance(b, float):
+            return 0.0  # a CPU mark and a GPU mark do not compare
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3

@@ -1,0 +1,231 @@
+"""memory_budget on the CPU (the CPU meter counts what torch ops allocate): the budget holds, gradients stay
+bit-identical with dropout on, recompute replays the RNG, bad budgets and impossible budgets are refused."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _offload_models import GPT, assert_identical, run_steps
+from datapath.offload import (
+    BudgetProfile, OffloadConfigError, SegmentCost, TensorCache, offload, parse_memory_budget, plan_budget,
+    set_recompute,
+)
+from datapath.offload.memory_meter import CpuMeter
+
+
+def _lm_loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(m(ids).flatten(0, 1), ids.roll(-1, 1).flatten())
+
+
+def _keep_peak(model: nn.Module, batch: torch.Tensor) -> int:
+    m = copy.deepcopy(model)
+    meter = CpuMeter(sum(p.numel() * p.element_size() for p in m.parameters()))
+    meter.lap()
+    with meter:
+        _lm_loss(m, batch).backward()
+    return meter.lap()
+
+
+@pytest.mark.parametrize("target", ["host", "ssd", "tiered"])
+@pytest.mark.parametrize("fraction", [0.75, 0.45])
+def test_budget_holds_and_gradients_identical(target: str, fraction: float, tmp_path) -> None:
+    torch.manual_seed(0)
+    model = GPT(vocab=64, h=64, heads=4, layers=4, dropout=0.1, tied=False)
+    batches = [torch.randint(0, 64, (8, 64)) for _ in range(9)]
+    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
+    budget = int(_keep_peak(model, batches[0]) * fraction)
+    cache = TensorCache(target, str(tmp_path) if target != "host" else None, memory_budget=budget, min_bytes=1024,
+                        offload_cpu_tensors=True, host_budget_bytes=(2 << 20) if target == "tiered" else None)
+    cache.attach(model)
+    got = run_steps(model, batches, _lm_loss, ctx=cache)
+    assert_identical(ref, got)  # dropout on: offload and recompute keep every mask
+    peaks = cache.policy.peaks
+    assert len(peaks) >= 3 and cache.plan is not None
+    # the feedback settles: the last step holds (single CPU steps are noisy: stores race the forward for 2 cores)
+    assert peaks[-1] <= 1.03 * budget, (peaks, budget)
+    assert cache.plan.offload_bytes > 0 or cache.plan.recompute
+    assert cache.files() == []
+    cache.close()
+
+
+def test_budget_above_keep_offloads_nothing() -> None:
+    torch.manual_seed(1)
+    model = GPT(vocab=64, h=64, heads=4, layers=3, dropout=0.1, tied=False)
+    batches = [torch.randint(0, 64, (8, 64)) for _ in range(5)]
+    budget = int(_keep_peak(model, batches[0]) * 1.5)
+    with offload(model, memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True) as cache:
+        run_steps(model, batches, _lm_loss)
+        assert cache.plan is not None
+        assert cache.plan.offload_bytes == 0 and cache.plan.recompute == ()
+        off = cache.stats.bytes_queued
+        run_steps(model, batches[:1], _lm_loss)
+        assert cache.stats.bytes_queued == off  # a planned step moved nothing
+
+
+def _profile(layers: int, bandwidth: float) -> BudgetProfile:
+    """A synthetic profile: per layer a unit (8 MB saved, 10 ms) and the code after it (nothing saved)."""
+    segs = [SegmentCost(False, -1, 0.0, 100, None)]
+    storages = []
+    mb = 8 << 20
+    for b in range(layers):
+        segs.append(SegmentCost(True, b, 0.010, 100 + mb, 100 + mb))
+        storages.append((len(segs) - 1, mb))
+        segs.append(SegmentCost(False, b, 0.0, 100, None))
+    return BudgetProfile(segs, storages, 100 + mb, {b: 1 << 20 for b in range(layers)}, bandwidth, bandwidth,
+                         recomputable=list(range(layers)))
+
+
+def test_planner_prefers_offload_when_the_bandwidth_hides_it() -> None:
+    prof = _profile(6, bandwidth=100e9)  # 8 MB in 0.08 ms: offloading is free
+    plan = plan_budget(prof, budget=100 + 3 * (8 << 20))
+    assert not plan.infeasible and plan.recompute == () and plan.offload_bytes > 0
+    assert plan.predicted_peak <= 100 + 3 * (8 << 20)
+
+
+def test_planner_recomputes_when_the_bandwidth_is_too_low() -> None:
+    prof = _profile(6, bandwidth=50e6)  # 8 MB take 160 ms against a 10 ms layer: recompute is cheaper
+    budget = 100 + 3 * (8 << 20)
+    plan = plan_budget(prof, budget=budget)
+    assert not plan.infeasible and len(plan.recompute) > 0
+    assert plan.predicted_peak <= budget
+
+
+def test_planner_reports_the_minimum_of_an_impossible_budget() -> None:
+    prof = _profile(4, bandwidth=10e9)
+    plan = plan_budget(prof, budget=50)
+    assert plan.infeasible and plan.min_peak >= 100 + (8 << 20)
+
+
+def test_impossible_budget_raises_naming_the_measured_minimum() -> None:
+    torch.manual_seed(2)
+    model = GPT(vocab=64, h=64, heads=4, layers=3, dropout=0.0, tied=False)
+    batches = [torch.randint(0, 64, (8, 64)) for _ in range(4)]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    with pytest.raises(OffloadConfigError, match="measured minimum") as info:
+        with offload(model, memory_budget=params + 1000, min_bytes=1024, offload_cpu_tensors=True):
+            run_steps(model, batches, _lm_loss)
+    assert "memory_budget" in str(info.value)
+    with pytest.raises(OffloadConfigError, match="below the model's parameters"):
+        with offload(model, memory_budget=params // 2, offload_cpu_tensors=True):
+            pass
+
+
+@pytest.mark.parametrize("bad", ["ten GB", "-5GB", -3, 0, "0%", "150%", float("nan"), True, "1e999GB", [1]])
+def test_bad_budgets_name_the_argument(bad: object) -> None:
+    with pytest.raises(ValueError, match="memory_budget"):
+        TensorCache("host", memory_budget=bad)  # type: ignore[arg-type]
+
+
+def test_budget_strings_and_fractions() -> None:
+    total = 80 * 10**9
+    assert parse_memory_budget("10GB", total) == 10 * 10**9
+    assert parse_memory_budget("10 GiB", total) == 10 * 2**30
+    assert parse_memory_budget("512MB", total) == 512 * 10**6
+    assert parse_memory_budget("50%", total) == total // 2
+    assert parse_memory_budget(0.25, total) == total // 4
+    assert parse_memory_budget("0.5", total) == total // 2
+    assert parse_memory_budget(12_000_000_000, total) == 12 * 10**9
+
+
+@pytest.mark.parametrize("kw,match", [({"target": "nvme"}, "target"), ({"policy": "most"}, "policy"),
+                                      ({"on_error": "ignore"}, "on_error"),
+                                      ({"policy": "all", "memory_budget": "1GB"}, "memory_budget"),
+                                      ({"max_inflight_bytes": -1}, "max_inflight_bytes")])
+def test_bad_arguments_are_named(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TensorCache(**kw)
+
+
+def test_unknown_option_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="min_byte"):
+        TensorCache("host", min_byte=3)
+
+
+def test_recompute_replays_dropout_bit_identically() -> None:
+    """A block under datapath's recomputation draws the same dropout masks in backward."""
+    torch.manual_seed(3)
+    model = GPT(vocab=64, h=64, heads=4, layers=3, dropout=0.3, tied=False)
+    batches = [torch.randint(0, 64, (4, 32)) for _ in range(3)]
+    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
+    set_recompute(list(model.blocks), [0, 2])
+    assert "forward" in model.blocks[0].__dict__ and "forward" not in model.blocks[1].__dict__
+    got = run_steps(model, batches, _lm_loss)
+    assert_identical(ref, got)
+    set_recompute(list(model.blocks), [])
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+    assert list(model.state_dict()) == list(copy.deepcopy(model).state_dict())
+
+
+@pytest.mark.parametrize("slow_store", [False, True], ids=["offload", "recompute"])
+def test_hf_llama_budget_on_cpu(slow_store: bool) -> None:
+    """use_cache left on (the config's default): recomputed layers run without the KV cache, as in HF."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(4)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=3,
+                                   num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
+                                   attention_dropout=0.1, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).train()
+    batches = [torch.randint(0, 128, (4, 32)) for _ in range(8)]
+
+    def loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return m(input_ids=ids, labels=ids).loss
+
+    ref = run_steps(copy.deepcopy(model), batches, loss)
+    m = copy.deepcopy(model)
+    meter = CpuMeter(sum(p.numel() * p.element_size() for p in m.parameters()))
+    meter.lap()
+    with meter:
+        loss(m, batches[0]).backward()
+    budget = int(meter.lap() * (0.8 if slow_store else 0.7))
+    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
+    if slow_store:
+        cache.bandwidth = lambda: (1e5, 1e5)
+    cache.attach(model)
+    got = run_steps(model, batches, loss, ctx=cache)
+    assert_identical(ref, got)
+    assert cache.policy.peaks and cache.policy.peaks[-1] <= 1.03 * budget
+    assert bool(cache.plan.recompute) == slow_store
+    cache.close()
+
+
+def test_slow_store_budget_recomputes_blocks_inside_the_cache(tmp_path) -> None:
+    """A store far slower than the compute: the plan recomputes blocks; dropout masks and gradients hold."""
+    torch.manual_seed(5)
+    model = GPT(vocab=64, h=64, heads=4, layers=4, dropout=0.2, tied=False)
+    batches = [torch.randint(0, 64, (8, 64)) for _ in range(7)]
+    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
+    budget = int(_keep_peak(model, batches[0]) * 0.6)
+    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
+    cache.bandwidth = lambda: (1e5, 1e5)  # as if every byte took 10 us to store: offloading costs seconds
+    cache.attach(model)
+    got = run_steps(model, batches, _lm_loss, ctx=cache)
+    assert_identical(ref, got)
+    assert cache.plan is not None and len(cache.plan.recompute) > 0
+    assert cache.policy.peaks[-1] <= 1.03 * budget
+    cache.close()
+    assert all("forward" not in b.__dict__ for b in model.blocks)  # closing undid the recomputation
+
+
+def test_budget_feedback_survives_the_user_resetting_peak_counters() -> None:
+    """Benchmarks reset the peak counters between steps: the step's peak is read when its backward ends."""
+    torch.manual_seed(6)
+    model = GPT(vocab=64, h=64, heads=4, layers=4, dropout=0.1, tied=False)
+    batches = [torch.randint(0, 64, (8, 64)) for _ in range(7)]
+    budget = int(_keep_peak(model, batches[0]) * 0.6)
+    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
+    cache.attach(model)
+    for ids in batches:
+        for p in model.parameters():
+            p.grad = None
+        cache.meter.lap()  # what torch.cuda.reset_peak_memory_stats() does to the CUDA meter
+        with cache:
+            _lm_loss(model, ids).backward()
+        cache.meter.lap()
+    peaks = cache.policy.peaks
+    assert len(peaks) >= 3 and min(peaks) > 0.3 * budget  # real step peaks, not what was left after a reset
+    assert peaks[-1] <= 1.03 * budget
+    cache.close()

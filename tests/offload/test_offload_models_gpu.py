@@ -1,0 +1,171 @@
+"""What people train, on a GPU: Hugging Face causal LMs (Llama, GPT-2, Qwen2, Mistral; sdpa and eager
+attention; with and without HF gradient checkpointing; bf16 autocast; dropout on), 3+ optimizer steps
+with bit-identical gradients to no offloading, under ``policy="all"`` and a memory budget; and a
+torch.compile'd model under a budget."""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from datapath.offload import TensorCache
+
+pytestmark = pytest.mark.gpu
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ["llama", "gpt2", "qwen2", "mistral"]
+STEPS = 7  # budget: one step runs as "all", one is profiled for memory, one for time, the rest are planned
+
+
+def build(family: str, attn: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = dict(vocab_size=512, attn_implementation=attn, use_cache=False)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=512, n_layer=3, n_head=8, n_positions=256, resid_pdrop=0.1,
+                                      embd_pdrop=0.1, attn_pdrop=0.1, **common)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        kw = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=3, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=256, attention_dropout=0.1, **common)
+        cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
+        model = cls[1](cls[0](**kw))
+    return model.cuda().train()
+
+
+def set_hf_checkpointing(model: torch.nn.Module, on: bool) -> None:
+    if not on:
+        return
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def train(model: torch.nn.Module, batches: list[torch.Tensor], ctx: Any = None,
+          opt: torch.optim.Optimizer | None = None, peaks: list[int] | None = None) -> list[Any]:
+    """AdamW steps under bf16 autocast (deterministic attention); per step the loss and every gradient
+    (copied to the host: the harness holds no device memory that grows from step to step)."""
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = []
+    for i, ids in enumerate(batches):
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + i)
+        if peaks is not None:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        with sdpa_kernel(SDPBackend.MATH), torch.autocast("cuda", dtype=torch.bfloat16):
+            with ctx if ctx is not None else contextlib.nullcontext():
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+        if peaks is not None:
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())
+        out.append((loss.detach().cpu(), [p.grad.detach().cpu() for p in model.parameters() if p.grad is not None]))
+        opt.step()
+    return out
+
+
+def assert_same(ref: list[Any], got: list[Any]) -> None:
+    assert len(ref) == len(got)
+    for step, ((l0, g0), (l1, g1)) in enumerate(zip(ref, got)):
+        assert torch.equal(l0, l1), f"step {step}: loss {l0.item()} != {l1.item()}"
+        assert len(g0) == len(g1)
+        for k, (a, b) in enumerate(zip(g0, g1)):
+            assert torch.equal(a, b), f"step {step}: grad {k} differs by {(a.float() - b.float()).abs().max()}"
+
+
+def keep_peak(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
+    """(memory before a step, peak of the step) without offloading, optimizer state already made."""
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    train(m, [ids], opt=opt)  # AdamW state, cuBLAS workspaces
+    for p in m.parameters():
+        p.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    train(m, [ids], opt=opt)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del m, opt
+    torch.cuda.empty_cache()
+    return base, peak
+
+
+def run_cache(model: torch.nn.Module, batches: list[torch.Tensor], *args: Any, peaks: list[int] | None = None,
+              **kw: Any) -> tuple[list[Any], Any]:
+    """Train a copy of ``model`` under a new TensorCache; (losses and gradients, the closed cache)."""
+    m = copy.deepcopy(model)
+    cache = TensorCache(*args, **kw)
+    try:
+        cache.attach(m)
+        got = train(m, batches, ctx=cache, peaks=peaks)
+        cache.wait_io()
+        assert cache.files() == []
+    finally:
+        cache.close(raise_errors=False)
+    return got, cache
+
+
+@pytest.mark.parametrize("hf_gc", [False, True], ids=["no-hf-gc", "hf-gc"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_family_bit_identical(family: str, attn: str, hf_gc: bool) -> None:
+    model = build(family, attn)
+    set_hf_checkpointing(model, hf_gc)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, 512, (4, 256), device="cuda", generator=g) for _ in range(STEPS)]
+    base, peak = keep_peak(model, batches[0])
+    ref = train(copy.deepcopy(model), batches)
+
+    all_peaks: list[int] = []
+    got, cache = run_cache(model, batches, "host", min_bytes=1 << 16, peaks=all_peaks)
+    assert_same(ref, got)
+    assert cache.stats.bytes_offloaded > 0 or hf_gc
+
+    # half way from what offloading everything reaches to keep's peak (tiny models: a large working set)
+    floor = max(all_peaks[1:])
+    budget = int(floor + 0.5 * max(peak - floor, 0))
+    got, cache = run_cache(model, batches, "host", memory_budget=budget, min_bytes=1 << 16)
+    assert_same(ref, got)
+    peaks = cache.policy.peaks
+    assert peaks, "no planned step ran"
+    assert peaks[-1] <= 1.03 * budget, f"planned peaks {peaks} over the budget {budget}"
+
+
+@pytest.mark.parametrize("target", ["ssd", "tiered"])
+def test_llama_budget_on_files(target: str, tmp_path) -> None:
+    model = build("llama", "sdpa")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    batches = [torch.randint(0, 512, (4, 256), device="cuda", generator=g) for _ in range(STEPS)]
+    base, peak = keep_peak(model, batches[0])
+    ref = train(copy.deepcopy(model), batches)
+    got, cache = run_cache(model, batches, target, str(tmp_path), memory_budget=int(base + 0.6 * (peak - base)),
+                           min_bytes=1 << 16, host_budget_bytes=(4 << 20) if target == "tiered" else None)
+    assert_same(ref, got)
+    assert cache.policy.peaks
+
+
+def test_compiled_llama_under_a_budget() -> None:
+    """torch.compile'd model: the planner sees what the compiled graphs save, and the budget holds."""
+    model = build("llama", "sdpa")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    batches = [torch.randint(0, 512, (4, 256), device="cuda", generator=g) for _ in range(6)]
+    base, peak = keep_peak(model, batches[0])
+    ref = train(torch.compile(copy.deepcopy(model)), batches)
+    budget = int(base + 0.85 * (peak - base))
+    cache = TensorCache("host", memory_budget=budget, min_bytes=1 << 16)
+    try:
+        cache.attach(model)
+        got = train(torch.compile(model), batches, ctx=cache)
+        assert cache.policy.peaks and cache.policy.peaks[-1] <= 1.03 * budget, (cache.policy.peaks, budget)
+    finally:
+        cache.close(raise_errors=False)
+    for (l0, _), (l1, _) in zip(ref, got):
+        assert torch.allclose(l0.float(), l1.float(), rtol=2e-2), (l0, l1)
