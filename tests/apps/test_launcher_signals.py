@@ -42,8 +42,8 @@ def _wait_for_training(proc: subprocess.Popen, shm: Path, timeout: float = 90.0)
         if line.startswith("training sage"):
             ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
                      if "spawn_main" in " ".join(c.cmdline())]
-            assert len(ranks) == 2, lines
-            assert any(shm.iterdir())
+            assert len(ranks) == 2, "".join(lines)
+            assert any(shm.iterdir()), "".join(lines)
             time.sleep(1.0)  # well into the epochs
             return ranks
         if proc.poll() is not None:
@@ -56,11 +56,11 @@ def _leftovers(tmp: Path) -> list[str]:
     return sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
 
 
-def _assert_clean(ranks: list[psutil.Process], shm: Path, tmp: Path) -> None:
+def _assert_clean(ranks: list[psutil.Process], shm: Path, tmp: Path, out: str) -> None:
     gone, alive = psutil.wait_procs(ranks, timeout=5)
-    assert not alive, f"rank processes outlived the launcher: {alive}"
-    assert list(shm.iterdir()) == [], "shared tables left behind"
-    assert _leftovers(tmp) == [], f"temporary files left behind: {_leftovers(tmp)}"
+    assert not alive, f"rank processes outlived the launcher: {alive}\n{out}"
+    assert list(shm.iterdir()) == [], f"shared tables left behind\n{out}"
+    assert _leftovers(tmp) == [], f"temporary files left behind: {_leftovers(tmp)}\n{out}"
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + signal.SIGTERM)])
@@ -74,7 +74,7 @@ def test_a_signal_to_the_launcher_alone_stops_the_ranks_and_cleans_up(tmp_path: 
         assert time.monotonic() - t0 < 30, out
         assert proc.returncode == code, out
         assert "Traceback" not in out and "Exception ignored" not in out, out
-        _assert_clean(ranks, shm, tmp)
+        _assert_clean(ranks, shm, tmp, out)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

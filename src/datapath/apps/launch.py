@@ -118,12 +118,22 @@ def init_distributed(device: str | None = None, backend: str | None = None,
     return DistContext(rank, world, local_rank, local_world, dev, backend)
 
 
-def _exit_on_sigterm() -> None:
+def _exit_on_sigterm(also_sigint: bool = False) -> None:
+    """Turn SIGTERM (and SIGINT) into one ``SystemExit(128 + signal)`` that unwinds normally.
+
+    The first signal raises; later ones are ignored, so a second signal cannot interrupt the
+    clean-up (finally blocks, atexit handlers removing shared tables and offload files).
+    """
+    signals = (signal.SIGTERM, signal.SIGINT) if also_sigint else (signal.SIGTERM,)
+
     def handler(signum: int, frame: Any) -> None:  # noqa: ARG001
-        raise SystemExit(128 + signum)  # unwinds: finally blocks and atexit handlers run
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
 
     try:
-        signal.signal(signal.SIGTERM, handler)
+        for sig in signals:
+            signal.signal(sig, handler)
     except ValueError:  # not the main thread
         pass
 
@@ -149,7 +159,7 @@ def _entry(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], nproc
     os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(local_rank),
                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ[PREFIX_ENV] = prefix
-    _exit_on_sigterm()
+    _exit_on_sigterm(also_sigint=True)  # the launcher forwards both; neither leaves a KeyboardInterrupt mid-exit
     try:
         result = fn(*args)
         with open(os.path.join(outdir, f"rank{local_rank}.pkl"), "wb") as f:
