@@ -16,7 +16,8 @@ class GCNConv(nn.Module):
     """GCN: ``out_i = sum_{j in N(i)} w_ij x_j W / sqrt(deg_out(j) deg_in(i)) + b`` (PyG's parameter names).
 
     Args:
-        in_channels, out_channels: feature widths.
+        in_channels: input feature width.
+        out_channels: output feature width.
         normalize: apply the symmetric normalization (edge counts, clamped at 1); else a plain sum.
         add_self_loops: add an edge ``i -> i`` to every destination (cached on the graph). PyG adds
             them by default; here the default is False (blocks from a sampler usually carry their own).

@@ -15,7 +15,8 @@ class SAGEConv(nn.Module):
     """GraphSAGE: ``out = lin_l(AGG_{j in N(i)} x_j) + lin_r(x_i)`` (Hamilton et al.; PyG's parameter names).
 
     Args:
-        in_channels, out_channels: feature widths.
+        in_channels: input feature width.
+        out_channels: output feature width.
         aggr: ``"mean"`` (default), ``"sum"`` or ``"max"``.
         bias: bias of ``lin_l``.
         root_weight: add ``lin_r(x_dst)``.

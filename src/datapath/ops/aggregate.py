@@ -168,7 +168,8 @@ def prepare_aggregation(graph: Any, feat: int, dtype: torch.dtype = torch.float3
         dtype: their dtype.
         backward: also what the gradient with respect to the rows needs.
         plan: the `AggregationPlan` the calls will pass, if any.
-        reduce, norm: as the calls will pass them (``"max"`` needs nothing prepared).
+        reduce: as the calls will pass it (``"max"`` needs nothing prepared).
+        norm: as the calls will pass it.
 
     Returns:
         Every tensor kept with the graph (call ``record_stream`` on them before using the graph
