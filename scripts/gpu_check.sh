@@ -1,56 +1,103 @@
 #!/usr/bin/env bash
-# GPU check: installs what the GPU machine lacks, runs the GPU tests and the
-# benchmarks, and writes every log and result under $OUT (default ./out).
+# The one GPU-machine script: installs what the machine lacks (wheels in ./.whl), runs GPU tests and benchmark
+# suites, and writes every log and result under $OUT (logs packed into $OUT/logs.tgz: the device tool returns at
+# most 8 files).  Each suite is what one device call should do; run several in one call when time allows.
 #
-#   scripts/gpu_check.sh [--tests "PATHS"] [--bench "NAME ARGS"]... [--no-tests]
+#   scripts/gpu_check.sh [--tests "PATHS"] [--no-tests] [--suite NAME]... [--bench "NAME ARGS"]...
+#
+# Suites (the commands behind the committed results in benchmarks/results/):
+#   b1        B1 gather                          benchmarks/gather.py                        (~2.5 min)
+#   b2        B2 products epoch, store ways      benchmarks/gnn_epoch.py --datasets products (~2.5 min)
+#   b2-papers B2 papers shape, cache and disk    benchmarks/gnn_epoch.py --datasets papers   (~7 min, 40 GiB data)
+#   b3        B3 aggregation + full-graph models benchmarks/aggregate.py, full_graph.py      (~6.5 min)
+#   b4        B4 offloading on real models       benchmarks/offload.py                       (~9 min)
+#   rok       ROK curve                          benchmarks/rok.py                           (~2.5 min)
+#   two-gpu   the tests that need 2 GPUs (offload FSDP2/DDP/Megatron TP2, data-parallel loaders, sharded store)
+#             and B5 benchmarks/multi_node.py (nvidia-h200-x2 only)
 #
 # Examples:
-#   scripts/gpu_check.sh                                  # all GPU tests, no benchmarks
-#   scripts/gpu_check.sh --tests tests/unified_tensor --bench "gather --quick"
-#   scripts/gpu_check.sh --no-tests --bench gather --bench "offload --quick"
-#
-# Wheels that the machine cannot download (kvikio) are installed from ./.whl when
-# that folder exists (see README, "GPU machine").
+#   scripts/gpu_check.sh                                   # every GPU test, no benchmark
+#   scripts/gpu_check.sh --tests tests/memory --suite b1
+#   scripts/gpu_check.sh --no-tests --suite b4
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+L="$OUT/logs"
+mkdir -p "$L"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+T0=$SECONDS
 
 tests="tests"
 run_tests=1
+suites=()
 benches=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) tests="$2"; shift 2 ;;
     --no-tests) run_tests=0; shift ;;
+    --suite) suites+=("$2"); shift 2 ;;
     --bench) benches+=("$2"); shift 2 ;;
-    *) echo "unknown argument: $1" >&2; exit 2 ;;
+    *) echo "unknown argument: $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
 
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+if ls .whl/*.whl >/dev/null 2>&1; then  # kvikio, torchtune (+ torchao), megatron-core: no network there
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export DATAPATH_RESULTS="$OUT"
 
-python3 -m datapath.cli info | tee "$OUT/info.txt"
-python3 -m datapath.cli info --json > "$OUT/info.json" 2>/dev/null
+python3 -m datapath.cli info | tee "$L/info.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
+  --format=csv >> "$L/info.txt" 2>&1
 
 status=0
 if [ "$run_tests" = 1 ]; then
   # shellcheck disable=SC2086
-  python3 -m pytest $tests -m gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
-  status=${PIPESTATUS[0]}
+  timeout "${T_TESTS:-420}" python3 -m pytest $tests -m gpu -q -rfE -p no:cacheprovider > "$L/gpu_tests.log" 2>&1
+  rc=$?; [ "$rc" = 0 ] || status=1
+  echo "gpu tests rc=$rc ($((SECONDS - T0)) s)"; tail -n 2 "$L/gpu_tests.log"
+  grep -E "^(FAILED|ERROR)" "$L/gpu_tests.log" | head -n 30
 fi
-export DATAPATH_RESULTS="$OUT"
-for b in "${benches[@]}"; do
-  name="${b%% *}"
-  args=""
-  [ "$name" != "$b" ] && args="${b#* }"
-  echo "== benchmark $name $args"
-  # shellcheck disable=SC2086
-  python3 "benchmarks/$name.py" $args 2>&1 | tee "$OUT/bench_$name.log" || status=1
+
+bench() {  # timeout name args...
+  local t=$1 name=$2; shift 2
+  echo "== $name $* ($((SECONDS - T0)) s)"
+  # shellcheck disable=SC2068
+  timeout "$t" python3 "benchmarks/$name.py" $@ > "$L/bench_${name}.log" 2>&1
+  local rc=$?; [ "$rc" = 0 ] || status=1
+  echo "$name rc=$rc"; tail -n "${TAIL:-25}" "$L/bench_${name}.log"
+}
+
+for s in "${suites[@]}"; do
+  case "$s" in
+    b1) bench 190 gather ;;
+    b2) bench 170 gnn_epoch --datasets products --models sage --ways datapath,datapath_cache,gpu_resident,datapath_disk \
+          --name gnn_epoch_products --disk-dir "$PWD/bench-disk" ;;
+    b2-papers) bench 420 gnn_epoch --datasets papers --models sage \
+          --ways datapath,datapath_cache,gpu_resident,datapath_disk --rounds 3 --batches 100 --warmup 3 \
+          --eval-nodes 1024 --profile-batches 2 --disk-batches 15 --verify-batches 3 --name gnn_epoch_papers \
+          --disk-dir "$PWD/bench-disk" ;;
+    b3) bench 260 aggregate --repeat 5; bench 120 full_graph ;;
+    b4) bench 560 offload --time-budget 170 ;;
+    rok) bench 160 rok ;;
+    two-gpu)
+      timeout "${T_TESTS:-500}" python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
+        tests/offload/test_offload_parallel_gpu.py tests/offload/test_offload_distributed.py \
+        tests/apps/test_distributed.py tests/features > "$L/two_gpu_tests.log" 2>&1
+      rc=$?; [ "$rc" = 0 ] || status=1
+      echo "2-GPU tests rc=$rc"; grep -E "^(FAILED|ERROR)|passed|failed" "$L/two_gpu_tests.log" | tail -n 20
+      if [ -f benchmarks/multi_node.py ]; then bench 420 multi_node; fi ;;
+    *) echo "unknown suite: $s" >&2; status=2 ;;
+  esac
 done
+for b in "${benches[@]}"; do
+  name="${b%% *}"; args=""; [ "$name" != "$b" ] && args="${b#* }"
+  # shellcheck disable=SC2086
+  bench "${T_BENCH:-500}" "$name" $args
+done
+rm -rf "$PWD/bench-disk"
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"
+echo "total $((SECONDS - T0)) s"
 exit "$status"
