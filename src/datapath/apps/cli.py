@@ -86,6 +86,16 @@ def register(sub: Any) -> None:
     p.add_argument("--cache-policy", choices=("presample", "degree"), default="presample",
                    help="which rows the GPU cache and host memory hold: the ones a presampling pass of the "
                         "sampler reads most (GNNLab), or the highest-degree nodes [presample]")
+    p.add_argument("--shard-features", action="store_true",
+                   help="cut the features over the job's ranks (on one or many machines, e.g. torchrun --nnodes N "
+                        "--nproc-per-node G): each rank loads the graph, labels and splits but only its shard of "
+                        "the features from the dataset directory (its shard file of prepare-dataset --shards N, or "
+                        "its rows of features.npy), holds it in pinned host memory and fetches the other ranks' rows "
+                        "from them (all_to_all over NCCL, gloo on CPUs); --gpu-cache adds a cache of hot rows of "
+                        "any shard. No shared memory segment")
+    p.add_argument("--dist-timeout", type=_positive(float, 1e-3), default=600.0, metavar="SECONDS",
+                   help="how long a rank waits for the others in a collective (the features' exchange, DDP) before "
+                        "it fails [600]")
     p.add_argument("--max-batches", type=_positive(int), default=None, help="stop each epoch after this many batches")
     p.add_argument("--eval-nodes", type=_positive(int, 0), default=10_000,
                    help="validation/test nodes evaluated (0: no evaluation) [10000]")
@@ -114,6 +124,10 @@ def register(sub: Any) -> None:
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--device", choices=("cuda", "cpu"), default=None, help="where to generate [cuda if available]")
     q.add_argument("--overwrite", action="store_true", help="replace an existing dataset in DIRECTORY")
+    q.add_argument("--shards", type=_positive(int), default=None, metavar="N",
+                   help="write the features as N shard files (features.shard-R-of-N.npy), one per rank of a "
+                        "train-gnn --shard-features job of N ranks; a machine then needs only its ranks' shard "
+                        "files beside the other files [one features.npy]")
     q.set_defaults(func=prepare)
 
 
@@ -122,10 +136,11 @@ def prepare(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     d = prepare_dataset(args.name, args.directory, memory_gb=args.memory_gb, seed=args.seed, device=args.device,
-                        overwrite=args.overwrite)
+                        overwrite=args.overwrite, shards=args.shards)
     meta = json.loads((d / "meta.json").read_text())
+    shards = f" in {args.shards} shards" if args.shards else ""
     print(f"wrote {meta['name']} to {d}: {meta['num_nodes']:,} nodes, {meta['num_edges']:,} edges, "
-          f"{meta['num_features']} features, {meta['num_classes']} classes ({time.perf_counter() - t0:.1f} s)")
+          f"{meta['num_features']} features{shards}, {meta['num_classes']} classes ({time.perf_counter() - t0:.1f} s)")
     return 0
 
 
@@ -137,6 +152,7 @@ def train_gnn(args: argparse.Namespace) -> int:
                       lr=args.lr, optimizer=args.optimizer, device=args.device, features_on=args.features_on,
                       graph_on=args.graph_on, max_batches=args.max_batches, eval_nodes=args.eval_nodes,
                       gpu_cache=args.gpu_cache, host_memory=args.host_memory, cache_policy=args.cache_policy,
+                      shard_features=args.shard_features, dist_timeout_s=args.dist_timeout,
                       memory_gb=args.memory_gb, seed=args.seed, prefetch=args.prefetch,
                       progress=not args.no_progress, json=str(args.json) if args.json is not None else None)
     cfg.validate()

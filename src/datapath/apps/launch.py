@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from datapath.apps.errors import DistributedError
 log = logging.getLogger("datapath.apps.launch")
 
 PREFIX_ENV = "DATAPATH_SHARE_PREFIX"
+T = TypeVar("T")
 
 
 # -- process group -----------------------------------------------------------------------------
@@ -151,6 +152,40 @@ def all_gather_objects(ctx: DistContext, obj: Any) -> list[Any]:
     out: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def on_every_rank(ctx: DistContext, fn: Callable[[], T], what: str) -> T:
+    """``fn()`` on every rank; when it fails on any rank, every rank raises instead of waiting for it.
+
+    The rank that failed raises its own error; the others a `DistributedError` naming the first
+    rank that failed and its error (``what`` says what that rank could not do, e.g. "load its
+    shard").  Collective: every rank calls it.
+    """
+    try:
+        out, err = fn(), None
+    except Exception as exc:  # noqa: BLE001 - told to every rank, raised here
+        out, err = None, exc
+    said = all_gather_objects(ctx, None if err is None else f"{type(err).__name__}: {_first_line(err)}")
+    if err is not None:
+        raise err
+    failed = [(r, m) for r, m in enumerate(said) if m is not None]
+    if failed:
+        r, m = failed[0]
+        raise DistributedError(f"rank {ctx.rank} of {ctx.world_size} stops: rank {r} could not {what}: {m}")
+    return out  # type: ignore[return-value]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def rank_error(ctx_rank: int, world_size: int, exc: BaseException) -> DistributedError:
+    """``exc`` of rank ``ctx_rank`` as one line naming the rank and the cause (what torchrun's log shows)."""
+    text = _first_line(exc)
+    if text.startswith(f"rank {ctx_rank} "):
+        return DistributedError(text)
+    return DistributedError(f"rank {ctx_rank} of {world_size} failed: {type(exc).__name__}: {text}")
 
 
 # -- launching ---------------------------------------------------------------------------------

@@ -9,7 +9,10 @@ say (unified: pinned host memory read by the GPU; cuda; cpu), or, with ``gpu_cac
 ``host_memory``, puts the features into a tiered `datapath.features.FeatureStore`
 (`datapath.apps.store_placement`).  A multi-process run
 keeps ONE shared host copy of graph and tables for all ranks (`shared_dataset`) and
-trains with DDP; ``batch_size`` is per rank.  Both go through `train`.
+trains with DDP; ``batch_size`` is per rank.  With ``shard_features`` each rank (on any
+number of machines) loads the graph and only its shard of the features, and fetches the
+others' rows from them (`datapath.features.sharded_store`); no shared segment.  All go
+through `train`.
 """
 from __future__ import annotations
 
@@ -27,10 +30,10 @@ import torch.nn.functional as F
 
 from datapath.apps.errors import DistributedError
 from datapath.apps.launch import (
-    DistContext, all_gather_objects, in_launched_job, init_distributed, launch, shutdown_distributed,
+    DistContext, all_gather_objects, in_launched_job, init_distributed, launch, rank_error, shutdown_distributed,
 )
 from datapath.apps.shared_data import memory_footprint, segment_bytes, shared_dataset
-from datapath.apps.store_placement import CACHE_POLICIES, place_with_store, uses_store
+from datapath.apps.store_placement import CACHE_POLICIES, place_sharded, place_with_store, uses_store
 from datapath.apps.training import evaluate, train_epoch
 from datapath.features import FeatureStore, parse_budget
 from datapath.graph import Dataset, get_dataset
@@ -56,7 +59,11 @@ class TrainConfig:
     (``"25%"``, ``"16GB"``): a one-process run serves the features from a `FeatureStore` with a GPU
     cache of that size (the hottest rows by ``cache_policy``: ``presample`` or ``degree``) and, for a
     dataset directory, that much pinned host memory, the rest read from disk; ``graph_on`` may
-    then also be ``auto`` (the default: on the GPU when it fits beside the cache).  ``eval_nodes``: validation/test
+    then also be ``auto`` (the default: on the GPU when it fits beside the cache).  ``shard_features``: a
+    dataset directory's features cut over the ranks, each holding its shard in (pinned) host memory
+    and fetching the others' rows from them (``gpu_cache``: a GPU cache of hot rows of any shard on
+    every rank); ``dist_timeout_s``: how long a rank waits for the others in a collective before it
+    fails.  ``eval_nodes``: validation/test
     nodes evaluated after each epoch and at the end (0: no evaluation).  ``max_batches``:
     steps per epoch at most.  ``return_state``: rank 0's result carries the final parameters.
     """
@@ -80,6 +87,8 @@ class TrainConfig:
     gpu_cache: str | None = None
     host_memory: str | None = None
     cache_policy: str = "presample"
+    shard_features: bool = False
+    dist_timeout_s: float = 600.0
     seed: int = 0
     prefetch: int = 1
     progress: bool = False
@@ -118,8 +127,17 @@ class TrainConfig:
         if self.cache_policy not in CACHE_POLICIES:
             raise ValueError(f"cache_policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
         if uses_store(self) and self.features_on is not None:
-            raise ValueError("features_on and gpu_cache/host_memory exclude each other: the feature store decides "
-                             "where each row lives")
+            raise ValueError("features_on and gpu_cache/host_memory/shard_features exclude each other: the feature "
+                             "store decides where each row lives")
+        if self.shard_features and self.host_memory:
+            raise ValueError("shard_features and host_memory exclude each other: each rank holds its whole shard in "
+                             "host memory; use more ranks (smaller shards) when a shard does not fit")
+        if self.shard_features and not Path(self.dataset).is_dir():
+            raise ValueError(f"shard_features needs a dataset directory (each rank loads only its shard of the "
+                             f"features), not the preset {self.dataset!r}: run `datapath prepare-dataset "
+                             f"{self.dataset} DIR --shards N` and pass --dataset DIR")
+        if not self.dist_timeout_s > 0:
+            raise ValueError(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s!r}")
         if self.device == "cpu" and "cuda" in (self.features_on, self.graph_on):
             raise ValueError("features_on/graph_on 'cuda' need device 'cuda'")
         if self.memory_gb is not None and not self.memory_gb > 0:
@@ -172,6 +190,8 @@ def _build_dataset(cfg: TrainConfig, device: torch.device) -> Callable[[], Datas
 
 def _place(cfg: TrainConfig, ctx: DistContext, make: Callable[[], Dataset]) -> tuple[Dataset, dict[str, Any]]:
     """The dataset with graph and tables where this run keeps them, and facts about that."""
+    if cfg.shard_features:
+        return place_sharded(cfg, ctx)
     if ctx.world_size > 1:
         ds = shared_dataset(ctx, make)
         where = placement_of(ds.features)
@@ -191,14 +211,16 @@ def _place(cfg: TrainConfig, ctx: DistContext, make: Callable[[], Dataset]) -> t
 
 
 def _loader(cfg: TrainConfig, ctx: DistContext, ds: Dataset, seeds: torch.Tensor, batch_size: int,
-            seed: int, shuffle: bool, prepare: Any = None) -> NeighborLoader:
+            seed: int, shuffle: bool, prepare: Any = None, max_steps: int | None = None) -> NeighborLoader:
     sampler = NeighborSampler(list(cfg.fanouts), seed=seed)
     kw = dict(features=ds.features, labels=ds.labels, device=ctx.device, seed=cfg.seed, prefetch=cfg.prefetch,
               prepare=prepare)
     if ctx.world_size == 1:
         return NeighborLoader(ds.graph, seeds, sampler, batch_size, shuffle=shuffle, **kw)
+    # sharded features: every rank makes exactly the epoch's steps (their row exchanges pair up)
     return DistributedNeighborLoader(ds.graph, seeds, sampler, batch_size, shuffle=shuffle, rank=ctx.rank,
-                                     world_size=ctx.world_size, **kw)
+                                     world_size=ctx.world_size, max_steps=max_steps if cfg.shard_features else None,
+                                     **kw)
 
 
 def _seeds_in(loader: NeighborLoader, batches: int) -> int:
@@ -241,7 +263,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     cfg.validate()
-    ctx = init_distributed(cfg.device)
+    ctx = init_distributed(cfg.device, timeout_s=cfg.dist_timeout_s)
     if ctx.device.type == "cpu" and ctx.world_size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.local_world_size))
     say = print if ctx.is_main else (lambda *a, **k: None)
@@ -250,6 +272,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     setup_s = time.perf_counter() - t0
     if where["shared_prefix"]:
         copy = f"one shared copy ({segment_bytes(ds.prefix)['nbytes'] / 2**30:.2f} GiB) for {ctx.world_size} processes"
+    elif cfg.shard_features:
+        copy = (f"graph replicated on every rank in {where['graph_on']} memory, features cut into "
+                f"{where['feature_shard']['shards']} shards, one per rank; rank 0's store {ds.features.describe()}")
     elif isinstance(ds.features, FeatureStore):
         copy = f"graph in {where['graph_on']} memory, features in a feature store {ds.features.describe()}"
     else:
@@ -262,7 +287,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                       dropout=cfg.dropout, heads=cfg.heads).to(ctx.device)
     model = wrap_ddp(net, ctx)
     # the aggregation schedules are built in the loader's thread: no host sync in the training step
-    loader = _loader(cfg, ctx, ds, ds.train_idx, cfg.batch_size, cfg.seed, True, prepare=net.prepare_batch)
+    loader = _loader(cfg, ctx, ds, ds.train_idx, cfg.batch_size, cfg.seed, True, prepare=net.prepare_batch,
+                     max_steps=cfg.max_batches)
     gen = torch.Generator().manual_seed(cfg.seed)
 
     def eval_loader(idx: torch.Tensor) -> NeighborLoader | None:
@@ -283,9 +309,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         n_steps = len(loader) if cfg.max_batches is None else min(len(loader), cfg.max_batches)
         with tqdm(total=n_steps, desc=f"epoch {epoch}", unit="batch", leave=False,
                   disable=not (cfg.progress and ctx.is_main)) as bar:
+            before = ds.features.stats() if isinstance(ds.features, FeatureStore) else None
             st = train_epoch(model, loader, opt, max_batches=cfg.max_batches, progress=bar, loss_fn=loss_fn)
         seeds = _seeds_in(loader, st.batches)
         row = {**st.as_dict(), "seeds": seeds, "seeds_per_s": seeds / st.epoch_s if st.epoch_s else 0.0}
+        if before is not None:  # what the store served in this epoch's training steps
+            row["feature_store"] = _stats_since(before, ds.features.stats())
         val = _accuracy(ctx, net, val_loader)
         ranks = all_gather_objects(ctx, row)
         agg = _aggregate(ranks)
@@ -330,6 +359,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     return result
 
 
+def _stats_since(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per-tier counters of a `FeatureStore` between two ``stats()`` (hit rates of that span)."""
+    delta = {name: {k: v - before.get(name, {}).get(k, 0) for k, v in tier.items()
+                    if isinstance(v, (int, float)) and k != "hit_rate"} for name, tier in after.items()}
+    total = sum(t["rows"] for t in delta.values())
+    for t in delta.values():
+        t["hit_rate"] = t["rows"] / total if total else 0.0
+    return delta
+
+
 def _report_memory(mems: list[dict[str, Any]]) -> None:
     seg = mems[0]["segment"]
     print(f"host memory: shared segment {seg['nbytes'] / 2**30:.3f} GiB in {seg['tables']} tables "
@@ -350,6 +389,10 @@ def run_training(cfg: TrainConfig, nprocs: int | None = None) -> list[dict[str, 
                                    f"leave --gpus out or make them agree")
         try:
             return [train(cfg)]
+        except Exception as exc:
+            if world == 1:
+                raise
+            raise rank_error(int(os.environ.get("RANK", "0")), world, exc) from exc  # one line naming the rank
         finally:
             shutdown_distributed()
     if nprocs is None:
@@ -359,9 +402,10 @@ def run_training(cfg: TrainConfig, nprocs: int | None = None) -> list[dict[str, 
     if (cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda" \
             and nprocs > torch.cuda.device_count():
         raise ValueError(f"--gpus {nprocs} but this machine has {torch.cuda.device_count()} GPUs")
-    if nprocs > 1 and uses_store(cfg):
-        raise ValueError("--gpu-cache/--host-memory (a feature store) work in one process; a data-parallel run "
-                         "shares one host copy of the features between its processes")
+    if nprocs > 1 and uses_store(cfg) and not cfg.shard_features:
+        raise ValueError("--gpu-cache/--host-memory (a feature store) work in one process (or with "
+                         "--shard-features); a data-parallel run shares one host copy of the features between its "
+                         "processes")
     if nprocs > 1 and (cfg.features_on not in (None, "unified") or cfg.graph_on not in (None, "unified")):
         raise ValueError("with several processes the graph and features stay in one shared host copy read "
                          "zero-copy by every GPU; leave features_on/graph_on unset (or 'unified')")

@@ -10,19 +10,22 @@
 Modules: `store` (FeatureStore), `tiers` (TierStats, FetchTier: the interface a further tier,
 e.g. a remote shard, implements), `disk` (the disk tier and its O_DIRECT engines),
 `table_file` (TableFile), `hotness` (what to cache), `budget` (``"25%"``, ``"16GB"``),
-`placement` (the graph's place).
+`placement` (the graph's place), `sharded` (the rows cut over the ranks of a torch.distributed job:
+`sharded_store`, `ShardedTier`).
 """
 from datapath.features.budget import format_bytes, parse_budget
 from datapath.features.disk import ENGINES, DiskReader, DiskTier, ReadPlan, native_aio_available, plan_reads
-from datapath.features.errors import DiskReadError, FeatureStoreError
+from datapath.features.errors import DiskReadError, FeatureStoreError, ShardExchangeError
 from datapath.features.hotness import degree_hotness, presample_hotness, rank
 from datapath.features.placement import GPU_RESERVE_BYTES, gpu_budget, graph_bytes, place_graph
+from datapath.features.sharded import ShardedTier, new_exchange_group, sharded_store
 from datapath.features.store import DiskOptions, FeatureStore
 from datapath.features.table_file import TableFile
 from datapath.features.tiers import FetchTier, TierStats
 
 __all__ = [
     "DiskOptions", "DiskReadError", "DiskReader", "DiskTier", "ENGINES", "FeatureStore", "FeatureStoreError",
-    "FetchTier", "GPU_RESERVE_BYTES", "ReadPlan", "TableFile", "TierStats", "degree_hotness", "format_bytes",
-    "gpu_budget", "graph_bytes", "native_aio_available", "parse_budget", "place_graph", "plan_reads", "presample_hotness", "rank",
+    "FetchTier", "GPU_RESERVE_BYTES", "ReadPlan", "ShardExchangeError", "ShardedTier", "TableFile", "TierStats",
+    "degree_hotness", "format_bytes", "gpu_budget", "graph_bytes", "native_aio_available", "new_exchange_group",
+    "parse_budget", "place_graph", "plan_reads", "presample_hotness", "rank", "sharded_store",
 ]

@@ -19,3 +19,8 @@ class DiskReadError(DatapathError, OSError):
 
     def __str__(self) -> str:  # OSError's own formatting would hide the message
         return self.args[0]
+
+
+class ShardExchangeError(DatapathError, RuntimeError):
+    """The exchange of a sharded feature store failed: another rank's fetch failed, or a rank died or stopped
+    answering.  The message names the rank."""

@@ -91,10 +91,46 @@ class FeatureStore:
                  host_memory: str | float | int | None = None, hotness: torch.Tensor | Graph | None = None,
                  device: str | torch.device | None = None, disk: DiskOptions | None = None) -> None:
         src = _source(table)
-        self.shape = tuple(src.shape)
+        self._setup(tuple(src.shape), src.dtype, device)
+        cache_bytes = parse_budget(gpu_cache, self.nbytes, "gpu_cache") or 0
+        if cache_bytes > self.nbytes:
+            raise FeatureStoreError(f"gpu_cache={gpu_cache!r} ({format_bytes(cache_bytes)}) is larger than the table "
+                                    f"({format_bytes(self.nbytes)}); give at most '100%'")
+        host_bytes = parse_budget(host_memory, self.nbytes, "host_memory")
+        c = min(self.num_rows, cache_bytes // self.row_bytes) if self.row_bytes else 0
+        if isinstance(src, TableFile):
+            self._build_from_file(src, c, host_bytes, hotness, disk or DiskOptions())
+        else:
+            self._build_from_tensor(src, c, host_bytes, hotness)
+        self.cache_rows = 0 if self._cache is None else int(self._cache.shape[0])
+        log.info("feature store %s", self.describe())
+
+    @classmethod
+    def from_tiers(cls, shape: tuple[int, ...], dtype: torch.dtype, *, cache: torch.Tensor | None,
+                   host: torch.Tensor | None, slots: torch.Tensor, fetch: list[FetchTier],
+                   device: str | torch.device | None = None) -> "FeatureStore":
+        """A store over tiers built elsewhere (`datapath.features.sharded_store` builds one).
+
+        ``cache``: (c, *rest) on ``device`` or None; ``host``: (h, *rest) pinned (unified) memory, or
+        CPU memory for a CPU store; ``slots``: (N,) int32 on ``device``: ``1..c`` a cache row,
+        ``c+1..c+h`` a host row, ``-(k+1)`` a row of ``fetch[k]``; ``fetch``: the `FetchTier` s.
+        """
+        self = cls.__new__(cls)
+        self._setup(tuple(shape), dtype, device)
+        if slots.shape != (self.num_rows,) or slots.dtype != torch.int32 or slots.device != self.device:
+            raise FeatureStoreError(f"slots must be ({self.num_rows},) int32 on {self.device}, got {slots.dtype} "
+                                    f"{tuple(slots.shape)} on {slots.device}")
+        self._cache, self._host, self._slots, self._fetch = cache, host, slots, list(fetch)
+        self.cache_rows = 0 if cache is None else int(cache.shape[0])
+        log.info("feature store %s", self.describe())
+        return self
+
+    def _setup(self, shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device | None) -> None:
+        """The table's facts, the device, and empty tiers and counters."""
+        self.shape = shape
         if len(self.shape) < 1:
             raise FeatureStoreError("a feature table needs at least one dimension (rows)")
-        self.dtype = src.dtype
+        self.dtype = dtype
         self.num_rows = int(self.shape[0])
         self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * torch.empty((), dtype=self.dtype).element_size()
         self.nbytes = self.num_rows * self.row_bytes
@@ -103,11 +139,6 @@ class FeatureStore:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        cache_bytes = parse_budget(gpu_cache, self.nbytes, "gpu_cache") or 0
-        if cache_bytes > self.nbytes:
-            raise FeatureStoreError(f"gpu_cache={gpu_cache!r} ({format_bytes(cache_bytes)}) is larger than the table "
-                                    f"({format_bytes(self.nbytes)}); give at most '100%'")
-        host_bytes = parse_budget(host_memory, self.nbytes, "host_memory")
         self._cache = self._host = self._slots = self._direct = None
         self._fetch: list[FetchTier] = []
         self._gpu_stats, self._host_stats = TierStats(), TierStats()
@@ -115,13 +146,6 @@ class FeatureStore:
         self._counted = 0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # GPU time of the gathers
         self._gpu_seconds = 0.0
-        c = min(self.num_rows, cache_bytes // self.row_bytes) if self.row_bytes else 0
-        if isinstance(src, TableFile):
-            self._build_from_file(src, c, host_bytes, hotness, disk or DiskOptions())
-        else:
-            self._build_from_tensor(src, c, host_bytes, hotness)
-        self.cache_rows = 0 if self._cache is None else int(self._cache.shape[0])
-        log.info("feature store %s", self.describe())
 
     # -- building ----------------------------------------------------------------------------
     def _order(self, hotness: torch.Tensor | Graph | None) -> torch.Tensor:
@@ -217,16 +241,23 @@ class FeatureStore:
         own_flag = error_flag is None and self.device.type == "cuda"
         if own_flag:
             error_flag = deferred_flag()  # one flag for the lookup and the gather (raised by the next fetch)
-        loc = gather_rows(self._slots, flat, error_flag)
-        out = torch.empty((flat.numel(), *rest), dtype=self.dtype, device=self.device)
-        misses = None
-        if self._fetch and flat.numel():
-            pos = (loc < 0).nonzero().squeeze(1)  # the one host synchronisation of a batch with disk rows
-            if own_flag:
-                error_flag.raise_if_set()  # the lookup has run: a bad index is raised before any disk read
-            if pos.numel():
-                ids = flat[pos].long()
-                misses = (pos, torch.where(ids < 0, ids + self.num_rows, ids), loc[pos])
+        collective = any(t.collective for t in self._fetch)
+        try:
+            loc = gather_rows(self._slots, flat, error_flag)
+            out = torch.empty((flat.numel(), *rest), dtype=self.dtype, device=self.device)
+            misses = None
+            if self._fetch and (flat.numel() or collective):
+                pos = (loc < 0).nonzero().squeeze(1)  # the one host synchronisation of a batch with fetched rows
+                if own_flag:
+                    error_flag.raise_if_set()  # the lookup has run: a bad index is raised before any fetch
+                if pos.numel() or collective:
+                    ids = flat[pos].long()
+                    misses = (pos, torch.where(ids < 0, ids + self.num_rows, ids), loc[pos])
+        except BaseException as exc:
+            for t in self._fetch:  # the other ranks wait in the exchange: tell them
+                if t.collective:
+                    t.abort(exc)
+            raise
         empty = torch.empty((0, *rest), dtype=self.dtype, device=self.device)
         start = self._timed()
         gather_tiered(self._cache if self._cache is not None else empty,
@@ -238,7 +269,8 @@ class FeatureStore:
             pos, ids, codes = misses
             for k, tier in enumerate(self._fetch):
                 mine = (codes == -(k + 1)).nonzero().squeeze(1) if len(self._fetch) > 1 else None
-                tier.fetch(ids if mine is None else ids[mine], pos if mine is None else pos[mine], out)
+                if tier.collective or (ids.numel() if mine is None else mine.numel()):
+                    tier.fetch(ids if mine is None else ids[mine], pos if mine is None else pos[mine], out)
         return out.view(*idx.shape, *rest)
 
     def _timed(self, start: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
@@ -273,9 +305,8 @@ class FeatureStore:
         out = {"gpu_cache": {"rows": self.cache_rows, "bytes": self.cache_rows * self.row_bytes},
                "host": {"rows": self.host_rows, "bytes": self.host_rows * self.row_bytes}}
         for t in self._fetch:
-            out[t.name] = {"rows": self.num_rows - self.cache_rows - self.host_rows,
-                           "bytes": (self.num_rows - self.cache_rows - self.host_rows) * self.row_bytes,
-                           "engine": getattr(t, "engine", None)}
+            rows = self.num_rows - self.cache_rows - self.host_rows if t.rows is None else t.rows
+            out[t.name] = {"rows": rows, "bytes": rows * self.row_bytes, "engine": getattr(t, "engine", None)}
         out["slot_map_bytes"] = 0 if self._slots is None else self._slots.numel() * 4
         return out
 

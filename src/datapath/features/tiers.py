@@ -53,9 +53,17 @@ class TierStats:
 
 
 class FetchTier(ABC):
-    """A tier whose rows the GPU cannot address: it is asked for ids and writes their rows into the batch."""
+    """A tier whose rows the GPU cannot address: it is asked for ids and writes their rows into the batch.
+
+    A ``collective`` tier (the shards of a ``torch.distributed`` group) is called on every gather,
+    also with no ids, so that every rank enters its exchange the same number of times in the same
+    order; when the gather fails before the exchange, the store calls its `abort` instead.
+    ``rows``: the table rows only this tier serves (None: those in no other tier).
+    """
 
     name: str = "fetch"
+    collective: bool = False
+    rows: int | None = None
 
     def __init__(self) -> None:
         self.stats = TierStats()
@@ -64,6 +72,9 @@ class FetchTier(ABC):
     def fetch(self, ids: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
         """``out[positions] = rows ids`` (ids: (k,) int64 row numbers of the whole table; positions: (k,) int64 on
         ``out``'s device).  Work queued on the current CUDA stream is ordered before the batch's consumers."""
+
+    def abort(self, error: BaseException) -> None:
+        """This rank's gather failed with ``error`` before calling `fetch` (a collective tier tells the others)."""
 
     def close(self) -> None:
         """Release files and buffers (idempotent)."""

@@ -3,7 +3,9 @@
 A dataset directory holds ``indptr.npy``, ``indices.npy``, ``features.npy``,
 ``labels.npy``, ``train_idx.npy``, ``val_idx.npy``, ``test_idx.npy`` and ``meta.json``;
 `load_dataset` memory-maps it.  `prepare_dataset` writes a synthetic preset
-(`datapath.graph.synthetic`) into one; `get_dataset` takes either.
+(`datapath.graph.synthetic`) into one; `get_dataset` takes either.  Written with ``shards=N``,
+the features are cut into ``N`` shard files instead of ``features.npy``
+(`datapath.graph.feature_shards`), and ``load_dataset(d, shard=(rank, N))`` reads only one.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 
 from datapath.graph._files import atomic_directory, check_manifest, load_npy, manifest, save_npy
 from datapath.graph.errors import DatasetError
+from datapath.graph.feature_shards import ShardLayout, check_job, concat_shards, read_shard, write_shards
 from datapath.graph.graph import Graph
 from datapath.memory import host_of
 
@@ -25,6 +28,7 @@ log = logging.getLogger("datapath.graph.datasets")
 
 _FILES = ("indptr.npy", "indices.npy", "features.npy", "labels.npy", "train_idx.npy", "val_idx.npy",
           "test_idx.npy", "meta.json")
+_SHARDED_FILES = tuple(f for f in _FILES if f != "features.npy")
 
 
 @dataclass
@@ -33,11 +37,14 @@ class Dataset:
 
     Attributes:
         graph: the `Graph` (host memory; memory-mapped when loaded from a directory).
-        features: (N, F) float32 host tensor.
+        features: (N, F) float32 host tensor; loaded with ``shard=(rank, k)``, only the rows
+            ``feature_layout.rows(rank)`` of shard ``feature_shard``.
         labels: (N,) int64 host tensor.
         train_idx / val_idx / test_idx: int64 node ids.
         num_classes: number of label values.
         meta: the spec and generation facts (written to ``meta.json``).
+        feature_layout / feature_shard: how the rows are cut into shards, and which shard
+            ``features`` holds (None and None: ``features`` is the whole table).
     """
 
     name: str
@@ -49,41 +56,62 @@ class Dataset:
     test_idx: torch.Tensor
     num_classes: int
     meta: dict[str, Any] = field(default_factory=dict)
+    feature_layout: ShardLayout | None = None
+    feature_shard: int | None = None
 
     @property
     def num_features(self) -> int:
         return int(self.features.shape[1])
 
-    def save(self, directory: str | Path, *, overwrite: bool = False) -> Path:
+    def save(self, directory: str | Path, *, overwrite: bool = False, shards: int | None = None) -> Path:
         """Write the dataset as a directory of ``.npy`` files plus ``meta.json``, all at once.
 
         The files are written into a temporary sibling of ``directory``, fsynced, and swapped
         into place: an interrupted save leaves what was there before.  ``meta.json`` records
         every file's size, which `load_dataset` checks.  A non-empty ``directory`` is replaced
-        only with ``overwrite=True``.
+        only with ``overwrite=True``.  ``shards``: write the features as that many shard files
+        (`datapath.graph.feature_shards`) instead of ``features.npy``.
         """
+        if self.feature_shard is not None:
+            raise DatasetError("this dataset holds one shard of its features; only a whole dataset can be saved")
+        layout = None if shards is None else ShardLayout.even(self.graph.num_nodes, shards)
         with atomic_directory(Path(directory), overwrite, "dataset") as tmp:
             self.graph.save(tmp)
-            for name in ("features", "labels", "train_idx", "val_idx", "test_idx"):
+            feats = host_of(self.features).cpu().numpy()
+            if layout is None:
+                save_npy(tmp / "features.npy", feats)
+            else:
+                write_shards(tmp, feats, layout)
+            for name in ("labels", "train_idx", "val_idx", "test_idx"):
                 save_npy(tmp / f"{name}.npy", host_of(getattr(self, name)).cpu().numpy())
             _write_meta(tmp, {**self.meta, "name": self.name, "num_classes": self.num_classes,
                               "num_nodes": self.graph.num_nodes, "num_edges": self.graph.num_edges,
-                              "num_features": self.num_features})
+                              "num_features": self.num_features}, layout)
         return Path(directory)
 
 
-def _write_meta(d: Path, meta: dict[str, Any]) -> None:
+def _write_meta(d: Path, meta: dict[str, Any], layout: ShardLayout | None = None) -> None:
     """``meta.json`` with the manifest of the files beside it (written last: a directory with it is complete)."""
     names = sorted(p.name for p in d.iterdir() if p.suffix == ".npy" or p.name == "graph.json")
+    meta = {k: v for k, v in meta.items() if k != "feature_shards"}
+    if layout is not None:
+        meta["feature_shards"] = layout.as_meta()
     (d / "meta.json").write_text(json.dumps({**meta, "files": manifest(d, names)}, indent=1))
 
 
-def load_dataset(directory: str | Path, *, mmap: bool = True, validate: bool = True) -> Dataset:
+def load_dataset(directory: str | Path, *, mmap: bool = True, validate: bool = True,
+                 shard: tuple[int, int] | None = None) -> Dataset:
     """Load a dataset directory (memory-mapped copy-on-write: features larger than RAM stay on disk).
 
     Checks what can be checked without reading the features: every file present and of the size
     ``meta.json`` recorded, shapes consistent, split ids and labels in range.  Any problem raises
     `DatasetError` naming the file.
+
+    ``shard=(rank, k)``: load only this rank's rows of the features (the graph, labels and splits
+    whole): from its shard file when the directory was written with ``shards=k`` (the other shard
+    files need not be there, and ``k`` must match), else rows ``ShardLayout.even(N, k).rows(rank)``
+    of ``features.npy`` (only those are read).  Without ``shard``, a sharded directory's shard files
+    are read into one (N, F) table in memory.
     """
     d = Path(directory)
     if not d.is_dir():
@@ -91,23 +119,34 @@ def load_dataset(directory: str | Path, *, mmap: bool = True, validate: bool = T
         hint = (f" (an interrupted prepare-dataset left {', '.join(stale)} beside it: run prepare-dataset again)"
                 if stale else f"; run `datapath prepare-dataset NAME {d}` first")
         raise DatasetError(f"{d} is not a directory{hint}")
-    missing = [f for f in _FILES if not (d / f).is_file()]
+    meta_path = d / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+        num_classes = int(meta["num_classes"]) if meta is not None else 0
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DatasetError(f"{meta_path} is not a dataset description ({exc}); re-create the dataset") from exc
+    layout = ShardLayout.from_meta(meta["feature_shards"], meta_path) if meta and "feature_shards" in meta else None
+    if shard is not None:
+        rank, world = (int(v) for v in shard)
+        if not 0 <= rank < world:
+            raise DatasetError(f"shard=({rank}, {world}): the rank must lie in [0, {world})")
+        if layout is not None:
+            check_job(layout, world, d)
+    missing = [f for f in (_FILES if layout is None else _SHARDED_FILES) if not (d / f).is_file()]
     if missing:
         raise DatasetError(f"dataset directory {d} lacks {', '.join(missing)}: it is incomplete; re-create it "
                            f"with prepare-dataset")
-    try:
-        meta = json.loads((d / "meta.json").read_text())
-        num_classes = int(meta["num_classes"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise DatasetError(f"{d / 'meta.json'} is not a dataset description ({exc}); re-create the dataset") from exc
     if isinstance(meta.get("files"), dict):
-        check_manifest(d, meta["files"])
+        # a rank needs its own shard only (`read_shard` names a missing one)
+        skip = set() if layout is None or shard is None else \
+            {f for r, f in enumerate(layout.as_meta()["files"]) if r != shard[0] or not (d / f).is_file()}
+        check_manifest(d, {k: v for k, v in meta["files"].items() if k not in skip})
     graph = Graph.load(d, mmap=mmap, validate=validate)
     arrays = {n: torch.from_numpy(load_npy(d / f"{n}.npy", mmap))
-              for n in ("features", "labels", "train_idx", "val_idx", "test_idx")}
-    feats = arrays["features"]
-    if feats.dim() != 2 or feats.shape[0] != graph.num_nodes:
-        raise DatasetError(f"{d / 'features.npy'} has shape {tuple(feats.shape)}; expected ({graph.num_nodes}, F)")
+              for n in ("labels", "train_idx", "val_idx", "test_idx")}
+    feats, feature_shard = _load_features(d, meta, layout, graph.num_nodes, shard, mmap)
+    if shard is not None:
+        layout = layout or ShardLayout.even(graph.num_nodes, shard[1])
     labels = arrays["labels"]
     if labels.shape != (graph.num_nodes,):
         raise DatasetError(f"{d / 'labels.npy'} has shape {tuple(labels.shape)}; expected ({graph.num_nodes},)")
@@ -126,32 +165,64 @@ def load_dataset(directory: str | Path, *, mmap: bool = True, validate: bool = T
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= graph.num_nodes):
             raise DatasetError(f"{d / (split + '.npy')} holds node ids outside [0, {graph.num_nodes})")
     return Dataset(meta.get("name", d.name), graph, feats, labels.long(), arrays["train_idx"].long(),
-                   arrays["val_idx"].long(), arrays["test_idx"].long(), num_classes, meta)
+                   arrays["val_idx"].long(), arrays["test_idx"].long(), num_classes, meta,
+                   feature_layout=layout if feature_shard is not None else None, feature_shard=feature_shard)
+
+
+def _load_features(d: Path, meta: dict[str, Any], layout: ShardLayout | None, num_nodes: int,
+                   shard: tuple[int, int] | None, mmap: bool) -> tuple[torch.Tensor, int | None]:
+    """The (N, F) features, or with ``shard`` this rank's rows; and the shard they are (None: all rows)."""
+    if layout is not None:
+        if layout.num_rows != num_nodes:
+            raise DatasetError(f"{d / 'meta.json'} shards {layout.num_rows} feature rows but the graph has "
+                               f"{num_nodes} nodes; re-create the dataset")
+        width = int(meta.get("num_features", -1))
+        if shard is None:
+            log.info("%s: reading its %d feature shards into one table in memory", d, layout.shards)
+            return torch.from_numpy(concat_shards(d, layout, width)), None
+        return torch.from_numpy(read_shard(d, layout, shard[0], width, mmap)), shard[0]
+    feats = load_npy(d / "features.npy", mmap)
+    if feats.ndim != 2 or feats.shape[0] != num_nodes:
+        raise DatasetError(f"{d / 'features.npy'} has shape {tuple(feats.shape)}; expected ({num_nodes}, F)")
+    if shard is None:
+        return torch.from_numpy(feats), None
+    lo, hi = ShardLayout.even(num_nodes, shard[1]).rows(shard[0])
+    return torch.from_numpy(feats[lo:hi]), shard[0]
 
 
 def prepare_dataset(name: str, directory: str | Path, *, memory_gb: float | None = None, seed: int = 0,
-                    device: str | None = None, progress: bool = True, overwrite: bool = False) -> Path:
+                    device: str | None = None, progress: bool = True, overwrite: bool = False,
+                    shards: int | None = None) -> Path:
     """Generate preset ``name`` and write it to ``directory`` (features streamed into a memory-mapped .npy).
 
     Written like `Dataset.save`: into a temporary sibling, then swapped into place, so an
     interrupted run leaves the old dataset loadable.  A non-empty ``directory`` is replaced
     only with ``overwrite=True``; the check happens before any generation starts.
+    ``shards``: cut the features into that many shard files (one per rank of a job that shards
+    them, ``train-gnn --shard-features``) instead of one ``features.npy``; the whole table is
+    written once first, then split (disk space for twice the features is needed meanwhile).
     """
     from datapath.graph.synthetic import generate, preset_spec  # noqa: PLC0415 - synthetic builds on Dataset
 
     spec = preset_spec(name, memory_gb=memory_gb, seed=seed)
+    layout = None if shards is None else ShardLayout.even(spec.num_nodes, shards)
     with atomic_directory(Path(directory), overwrite, "dataset") as tmp:
         feats = np.lib.format.open_memmap(tmp / "features.npy", mode="w+", dtype=np.float32,
                                           shape=(spec.num_nodes, spec.num_features))
         ds = generate(spec, device=device, progress=progress, features_out=feats)
         feats.flush()
+        width = ds.num_features
+        if layout is not None:
+            write_shards(tmp, feats, layout)
         del feats
+        if layout is not None:
+            (tmp / "features.npy").unlink()
         ds.graph.save(tmp)
         for split in ("labels", "train_idx", "val_idx", "test_idx"):
             save_npy(tmp / f"{split}.npy", getattr(ds, split).numpy())
         _write_meta(tmp, {**ds.meta, "name": ds.name, "num_classes": ds.num_classes,
                           "num_nodes": ds.graph.num_nodes, "num_edges": ds.graph.num_edges,
-                          "num_features": ds.num_features})
+                          "num_features": width}, layout)
     return Path(directory)
 
 

@@ -38,6 +38,10 @@ class DistributedNeighborLoader(NeighborLoader):
     Args (beyond `NeighborLoader`'s):
         batch_size: seeds per rank per step; the global batch is ``world_size * batch_size``.
         rank, world_size: this process's place in the job.
+        max_steps: steps per epoch at most.  Every rank makes exactly these steps (its producer
+            thread prepares no batch beyond them), which a collective feature store needs
+            (`datapath.features.sharded_store`: every rank's gathers pair up in its exchange);
+            stopping a loop early (``break``) would leave a rank's prefetched exchanges unpaired.
 
     Every rank shuffles all seeds with the same generator (``seed``, epoch), cuts
     global batch ``i`` as a one-process loader with batch ``world_size * batch_size``
@@ -51,14 +55,17 @@ class DistributedNeighborLoader(NeighborLoader):
                  batch_size: int = 1024, shuffle: bool = False, drop_last: bool = False, *, rank: int,
                  world_size: int, features: Table | None = None, labels: Table | None = None,
                  device: str | torch.device | None = None, seed: int = 0, prefetch: int = 1,
-                 prepare: Any = None) -> None:
+                 prepare: Any = None, max_steps: int | None = None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise LoaderError(f"rank {rank} must lie in [0, world_size={world_size})")
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+            raise LoaderError(f"max_steps must be an integer >= 1 (or None for whole epochs), got {max_steps!r}")
         super().__init__(graph, seeds, sampler, batch_size * world_size, shuffle, drop_last, features=features,
                          labels=labels, device=device, seed=seed, prefetch=prefetch, prepare=prepare)
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.rank_batch_size = int(batch_size)
+        self.max_steps = max_steps
 
     def _global_batches(self) -> int:
         return NeighborLoader.__len__(self)
@@ -72,7 +79,7 @@ class DistributedNeighborLoader(NeighborLoader):
         g = self._global_batches()
         if g and self.global_batch_size(g - 1) < self.world_size:
             g -= 1
-        return g
+        return g if self.max_steps is None else min(g, self.max_steps)
 
     def rank_batch(self, i: int) -> tuple[int, int]:
         """(offset, count) of this rank's part within global batch ``i``."""

@@ -1,0 +1,362 @@
+"""The distributed tier of a `FeatureStore`: the table's rows cut into shards over the ranks of a job.
+
+    from datapath.graph import ShardLayout
+    layout = ShardLayout.even(num_rows, world_size)              # rank r holds rows layout.rows(r)
+    feats = sharded_store(my_rows, layout, gpu_cache="10%", hotness=hot)   # every rank calls it
+    x = feats[cuda_idx]    # GPU cache hits, own rows zero copy from pinned host memory, and the other
+                           # ranks' rows fetched from them: one all_to_all of ids, one of rows
+
+Each rank keeps its shard in pinned host memory (read zero copy by its GPU) and serves the other
+ranks' requests from it; its GPU cache holds the hottest rows of any shard (the remote ones are
+fetched once, when the store is built).  The other ranks' rows come through `ShardedTier`, a
+collective `FetchTier`: every gather of every rank enters its exchange, in the same order, also
+with no remote rows (a `datapath.loaders.DistributedNeighborLoader` makes every rank take the same
+steps, on one producer thread).  One exchange:
+
+1. all_gather of how many rows each rank asks of each other rank (a W x W matrix every rank
+   sees; a rank that cannot fetch sends -1, and every rank raises an error naming it);
+2. all_to_all of the requested row numbers (in each owner's own numbering);
+3. every owner gathers the requested rows from its shard (zero copy, onto its GPU);
+4. all_to_all of the rows back.
+
+Steps 2-4 are skipped when no rank asks for anything.  The exchange runs on a process group of
+its own (NCCL between GPUs, gloo between CPUs), so that the loader's producer thread exchanges
+rows while the training thread runs DDP's all-reduce on the default group.  Only the features
+are sharded: every rank holds the whole graph and samples from it without communication.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from datapath.features.budget import format_bytes, parse_budget
+from datapath.features.errors import FeatureStoreError, ShardExchangeError
+from datapath.features.hotness import degree_hotness, rank as rank_rows
+from datapath.features.store import FeatureStore
+from datapath.features.tiers import FetchTier
+from datapath.graph import Graph, ShardLayout
+from datapath.memory import ErrorFlag, gather_rows, pinned_empty
+
+log = logging.getLogger("datapath.features.sharded")
+
+DEFAULT_TIMEOUT_S = 600.0
+"""How long a rank waits in an exchange for the others before it fails (seconds)."""
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardedTier(FetchTier):
+    """The rows other ranks hold: fetched from their owners by an exchange on ``group`` (see the module docstring).
+
+    Args:
+        shard: (n, *rest) this rank's rows ``layout.rows(rank)``: pinned host memory for a CUDA
+            ``device`` (served zero copy), CPU memory otherwise.
+        layout: how the table's rows are cut into the ranks' shards.
+        rank: this process's rank in ``group``.
+        group: the process group of the exchange (all ``layout.shards`` ranks).
+        device: where fetched rows go.
+    """
+
+    name = "remote"
+    collective = True
+
+    def __init__(self, shard: torch.Tensor, layout: ShardLayout, rank: int, group: Any,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.shard = shard
+        self.layout = layout
+        self.rank = int(rank)
+        self.world_size = layout.shards
+        self.group = group
+        self.device = torch.device(device)
+        self.backend = str(dist.get_backend(group))
+        # where the tensors of the collectives live: NCCL moves GPU memory, gloo host memory
+        self._comm = self.device if self.backend == "nccl" else torch.device("cpu")
+        self._bounds = torch.tensor(layout.bounds, dtype=torch.int64, device=self.device)
+        self._id_dtype = torch.int32 if max(layout.size(r) for r in range(layout.shards)) < 2**31 else torch.int64
+        self._rest = tuple(shard.shape[1:])
+        self._row_bytes = math.prod(self._rest) * shard.element_size()
+        self._lock = threading.Lock()
+        self._flag = ErrorFlag() if self.device.type == "cuda" else None
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = []
+        self._broken: str | None = None
+        lo, hi = layout.rows(self.rank)
+        self.rows = layout.num_rows - (hi - lo)
+        self._stats.extra.update(exchanges=0, received_rows=0, received_bytes=0, sent_rows=0, sent_bytes=0,
+                                 id_bytes=0, exchange_seconds=0.0)
+
+    # `FeatureStore.stats` reads ``tier.stats``: the GPU times of finished exchanges are folded in first
+    @property
+    def stats(self) -> Any:
+        self._fold()
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: Any) -> None:
+        self._stats = value
+
+    def fetch(self, ids: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[positions] = rows ids`` fetched from their owners (collective: every rank calls it, see `exchange`)."""
+        rows = self.exchange(ids)
+        if ids.numel():
+            out.index_copy_(0, positions.to(out.device), rows.to(out.device))
+
+    def exchange(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` ((k,) int64 rows of the whole table, any device; repeats allowed) as (k, *rest) on ``device``.
+
+        Collective: every rank of the group calls it the same number of times (with an empty ``ids``
+        when it needs nothing); each call is self-contained, so threads of a rank may take turns.
+
+        Raises:
+            IndexError: an id of this rank lies outside the table (the other ranks raise
+                `ShardExchangeError` naming this rank).
+            ShardExchangeError: another rank's request failed, or the exchange itself failed (a rank
+                died or stopped answering within the group's timeout); the message names the rank.
+        """
+        with self._lock:  # one exchange at a time: threads of one rank take turns (each call is self-contained)
+            if self._broken is not None:
+                raise ShardExchangeError(self._broken)
+            try:
+                return self._exchange(ids.reshape(-1))
+            except (IndexError, ShardExchangeError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failed collective: the group is unusable now
+                cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                self._broken = (f"rank {self.rank} of {self.world_size}: the exchange of feature rows failed "
+                                f"({type(exc).__name__}: {cause}); another rank has died or stopped answering: "
+                                f"see its own error")
+                raise ShardExchangeError(self._broken) from exc
+
+    def abort(self, error: BaseException) -> None:
+        """Tell the other ranks, in place of this gather's exchange, that this rank's gather failed."""
+        with self._lock:
+            if self._broken is not None:
+                return
+            try:
+                self._counts(torch.full((self.world_size,), -1, dtype=torch.int64, device=self._comm))
+            except Exception:  # noqa: BLE001 - the original error is what the caller raises
+                log.debug("rank %d could not tell the other ranks that it failed", self.rank, exc_info=True)
+
+    # -- one exchange ------------------------------------------------------------------------
+    def _exchange(self, ids: torch.Tensor) -> torch.Tensor:
+        cuda = self.device.type == "cuda"
+        t0 = time.perf_counter()
+        start = _event() if cuda else None
+        if self._flag is not None:
+            self._flag.raise_if_set(f" (rows a rank asked of rank {self.rank}'s shard: an internal error)")
+        ids = ids.to(self.device, torch.int64)
+        uniq, inverse = torch.unique(ids, return_inverse=True)  # sorted, so grouped by owner
+        cuts = torch.searchsorted(uniq, self._bounds)
+        asks = cuts[1:] - cuts[:-1]
+        bad = (cuts[0] > 0) | (cuts[-1] < uniq.numel())  # ids below 0 or from N on belong to no shard
+        matrix = self._counts(torch.where(bad, torch.full_like(asks, -1), asks))
+        self._raise_failed(matrix, uniq)
+        mine = matrix[self.rank]  # rows this rank asks of each rank
+        theirs = [matrix[r][self.rank] for r in range(self.world_size)]  # rows each rank asks of this one
+        if not any(any(row) for row in matrix):
+            return torch.empty((0, *self._rest), dtype=self.shard.dtype, device=self.device)
+        local = uniq - torch.repeat_interleave(self._bounds[:-1], asks, output_size=uniq.numel())
+        wanted = torch.empty(sum(theirs), dtype=self._id_dtype, device=self._comm)
+        dist.all_to_all_single(wanted, local.to(self._comm, self._id_dtype), theirs, mine, group=self.group)
+        served = self._serve(wanted)
+        got = torch.empty((sum(mine), *self._rest), dtype=self.shard.dtype, device=self._comm)
+        mid = _event() if cuda else time.perf_counter()
+        dist.all_to_all_single(got, served, mine, theirs, group=self.group)
+        if not cuda:
+            self._stats.extra["exchange_seconds"] += time.perf_counter() - mid
+        rows = got.to(self.device).index_select(0, inverse)
+        if cuda:
+            self._events.append((start, mid, _event()))
+        ex = self._stats.extra
+        remote_in = sum(mine) - mine[self.rank]
+        remote_out = sum(theirs) - theirs[self.rank]
+        self._stats.add(rows=int(ids.numel()), nbytes=int(ids.numel()) * self._row_bytes,
+                        seconds=0.0 if cuda else time.perf_counter() - t0)
+        ex["exchanges"] += 1
+        ex["received_rows"] += remote_in
+        ex["received_bytes"] += remote_in * self._row_bytes
+        ex["sent_rows"] += remote_out
+        ex["sent_bytes"] += remote_out * self._row_bytes
+        ex["id_bytes"] += (remote_in + remote_out) * wanted.element_size()
+        return rows
+
+    def _counts(self, asks: torch.Tensor) -> list[list[int]]:
+        """The W x W matrix of rows rank i asks of rank j (all_gather of every rank's ``asks``; one host sync)."""
+        out = torch.empty(self.world_size * self.world_size, dtype=torch.int64, device=self._comm)
+        _all_gather(out, asks.to(self._comm), group=self.group)
+        return out.view(self.world_size, self.world_size).tolist()
+
+    def _raise_failed(self, matrix: list[list[int]], uniq: torch.Tensor) -> None:
+        failed = [r for r, row in enumerate(matrix) if any(v < 0 for v in row)]
+        if not failed:
+            return
+        if self.rank in failed:
+            n = self.layout.num_rows
+            bad = uniq[(uniq < 0) | (uniq >= n)]
+            raise IndexError(f"rank {self.rank}: row ids {bad[:5].tolist()}{' ...' if bad.numel() > 5 else ''} are "
+                             f"out of bounds for a sharded table of {n} rows")
+        raise ShardExchangeError(f"rank {self.rank} of {self.world_size} stops: rank {failed[0]} could not fetch its "
+                                 f"feature rows (see its own error)")
+
+    def _serve(self, wanted: torch.Tensor) -> torch.Tensor:
+        """The rows of this rank's shard that the others asked for, where the collective needs them."""
+        if self._comm.type == "cuda":  # zero copy from pinned host memory onto the GPU
+            return gather_rows(self.shard, wanted, self._flag)
+        return self.shard.index_select(0, wanted.long())
+
+    def _fold(self) -> None:
+        """Add the GPU time of the finished exchanges to the statistics."""
+        keep = []
+        for a, m, b in self._events:
+            if b.query():
+                self._stats.add(seconds=a.elapsed_time(b) / 1e3)
+                self._stats.extra["exchange_seconds"] += m.elapsed_time(b) / 1e3
+            else:
+                keep.append((a, m, b))
+        self._events = keep
+
+    def close(self) -> None:
+        """Drop the shard (the process group belongs to the job and is left alone)."""
+        self._broken = self._broken or f"rank {self.rank}: this sharded feature store was closed"
+
+
+def _event() -> torch.cuda.Event:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+def new_exchange_group(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> Any:
+    """A process group of all ranks for the exchange (collective: every rank calls it): NCCL on GPUs, gloo on CPUs."""
+    if backend is None:
+        backend = "nccl" if dist.get_backend() == "nccl" else "gloo"
+    return dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def _cache_rows(gpu_cache: str | float | int | None, n: int, row_bytes: int) -> int:
+    """Rows of a GPU cache of ``gpu_cache`` (a budget over the whole table's bytes)."""
+    cache_bytes = parse_budget(gpu_cache, n * row_bytes, "gpu_cache") or 0
+    if cache_bytes > n * row_bytes:
+        raise FeatureStoreError(f"gpu_cache={gpu_cache!r} ({format_bytes(cache_bytes)}) is larger than the table "
+                                f"({format_bytes(n * row_bytes)}); give at most '100%'")
+    return min(n, cache_bytes // row_bytes) if row_bytes else 0
+
+
+def _check_agreement(shard: torch.Tensor, layout: ShardLayout, rank: int, group: Any,
+                     problem: str | None = None) -> None:
+    """Every rank checks its shard (and reports ``problem``); each raises naming the first rank that failed."""
+    lo, hi = layout.rows(rank)
+    if problem is None and (shard.dim() < 1 or shard.shape[0] != hi - lo):
+        problem = (f"its shard has shape {tuple(shard.shape)} but rank {rank} of a {layout.num_rows}-row table cut "
+                   f"{list(layout.bounds)} holds rows {lo}..{hi - 1} ({hi - lo} rows)")
+    facts = (problem, tuple(shard.shape[1:]), str(shard.dtype))
+    every: list[Any] = [None] * layout.shards
+    dist.all_gather_object(every, facts, group=group)
+    for r, (p, _, _) in enumerate(every):
+        if p is not None:
+            raise FeatureStoreError(f"rank {r}: {p}" if r == rank else
+                                    f"rank {rank} stops: rank {r} was given a bad shard or argument: {p}")
+    for r, (_, rest, dtype) in enumerate(every):
+        if (rest, dtype) != every[0][1:]:
+            raise FeatureStoreError(f"the ranks' shards differ: rank 0 holds {every[0][2]} rows of shape "
+                                    f"{every[0][1]}, rank {r} {dtype} rows of shape {rest}; every shard must come "
+                                    f"from the same table")
+
+
+def sharded_store(shard: torch.Tensor, layout: ShardLayout, *, gpu_cache: str | float | int | None = None,
+                  hotness: torch.Tensor | Graph | None = None, device: str | torch.device | None = None,
+                  group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> FeatureStore:
+    """A `FeatureStore` of a table whose rows are cut over the ranks: this rank holds ``shard``.
+
+    Collective: every rank of the job calls it (the default process group must be initialised,
+    with ``layout.shards`` ranks; in a one-rank job it is a plain store of ``shard``).
+
+    Args:
+        shard: (n, *rest) this rank's rows ``layout.rows(rank)``, any host memory (e.g. the memory map
+            `datapath.graph.load_dataset` returns with ``shard=``); copied once into pinned host memory
+            (host memory without CUDA).
+        layout: the cut of the table (`datapath.graph.ShardLayout`).
+        gpu_cache: GPU memory for the hottest rows of any shard (``"25%"`` of the whole table's
+            bytes, ``"4GB"``, ...); the other ranks' hot rows are fetched from them once, here.
+        hotness: (N,) scores over the whole table (`presample_hotness`), or the `Graph` (degrees).
+        device: where batches go (default: the current CUDA device, else the CPU).
+        group: the exchange's process group (default: a new one, `new_exchange_group`).
+        timeout_s: how long an exchange waits for the other ranks before it fails.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        if layout.shards != 1:
+            raise FeatureStoreError(f"a table cut into {layout.shards} shards needs a torch.distributed job of "
+                                    f"{layout.shards} ranks (init_process_group; e.g. under torchrun)")
+        return FeatureStore(_host_copy(shard, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))),
+                            gpu_cache=gpu_cache, hotness=hotness, device=device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if layout.shards != world:
+        raise FeatureStoreError(f"the table is cut into {layout.shards} shards but the job has {world} ranks; "
+                                f"give one shard per rank")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    group = group if group is not None else new_exchange_group(timeout_s)
+    n = layout.num_rows
+    row_bytes = math.prod(shard.shape[1:]) * shard.element_size()
+    try:  # every rank learns of a bad argument of any rank before the first exchange
+        cache_ids = _hottest(hotness, n, _cache_rows(gpu_cache, n, row_bytes))
+        problem = None
+    except FeatureStoreError as exc:
+        cache_ids, problem = torch.zeros(0, dtype=torch.int64), str(exc)
+    _check_agreement(shard, layout, rank, group, problem)
+    lo, hi = layout.rows(rank)
+    rest = tuple(shard.shape[1:])
+    host = _host_copy(shard, device)
+    tier = ShardedTier(host, layout, rank, group, device)
+    c = int(cache_ids.numel())
+    remote = cache_ids[(cache_ids < lo) | (cache_ids >= hi)]
+    fetched = tier.exchange(remote)  # every rank, also with nothing to fetch: the exchange is collective
+    cache = None
+    if c:
+        cache = torch.empty((c, *rest), dtype=shard.dtype, device=device)
+        is_local = (cache_ids >= lo) & (cache_ids < hi)
+        pos_local, pos_remote = is_local.nonzero().squeeze(1), (~is_local).nonzero().squeeze(1)
+        cache[pos_local.to(device)] = host[cache_ids[pos_local] - lo].to(device)
+        cache[pos_remote.to(device)] = fetched
+    slots = torch.full((n,), -1, dtype=torch.int32, device=device)
+    slots[lo:hi] = torch.arange(c + 1, c + 1 + hi - lo, dtype=torch.int32, device=device)
+    if c:
+        slots[cache_ids.to(device)] = torch.arange(1, c + 1, dtype=torch.int32, device=device)
+    tier.rows -= int(remote.numel())
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    tier.stats.reset()  # the statistics count the batches, not the cache's filling
+    return FeatureStore.from_tiers((n, *rest), shard.dtype, cache=cache, host=host, slots=slots, fetch=[tier],
+                                   device=device)
+
+
+def _host_copy(shard: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``shard``'s rows copied into pinned host memory (for a CUDA ``device``) or CPU memory."""
+    host = pinned_empty(tuple(shard.shape), shard.dtype) if device.type == "cuda" else \
+        torch.empty(tuple(shard.shape), dtype=shard.dtype)
+    return host.copy_(shard)
+
+
+def _hottest(hotness: torch.Tensor | Graph | None, n: int, c: int) -> torch.Tensor:
+    """(c,) int64 ids of the ``c`` hottest rows (CPU)."""
+    if c == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    if hotness is None:
+        log.warning("no hotness given: the GPU cache holds the first rows; pass hotness= "
+                    "(datapath.features.presample_hotness(...) or the graph) to cache the hot ones")
+        return torch.arange(c)
+    scores = degree_hotness(hotness) if isinstance(hotness, Graph) else torch.as_tensor(hotness)
+    if scores.shape != (n,):
+        raise FeatureStoreError(f"hotness must hold one score per row of the whole table ({n},), got "
+                                f"{tuple(scores.shape)}")
+    return rank_rows(scores)[:c].cpu()
