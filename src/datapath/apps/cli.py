@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -166,5 +167,20 @@ def train_gnn(args: argparse.Namespace) -> int:
         if args.dataset not in PRESETS and args.dataset != "papers":
             raise ValueError(f"--dataset {args.dataset!r} is neither a dataset directory nor a preset "
                              f"({', '.join(sorted([*PRESETS, 'papers']))})")
-    run_training(cfg, args.gpus)
+    try:
+        run_training(cfg, args.gpus)
+    except Exception as exc:
+        _tell_torchrun(exc)
+        raise
     return 0
+
+
+def _tell_torchrun(exc: BaseException) -> None:
+    """Under torchrun, write ``exc`` to the worker's error file: torchrun's failure report then shows it."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler  # noqa: PLC0415
+
+        try:
+            raise exc
+        except BaseException as e:  # noqa: BLE001 - record_exception reads the exception being handled
+            ErrorHandler().record_exception(e)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from datapath._runtime.cuda_sched import use_blocking_sync
 from datapath._runtime.device import require_cuda
+from datapath._runtime.errors import DatapathError
 from datapath.apps.errors import DistributedError
 
 log = logging.getLogger("datapath.apps.launch")
@@ -180,12 +181,24 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+_PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "timed out", "timeout",
+              "communicator was aborted", "nccl error", "socket", "connection refused")
+
+
 def rank_error(ctx_rank: int, world_size: int, exc: BaseException) -> DistributedError:
-    """``exc`` of rank ``ctx_rank`` as one line naming the rank and the cause (what torchrun's log shows)."""
+    """``exc`` of rank ``ctx_rank`` as one line naming the rank and the cause (what torchrun's log shows).
+
+    A collective that failed because another rank is gone says so: the rank that died is named
+    by its own error, or by torchrun's report of its exit.
+    """
     text = _first_line(exc)
     if text.startswith(f"rank {ctx_rank} "):
         return DistributedError(text)
-    return DistributedError(f"rank {ctx_rank} of {world_size} failed: {type(exc).__name__}: {text}")
+    hint = ""
+    if not isinstance(exc, DatapathError) and any(k in text.lower() for k in _PEER_GONE):
+        hint = ("; another rank of the job has died or stopped answering: its own error, or torchrun's report of "
+                "its exit, names it")
+    return DistributedError(f"rank {ctx_rank} of {world_size} failed: {type(exc).__name__}: {text}{hint}")
 
 
 # -- launching ---------------------------------------------------------------------------------

@@ -158,6 +158,7 @@ class ShardedTier(FetchTier):
         bad = (cuts[0] > 0) | (cuts[-1] < uniq.numel())  # ids below 0 or from N on belong to no shard
         matrix = self._counts(torch.where(bad, torch.full_like(asks, -1), asks))
         self._raise_failed(matrix, uniq)
+        self._stats.extra["exchanges"] += 1
         mine = matrix[self.rank]  # rows this rank asks of each rank
         theirs = [matrix[r][self.rank] for r in range(self.world_size)]  # rows each rank asks of this one
         if not any(any(row) for row in matrix):
@@ -179,7 +180,6 @@ class ShardedTier(FetchTier):
         remote_out = sum(theirs) - theirs[self.rank]
         self._stats.add(rows=int(ids.numel()), nbytes=int(ids.numel()) * self._row_bytes,
                         seconds=0.0 if cuda else time.perf_counter() - t0)
-        ex["exchanges"] += 1
         ex["received_rows"] += remote_in
         ex["received_bytes"] += remote_in * self._row_bytes
         ex["sent_rows"] += remote_out
