@@ -51,8 +51,11 @@ def _node_dir(prepared: Path, root: Path, node: int, shards: int = 2) -> Path:
     return d
 
 
-def _launch(dirs: list[Path], tmp: Path, extra: list[str], nnodes: int = 2) -> list[subprocess.Popen]:
-    """One torchrun per node (static rendezvous on 127.0.0.1), each in its own session; logs in tmp/node<r>.log."""
+def _launch(dirs: list[Path], tmp: Path, extra: list[str], nnodes: int = 2, device: str = "cpu") -> list[subprocess.Popen]:
+    """One torchrun per node (static rendezvous on 127.0.0.1), each in its own session; logs in tmp/node<r>.log.
+
+    ``device="cuda"``: node ``r`` sees only GPU ``r`` (CUDA_VISIBLE_DEVICES), as on separate machines.
+    """
     port = _free_port()
     (tmp / "tmp").mkdir(exist_ok=True)
     (tmp / "shm").mkdir(exist_ok=True)  # where a shared segment of the job would be made (there is none)
@@ -62,10 +65,11 @@ def _launch(dirs: list[Path], tmp: Path, extra: list[str], nnodes: int = 2) -> l
     for r, d in enumerate(dirs):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(r),
                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "-m",
-               "datapath.cli", "train-gnn", "--dataset", str(d), "--shard-features", "--device", "cpu",
+               "datapath.cli", "train-gnn", "--dataset", str(d), "--shard-features", "--device", device,
                "--no-progress", "--dist-timeout", "60", *extra]
+        node_env = {**env, "CUDA_VISIBLE_DEVICES": str(r)} if device == "cuda" else env
         procs.append(subprocess.Popen(cmd, stdout=open(tmp / f"node{r}.log", "w"), stderr=subprocess.STDOUT,
-                                      env=env, start_new_session=True))
+                                      env=node_env, start_new_session=True))
     return procs
 
 
@@ -183,3 +187,29 @@ def test_a_rank_killed_mid_epoch_stops_the_other_node(prepared: Path, tmp_path: 
     assert _shm(tmp_path) == []
     assert _left_in_tmp(tmp_path) == []
 
+
+
+@pytest.mark.gpu
+def test_gpu_two_nodes_one_gpu_each_nccl(prepared: Path, tmp_path: Path) -> None:
+    """Two nodes, each seeing one GPU, NCCL between them: the losses of one GPU with the whole table."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    dirs = [_node_dir(prepared, tmp_path, r) for r in (0, 1)]
+    args = [*ARGS, "--gpu-cache", "10%", "--json", str(tmp_path / "run.json")]
+    codes = _wait(_launch(dirs, tmp_path, args, device="cuda"), 240)
+    assert codes == [0, 0], (tmp_path / "node0.log").read_text()[-3000:] + (tmp_path / "node1.log").read_text()[-3000:]
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert doc["backend"] == "nccl" and doc["features_on"] == "sharded"
+    ref = run_training(TrainConfig(dataset=str(prepared), epochs=2, max_batches=8, batch_size=256, hidden=32,
+                                   dropout=0.0, fanouts=(8, 4), eval_nodes=600, seed=3, device="cuda"))[0]
+    got = [e["aggregate"] for e in doc["epochs"]]
+    want = [h["aggregate"] for h in ref["history"]]
+    np.testing.assert_allclose([g["loss"] for g in got], [w["loss"] for w in want], rtol=1e-3)
+    assert abs(doc["test_acc"] - ref["test_acc"]) <= 0.01
+    for rank in doc["epochs"][-1]["ranks"]:
+        st = rank["feature_store"]
+        assert st["gpu_cache"]["rows"] > 0 and st["remote"]["rows"] > 0 and st["remote"]["exchanges"] == 8
+        assert abs(sum(t["hit_rate"] for t in st.values()) - 1.0) < 1e-9
+    assert _shm(tmp_path) == [] and _left_in_tmp(tmp_path) == []

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from datapath.apps import DistributedError, init_distributed, launch
-from datapath.features import FeatureStore, FeatureStoreError, ShardExchangeError, sharded_store
+from datapath.features import FeatureStore, FeatureStoreError, sharded_store
 from datapath.graph import DatasetError, ShardLayout, SyntheticSpec, generate, load_dataset, shard_file
 from datapath.loaders import DistributedNeighborLoader, NeighborLoader
 
@@ -52,8 +52,14 @@ def _fetch_like_the_table() -> dict:
     except Exception as exc:  # noqa: BLE001 - the test reads it
         error = (type(exc).__name__, str(exc))
     after = torch.equal(store[torch.arange(N).flip(0)], table.flip(0))  # the exchange still pairs up
+    # a cache of this rank's own hottest rows: the other ranks' requests for them are served from it
+    own = sharded_store(table[lo:hi], layout, gpu_cache="20%", hotness=hot, cache_scope="own", device="cpu",
+                        piece_bytes=300)  # rows sent in up to 8 pieces, each gathered while the previous one goes
+    equal += [torch.equal(own[idx], table[idx]) for idx in _batches(ctx.rank)]
+    mine = torch.argsort(hot[lo:hi], descending=True, stable=True)[:200] + lo
+    equal.append(torch.equal(own._cache, table[mine]))  # noqa: SLF001
     return {"equal": equal, "stats": stats, "tiers": store.tiers(), "cache_ok": cache_ok, "error": error,
-            "after": after, "lo_hi": (lo, hi)}
+            "after": after, "lo_hi": (lo, hi), "own": own.stats()["remote"]}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -74,6 +80,8 @@ def test_every_rank_gets_the_rows_of_the_whole_table(world: int) -> None:
         assert st["remote"]["received_bytes"] == st["remote"]["received_rows"] * F * 4 > 0
         # rows of other shards the cache holds are not fetched: remote rows = distinct uncached rows of others
         assert st["remote"]["received_rows"] <= st["remote"]["rows"]
+        # every cache holds the same rows ("any"): nothing asked of a rank is in its cache; "own": some are
+        assert st["remote"]["sent_from_cache_rows"] == 0 < out["own"]["sent_from_cache_rows"] <= out["own"]["sent_rows"]
         name, msg = out["error"]
         if r == 1:
             assert name == "IndexError" and str(N + 5) in msg
@@ -89,7 +97,7 @@ def _loader_beside_all_reduce() -> list[bool]:
     ds = generate(SyntheticSpec("s", 2000, 12_000, 12, 4, seed=3), device="cpu", progress=False)
     layout = ShardLayout.even(ds.graph.num_nodes, ctx.world_size)
     lo, hi = layout.rows(ctx.rank)
-    store = sharded_store(ds.features[lo:hi], layout, device="cpu")
+    store = sharded_store(ds.features[lo:hi], layout, device="cpu", piece_bytes=4096)
     loader = DistributedNeighborLoader(ds.graph, ds.train_idx, [5, 3], 64, shuffle=True, rank=ctx.rank,
                                        world_size=ctx.world_size, features=store, labels=ds.labels, device="cpu",
                                        prefetch=2, max_steps=6)
@@ -181,7 +189,3 @@ def test_one_process_loader_over_a_one_rank_store() -> None:
     store = sharded_store(ds.features, ShardLayout.even(600, 1), device="cpu")
     for b in NeighborLoader(ds.graph, ds.train_idx, [4, 2], 50, features=store, device="cpu", prefetch=1):
         assert torch.equal(b.x, ds.features[b.input_nodes])
-
-
-def test_exchange_errors_name_the_rank() -> None:
-    assert issubclass(ShardExchangeError, RuntimeError)

@@ -94,6 +94,10 @@ def register(sub: Any) -> None:
                         "its rows of features.npy), holds it in pinned host memory and fetches the other ranks' rows "
                         "from them (all_to_all over NCCL, gloo on CPUs); --gpu-cache adds a cache of hot rows of "
                         "any shard. No shared memory segment")
+    p.add_argument("--cache-scope", choices=("any", "own"), default="any",
+                   help="with --shard-features and --gpu-cache: cache the hottest rows of any shard (a hit saves "
+                        "the network: best when it is slower than PCIe), or of the rank's own shard (the other "
+                        "ranks' requests for them are served from its GPU: best on NVLink-linked GPUs) [any]")
     p.add_argument("--dist-timeout", type=_positive(float, 1e-3), default=600.0, metavar="SECONDS",
                    help="how long a rank waits for the others in a collective (the features' exchange, DDP) before "
                         "it fails [600]")
@@ -153,7 +157,8 @@ def train_gnn(args: argparse.Namespace) -> int:
                       lr=args.lr, optimizer=args.optimizer, device=args.device, features_on=args.features_on,
                       graph_on=args.graph_on, max_batches=args.max_batches, eval_nodes=args.eval_nodes,
                       gpu_cache=args.gpu_cache, host_memory=args.host_memory, cache_policy=args.cache_policy,
-                      shard_features=args.shard_features, dist_timeout_s=args.dist_timeout,
+                      shard_features=args.shard_features, cache_scope=args.cache_scope,
+                      dist_timeout_s=args.dist_timeout,
                       memory_gb=args.memory_gb, seed=args.seed, prefetch=args.prefetch,
                       progress=not args.no_progress, json=str(args.json) if args.json is not None else None)
     cfg.validate()

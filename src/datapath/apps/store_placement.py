@@ -89,8 +89,8 @@ def place_sharded(cfg: Any, ctx: DistContext) -> tuple[Dataset, dict[str, Any]]:
     _place_graph_and_labels(cfg, ctx.device, ds, cache_bytes)
     hot = _hotness(cfg, ds) if cache_bytes else None
     lo, hi = layout.rows(ctx.rank)
-    ds.features = sharded_store(ds.features, layout, gpu_cache=cfg.gpu_cache, hotness=hot, device=ctx.device,
-                                timeout_s=cfg.dist_timeout_s)
+    ds.features = sharded_store(ds.features, layout, gpu_cache=cfg.gpu_cache, hotness=hot,
+                                cache_scope=cfg.cache_scope, device=ctx.device, timeout_s=cfg.dist_timeout_s)
     return ds, {"features_on": "sharded", "graph_on": ds.graph.placement, "shared_prefix": None,
                 "feature_store": ds.features.tiers(),
                 "feature_shard": {"rank": ctx.rank, "shards": layout.shards, "rows": [lo, hi]}}

@@ -35,7 +35,7 @@ from datapath.apps.launch import (
 from datapath.apps.shared_data import memory_footprint, segment_bytes, shared_dataset
 from datapath.apps.store_placement import CACHE_POLICIES, place_sharded, place_with_store, uses_store
 from datapath.apps.training import evaluate, train_epoch
-from datapath.features import FeatureStore, parse_budget
+from datapath.features import CACHE_SCOPES, FeatureStore, parse_budget
 from datapath.graph import Dataset, get_dataset
 from datapath.loaders import Batch, DistributedNeighborLoader, NeighborLoader, RankBatch
 from datapath.memory import PLACEMENTS, placement_of, to_placement
@@ -62,7 +62,8 @@ class TrainConfig:
     then also be ``auto`` (the default: on the GPU when it fits beside the cache).  ``shard_features``: a
     dataset directory's features cut over the ranks, each holding its shard in (pinned) host memory
     and fetching the others' rows from them (``gpu_cache``: a GPU cache of hot rows of any shard on
-    every rank); ``dist_timeout_s``: how long a rank waits for the others in a collective before it
+    every rank, holding the hottest rows of any shard, or with ``cache_scope="own"`` of its own shard,
+    served from there to the other ranks too); ``dist_timeout_s``: how long a rank waits for the others in a collective before it
     fails.  ``eval_nodes``: validation/test
     nodes evaluated after each epoch and at the end (0: no evaluation).  ``max_batches``:
     steps per epoch at most.  ``return_state``: rank 0's result carries the final parameters.
@@ -88,6 +89,7 @@ class TrainConfig:
     host_memory: str | None = None
     cache_policy: str = "presample"
     shard_features: bool = False
+    cache_scope: str = "any"
     dist_timeout_s: float = 600.0
     seed: int = 0
     prefetch: int = 1
@@ -136,6 +138,8 @@ class TrainConfig:
             raise ValueError(f"shard_features needs a dataset directory (each rank loads only its shard of the "
                              f"features), not the preset {self.dataset!r}: run `datapath prepare-dataset "
                              f"{self.dataset} DIR --shards N` and pass --dataset DIR")
+        if self.cache_scope not in CACHE_SCOPES:
+            raise ValueError(f"cache_scope must be one of {CACHE_SCOPES}, got {self.cache_scope!r}")
         if not self.dist_timeout_s > 0:
             raise ValueError(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s!r}")
         if self.device == "cpu" and "cuda" in (self.features_on, self.graph_on):

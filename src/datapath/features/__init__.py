@@ -18,13 +18,13 @@ from datapath.features.disk import ENGINES, DiskReader, DiskTier, ReadPlan, nati
 from datapath.features.errors import DiskReadError, FeatureStoreError, ShardExchangeError
 from datapath.features.hotness import degree_hotness, presample_hotness, rank
 from datapath.features.placement import GPU_RESERVE_BYTES, gpu_budget, graph_bytes, place_graph
-from datapath.features.sharded import ShardedTier, new_exchange_group, sharded_store
+from datapath.features.sharded import CACHE_SCOPES, ShardedTier, new_exchange_group, sharded_store
 from datapath.features.store import DiskOptions, FeatureStore
 from datapath.features.table_file import TableFile
 from datapath.features.tiers import FetchTier, TierStats
 
 __all__ = [
-    "DiskOptions", "DiskReadError", "DiskReader", "DiskTier", "ENGINES", "FeatureStore", "FeatureStoreError",
+    "CACHE_SCOPES", "DiskOptions", "DiskReadError", "DiskReader", "DiskTier", "ENGINES", "FeatureStore", "FeatureStoreError",
     "FetchTier", "GPU_RESERVE_BYTES", "ReadPlan", "ShardExchangeError", "ShardedTier", "TableFile", "TierStats",
     "degree_hotness", "format_bytes", "gpu_budget", "graph_bytes", "native_aio_available", "new_exchange_group",
     "parse_budget", "place_graph", "plan_reads", "presample_hotness", "rank", "sharded_store",

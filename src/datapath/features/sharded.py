@@ -17,7 +17,8 @@ steps, on one producer thread).  One exchange:
    sees; a rank that cannot fetch sends -1, and every rank raises an error naming it);
 2. all_to_all of the requested row numbers (in each owner's own numbering);
 3. every owner gathers the requested rows from its shard (zero copy, onto its GPU);
-4. all_to_all of the rows back.
+4. all_to_all of the rows back, in pieces of about `PIECE_BYTES` per rank (up to `MAX_PIECES`):
+   the owner gathers piece k + 1 while piece k is sent.
 
 Steps 2-4 are skipped when no rank asks for anything.  The exchange runs on a process group of
 its own (NCCL between GPUs, gloo between CPUs), so that the loader's producer thread exchanges
@@ -42,12 +43,16 @@ from datapath.features.hotness import degree_hotness, rank as rank_rows
 from datapath.features.store import FeatureStore
 from datapath.features.tiers import FetchTier
 from datapath.graph import Graph, ShardLayout
-from datapath.memory import ErrorFlag, gather_rows, pinned_empty
+from datapath.memory import ErrorFlag, gather_rows, gather_tiered, pinned_empty
 
 log = logging.getLogger("datapath.features.sharded")
 
 DEFAULT_TIMEOUT_S = 600.0
 """How long a rank waits in an exchange for the others before it fails (seconds)."""
+
+PIECE_BYTES = 16 << 20
+"""Rows go to a rank in pieces of about this many bytes: the owner gathers a piece while the previous one is sent."""
+MAX_PIECES = 8
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -62,14 +67,19 @@ class ShardedTier(FetchTier):
         rank: this process's rank in ``group``.
         group: the process group of the exchange (all ``layout.shards`` ranks).
         device: where fetched rows go.
+        piece_bytes: the rows for one rank go in pieces of about this many bytes (at most `MAX_PIECES`),
+            so that the owner gathers a piece from its tiers while the previous one is sent.
     """
 
     name = "remote"
     collective = True
 
     def __init__(self, shard: torch.Tensor, layout: ShardLayout, rank: int, group: Any,
-                 device: torch.device) -> None:
+                 device: torch.device, piece_bytes: int = PIECE_BYTES) -> None:
         super().__init__()
+        if piece_bytes < 1:
+            raise FeatureStoreError(f"piece_bytes must be >= 1, got {piece_bytes}")
+        self.piece_bytes = int(piece_bytes)
         self.shard = shard
         self.layout = layout
         self.rank = int(rank)
@@ -88,9 +98,21 @@ class ShardedTier(FetchTier):
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = []
         self._broken: str | None = None
         lo, hi = layout.rows(self.rank)
+        self._lo = lo
         self.rows = layout.num_rows - (hi - lo)
+        self._cache: torch.Tensor | None = None  # the store's GPU cache and slot map (`attach`)
+        self._slots: torch.Tensor | None = None
+        self._served = torch.zeros(3, dtype=torch.int64, device=self._comm)  # rows served from cache / host
         self._stats.extra.update(exchanges=0, received_rows=0, received_bytes=0, sent_rows=0, sent_bytes=0,
-                                 id_bytes=0, exchange_seconds=0.0)
+                                 sent_from_cache_rows=0, id_bytes=0, exchange_seconds=0.0)
+
+    def attach(self, cache: torch.Tensor | None, slots: torch.Tensor) -> None:
+        """Serve the other ranks' requests through the store's tiers: rows in ``cache`` (its GPU cache) from there.
+
+        ``slots``: the store's (N,) int32 slot map (``1..c`` cache rows, ``c+1..`` this rank's shard).
+        """
+        if self._comm == self.device:  # the rows are served where the collective sends them from
+            self._cache, self._slots = cache, slots
 
     # `FeatureStore.stats` reads ``tier.stats``: the GPU times of finished exchanges are folded in first
     @property
@@ -166,10 +188,8 @@ class ShardedTier(FetchTier):
         local = uniq - torch.repeat_interleave(self._bounds[:-1], asks, output_size=uniq.numel())
         wanted = torch.empty(sum(theirs), dtype=self._id_dtype, device=self._comm)
         dist.all_to_all_single(wanted, local.to(self._comm, self._id_dtype), theirs, mine, group=self.group)
-        served = self._serve(wanted)
-        got = torch.empty((sum(mine), *self._rest), dtype=self.shard.dtype, device=self._comm)
         mid = _event() if cuda else time.perf_counter()
-        dist.all_to_all_single(got, served, mine, theirs, group=self.group)
+        got = self._send_rows(wanted, mine, theirs, self._pieces(matrix))
         if not cuda:
             self._stats.extra["exchange_seconds"] += time.perf_counter() - mid
         rows = got.to(self.device).index_select(0, inverse)
@@ -186,6 +206,44 @@ class ShardedTier(FetchTier):
         ex["sent_bytes"] += remote_out * self._row_bytes
         ex["id_bytes"] += (remote_in + remote_out) * wanted.element_size()
         return rows
+
+    def _pieces(self, matrix: list[list[int]]) -> int:
+        """Pieces the rows go in (the same on every rank: from the matrix all of them see)."""
+        largest = max(max(row) for row in matrix) * self._row_bytes
+        return max(1, min(MAX_PIECES, -(-largest // self.piece_bytes)))
+
+    def _send_rows(self, wanted: torch.Tensor, mine: list[int], theirs: list[int], pieces: int) -> torch.Tensor:
+        """Serve ``wanted`` and exchange the rows: (sum(mine), *rest), in the order this rank asked for them.
+
+        In ``pieces`` all_to_alls: piece ``c`` carries rows ``n*c//pieces .. n*(c+1)//pieces`` of every
+        segment of ``n`` rows, and is sent while the owner gathers piece ``c + 1``.
+        """
+        rows_of = torch.empty((sum(mine), *self._rest), dtype=self.shard.dtype, device=self._comm)
+        if pieces == 1:
+            dist.all_to_all_single(rows_of, self._serve(wanted), mine, theirs, group=self.group)
+            return rows_of
+        t_at = [sum(theirs[:j]) for j in range(self.world_size)]
+        m_at = [sum(mine[:j]) for j in range(self.world_size)]
+
+        def cut(n: int, c: int) -> tuple[int, int]:
+            return n * c // pieces, n * (c + 1) // pieces
+
+        sent = []
+        for c in range(pieces):
+            send = [cut(theirs[j], c) for j in range(self.world_size)]
+            recv = [cut(mine[j], c) for j in range(self.world_size)]
+            ids = torch.cat([wanted[t_at[j] + a:t_at[j] + b] for j, (a, b) in enumerate(send)])
+            part = torch.empty((sum(b - a for a, b in recv), *self._rest), dtype=self.shard.dtype, device=self._comm)
+            work = dist.all_to_all_single(part, self._serve(ids), [b - a for a, b in recv], [b - a for a, b in send],
+                                          group=self.group, async_op=True)
+            sent.append((work, part, recv))
+        for work, part, recv in sent:
+            work.wait()
+            k = 0
+            for j, (a, b) in enumerate(recv):
+                rows_of[m_at[j] + a:m_at[j] + b] = part[k:k + b - a]
+                k += b - a
+        return rows_of
 
     def _counts(self, asks: torch.Tensor) -> list[list[int]]:
         """The W x W matrix of rows rank i asks of rank j (all_gather of every rank's ``asks``; one host sync)."""
@@ -206,13 +264,27 @@ class ShardedTier(FetchTier):
                                  f"feature rows (see its own error)")
 
     def _serve(self, wanted: torch.Tensor) -> torch.Tensor:
-        """The rows of this rank's shard that the others asked for, where the collective needs them."""
+        """The rows of this rank's shard that the others asked for, where the collective needs them.
+
+        Through the store's tiers when attached (one tiered gather: cached rows from the GPU cache,
+        the others zero copy from pinned host memory), else from the shard.
+        """
+        if self._slots is not None:
+            loc = self._slots[wanted.long() + self._lo]
+            out = torch.empty((wanted.numel(), *self._rest), dtype=self.shard.dtype, device=self._comm)
+            empty = torch.empty((0, *self._rest), dtype=self.shard.dtype, device=self._comm)
+            return gather_tiered(self._cache if self._cache is not None else empty, self.shard, loc, out,
+                                 error_flag=self._flag, counts=self._served)
         if self._comm.type == "cuda":  # zero copy from pinned host memory onto the GPU
             return gather_rows(self.shard, wanted, self._flag)
         return self.shard.index_select(0, wanted.long())
 
     def _fold(self) -> None:
-        """Add the GPU time of the finished exchanges to the statistics."""
+        """Add the GPU time of the finished exchanges (and the rows served from the cache) to the statistics."""
+        if self._slots is not None:
+            served = self._served.tolist()
+            self._served.zero_()
+            self._stats.extra["sent_from_cache_rows"] += int(served[0])
         keep = []
         for a, m, b in self._events:
             if b.query():
@@ -270,9 +342,13 @@ def _check_agreement(shard: torch.Tensor, layout: ShardLayout, rank: int, group:
                                     f"from the same table")
 
 
+CACHE_SCOPES = ("any", "own")
+
+
 def sharded_store(shard: torch.Tensor, layout: ShardLayout, *, gpu_cache: str | float | int | None = None,
-                  hotness: torch.Tensor | Graph | None = None, device: str | torch.device | None = None,
-                  group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> FeatureStore:
+                  hotness: torch.Tensor | Graph | None = None, cache_scope: str = "any",
+                  device: str | torch.device | None = None, group: Any = None,
+                  timeout_s: float = DEFAULT_TIMEOUT_S, piece_bytes: int = PIECE_BYTES) -> FeatureStore:
     """A `FeatureStore` of a table whose rows are cut over the ranks: this rank holds ``shard``.
 
     Collective: every rank of the job calls it (the default process group must be initialised,
@@ -283,12 +359,18 @@ def sharded_store(shard: torch.Tensor, layout: ShardLayout, *, gpu_cache: str | 
             `datapath.graph.load_dataset` returns with ``shard=``); copied once into pinned host memory
             (host memory without CUDA).
         layout: the cut of the table (`datapath.graph.ShardLayout`).
-        gpu_cache: GPU memory for the hottest rows of any shard (``"25%"`` of the whole table's
-            bytes, ``"4GB"``, ...); the other ranks' hot rows are fetched from them once, here.
+        gpu_cache: GPU memory for hot rows (``"25%"`` of the whole table's bytes, ``"4GB"``, ...).
         hotness: (N,) scores over the whole table (`presample_hotness`), or the `Graph` (degrees).
+        cache_scope: which hot rows the cache holds: ``"any"``, the hottest of any shard (the other
+            ranks' are fetched from them once, here; a hit saves the network and the owner's PCIe
+            read: best when the network is slower than PCIe), or ``"own"``, the hottest of this rank's
+            shard (the other ranks' requests for them are served from this GPU: best when the network
+            is faster than PCIe, e.g. GPUs linked by NVLink).  The other ranks' requests are always
+            served from this rank's cache where it holds the row.
         device: where batches go (default: the current CUDA device, else the CPU).
         group: the exchange's process group (default: a new one, `new_exchange_group`).
         timeout_s: how long an exchange waits for the other ranks before it fails.
+        piece_bytes: see `ShardedTier` (the same on every rank).
     """
     if not dist.is_available() or not dist.is_initialized():
         if layout.shards != 1:
@@ -309,7 +391,10 @@ def sharded_store(shard: torch.Tensor, layout: ShardLayout, *, gpu_cache: str | 
     n = layout.num_rows
     row_bytes = math.prod(shard.shape[1:]) * shard.element_size()
     try:  # every rank learns of a bad argument of any rank before the first exchange
-        cache_ids = _hottest(hotness, n, _cache_rows(gpu_cache, n, row_bytes))
+        if cache_scope not in CACHE_SCOPES:
+            raise FeatureStoreError(f"cache_scope must be one of {CACHE_SCOPES}, got {cache_scope!r}")
+        own = layout.rows(rank) if cache_scope == "own" else None
+        cache_ids = _hottest(hotness, n, _cache_rows(gpu_cache, n, row_bytes), own)
         problem = None
     except FeatureStoreError as exc:
         cache_ids, problem = torch.zeros(0, dtype=torch.int64), str(exc)
@@ -317,7 +402,7 @@ def sharded_store(shard: torch.Tensor, layout: ShardLayout, *, gpu_cache: str | 
     lo, hi = layout.rows(rank)
     rest = tuple(shard.shape[1:])
     host = _host_copy(shard, device)
-    tier = ShardedTier(host, layout, rank, group, device)
+    tier = ShardedTier(host, layout, rank, group, device, piece_bytes)
     c = int(cache_ids.numel())
     remote = cache_ids[(cache_ids < lo) | (cache_ids >= hi)]
     fetched = tier.exchange(remote)  # every rank, also with nothing to fetch: the exchange is collective
@@ -333,6 +418,7 @@ def sharded_store(shard: torch.Tensor, layout: ShardLayout, *, gpu_cache: str | 
     if c:
         slots[cache_ids.to(device)] = torch.arange(1, c + 1, dtype=torch.int32, device=device)
     tier.rows -= int(remote.numel())
+    tier.attach(cache, slots)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     tier.stats.reset()  # the statistics count the batches, not the cache's filling
@@ -347,16 +433,19 @@ def _host_copy(shard: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.copy_(shard)
 
 
-def _hottest(hotness: torch.Tensor | Graph | None, n: int, c: int) -> torch.Tensor:
-    """(c,) int64 ids of the ``c`` hottest rows (CPU)."""
+def _hottest(hotness: torch.Tensor | Graph | None, n: int, c: int,
+             within: tuple[int, int] | None = None) -> torch.Tensor:
+    """(c,) int64 ids of the ``c`` hottest rows (CPU), of rows ``within[0]:within[1]`` only if given."""
+    lo, hi = within if within is not None else (0, n)
+    c = min(c, hi - lo)
     if c == 0:
         return torch.zeros(0, dtype=torch.int64)
     if hotness is None:
         log.warning("no hotness given: the GPU cache holds the first rows; pass hotness= "
                     "(datapath.features.presample_hotness(...) or the graph) to cache the hot ones")
-        return torch.arange(c)
+        return torch.arange(lo, lo + c)
     scores = degree_hotness(hotness) if isinstance(hotness, Graph) else torch.as_tensor(hotness)
     if scores.shape != (n,):
         raise FeatureStoreError(f"hotness must hold one score per row of the whole table ({n},), got "
                                 f"{tuple(scores.shape)}")
-    return rank_rows(scores)[:c].cpu()
+    return rank_rows(scores[lo:hi])[:c].cpu() + lo

@@ -1,0 +1,378 @@
+"""Features sharded over simulated nodes: 1 GPU with the whole table vs 2 nodes, each with half the features.
+
+Per dataset (products; a papers-shaped graph of ``--papers-gb``):
+
+1. ``datapath prepare-dataset NAME DIR --shards 2`` (once, under ``--data-dir``); node ``r`` gets a
+   directory of its own holding every file but the other node's shard (hard links);
+2. **1 GPU**: this script's worker runs `datapath.apps.train` (what ``train-gnn`` runs) on the whole
+   table (read from both shards, pinned, gathered zero copy), batch ``--batch-size``;
+3. **2 nodes**: two ``torchrun --nnodes 2 --node-rank r --nproc-per-node 1 --master-addr 127.0.0.1``
+   launches, ``CUDA_VISIBLE_DEVICES=r`` (one GPU each), each given only its node's directory, run the
+   worker with ``shard_features`` (``train-gnn --shard-features``): no shared memory segment, the other
+   node's rows come over NCCL.  ``weak``: ``--batch-size`` seeds per rank (half the steps; the time
+   bar's mode); ``strong``: half of it per rank (the 1-GPU batches exactly: the accuracy bar's mode).
+   After training, the worker measures the NCCL all_to_all bandwidth between the two GPUs on a group
+   of the same backend, at the message size of the epoch's mean remote rows per batch (and 1/4 and 4x).
+
+Model as B2: GraphSAGE, fanouts 15,10,5, hidden 256, dropout 0.5, Adam 3e-3; ``--epochs`` epochs,
+epoch time = median of the epochs after the first (slowest rank).  Records (``records`` in
+``results/<name>.json``): ``{dataset, nodes, gpus_per_node, epoch_s, remote_bytes_per_batch,
+hit_rate_local, device}`` plus the mode, batch, test accuracy, tier shares, the remote fetch's GB/s
+(received bytes / GPU time of the tier's fetches, counts + ids + rows exchange) and the NCCL
+all_to_all GB/s at that message size.
+
+    PYTHONPATH=src:. python benchmarks/multi_node.py                          # 2 GPUs (scripts/gpu_multi_node.sh)
+    PYTHONPATH=src:. python benchmarks/multi_node.py --device cpu --quick     # end to end on a CPU (gloo), tiny
+
+The CPU run checks that the pipeline works; its numbers are not the benchmark's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks._common import RESULTS_DIR, print_table, write_result
+
+log = logging.getLogger("datapath.bench.multi_node")
+ROOT = Path(__file__).resolve().parents[1]
+TIME_BAR, ACC_BAR, BW_BAR = 0.65, 0.01, 0.70
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true", help="the tiny preset, 2 epochs of 12 steps (a smoke test)")
+    p.add_argument("--datasets", default="products,papers")
+    p.add_argument("--papers-gb", type=float, default=8.0, help="host memory of the papers-shaped graph [8]")
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--fanouts", default="15,10,5")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--dropout", type=float, default=0.5)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--max-batches", type=int, default=None, help="steps per epoch at most [all]")
+    p.add_argument("--eval-nodes", type=int, default=10_000)
+    p.add_argument("--modes", default="weak,strong")
+    p.add_argument("--gpu-cache", default=None, help="GPU cache of each node's store ('10%%'); default none")
+    p.add_argument("--graph-on", default=None, help="graph placement of every run [unified on GPUs]")
+    p.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "datapath-multi-node",
+                   help="where the datasets are prepared (kept for the next run) [$TMPDIR/datapath-multi-node]")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--name", default=None, help="result name [multi_node; multi_node_quick with --quick]")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.datasets, args.epochs, args.batch_size, args.hidden = "tiny", 2, 256, 64
+        args.fanouts, args.eval_nodes, args.max_batches = "10,5", 2000, args.max_batches or 12
+    args.name = args.name or ("multi_node_quick" if args.quick else "multi_node")
+    args.graph_on = args.graph_on or ("unified" if args.device == "cuda" else "cpu")
+    return args
+
+
+# -- in each process of a run --------------------------------------------------------------
+def alltoall_bandwidth(nbytes: int, iters: int = 20) -> dict[str, Any]:
+    """GB/s that each rank receives in an all_to_all sending ``nbytes`` to every other rank (none to itself)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from datapath.features import new_exchange_group  # noqa: PLC0415
+
+    group = new_exchange_group()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cuda = dist.get_backend(group) == "nccl"
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    per = max(1, int(nbytes))
+    splits = [0 if j == rank else per for j in range(world)]
+    send = torch.randint(0, 255, (per * (world - 1),), dtype=torch.uint8, device=dev)
+    recv = torch.empty_like(send)
+
+    def once() -> None:
+        dist.all_to_all_single(recv, send, splits, splits, group=group)
+
+    for _ in range(3):
+        once()
+    dist.barrier(group=group)
+    if cuda:
+        torch.cuda.synchronize(dev)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            once()
+        b.record()
+        b.synchronize()
+        seconds = a.elapsed_time(b) / 1e3 / iters
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            once()
+        seconds = (time.perf_counter() - t0) / iters
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, send.numel() / seconds / 1e9)
+    dist.destroy_process_group(group)
+    return {"message_bytes": per, "GBps_per_rank": every, "GBps": min(every)}
+
+
+def _epoch_store_stats(history: list[dict[str, Any]], rank: int) -> dict[str, Any] | None:
+    """Tier counters of rank ``rank`` summed over the training epochs (None without a store)."""
+    total: dict[str, dict[str, float]] = {}
+    for h in history:
+        st = h["ranks"][rank].get("feature_store")
+        if st is None:
+            return None
+        for tier, vals in st.items():
+            acc = total.setdefault(tier, {})
+            for k, v in vals.items():
+                if k != "hit_rate":
+                    acc[k] = acc.get(k, 0) + v
+    rows = sum(t["rows"] for t in total.values())
+    for t in total.values():
+        t["hit_rate"] = t["rows"] / rows if rows else 0.0
+    return total
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One process of a run: train (joins the torchrun job, if any), then measure the all_to_all bandwidth."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from datapath.apps import TrainConfig, device_label, shutdown_distributed, train  # noqa: PLC0415
+
+    cfg = TrainConfig(**json.loads(args.cfg))
+    try:
+        res = train(cfg)
+        world = res["world_size"]
+        stores = [_epoch_store_stats(res["history"], r) for r in range(world)]
+        out = {k: res[k] for k in ("world_size", "device", "backend", "setup_s", "test_acc", "features_on",
+                                   "graph_on")}
+        out["device_name"] = device_label() if cfg.device == "cuda" else "cpu"
+        out["epochs"] = [h["aggregate"] for h in res["history"]]
+        out["stores"] = stores
+        if world > 1 and stores[0] is not None:
+            ex = [s["remote"]["exchanges"] for s in stores]
+            per_batch = statistics.mean(s["remote"]["received_bytes"] / max(e, 1) for s, e in zip(stores, ex))
+            out["alltoall"] = [alltoall_bandwidth(int(per_batch * f)) for f in (1.0, 0.25, 4.0)]
+        if res["rank"] == 0:
+            args.out.write_text(json.dumps(out, default=str))
+    finally:
+        if dist.is_initialized():
+            shutdown_distributed()
+
+
+# -- the orchestrator ----------------------------------------------------------------------
+def _env(visible: str | None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "PYTHONUNBUFFERED": "1"}
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    return env
+
+
+def prepare(args: argparse.Namespace, name: str) -> tuple[Path, list[Path]]:
+    """The dataset with 2 feature shards (made once) and the two nodes' directories (hard links)."""
+    d = args.data_dir / f"{name}-2shards"
+    if not (d / "meta.json").is_file():
+        cmd = [sys.executable, "-m", "datapath.cli", "prepare-dataset", name, str(d), "--shards", "2", "--device",
+               args.device, "--overwrite"]
+        if name == "papers":
+            cmd += ["--memory-gb", str(args.papers_gb)]
+        t0 = time.perf_counter()
+        subprocess.run(cmd, env=_env("0" if args.device == "cuda" else None), check=True, timeout=args.timeout)
+        print(f"prepared {name} in {time.perf_counter() - t0:.0f} s", flush=True)
+    nodes = []
+    for r in (0, 1):
+        nd = args.data_dir / f"{name}-node{r}"
+        shutil.rmtree(nd, ignore_errors=True)
+        nd.mkdir(parents=True)
+        for p in d.iterdir():
+            if "shard" not in p.name or p.name == f"features.shard-{r}-of-2.npy":
+                os.link(p, nd / p.name)
+        nodes.append(nd)
+    return d, nodes
+
+
+def _cfg(args: argparse.Namespace, dataset: Path, batch: int, sharded: bool) -> str:
+    return json.dumps({"dataset": str(dataset), "model": "sage", "epochs": args.epochs, "batch_size": batch,
+                       "fanouts": [int(f) for f in args.fanouts.split(",")], "hidden": args.hidden,
+                       "dropout": args.dropout, "lr": args.lr, "device": args.device, "graph_on": args.graph_on,
+                       "max_batches": args.max_batches, "eval_nodes": args.eval_nodes, "seed": 0,
+                       "shard_features": sharded, "gpu_cache": args.gpu_cache if sharded else None,
+                       "features_on": None if sharded else ("unified" if args.device == "cuda" else "cpu")})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_one_gpu(args: argparse.Namespace, dataset: Path, tmp: Path) -> dict[str, Any]:
+    out = tmp / "one.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--cfg",
+           _cfg(args, dataset, args.batch_size, False), "--out", str(out)]
+    subprocess.run(cmd, env=_env("0" if args.device == "cuda" else None), check=True, timeout=args.timeout)
+    return json.loads(out.read_text())
+
+
+def run_two_nodes(args: argparse.Namespace, nodes: list[Path], batch: int, tmp: Path) -> dict[str, Any]:
+    out, port = tmp / "two.json", _free_port()
+    procs = []
+    for r, nd in enumerate(nodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
+               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+               str(Path(__file__).resolve()), "--worker", "--cfg", _cfg(args, nd, batch, True), "--out", str(out)]
+        env = _env(str(r) if args.device == "cuda" else None)
+        if args.device == "cpu":
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=open(tmp / f"node{r}.log", "w"), stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + args.timeout
+    codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    if codes != [0, 0]:
+        tails = "".join(f"\n-- node {r}:\n" + (tmp / f"node{r}.log").read_text()[-3000:] for r in (0, 1))
+        raise RuntimeError(f"the 2-node run failed (exit codes {codes}){tails}")
+    return json.loads(out.read_text())
+
+
+def _epoch_s(run: dict[str, Any]) -> tuple[float, list[float]]:
+    times = [e["epoch_s"] for e in run["epochs"]]
+    return (statistics.median(times[1:]) if len(times) > 1 else times[0]), times
+
+
+def record(dataset: str, run: dict[str, Any], mode: str, batch: int) -> dict[str, Any]:
+    nodes = run["world_size"]
+    epoch_s, times = _epoch_s(run)
+    rec: dict[str, Any] = {"dataset": dataset, "nodes": nodes, "gpus_per_node": 1, "mode": mode,
+                           "batch_per_rank": batch, "epoch_s": epoch_s, "epochs_s": times,
+                           "test_acc": run["test_acc"], "remote_bytes_per_batch": 0.0, "hit_rate_local": 1.0,
+                           "device": run["device_name"], "backend": run["backend"] if nodes > 1 else None}
+    stores = [s for s in run["stores"] if s is not None]
+    if nodes > 1 and stores:
+        rem = [s["remote"] for s in stores]
+        rec["remote_bytes_per_batch"] = statistics.mean(r["received_bytes"] / max(r["exchanges"], 1) for r in rem)
+        rec["id_bytes_per_batch"] = statistics.mean(r["id_bytes"] / max(r["exchanges"], 1) for r in rem)
+        rec["hit_rate_local"] = statistics.mean(1.0 - r["hit_rate"] for r in rem)
+        rec["hit_rates"] = {t: statistics.mean(s[t]["hit_rate"] for s in stores) for t in stores[0]}
+        rec["remote_fetch_GBps"] = min(r["received_bytes"] / r["seconds"] / 1e9 if r["seconds"] else 0.0 for r in rem)
+        rec["rows_exchange_GBps"] = min(r["received_bytes"] / r["exchange_seconds"] / 1e9
+                                        if r["exchange_seconds"] else 0.0 for r in rem)
+        bw = run.get("alltoall") or []
+        if bw:
+            rec["alltoall_message_bytes"] = bw[0]["message_bytes"]
+            rec["nccl_alltoall_GBps"] = bw[0]["GBps"]
+            rec["alltoall_curve"] = {b["message_bytes"]: b["GBps"] for b in bw}
+            rec["fetch_over_alltoall"] = rec["remote_fetch_GBps"] / bw[0]["GBps"] if bw[0]["GBps"] else None
+    return rec
+
+
+def bars(records: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for ds in sorted({r["dataset"] for r in records}):
+        one = next((r for r in records if r["dataset"] == ds and r["nodes"] == 1), None)
+        for r in records:
+            if r["dataset"] != ds or r["nodes"] == 1 or one is None:
+                continue
+            key = f"{ds}/{r['mode']}"
+            b = {"epoch_ratio": r["epoch_s"] / one["epoch_s"], "acc_diff": r["test_acc"] - one["test_acc"],
+                 "fetch_over_alltoall": r.get("fetch_over_alltoall")}
+            b["acc_met"] = abs(b["acc_diff"]) <= ACC_BAR
+            b["bw_met"] = None if b["fetch_over_alltoall"] is None else b["fetch_over_alltoall"] >= BW_BAR
+            if r["mode"] == "weak":
+                b["time_met"] = b["epoch_ratio"] <= TIME_BAR
+            out[key] = b
+    return out
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    datasets = sorted({r["dataset"] for r in records})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    ax = axes[0]
+    for i, ds in enumerate(datasets):
+        rs = [r for r in records if r["dataset"] == ds]
+        for j, r in enumerate(rs):
+            label = "1 GPU" if r["nodes"] == 1 else f"2 nodes {r['mode']}"
+            ax.bar(4 * i + j, r["epoch_s"], color=["#8c8c8c", "#d62728", "#1f77b4"][j % 3], label=label if i == 0 else None)
+            ax.text(4 * i + j, r["epoch_s"], f"{r['test_acc']:.3f}", ha="center", va="bottom", fontsize=7)
+        one = next((r for r in rs if r["nodes"] == 1), None)
+        if one:
+            ax.plot([4 * i + 0.6, 4 * i + 2.4], [TIME_BAR * one["epoch_s"]] * 2, "k--", lw=1,
+                    label=f"bar {TIME_BAR} x 1 GPU" if i == 0 else None)
+    ax.set_xticks([4 * i + 1 for i in range(len(datasets))], datasets)
+    ax.set_ylabel("epoch (s); label: test accuracy")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    rs = [r for r in records if r.get("nccl_alltoall_GBps")]
+    for i, r in enumerate(rs):
+        ax.bar([3 * i, 3 * i + 1], [r["remote_fetch_GBps"], r["nccl_alltoall_GBps"]], color=["#d62728", "#8c8c8c"])
+    ax.set_xticks([3 * i + 0.5 for i in range(len(rs))],
+                  [f"{r['dataset']} {r['mode']}\n{r['alltoall_message_bytes'] / 2**20:.1f} MiB" for r in rs], fontsize=7)
+    ax.set_ylabel("GB/s per rank (red: remote fetch, grey: all_to_all)")
+    fig.suptitle(f"features sharded over 2 nodes vs 1 GPU ({records[0]['device']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse()
+    if args.worker:
+        worker(args)
+        return
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        sys.exit("the 2-node run needs 2 GPUs (one per simulated node); use --device cpu --quick for a smoke test")
+    records: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    for name in args.datasets.split(","):
+        d, nodes = prepare(args, name)
+        with tempfile.TemporaryDirectory(prefix="multi-node-") as tmp:
+            t0 = time.perf_counter()
+            records.append(record(name, run_one_gpu(args, d, Path(tmp)), "-", args.batch_size))
+            print(f"{name}: 1 process done in {time.perf_counter() - t0:.0f} s", flush=True)
+            for mode in args.modes.split(","):
+                batch = args.batch_size if mode == "weak" else args.batch_size // 2
+                t0 = time.perf_counter()
+                records.append(record(name, run_two_nodes(args, nodes, batch, Path(tmp)), mode, batch))
+                print(f"{name}: 2 nodes ({mode}) done in {time.perf_counter() - t0:.0f} s", flush=True)
+        write_result(args.name, {"partial": True, "records": records})
+    summary = bars(records)
+    path = write_result(args.name, {
+        "description": "GraphSAGE with the features sharded over 2 simulated nodes (two torchrun launches, one "
+                       "GPU each, no shared segment) vs 1 GPU with the whole table",
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "bars": {"time": f"weak 2-node epoch <= {TIME_BAR} x 1 GPU (products)", "accuracy": f"within {ACC_BAR}",
+                 "bandwidth": f"remote fetch >= {BW_BAR} x NCCL all_to_all at the batch's message size"},
+        "notes": {"epoch_s": "median of the epochs after the first; slowest rank",
+                  "remote_bytes_per_batch": "feature bytes a rank receives from the other node per training batch "
+                                            "(ids not counted: id_bytes_per_batch)",
+                  "remote_fetch_GBps": "received bytes / GPU time of the remote tier's fetches (counts all_gather, "
+                                       "ids all_to_all, owner's gather, rows all_to_all), slowest rank",
+                  "nccl_alltoall_GBps": "all_to_all_single of the mean remote bytes per batch, each rank to the "
+                                        "other, same backend, after training; slowest rank"},
+        "records": records, "summary": summary, "total_s": time.perf_counter() - t_start})
+    plot(records, RESULTS_DIR / f"{args.name}.png")
+    print(f"wrote {path}")
+    print_table([{k: r.get(k) for k in ("dataset", "nodes", "mode", "batch_per_rank", "epoch_s", "test_acc",
+                                        "remote_bytes_per_batch", "hit_rate_local", "remote_fetch_GBps",
+                                        "nccl_alltoall_GBps", "device")} for r in records])
+    print_table([{"run": k, **v} for k, v in summary.items()])
+
+
+if __name__ == "__main__":
+    main()
