@@ -32,6 +32,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -66,12 +67,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batches", type=int, default=None, help="steps per epoch at most [all]")
     p.add_argument("--eval-nodes", type=int, default=10_000)
     p.add_argument("--modes", default="weak,strong")
-    p.add_argument("--gpu-cache", default=None, help="GPU cache of each node's store ('10%%'); default none")
+    p.add_argument("--caches", default="none",
+                   help="GPU caches of the 2-node weak runs, comma-separated: none, or SCOPE:SIZE (any:25%%: the "
+                        "hottest rows of any shard; own:50%%: of the node's own shard, served from its GPU) "
+                        "[none]; the strong run uses the first")
     p.add_argument("--graph-on", default=None, help="graph placement of every run [unified on GPUs]")
     p.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "datapath-multi-node",
                    help="where the datasets are prepared (kept for the next run) [$TMPDIR/datapath-multi-node]")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--name", default=None, help="result name [multi_node; multi_node_quick with --quick]")
+    p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                   help="only merge the records of these result files (e.g. the products and papers calls of "
+                        "scripts/gpu_multi_node.sh) into results/<name>.json and its plot")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -203,12 +210,23 @@ def prepare(args: argparse.Namespace, name: str) -> tuple[Path, list[Path]]:
     return d, nodes
 
 
-def _cfg(args: argparse.Namespace, dataset: Path, batch: int, sharded: bool) -> str:
+def _cache(text: str) -> tuple[str | None, str]:
+    """``"none"`` -> (None, "any"); ``"own:50%"`` -> ("50%", "own")."""
+    if text == "none":
+        return None, "any"
+    scope, _, size = text.partition(":")
+    if scope not in ("any", "own") or not size:
+        raise SystemExit(f"--caches: {text!r} is neither none nor SCOPE:SIZE (any:25%, own:50%)")
+    return size, scope
+
+
+def _cfg(args: argparse.Namespace, dataset: Path, batch: int, sharded: bool, cache: str = "none") -> str:
+    size, scope = _cache(cache)
     return json.dumps({"dataset": str(dataset), "model": "sage", "epochs": args.epochs, "batch_size": batch,
                        "fanouts": [int(f) for f in args.fanouts.split(",")], "hidden": args.hidden,
                        "dropout": args.dropout, "lr": args.lr, "device": args.device, "graph_on": args.graph_on,
                        "max_batches": args.max_batches, "eval_nodes": args.eval_nodes, "seed": 0,
-                       "shard_features": sharded, "gpu_cache": args.gpu_cache if sharded else None,
+                       "shard_features": sharded, "gpu_cache": size if sharded else None, "cache_scope": scope,
                        "features_on": None if sharded else ("unified" if args.device == "cuda" else "cpu")})
 
 
@@ -226,13 +244,14 @@ def run_one_gpu(args: argparse.Namespace, dataset: Path, tmp: Path) -> dict[str,
     return json.loads(out.read_text())
 
 
-def run_two_nodes(args: argparse.Namespace, nodes: list[Path], batch: int, tmp: Path) -> dict[str, Any]:
+def run_two_nodes(args: argparse.Namespace, nodes: list[Path], batch: int, tmp: Path, cache: str) -> dict[str, Any]:
     out, port = tmp / "two.json", _free_port()
     procs = []
     for r, nd in enumerate(nodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-               str(Path(__file__).resolve()), "--worker", "--cfg", _cfg(args, nd, batch, True), "--out", str(out)]
+               str(Path(__file__).resolve()), "--worker", "--cfg", _cfg(args, nd, batch, True, cache), "--out",
+               str(out)]
         env = _env(str(r) if args.device == "cuda" else None)
         if args.device == "cpu":
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
@@ -242,7 +261,12 @@ def run_two_nodes(args: argparse.Namespace, nodes: list[Path], batch: int, tmp: 
     if codes != [0, 0]:
         tails = "".join(f"\n-- node {r}:\n" + (tmp / f"node{r}.log").read_text()[-3000:] for r in (0, 1))
         raise RuntimeError(f"the 2-node run failed (exit codes {codes}){tails}")
-    return json.loads(out.read_text())
+    run = json.loads(out.read_text())
+    # with NCCL_DEBUG=INFO the log says how NCCL links the two GPUs ("via P2P/IPC", "via SHM", "via NET/...")
+    log_text = (tmp / "node0.log").read_text()
+    run["nccl_transport"] = sorted(set(re.findall(r"Channel \d+/\d+ : \d+\[\S+\] -> \d+\[\S+\] (?:\[\w+\] )?via "
+                                              r"(\S+)", log_text)))
+    return run
 
 
 def _epoch_s(run: dict[str, Any]) -> tuple[float, list[float]]:
@@ -250,13 +274,14 @@ def _epoch_s(run: dict[str, Any]) -> tuple[float, list[float]]:
     return (statistics.median(times[1:]) if len(times) > 1 else times[0]), times
 
 
-def record(dataset: str, run: dict[str, Any], mode: str, batch: int) -> dict[str, Any]:
+def record(dataset: str, run: dict[str, Any], mode: str, batch: int, cache: str = "none") -> dict[str, Any]:
     nodes = run["world_size"]
     epoch_s, times = _epoch_s(run)
     rec: dict[str, Any] = {"dataset": dataset, "nodes": nodes, "gpus_per_node": 1, "mode": mode,
                            "batch_per_rank": batch, "epoch_s": epoch_s, "epochs_s": times,
                            "test_acc": run["test_acc"], "remote_bytes_per_batch": 0.0, "hit_rate_local": 1.0,
-                           "device": run["device_name"], "backend": run["backend"] if nodes > 1 else None}
+                           "device": run["device_name"], "backend": run["backend"] if nodes > 1 else None,
+                           "gpu_cache": cache if nodes > 1 else "none", "nccl_transport": run.get("nccl_transport")}
     stores = [s for s in run["stores"] if s is not None]
     if nodes > 1 and stores:
         rem = [s["remote"] for s in stores]
@@ -283,7 +308,7 @@ def bars(records: list[dict[str, Any]]) -> dict[str, Any]:
         for r in records:
             if r["dataset"] != ds or r["nodes"] == 1 or one is None:
                 continue
-            key = f"{ds}/{r['mode']}"
+            key = f"{ds}/{r['mode']}" + ("" if r["gpu_cache"] == "none" else f"/{r['gpu_cache']}")
             b = {"epoch_ratio": r["epoch_s"] / one["epoch_s"], "acc_diff": r["test_acc"] - one["test_acc"],
                  "fetch_over_alltoall": r.get("fetch_over_alltoall")}
             b["acc_met"] = abs(b["acc_diff"]) <= ACC_BAR
@@ -306,14 +331,15 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     for i, ds in enumerate(datasets):
         rs = [r for r in records if r["dataset"] == ds]
         for j, r in enumerate(rs):
-            label = "1 GPU" if r["nodes"] == 1 else f"2 nodes {r['mode']}"
-            ax.bar(4 * i + j, r["epoch_s"], color=["#8c8c8c", "#d62728", "#1f77b4"][j % 3], label=label if i == 0 else None)
-            ax.text(4 * i + j, r["epoch_s"], f"{r['test_acc']:.3f}", ha="center", va="bottom", fontsize=7)
+            label = "1 GPU" if r["nodes"] == 1 else f"2 nodes {r['mode']} cache {r['gpu_cache']}"
+            ax.bar(6 * i + j, r["epoch_s"], color=["#8c8c8c", "#d62728", "#1f77b4", "#2ca02c", "#9467bd"][j % 5],
+                   label=label if i == 0 else None)
+            ax.text(6 * i + j, r["epoch_s"], f"{r['test_acc']:.3f}", ha="center", va="bottom", fontsize=7)
         one = next((r for r in rs if r["nodes"] == 1), None)
         if one:
-            ax.plot([4 * i + 0.6, 4 * i + 2.4], [TIME_BAR * one["epoch_s"]] * 2, "k--", lw=1,
+            ax.plot([6 * i + 0.6, 6 * i + len(rs) - 0.6], [TIME_BAR * one["epoch_s"]] * 2, "k--", lw=1,
                     label=f"bar {TIME_BAR} x 1 GPU" if i == 0 else None)
-    ax.set_xticks([4 * i + 1 for i in range(len(datasets))], datasets)
+    ax.set_xticks([6 * i + 1 for i in range(len(datasets))], datasets)
     ax.set_ylabel("epoch (s); label: test accuracy")
     ax.legend(fontsize=7)
     ax = axes[1]
@@ -321,12 +347,47 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     for i, r in enumerate(rs):
         ax.bar([3 * i, 3 * i + 1], [r["remote_fetch_GBps"], r["nccl_alltoall_GBps"]], color=["#d62728", "#8c8c8c"])
     ax.set_xticks([3 * i + 0.5 for i in range(len(rs))],
-                  [f"{r['dataset']} {r['mode']}\n{r['alltoall_message_bytes'] / 2**20:.1f} MiB" for r in rs], fontsize=7)
-    ax.set_ylabel("GB/s per rank (red: remote fetch, grey: all_to_all)")
+                  [f"{r['dataset']} {r['mode']}\n{r['gpu_cache']}\n{r['alltoall_message_bytes'] / 2**20:.1f} MiB"
+                   for r in rs], fontsize=7)
+    ax.set_ylabel("GB/s per rank")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#d62728", "#8c8c8c")],
+              labels=["remote fetch", "all_to_all at that size"], fontsize=7)
     fig.suptitle(f"features sharded over 2 nodes vs 1 GPU ({records[0]['device']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _payload(args: argparse.Namespace, records: list[dict[str, Any]], total_s: float) -> dict[str, Any]:
+    return {
+        "description": "GraphSAGE with the features sharded over 2 simulated nodes (two torchrun launches, one "
+                       "GPU each, no shared segment) vs 1 GPU with the whole table",
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "bars": {"time": f"weak 2-node epoch <= {TIME_BAR} x 1 GPU (products)", "accuracy": f"within {ACC_BAR}",
+                 "bandwidth": f"remote fetch >= {BW_BAR} x NCCL all_to_all at the batch's message size"},
+        "notes": {"epoch_s": "median of the epochs after the first; slowest rank",
+                  "remote_bytes_per_batch": "feature bytes a rank receives from the other node per training batch "
+                                            "(ids not counted: id_bytes_per_batch)",
+                  "remote_fetch_GBps": "received bytes / GPU time of the remote tier's fetches (unique, counts "
+                                       "all_gather, ids all_to_all, the owner's gather, rows all_to_all), slowest rank",
+                  "rows_exchange_GBps": "received bytes / GPU time of the owner's gather and the rows all_to_all",
+                  "nccl_alltoall_GBps": "all_to_all_single of the mean remote bytes per batch, each rank to the "
+                                        "other, same backend, after training; slowest rank",
+                  "nccl_transport": "how NCCL linked the two processes (from NCCL_DEBUG=INFO, when set)"},
+        "records": records, "summary": bars(records), "total_s": total_s}
+
+
+def merge(args: argparse.Namespace) -> None:
+    """results/<name>.json and its plot from the records of several result files."""
+    docs = [json.loads(p.read_text()) for p in args.merge]
+    records = [r for d in docs for r in d["records"]]
+    payload = _payload(args, records, sum(d.get("total_s", 0.0) for d in docs))
+    payload.update(merged_from=[{"command": d.get("command"), "date": d.get("date"), "machine": d.get("machine")}
+                                for d in docs])
+    path = write_result(args.name, payload)
+    plot(records, RESULTS_DIR / f"{args.name}.png")
+    print(f"wrote {path}")
+    print_table([{"run": k, **v} for k, v in payload["summary"].items()])
 
 
 def main() -> None:
@@ -334,6 +395,9 @@ def main() -> None:
     args = parse()
     if args.worker:
         worker(args)
+        return
+    if args.merge:
+        merge(args)
         return
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         sys.exit("the 2-node run needs 2 GPUs (one per simulated node); use --device cpu --quick for a smoke test")
@@ -345,30 +409,22 @@ def main() -> None:
             t0 = time.perf_counter()
             records.append(record(name, run_one_gpu(args, d, Path(tmp)), "-", args.batch_size))
             print(f"{name}: 1 process done in {time.perf_counter() - t0:.0f} s", flush=True)
+            caches = args.caches.split(",")
             for mode in args.modes.split(","):
-                batch = args.batch_size if mode == "weak" else args.batch_size // 2
-                t0 = time.perf_counter()
-                records.append(record(name, run_two_nodes(args, nodes, batch, Path(tmp)), mode, batch))
-                print(f"{name}: 2 nodes ({mode}) done in {time.perf_counter() - t0:.0f} s", flush=True)
+                for cache in caches if mode == "weak" else caches[:1]:
+                    batch = args.batch_size if mode == "weak" else args.batch_size // 2
+                    t0 = time.perf_counter()
+                    run = run_two_nodes(args, nodes, batch, Path(tmp), cache)
+                    records.append(record(name, run, mode, batch, cache))
+                    print(f"{name}: 2 nodes ({mode}, cache {cache}) done in {time.perf_counter() - t0:.0f} s",
+                          flush=True)
         write_result(args.name, {"partial": True, "records": records})
-    summary = bars(records)
-    path = write_result(args.name, {
-        "description": "GraphSAGE with the features sharded over 2 simulated nodes (two torchrun launches, one "
-                       "GPU each, no shared segment) vs 1 GPU with the whole table",
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "bars": {"time": f"weak 2-node epoch <= {TIME_BAR} x 1 GPU (products)", "accuracy": f"within {ACC_BAR}",
-                 "bandwidth": f"remote fetch >= {BW_BAR} x NCCL all_to_all at the batch's message size"},
-        "notes": {"epoch_s": "median of the epochs after the first; slowest rank",
-                  "remote_bytes_per_batch": "feature bytes a rank receives from the other node per training batch "
-                                            "(ids not counted: id_bytes_per_batch)",
-                  "remote_fetch_GBps": "received bytes / GPU time of the remote tier's fetches (counts all_gather, "
-                                       "ids all_to_all, owner's gather, rows all_to_all), slowest rank",
-                  "nccl_alltoall_GBps": "all_to_all_single of the mean remote bytes per batch, each rank to the "
-                                        "other, same backend, after training; slowest rank"},
-        "records": records, "summary": summary, "total_s": time.perf_counter() - t_start})
+    payload = _payload(args, records, time.perf_counter() - t_start)
+    summary = payload["summary"]
+    path = write_result(args.name, payload)
     plot(records, RESULTS_DIR / f"{args.name}.png")
     print(f"wrote {path}")
-    print_table([{k: r.get(k) for k in ("dataset", "nodes", "mode", "batch_per_rank", "epoch_s", "test_acc",
+    print_table([{k: r.get(k) for k in ("dataset", "nodes", "mode", "gpu_cache", "batch_per_rank", "epoch_s", "test_acc",
                                         "remote_bytes_per_batch", "hit_rate_local", "remote_fetch_GBps",
                                         "nccl_alltoall_GBps", "device")} for r in records])
     print_table([{"run": k, **v} for k, v in summary.items()])
