@@ -96,6 +96,8 @@ class ShardedTier(FetchTier):
         self._lock = threading.Lock()
         self._flag = ErrorFlag() if self.device.type == "cuda" else None
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = []
+        self._events_lock = threading.Lock()  # the producer thread appends, `stats` (any thread) folds
+        self._joined = False  # this exchange has entered its first collective
         self._broken: str | None = None
         lo, hi = layout.rows(self.rank)
         self._lo = lo
@@ -145,11 +147,16 @@ class ShardedTier(FetchTier):
         with self._lock:  # one exchange at a time: threads of one rank take turns (each call is self-contained)
             if self._broken is not None:
                 raise ShardExchangeError(self._broken)
+            self._joined = False
             try:
                 return self._exchange(ids.reshape(-1))
             except (IndexError, ShardExchangeError):
                 raise
-            except Exception as exc:  # noqa: BLE001 - a failed collective: the group is unusable now
+            except Exception as exc:
+                if not self._joined:  # failed before the first collective: the others learn it from the -1 there
+                    self._signal_failure()
+                    raise
+                # a collective failed: the group is unusable now
                 cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 self._broken = (f"rank {self.rank} of {self.world_size}: the exchange of feature rows failed "
                                 f"({type(exc).__name__}: {cause}); another rank has died or stopped answering: "
@@ -159,12 +166,15 @@ class ShardedTier(FetchTier):
     def abort(self, error: BaseException) -> None:
         """Tell the other ranks, in place of this gather's exchange, that this rank's gather failed."""
         with self._lock:
-            if self._broken is not None:
-                return
-            try:
-                self._counts(torch.full((self.world_size,), -1, dtype=torch.int64, device=self._comm))
-            except Exception:  # noqa: BLE001 - the original error is what the caller raises
-                log.debug("rank %d could not tell the other ranks that it failed", self.rank, exc_info=True)
+            if self._broken is None:
+                self._signal_failure()
+
+    def _signal_failure(self) -> None:
+        """Enter this exchange's first collective with -1s: every other rank raises, naming this one."""
+        try:
+            self._counts(torch.full((self.world_size,), -1, dtype=torch.int64, device=self._comm))
+        except Exception:  # noqa: BLE001 - the original error is what the caller raises
+            log.debug("rank %d could not tell the other ranks that it failed", self.rank, exc_info=True)
 
     # -- one exchange ------------------------------------------------------------------------
     def _exchange(self, ids: torch.Tensor) -> torch.Tensor:
@@ -178,7 +188,9 @@ class ShardedTier(FetchTier):
         cuts = torch.searchsorted(uniq, self._bounds)
         asks = cuts[1:] - cuts[:-1]
         bad = (cuts[0] > 0) | (cuts[-1] < uniq.numel())  # ids below 0 or from N on belong to no shard
-        matrix = self._counts(torch.where(bad, torch.full_like(asks, -1), asks))
+        asks = torch.where(bad, torch.full_like(asks, -1), asks)
+        self._joined = True
+        matrix = self._counts(asks)
         self._raise_failed(matrix, uniq)
         self._stats.extra["exchanges"] += 1
         mine = matrix[self.rank]  # rows this rank asks of each rank
@@ -194,7 +206,8 @@ class ShardedTier(FetchTier):
             self._stats.extra["exchange_seconds"] += time.perf_counter() - mid
         rows = got.to(self.device).index_select(0, inverse)
         if cuda:
-            self._events.append((start, mid, _event()))
+            with self._events_lock:
+                self._events.append((start, mid, _event()))
         ex = self._stats.extra
         remote_in = sum(mine) - mine[self.rank]
         remote_out = sum(theirs) - theirs[self.rank]
@@ -285,14 +298,15 @@ class ShardedTier(FetchTier):
             served = self._served.tolist()
             self._served.zero_()
             self._stats.extra["sent_from_cache_rows"] += int(served[0])
-        keep = []
-        for a, m, b in self._events:
-            if b.query():
-                self._stats.add(seconds=a.elapsed_time(b) / 1e3)
-                self._stats.extra["exchange_seconds"] += m.elapsed_time(b) / 1e3
-            else:
-                keep.append((a, m, b))
-        self._events = keep
+        with self._events_lock:
+            keep = []
+            for a, m, b in self._events:
+                if b.query():
+                    self._stats.add(seconds=a.elapsed_time(b) / 1e3)
+                    self._stats.extra["exchange_seconds"] += m.elapsed_time(b) / 1e3
+                else:
+                    keep.append((a, m, b))
+            self._events = keep
 
     def close(self) -> None:
         """Drop the shard (the process group belongs to the job and is left alone)."""
