@@ -151,7 +151,7 @@ def _break(kind: str, prepared: Path, tmp: Path) -> list[Path]:
      r"rank 1 of 2 failed: DatasetError: .*shape \(64, 10000\), but shard 1 of 2 must hold rows 10000\.\.19999"),
     ("world", r"rank 0 of 2 failed: DatasetError: .*in 3 shards \(prepare-dataset --shards 3\) but the job has 2 ranks",
      r"rank 1 of 2 failed: DatasetError: .*in 3 shards .* but the job has 2 ranks"),
-])
+], ids=["missing-shard", "wrong-shape", "wrong-job-size"])
 def test_bad_input_stops_every_rank_naming_the_rank(kind: str, node0: str, node1: str, prepared: Path,
                                                     tmp_path: Path) -> None:
     dirs = _break(kind, prepared, tmp_path)
