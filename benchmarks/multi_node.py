@@ -57,7 +57,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="the tiny preset, 2 epochs of 12 steps (a smoke test)")
     p.add_argument("--datasets", default="products,papers")
-    p.add_argument("--papers-gb", type=float, default=8.0, help="host memory of the papers-shaped graph [8]")
+    p.add_argument("--papers-gb", type=float, default=4.0, help="host memory of the papers-shaped graph [4]")
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--fanouts", default="15,10,5")
     p.add_argument("--hidden", type=int, default=256)
@@ -253,6 +253,7 @@ def run_two_nodes(args: argparse.Namespace, nodes: list[Path], batch: int, tmp: 
                str(Path(__file__).resolve()), "--worker", "--cfg", _cfg(args, nd, batch, True, cache), "--out",
                str(out)]
         env = _env(str(r) if args.device == "cuda" else None)
+        env.setdefault("NCCL_DEBUG", "INFO")  # the log says how NCCL links the two processes (nccl_transport)
         if args.device == "cpu":
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
         procs.append(subprocess.Popen(cmd, env=env, stdout=open(tmp / f"node{r}.log", "w"), stderr=subprocess.STDOUT))
@@ -262,10 +263,10 @@ def run_two_nodes(args: argparse.Namespace, nodes: list[Path], batch: int, tmp: 
         tails = "".join(f"\n-- node {r}:\n" + (tmp / f"node{r}.log").read_text()[-3000:] for r in (0, 1))
         raise RuntimeError(f"the 2-node run failed (exit codes {codes}){tails}")
     run = json.loads(out.read_text())
-    # with NCCL_DEBUG=INFO the log says how NCCL links the two GPUs ("via P2P/IPC", "via SHM", "via NET/...")
+    # NCCL_DEBUG=INFO: the log says how NCCL links the two GPUs ("via P2P/IPC", "via SHM/...", "via NET/...")
     log_text = (tmp / "node0.log").read_text()
-    run["nccl_transport"] = sorted(set(re.findall(r"Channel \d+/\d+ : \d+\[\S+\] -> \d+\[\S+\] (?:\[\w+\] )?via "
-                                              r"(\S+)", log_text)))
+    run["nccl_transport"] = sorted(set(re.findall(r"Channel \d+(?:/\d+)? : \d+\[\S+\] -> \d+\[\S+\] (?:\[\w+\] )?"
+                                              r"via (\S+)", log_text)))
     return run
 
 
@@ -373,7 +374,7 @@ def _payload(args: argparse.Namespace, records: list[dict[str, Any]], total_s: f
                   "rows_exchange_GBps": "received bytes / GPU time of the owner's gather and the rows all_to_all",
                   "nccl_alltoall_GBps": "all_to_all_single of the mean remote bytes per batch, each rank to the "
                                         "other, same backend, after training; slowest rank",
-                  "nccl_transport": "how NCCL linked the two processes (from NCCL_DEBUG=INFO, when set)"},
+                  "nccl_transport": "how NCCL linked the two processes (its NCCL_DEBUG=INFO log)"},
         "records": records, "summary": bars(records), "total_s": total_s}
 
 

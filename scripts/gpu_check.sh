@@ -12,8 +12,12 @@
 #   b3        B3 aggregation + full-graph models benchmarks/aggregate.py, full_graph.py      (~6.5 min)
 #   b4        B4 offloading on real models       benchmarks/offload.py                       (~9 min)
 #   rok       ROK curve                          benchmarks/rok.py                           (~2.5 min)
-#   two-gpu   the tests that need 2 GPUs (offload FSDP2/DDP/Megatron TP2, data-parallel loaders, sharded store)
-#             and B5 benchmarks/multi_node.py (nvidia-h200-x2 only)
+#   two-gpu   the tests that need 2 GPUs (offload FSDP2/DDP/Megatron TP2, data-parallel loaders, sharded store,
+#             two torchrun nodes)                                                    (nvidia-h200-x2 only)
+#   b5        B5 features sharded over 2 nodes: its GPU tests, then products 1 GPU vs 2 torchrun nodes
+#             benchmarks/multi_node.py --datasets products                 (nvidia-h200-x2 only; ~7 min)
+#   b5-papers B5 on the papers shape (6 GiB)                               (nvidia-h200-x2 only; ~8 min)
+#             then here: benchmarks/multi_node.py --merge OUT1/multi_node_products.json OUT2/multi_node_papers.json
 #
 # Examples:
 #   scripts/gpu_check.sh                                   # every GPU test, no benchmark
@@ -85,10 +89,18 @@ for s in "${suites[@]}"; do
     two-gpu)
       timeout "${T_TESTS:-500}" python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
         tests/offload/test_offload_parallel_gpu.py tests/offload/test_offload_distributed.py \
-        tests/apps/test_distributed.py tests/features > "$L/two_gpu_tests.log" 2>&1
+        tests/apps/test_distributed.py tests/apps/test_multi_node.py tests/features > "$L/two_gpu_tests.log" 2>&1
       rc=$?; [ "$rc" = 0 ] || status=1
-      echo "2-GPU tests rc=$rc"; grep -E "^(FAILED|ERROR)|passed|failed" "$L/two_gpu_tests.log" | tail -n 20
-      if [ -f benchmarks/multi_node.py ]; then bench 420 multi_node; fi ;;
+      echo "2-GPU tests rc=$rc"; grep -E "^(FAILED|ERROR)|passed|failed" "$L/two_gpu_tests.log" | tail -n 20 ;;
+    b5)
+      timeout "${T_B5_TESTS:-150}" python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/features/test_sharded_gpu.py \
+        tests/apps/test_multi_node.py > "$L/b5_tests.log" 2>&1
+      rc=$?; [ "$rc" = 0 ] || status=1
+      echo "B5 GPU tests rc=$rc"; grep -E "^(FAILED|ERROR)|passed|failed" "$L/b5_tests.log" | tail -n 20
+      bench 420 multi_node --datasets products --caches none,own:50% --name multi_node_products \
+        --data-dir "$PWD/bench-disk" ;;
+    b5-papers) bench 560 multi_node --datasets papers --papers-gb 6 --caches none,own:25% --name multi_node_papers \
+        --data-dir "$PWD/bench-disk" ;;
     *) echo "unknown suite: $s" >&2; status=2 ;;
   esac
 done
