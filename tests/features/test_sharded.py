@@ -103,7 +103,12 @@ def _loader_beside_all_reduce() -> list[bool]:
                                        prefetch=2, max_steps=6)
     ok = []
     for epoch in range(2):
-        for batch in loader:
+        for i, batch in enumerate(loader):
+            if epoch == i == 0:  # the producer thread exchanges the next batches' rows while this one waits
+                deadline = time.monotonic() + 20
+                while store.stats()["remote"]["exchanges"] < 3 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                ok.append(store.stats()["remote"]["exchanges"] >= 3)
             grad = torch.ones(1000) * (ctx.rank + 1)
             dist.all_reduce(grad)
             ok.append(torch.equal(batch.x, ds.features[batch.input_nodes]) and bool((grad == 3).all()))
@@ -112,7 +117,7 @@ def _loader_beside_all_reduce() -> list[bool]:
 
 def test_loader_exchanges_in_its_producer_thread_beside_all_reduce() -> None:
     for ok in launch(_loader_beside_all_reduce, 2):
-        assert ok == [True] * 12
+        assert ok == [True] * 13
 
 
 def _bad_shard() -> None:
