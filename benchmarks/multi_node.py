@@ -21,7 +21,7 @@ hit_rate_local, device}`` plus the mode, batch, test accuracy, tier shares, the 
 (received bytes / GPU time of the tier's fetches, counts + ids + rows exchange) and the NCCL
 all_to_all GB/s at that message size.
 
-    PYTHONPATH=src:. python benchmarks/multi_node.py                          # 2 GPUs (scripts/gpu_multi_node.sh)
+    PYTHONPATH=src:. python benchmarks/multi_node.py                          # 2 GPUs (scripts/gpu_check.sh --suite b5)
     PYTHONPATH=src:. python benchmarks/multi_node.py --device cpu --quick     # end to end on a CPU (gloo), tiny
 
 The CPU run checks that the pipeline works; its numbers are not the benchmark's.
@@ -78,7 +78,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default=None, help="result name [multi_node; multi_node_quick with --quick]")
     p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                    help="only merge the records of these result files (e.g. the products and papers calls of "
-                        "scripts/gpu_multi_node.sh) into results/<name>.json and its plot")
+                        "scripts/gpu_check.sh --suite b5 / b5-papers) into results/<name>.json and its plot")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
