@@ -18,31 +18,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import RESULTS_DIR, print_table, write_result
+from benchmarks._common import RESULTS_DIR, cuda_time_ms, print_table, write_result
 from datapath.nn import build_full_graph_model
 from datapath.testing import SEED_GRAPHS, seed_graph
-
-
-def _median_ms(fn: Any, warmup: int, repeat: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def bench(name: str, model_name: str, warmup: int, repeat: int) -> dict:
@@ -80,8 +64,8 @@ def bench(name: str, model_name: str, warmup: int, repeat: int) -> dict:
             with torch.no_grad():
                 model(g, x)
 
-        rec[f"{label}_train_ms"] = _median_ms(train_step, warmup, repeat)
-        rec[f"{label}_infer_ms"] = _median_ms(infer, warmup, repeat)
+        rec[f"{label}_train_ms"] = cuda_time_ms(train_step, warmup=warmup, repeat=repeat)
+        rec[f"{label}_infer_ms"] = cuda_time_ms(infer, warmup=warmup, repeat=repeat)
     rec["speedup_train"] = rec["pyg_train_ms"] / rec["datapath_train_ms"]
     rec["speedup_infer"] = rec["pyg_infer_ms"] / rec["datapath_infer_ms"]
     print(f"  {name:>16} {model_name}: train {rec['datapath_train_ms']:.3f} ms vs PyG {rec['pyg_train_ms']:.3f} "

@@ -39,7 +39,6 @@ import copy
 import dataclasses
 import gc
 import logging
-import os
 import time
 from typing import Any
 

@@ -73,8 +73,9 @@ def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
         ) from exc
 
 
-def mapping_file(addr: int) -> str | None:
-    """The file behind the mapping that holds ``addr`` (None for anonymous memory), from /proc/self/maps."""
+def mapping_of(addr: int) -> tuple[str, str | None] | None:
+    """``(permissions, file)`` of the mapping holding ``addr`` from /proc/self/maps (``"r--p"``, ``"rw-s"``...;
+    file None for anonymous memory), or None when no mapping holds it."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:
@@ -82,10 +83,16 @@ def mapping_file(addr: int) -> str | None:
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 if lo <= addr < hi:
                     path = parts[5].strip() if len(parts) == 6 else ""
-                    return path if path.startswith("/") else None
-    except OSError:
+                    return parts[1], (path if path.startswith("/") else None)
+    except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def mapping_file(addr: int) -> str | None:
+    """The file behind the mapping that holds ``addr`` (None for anonymous memory)."""
+    m = mapping_of(addr)
+    return None if m is None else m[1]
 
 
 def mount_type(path: str) -> str:

@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 
 from datapath._runtime.errors import DatapathError
-from datapath._runtime.pinned import cuda_alias, mapping_file, mount_type, pinned_empty
+from datapath._runtime.pinned import cuda_alias, mapping_file, mapping_of, mount_type, pinned_empty
 
 Placement = Literal["cpu", "unified", "cuda"]
 Kind = Literal["cuda", "unified", "pinned", "shared", "mmap", "pageable"]
@@ -85,20 +85,6 @@ def placement_of(t: torch.Tensor) -> Placement:
     raise PlacementError(f"tensors on device {t.device} are not supported; use cpu, unified or cuda")
 
 
-def _mapping_perms(addr: int) -> str | None:
-    """The permissions (``"r--p"``, ``"rw-s"``...) of the mapping holding ``addr``, from /proc/self/maps."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=2)
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                if lo <= addr < hi:
-                    return parts[1]
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def is_read_only(t: torch.Tensor) -> bool:
     """True when writing into ``t``'s memory would fault: a read-only unified tensor (`as_unified` of a
     non-writable array or a read-only mapping), or a CPU tensor over a read-only mapping
@@ -107,8 +93,8 @@ def is_read_only(t: torch.Tensor) -> bool:
         return bool(getattr(t, "_readonly", False))
     if t.device.type != "cpu" or t.untyped_storage().nbytes() == 0:
         return False
-    perms = _mapping_perms(t.untyped_storage().data_ptr())
-    return perms is not None and "w" not in perms
+    m = mapping_of(t.untyped_storage().data_ptr())
+    return m is not None and "w" not in m[0]
 
 
 def host_of(t: torch.Tensor) -> torch.Tensor:
