@@ -113,15 +113,20 @@ def run_cache(model: torch.nn.Module, batches: list[torch.Tensor], *args: Any, p
     return got, cache
 
 
+def _family_run(family: str, attn: str, hf_gc: bool) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """The model of ``family`` with ``attn`` attention (HF checkpointing on or off) and STEPS token batches."""
+    model = build(family, attn)
+    set_hf_checkpointing(model, hf_gc)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return model, [torch.randint(0, 512, (4, 256), device="cuda", generator=g) for _ in range(STEPS)]
+
+
 @pytest.mark.parametrize("hf_gc", [False, True], ids=["no-hf-gc", "hf-gc"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_family_bit_identical(family: str, attn: str, hf_gc: bool) -> None:
     """policy='all' on each HF family: gradients bit-identical to no offloading over STEPS optimizer steps."""
-    model = build(family, attn)
-    set_hf_checkpointing(model, hf_gc)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [torch.randint(0, 512, (4, 256), device="cuda", generator=g) for _ in range(STEPS)]
+    model, batches = _family_run(family, attn, hf_gc)
     ref = train(copy.deepcopy(model), batches)
     got, cache = run_cache(model, batches, "host", min_bytes=1 << 16)
     assert_same(ref, got)
@@ -137,10 +142,7 @@ def test_hf_family_bit_identical(family: str, attn: str, hf_gc: bool) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_family_budget(family: str, attn: str, hf_gc: bool) -> None:
     """memory_budget half way from what offloading everything reaches to keep's peak: held, gradients identical."""
-    model = build(family, attn)
-    set_hf_checkpointing(model, hf_gc)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [torch.randint(0, 512, (4, 256), device="cuda", generator=g) for _ in range(STEPS)]
+    model, batches = _family_run(family, attn, hf_gc)
     base, peak = keep_peak(model, batches[0])
     ref = train(copy.deepcopy(model), batches)
     all_peaks: list[int] = []

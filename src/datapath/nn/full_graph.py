@@ -18,15 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from datapath.nn.models import _pyg_nn  # the one lazy import of torch_geometric
+
 FULL_GRAPH_MODELS = ("gcn", "gin")
-
-
-def _pyg_nn() -> Any:
-    try:
-        import torch_geometric.nn as pyg_nn  # noqa: PLC0415
-    except ImportError as exc:
-        raise ImportError("backend='pyg' needs torch_geometric: pip install torch_geometric") from exc
-    return pyg_nn
 
 
 class _FullGraphModel(nn.Module):
