@@ -66,10 +66,10 @@ class GINConv(nn.Module):
             lin = self.nn
             h_src = F.linear(inp.x_src, lin.weight)
             h_dst = h_src[: inp.csr.num_dst] if not isinstance(x, tuple) else F.linear(inp.x_dst, lin.weight)
-            h = aggregate(inp.csr, h_src, self.aggr, edge_weight) + (1 + self.eps) * h_dst
+            h = torch.addcmul(aggregate(inp.csr, h_src, self.aggr, edge_weight), h_dst, 1 + self.eps)
             return h + lin.bias if lin.bias is not None else h
         h = aggregate(inp.csr, inp.x_src, self.aggr, edge_weight, src_ids=inp.src_ids)
-        return self.nn(h + (1 + self.eps) * inp.x_dst)
+        return self.nn(torch.addcmul(h, inp.x_dst, 1 + self.eps))  # one kernel for the sum and the scaling
 
     def extra_repr(self) -> str:
         return f"aggr={self.aggr!r}"
