@@ -150,27 +150,29 @@ def choose(view: CSRView, feat: int, dtype: torch.dtype, variant: str, weighted:
     return p
 
 
+def public_call(view: CSRView, x: torch.Tensor, variant: str, w: torch.Tensor | None
+                ) -> Callable[[AggregationPlan], Any]:
+    """``run(plan)`` for `probe`: the public ``aggregate(view, x, ..., plan=plan)`` call, so that a candidate is
+    timed with the per-call host work a user's call has (a kernel that needs more launches than another can be
+    host-bound there).  Over a transposed view (the gradient) the ``variant``'s scales are left out: the same
+    reads and launches, for timing."""
+    from datapath.ops.aggregate import aggregate  # noqa: PLC0415 - aggregate imports the backends
+
+    reduce, norm = ("sum", "gcn") if variant == "gcn" else (variant, None)
+    return lambda p: aggregate(view, x, reduce, w, norm, plan=p)
+
+
 def tune_graph(graph: Any, feat: int, dtype: torch.dtype, reduce: str, norm: str | None,
                weighted: bool) -> AggregationPlan:
     """Probe the kernels for ``graph`` (forward, and backward over its transpose) on random rows."""
-    from datapath.ops import _cuda_backend  # noqa: PLC0415
-
     csr = as_csr(graph)
     variant = "gcn" if norm == "gcn" else reduce
     if variant not in ("sum", "mean", "gcn"):
         raise ValueError(f"only sum, mean and gcn aggregations have plans to probe, got reduce={reduce!r}")
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
     dev = csr.device
-    w = torch.rand(csr.num_edges, dtype=acc, device=dev) if weighted else None
-    row_scale = col_scale = None
-    if variant == "mean":
-        row_scale = csr.row_scale("mean", acc)
-    elif variant == "gcn":
-        row_scale, col_scale = csr.row_scale("gcn", acc), csr.col_scale_gcn(acc)
-    for view, nbr, rs, n_in in ((csr, col_scale, row_scale, csr.num_src),
-                                (csr.transposed(), row_scale, col_scale, csr.num_dst)):
+    w = torch.rand(csr.num_edges, dtype=dtype, device=dev) if weighted else None
+    for view, var, n_in in ((csr, variant, csr.num_src), (csr.transposed(), "sum", csr.num_dst)):
         view.cache.pop(plan_key(feat, dtype, variant, weighted, 1), None)
         x = torch.randn(n_in, feat, device=dev).to(dtype)
-        choose(view, feat, dtype, variant, weighted, 1, allow_probe=True,
-               run=lambda p, v=view, x=x, nbr=nbr, rs=rs: _cuda_backend.sum_forward(v, x, w, nbr, rs, p))
+        choose(view, feat, dtype, variant, weighted, 1, allow_probe=True, run=public_call(view, x, var, w))
     return csr.cache[plan_key(feat, dtype, variant, weighted, 1)]
