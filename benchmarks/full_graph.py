@@ -7,8 +7,9 @@ Both backends get the same weights (`load_state_dict`) and the same graph (PyG: 
 GCN with ``cached=True`` as PyG's full-graph examples use it); their outputs are compared.
 
 Per (graph, model): training epoch (forward, cross-entropy on every node, backward, Adam step) and
-inference (forward without autograd), median of ``--epochs`` after ``--warmup`` (datapath's first
-epoch checks the graph and probes its kernels).
+inference (forward without autograd): median of ``--epochs`` rounds, each a batch of back-to-back epochs
+(about 5 ms of work) between CUDA events, the two backends alternating, after ``--warmup`` epochs
+(datapath's first epoch checks the graph and probes its kernels).
 
 Run:  PYTHONPATH=src:. python benchmarks/full_graph.py [--quick] [--graphs a,b] [--models gcn,gin]
 Writes benchmarks/results/full_graph.json (records: graph, model, *_train_ms, *_infer_ms, speedups,
@@ -24,7 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import RESULTS_DIR, cuda_time_ms, print_table, write_result
+from benchmarks._common import RESULTS_DIR, print_table, write_result
+from benchmarks.aggregate import interleaved_ms
 from datapath.nn import build_full_graph_model
 from datapath.testing import SEED_GRAPHS, seed_graph
 
@@ -50,6 +52,7 @@ def bench(name: str, model_name: str, warmup: int, repeat: int) -> dict:
     rec: dict[str, Any] = {"device": torch.cuda.get_device_name(), "graph": name, "model": model_name, "nodes": n, "edges": int(g.indices.numel()),
                            "features": spec.num_features, "classes": spec.num_classes, "rel_diff": diff,
                            "setup_s": setup_s}
+    train, infer = {}, {}
     for label, model in (("datapath", ours), ("pyg", theirs)):
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
 
@@ -59,13 +62,15 @@ def bench(name: str, model_name: str, warmup: int, repeat: int) -> dict:
             F.cross_entropy(model(g, x), y).backward()
             opt.step()
 
-        def infer(model: Any = model) -> None:
+        def infer_step(model: Any = model) -> None:
             model.eval()
             with torch.no_grad():
                 model(g, x)
 
-        rec[f"{label}_train_ms"] = cuda_time_ms(train_step, warmup=warmup, repeat=repeat)
-        rec[f"{label}_infer_ms"] = cuda_time_ms(infer, warmup=warmup, repeat=repeat)
+        train[label], infer[label] = train_step, infer_step
+    for kind, fns in (("train", train), ("infer", infer)):  # the two backends alternate (see interleaved_ms)
+        for label, ms in interleaved_ms(fns, reps=repeat, target_ms=5.0, warmup=warmup).items():
+            rec[f"{label}_{kind}_ms"] = ms
     rec["speedup_train"] = rec["pyg_train_ms"] / rec["datapath_train_ms"]
     rec["speedup_infer"] = rec["pyg_infer_ms"] / rec["datapath_infer_ms"]
     print(f"  {name:>16} {model_name}: train {rec['datapath_train_ms']:.3f} ms vs PyG {rec['pyg_train_ms']:.3f} "

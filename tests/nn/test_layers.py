@@ -243,3 +243,25 @@ def test_gcn_self_loops_and_sage_variants() -> None:
         torch.testing.assert_close(ours(g, x), ref(x, torch.stack([cols, rows])), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="aggr"):
         SAGEConv(3, 3, aggr="median")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("width", [(16, 5), (8, 8)])  # projected first / aggregated first
+def test_gin_fixed_eps_follows_state_dict_and_reset(device: str, width: tuple[int, int]) -> None:
+    """GINConv keeps ``1 + eps`` for a fixed eps between calls; a new eps (load_state_dict, reset) is used."""
+    torch.manual_seed(0)
+    for g in (symmetric_graph(device), block(device)):  # whole graph (x_dst is x itself) and a block
+        layer = GINConv(nn.Linear(*width), eps=0.0).to(device)
+        x = torch.randn(g.num_src_nodes, width[0], device=device)
+        for eps in (0.0, 0.7, -0.4):
+            state = layer.state_dict()
+            state["eps"] = torch.tensor([eps])
+            layer.load_state_dict(state)
+            ref = RefGIN(layer, g)
+            want = ref(g, x.double().cpu())
+            got = layer(g, x)
+            assert torch.allclose(got.double().cpu(), want, atol=1e-4), f"eps={eps}"
+        layer.reset_parameters()  # eps back to its initial 0.0 (a .data write)
+        ref = RefGIN(layer, g)
+        assert float(layer.eps) == 0.0
+        assert torch.allclose(layer(g, x).double().cpu(), ref(g, x.double().cpu()), atol=1e-4)

@@ -66,4 +66,6 @@ def layer_inputs(graph: Any, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
             f"the graph has more destination ({csr.num_dst}) than source ({csr.num_src}) nodes, so x_dst "
             f"cannot be x[:num_dst]; pass x as a pair (x_src, x_dst)"
         )
-    return LayerInputs(csr, x, x[: csr.num_dst], None)
+    # a whole graph (every source is a destination): x itself, not a full-length slice, whose backward would
+    # cost a zero-filled gradient and a copy
+    return LayerInputs(csr, x, x if x.shape[0] == csr.num_dst else x[: csr.num_dst], None)

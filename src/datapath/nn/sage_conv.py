@@ -64,8 +64,11 @@ class SAGEConv(nn.Module):
             h = self.lin_l(aggregate(inp.csr, inp.x_src, self.aggr, edge_weight, src_ids=inp.src_ids))
         elif self.aggr != "max" and self.in_channels > self.out_channels:
             h = aggregate(inp.csr, F.linear(inp.x_src, self.lin_l.weight), self.aggr, edge_weight)
-            if self.lin_l.bias is not None:
+            if self.lin_r is not None:  # the root term and lin_l's bias in one matmul: one kernel fewer
+                h = h + F.linear(inp.x_dst, self.lin_r.weight, self.lin_l.bias)
+            elif self.lin_l.bias is not None:
                 h = h + self.lin_l.bias
+            return F.normalize(h, p=2.0, dim=-1) if self.normalize else h
         else:
             h = self.lin_l(aggregate(inp.csr, inp.x_src, self.aggr, edge_weight))
         if self.lin_r is not None:

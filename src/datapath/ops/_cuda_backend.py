@@ -249,13 +249,14 @@ def forward(csr: CSRView, x: torch.Tensor, weight: torch.Tensor | None,
         plan = csr.cache.get(_tune.plan_key(feat, x.dtype, spec.variant, weighted, spec.heads))
         if plan is None:
             allow = spec.heads == 1 and _tune.may_probe(csr)
+            wd = weight.detach() if weight is not None else None
             plan = _tune.choose(csr, feat, x.dtype, spec.variant, weighted, spec.heads, allow_probe=allow,
-                                run=lambda p: sum_forward(csr, x, w, spec.col_scale, spec.row_scale, p))
+                                run=_tune.public_call(csr, x.detach(), spec.variant, wd))
             if allow and spec.grad_x:  # the gradient's plan too, so that the backward never waits
                 t = csr.transposed()
                 g = torch.randn(csr.num_dst, feat, device=x.device).to(x.dtype)
                 _tune.choose(t, feat, x.dtype, spec.variant, weighted, 1, allow_probe=True,
-                             run=lambda p: sum_forward(t, g, w, spec.row_scale, spec.col_scale, p))
+                             run=_tune.public_call(t, g, "sum", wd))
     return sum_forward(csr, x, w, spec.col_scale, spec.row_scale, plan, spec.heads), None
 
 

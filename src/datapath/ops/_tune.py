@@ -3,10 +3,16 @@
 `choose` returns the plan kept with a view for (width, dtype, variant, weighted, heads), making
 it on first use: the model's plan, or, for a graph whose values the ops checked themselves
 (not ``trusted``; whole graphs, not sampled blocks) with enough edges, the fastest candidate
-of a probe on the call's own input (one warm-up and three timed runs each, CUDA events, one
-synchronisation once per graph and key).  Sampled blocks never probe: their plans come from
-the model alone, so preparing them in a loader thread never waits for the GPU.  Set
-``DATAPATH_OPS_PROBE=0`` to use the model everywhere.
+of a probe on the call's own input.  cuSPARSE (``torch.sparse.mm``) is always a candidate, and
+the probe keeps it unless one of our kernels is faster by more than `TIE` (so a plan loses to
+the library by noise at most).  The probe (`probe`): two warm-up calls per candidate, then
+`PROBE_ROUNDS` rounds over the candidates (their order rotated each round), each a batch of
+back-to-back calls (about `PROBE_BATCH_MS` of work, after a synchronisation and one untimed call,
+between CUDA events: the time per call a training loop sees, launch cost included); a candidate's time is
+the median over the rounds.  It synchronises with the host once per batch, once per graph and
+key.  Sampled blocks never probe: their plans come from the model alone, so preparing them in
+a loader thread never waits for the GPU.  Set ``DATAPATH_OPS_PROBE=0`` to use the model
+everywhere.
 """
 from __future__ import annotations
 
@@ -26,7 +32,13 @@ log = logging.getLogger("datapath.ops.tune")
 
 PROBE_MIN_EDGES = 1 << 14
 """Graphs with fewer edges use the model's plan: their calls cost the launch, whatever the kernel."""
-PROBE_RUNS = 3
+PROBE_ROUNDS = 5
+"""Timed rounds per candidate (the median is kept)."""
+PROBE_BATCH_MS = 0.5
+"""Work per timed batch: the batch repeats a call about this long (at most `PROBE_MAX_CALLS` times)."""
+PROBE_MAX_CALLS = 32
+TIE = 0.03
+"""A kernel of ours replaces cuSPARSE only when its median time is under ``(1 - TIE)`` times cuSPARSE's."""
 
 
 def plan_key(feat: int, dtype: torch.dtype, variant: str, weighted: bool, heads: int) -> tuple:
@@ -64,28 +76,60 @@ def may_probe(view: CSRView) -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-def probe(cands: list[AggregationPlan], run: Callable[[AggregationPlan], Any]) -> AggregationPlan:
-    """The candidate with the smallest median time of ``run(plan)`` (candidates that fail are skipped)."""
-    timed: list[tuple[float, int]] = []
-    for i, p in enumerate(cands):
+def _batch(run: Callable[[AggregationPlan], Any], p: AggregationPlan, calls: int) -> float:
+    """Milliseconds per call of ``calls`` back-to-back ``run(p)`` (the queue drained first)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    run(p)  # untimed lead call: pays for what the previous candidate left in the caches; keeps the GPU busy
+    start.record()
+    for _ in range(calls):
+        run(p)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def pick(cands: list[AggregationPlan], times: list[float]) -> int:
+    """The index of the plan to keep: the fastest, unless cuSPARSE is within `TIE` of it (ties go to the library)."""
+    best = min(range(len(cands)), key=lambda i: times[i])
+    lib = [i for i, p in enumerate(cands) if p.kernel == "cusparse"]
+    if lib and cands[best].kernel != "cusparse" and times[best] > (1.0 - TIE) * times[lib[0]]:
+        return lib[0]
+    return best
+
+
+def probe(cands: list[AggregationPlan], run: Callable[[AggregationPlan], Any]
+          ) -> tuple[AggregationPlan, dict[str, float]]:
+    """The candidate `pick` keeps from the median per-call time of ``run(plan)`` (candidates that fail are
+    skipped), and every candidate's time in ms."""
+    ok: list[AggregationPlan] = []
+    calls: list[int] = []
+    for p in cands:
         try:
             run(p)  # warm-up: compiles the variant, builds the kernel's schedule
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * PROBE_RUNS)]
-            for r in range(PROBE_RUNS):
-                events[2 * r].record()
-                run(p)
-                events[2 * r + 1].record()
-            events[-1].synchronize()
-            ms = statistics.median(events[2 * r].elapsed_time(events[2 * r + 1]) for r in range(PROBE_RUNS))
+            run(p)
+            one = _batch(run, p, 2)
         except (RuntimeError, ValueError, NotImplementedError, KernelLoadError) as exc:
             log.debug("probe: %s failed (%s); skipped", p.kernel, exc)
             continue
-        timed.append((ms, i))
-    if not timed:
+        ok.append(p)
+        calls.append(max(1, min(PROBE_MAX_CALLS, round(PROBE_BATCH_MS / max(one, 1e-3)))))
+    if not ok:
         raise RuntimeError("every aggregation kernel failed in the probe")
-    ms, i = min(timed)
-    log.debug("probe: %s", ", ".join(f"{cands[j].kernel}/{cands[j].cut}={t:.3f}ms" for t, j in timed))
-    return cands[i].replace(probed_ms=ms)
+    rounds: list[list[float]] = [[] for _ in ok]
+    for r in range(PROBE_ROUNDS):
+        for k in range(len(ok)):
+            i = (k + r) % len(ok)
+            rounds[i].append(_batch(run, ok[i], calls[i]))
+    times = [statistics.median(t) for t in rounds]
+    i = pick(ok, times)
+    table = {_label(p): t for p, t in zip(ok, times)}
+    log.debug("probe: %s -> %s", table, ok[i].kernel)
+    return ok[i].replace(probed_ms=times[i]), table
+
+
+def _label(p: AggregationPlan) -> str:
+    return p.kernel if p.kernel != "rows" else f"rows/cut{p.cut}/cf{p.cf}/u{p.unroll}"
 
 
 def choose(view: CSRView, feat: int, dtype: torch.dtype, variant: str, weighted: bool, heads: int,
@@ -98,34 +142,37 @@ def choose(view: CSRView, feat: int, dtype: torch.dtype, variant: str, weighted:
     if run is not None and heads == 1 and allow_probe:
         if view.max_degree is None:  # known degrees spare the row split its tail launch; a sync is fine here
             view.max_degree = int(view.in_degrees().max()) if view.num_dst else 0
-        p = probe(candidates(view, feat, dtype, heads), run)
+        with torch.cuda.device(view.device):  # the events and synchronisations on the graph's GPU
+            p, view.cache[("probe_ms",) + key] = probe(candidates(view, feat, dtype, heads), run)
     else:
         p = model_plan(view, feat, dtype, heads)
     view.cache[key] = p
     return p
 
 
+def public_call(view: CSRView, x: torch.Tensor, variant: str, w: torch.Tensor | None
+                ) -> Callable[[AggregationPlan], Any]:
+    """``run(plan)`` for `probe`: the public ``aggregate(view, x, ..., plan=plan)`` call, so that a candidate is
+    timed with the per-call host work a user's call has (a kernel that needs more launches than another can be
+    host-bound there).  Over a transposed view (the gradient) the ``variant``'s scales are left out: the same
+    reads and launches, for timing."""
+    from datapath.ops.aggregate import aggregate  # noqa: PLC0415 - aggregate imports the backends
+
+    reduce, norm = ("sum", "gcn") if variant == "gcn" else (variant, None)
+    return lambda p: aggregate(view, x, reduce, w, norm, plan=p)
+
+
 def tune_graph(graph: Any, feat: int, dtype: torch.dtype, reduce: str, norm: str | None,
                weighted: bool) -> AggregationPlan:
     """Probe the kernels for ``graph`` (forward, and backward over its transpose) on random rows."""
-    from datapath.ops import _cuda_backend  # noqa: PLC0415
-
     csr = as_csr(graph)
     variant = "gcn" if norm == "gcn" else reduce
     if variant not in ("sum", "mean", "gcn"):
         raise ValueError(f"only sum, mean and gcn aggregations have plans to probe, got reduce={reduce!r}")
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
     dev = csr.device
-    w = torch.rand(csr.num_edges, dtype=acc, device=dev) if weighted else None
-    row_scale = col_scale = None
-    if variant == "mean":
-        row_scale = csr.row_scale("mean", acc)
-    elif variant == "gcn":
-        row_scale, col_scale = csr.row_scale("gcn", acc), csr.col_scale_gcn(acc)
-    for view, nbr, rs, n_in in ((csr, col_scale, row_scale, csr.num_src),
-                                (csr.transposed(), row_scale, col_scale, csr.num_dst)):
+    w = torch.rand(csr.num_edges, dtype=dtype, device=dev) if weighted else None
+    for view, var, n_in in ((csr, variant, csr.num_src), (csr.transposed(), "sum", csr.num_dst)):
         view.cache.pop(plan_key(feat, dtype, variant, weighted, 1), None)
         x = torch.randn(n_in, feat, device=dev).to(dtype)
-        choose(view, feat, dtype, variant, weighted, 1, allow_probe=True,
-               run=lambda p, v=view, x=x, nbr=nbr, rs=rs: _cuda_backend.sum_forward(v, x, w, nbr, rs, p))
+        choose(view, feat, dtype, variant, weighted, 1, allow_probe=True, run=public_call(view, x, var, w))
     return csr.cache[plan_key(feat, dtype, variant, weighted, 1)]
