@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -66,3 +67,44 @@ def cuda_time_ms(fn: Callable[[], Any], warmup: int = 3, repeat: int = 10) -> fl
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def interleaved_ms(fns: dict[str, Any], reps: int, target_ms: float = 2.0, max_calls: int = 64,
+                   warmup: int = 2) -> dict[str, float]:
+    """Milliseconds per call of each ``fns[name]()``: median over ``reps`` rounds of the mean of a batch of
+    back-to-back calls (about ``target_ms`` of work between CUDA events, after a synchronisation and one untimed
+    call: the steady-state time per call a training loop sees, host cost included where it exceeds the GPU's);
+    the ways alternate within a round (a fresh random order each round) so that drift and what the previous way
+    left in the caches hit every way alike.  NaN for a way that fails."""
+    out = {name: float("nan") for name in fns}
+    live: dict[str, Any] = {}
+    for name, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn()
+            torch.cuda.synchronize()
+            live[name] = fn
+        except (RuntimeError, NotImplementedError, torch.OutOfMemoryError) as exc:
+            print(f"    {name} failed: {str(exc).splitlines()[0][:140]}")
+            torch.cuda.empty_cache()
+
+    def batch(fn: Any, calls: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        fn()  # untimed lead call: what the previous way left in the caches is paid here, and the GPU is busy
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+
+    names = list(live)
+    calls = {n: max(1, min(max_calls, round(target_ms / max(batch(live[n], 1), 1e-3)))) for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    rng = random.Random(0)
+    for _ in range(reps):
+        for n in rng.sample(names, len(names)):
+            times[n].append(batch(live[n], calls[n]))
+    out.update({n: statistics.median(t) for n, t in times.items()})
+    return out

@@ -25,8 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import RESULTS_DIR, print_table, write_result
-from benchmarks.aggregate import interleaved_ms
+from benchmarks._common import RESULTS_DIR, interleaved_ms, print_table, write_result
 from datapath.nn import build_full_graph_model
 from datapath.testing import SEED_GRAPHS, seed_graph
 
