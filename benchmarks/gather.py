@@ -19,6 +19,8 @@ Within a configuration the ways are timed in turn, in rotating order, after the 
 been kept busy (its clocks drop while it idles); each reports its median.
 
 Run:  PYTHONPATH=src:. python benchmarks/gather.py [--quick]
+      (--row-sizes/--counts/--table-gib/--no-align/--no-py pick a subset; --huge-tables adds the table
+      sweep from a buffer on 2 MiB pages; --name writes results/<name>.json instead)
 Writes benchmarks/results/gather.json and gather.png.
 """
 from __future__ import annotations
@@ -85,6 +87,19 @@ def _memcpy_gbps(buf: torch.Tensor, nbytes: int) -> float:
     return nbytes / ms / 1e6
 
 
+def _host_us(fn: Any, calls: int = 300) -> float:
+    """Host time per call of ``fn`` in microseconds, the GPU kept busy so that the calls only queue."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def _ways(table: torch.Tensor, sets: list[torch.Tensor], sets_cuda: list[torch.Tensor],
           include_py: bool, ablation: bool) -> dict[str, list]:
     """For each way, one callable per index set."""
@@ -138,6 +153,13 @@ def run(args: argparse.Namespace) -> dict:
     big = min(buf_bytes, 1 << 30)
     peak = max(_memcpy_gbps(buf, big) for _ in range(2))
     print(f"pinned H2D memcpy: {peak:.1f} GB/s ({big >> 20} MiB)", flush=True)
+
+    t256 = buf[: (4 << 20) * 64].view(4 << 20, 64)  # host cost per call: 8192 rows of 256 B
+    i8k = torch.randint(0, 4 << 20, (8192,), device="cuda")
+    u256, alias256 = as_unified(t256), cuda_alias(t256)
+    host_us = {"datapath": _host_us(lambda: u256[i8k]), "naive_zc": _host_us(lambda: torch.index_select(alias256, 0, i8k))}
+    print(f"host time per call, 8192 rows: {host_us}", flush=True)
+    del u256, alias256, t256
 
     row_sizes = [int(x) for x in args.row_sizes.split(",")] if args.row_sizes else \
         [256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -241,7 +263,7 @@ def run(args: argparse.Namespace) -> dict:
                                                         "sort_max_row_bytes", "sort_min_rows_long",
                                                         "sort_min_table_bytes", "sync_bounds_check")}
     return {"quick": quick, "table_buffer_bytes": buf_bytes, "gather_config": settings, "memcpy_GBps": peak,
-            "huge_pages": huge_info, "rows": rows, "bars": bars}
+            "huge_pages": huge_info, "host_us_per_call_8k_rows": host_us, "rows": rows, "bars": bars}
 
 
 def plot(result: dict, name: str = "gather") -> None:

@@ -44,6 +44,11 @@ class PlacementError(DatapathError, ValueError):
 _UNIFIED: list[type] = []
 
 
+def unified_type() -> type:
+    """`datapath.unified_tensor.UnifiedTensor` (imported on first use: unified_tensor builds on memory)."""
+    return _UNIFIED[0] if _UNIFIED else _unified_type()
+
+
 def _unified_type() -> type:
     if not _UNIFIED:
         from datapath.unified_tensor.tensor import UnifiedTensor  # noqa: PLC0415 - unified_tensor builds on memory
