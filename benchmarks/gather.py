@@ -19,6 +19,8 @@ Within a configuration the ways are timed in turn, in rotating order, after the 
 been kept busy (its clocks drop while it idles); each reports its median.
 
 Run:  PYTHONPATH=src:. python benchmarks/gather.py [--quick]
+      (--row-sizes/--counts/--table-gib/--no-align/--no-py pick a subset; --huge-tables adds the table
+      sweep from a buffer on 2 MiB pages; --name writes results/<name>.json instead)
 Writes benchmarks/results/gather.json and gather.png.
 """
 from __future__ import annotations
@@ -85,6 +87,19 @@ def _memcpy_gbps(buf: torch.Tensor, nbytes: int) -> float:
     return nbytes / ms / 1e6
 
 
+def _host_us(fn: Any, calls: int = 300) -> float:
+    """Host time per call of ``fn`` in microseconds, the GPU kept busy so that the calls only queue."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def _ways(table: torch.Tensor, sets: list[torch.Tensor], sets_cuda: list[torch.Tensor],
           include_py: bool, ablation: bool) -> dict[str, list]:
     """For each way, one callable per index set."""
@@ -112,9 +127,24 @@ def _ways(table: torch.Tensor, sets: list[torch.Tensor], sets_cuda: list[torch.T
     return ways
 
 
-def run(quick: bool) -> dict:
+def _huge_buffer(nbytes: int) -> tuple[torch.Tensor | None, dict]:
+    """A pinned buffer on 2 MiB pages (None where the machine gives none) and how it was made."""
+    from datapath.memory import huge_page_bytes, huge_pinned_empty, thp_mode
+
+    t0 = time.time()
+    buf = huge_pinned_empty((nbytes // 4,), torch.float32)
+    info = {"thp": thp_mode(), "huge": buf is not None}
+    if buf is not None:
+        _fill(buf)
+        info.update(huge_page_bytes=huge_page_bytes(buf), seconds=time.time() - t0)
+    print(f"huge-page buffer: {info}", flush=True)
+    return buf, info
+
+
+def run(args: argparse.Namespace) -> dict:
     require_cuda("the gather benchmark")
     torch.manual_seed(0)
+    quick = args.quick
     buf_bytes = (2 << 30) if quick else (16 << 30)
     t0 = time.time()
     buf = pinned_empty((buf_bytes // 4,), torch.float32)
@@ -124,15 +154,28 @@ def run(quick: bool) -> dict:
     peak = max(_memcpy_gbps(buf, big) for _ in range(2))
     print(f"pinned H2D memcpy: {peak:.1f} GB/s ({big >> 20} MiB)", flush=True)
 
-    row_sizes = [256, 512, 1024, 2048, 4096, 8192, 16384]
-    counts = [8192, 65536, 262144] if quick else [8192, 65536, 262144, 1048576]
+    t256 = buf[: (4 << 20) * 64].view(4 << 20, 64)  # host cost per call: 8192 rows of 256 B
+    i8k = torch.randint(0, 4 << 20, (8192,), device="cuda")
+    u256, alias256 = as_unified(t256), cuda_alias(t256)
+    host_us = {"datapath": _host_us(lambda: u256[i8k]), "naive_zc": _host_us(lambda: torch.index_select(alias256, 0, i8k))}
+    print(f"host time per call, 8192 rows: {host_us}", flush=True)
+    del u256, alias256, t256
+
+    row_sizes = [int(x) for x in args.row_sizes.split(",")] if args.row_sizes else \
+        [256, 512, 1024, 2048, 4096, 8192, 16384]
+    counts = [int(x) for x in args.counts.split(",")] if args.counts else \
+        [8192, 65536, 262144] if quick else [8192, 65536, 262144, 1048576]
     max_bytes = (256 << 20) if quick else (4 << 30)
     rows: list[dict] = []
+    tables = {"": buf}
 
-    def measure(row_bytes: int, m: int, include_py: bool, sweep: str, table_rows: int = 4 << 20) -> None:
+    def measure(row_bytes: int, m: int, include_py: bool, sweep: str, table_rows: int = 4 << 20,
+                source: str = "") -> None:
         width = row_bytes // 4
-        n = min(table_rows, buf.numel() // width)
-        table = buf[: n * width].view(n, width)
+        src = tables[source]
+        n = min(table_rows, src.numel() // width)
+        table = src[: n * width].view(n, width)
+        include_py = include_py and not args.no_py
         # several index sets, rotated between repetitions, so that no run is served from L2
         sets = [torch.randint(0, n, (m,)) for _ in range(4)]
         sets_cuda = [x.cuda() for x in sets]
@@ -175,30 +218,43 @@ def run(quick: bool) -> dict:
                 continue
             measure(rb, m, include_py=m <= 262144, sweep="size")
     align_m = 65536 if quick else 262144
-    for rb in range(2048, 2077, 4):
-        measure(rb, align_m, include_py=False, sweep="align")
+    if not args.no_align:
+        for rb in range(2048, 2077, 4):
+            measure(rb, align_m, include_py=False, sweep="align")
     # the same gathers from ever larger tables: small rows are limited by address
     # translation (one page per random row), not by the kernel: naive_zc shows it too
-    for rb in (256, 512, 1024):
-        for gib in ((1, 2) if quick else (1, 4, 16)):
-            measure(rb, align_m, include_py=False, sweep=f"table{gib}G", table_rows=(gib << 30) // rb)
+    gibs = ([] if args.table_gib == "none" else [int(x) for x in args.table_gib.split(",")]) if args.table_gib \
+        else [1, 2] if quick else [1, 4, 16]
+    huge_info: dict = {}
+    if args.huge_tables:  # the same, the table on 2 MiB pages (every way reads that same memory)
+        huge, huge_info = _huge_buffer(buf_bytes)
+        if huge is not None:
+            tables["huge"] = huge
+    for source in tables:
+        for rb in (256, 512, 1024):
+            for gib in gibs:
+                measure(rb, align_m, include_py=False, sweep=f"table{gib}G{'_' + source if source else ''}",
+                        table_rows=(gib << 30) // rb, source=source)
 
-    # the bars (issues 2 and 16)
+    # the bars (issues 2 and 16); None where this run did not measure what a bar needs
+    def low(values: Any) -> float | None:
+        values = list(values)
+        return min(values) if values else None
+
     size_rows = [r for r in rows if r["sweep"] == "size" and r["rows"] >= 65536]
     big = [r for r in rows if r["sweep"] == "size" and r["rows"] >= 262144 and r["row_bytes"] >= 512]
     worst = min(rows, key=lambda r: r["datapath_GBps"] / r["naive_zc_GBps"])
     bars = {
         "min_ratio_vs_naive_zc_every_config": worst["datapath_GBps"] / worst["naive_zc_GBps"],
         "min_ratio_vs_naive_zc_at": {k: worst[k] for k in ("sweep", "row_bytes", "rows")},
-        "min_ratio_vs_memcpy_row_ge_512_rows_ge_262k": min(r["datapath_GBps"] / peak for r in big),
-        "min_ratio_vs_memcpy_row_ge_512": min(r["datapath_GBps"] / peak for r in size_rows if r["row_bytes"] >= 512),
-        "min_ratio_vs_memcpy_row_256": min((r["datapath_GBps"] / peak for r in size_rows if r["row_bytes"] == 256),
-                                           default=None),
-        "min_ratio_vs_memcpy_align_sweep": min(r["datapath_GBps"] / peak for r in rows if r["sweep"] == "align"),
-        "min_speedup_vs_py": min(r["py_ms"] / r["datapath_ms"] for r in size_rows if "py_ms" in r),
-        "min_speedup_vs_py_pinned": min(r["py_pinned_ms"] / r["datapath_ms"] for r in size_rows if "py_pinned_ms" in r),
-        "speedup_vs_naive_zc_2052B": next(r["naive_zc_ms"] / r["datapath_ms"] for r in rows
-                                          if r["sweep"] == "align" and r["row_bytes"] == 2052),
+        "min_ratio_vs_memcpy_row_ge_512_rows_ge_262k": low(r["datapath_GBps"] / peak for r in big),
+        "min_ratio_vs_memcpy_row_ge_512": low(r["datapath_GBps"] / peak for r in size_rows if r["row_bytes"] >= 512),
+        "min_ratio_vs_memcpy_row_256": low(r["datapath_GBps"] / peak for r in size_rows if r["row_bytes"] == 256),
+        "min_ratio_vs_memcpy_align_sweep": low(r["datapath_GBps"] / peak for r in rows if r["sweep"] == "align"),
+        "min_speedup_vs_py": low(r["py_ms"] / r["datapath_ms"] for r in size_rows if "py_ms" in r),
+        "min_speedup_vs_py_pinned": low(r["py_pinned_ms"] / r["datapath_ms"] for r in size_rows if "py_pinned_ms" in r),
+        "speedup_vs_naive_zc_2052B": next((r["naive_zc_ms"] / r["datapath_ms"] for r in rows
+                                           if r["sweep"] == "align" and r["row_bytes"] == 2052), None),
         "min_ratio_sync_vs_default": min(r["dp_sync_GBps"] / r["datapath_GBps"] for r in rows),
     }
     from datapath.memory import gather_config
@@ -207,10 +263,10 @@ def run(quick: bool) -> dict:
                                                         "sort_max_row_bytes", "sort_min_rows_long",
                                                         "sort_min_table_bytes", "sync_bounds_check")}
     return {"quick": quick, "table_buffer_bytes": buf_bytes, "gather_config": settings, "memcpy_GBps": peak,
-            "rows": rows, "bars": bars}
+            "huge_pages": huge_info, "host_us_per_call_8k_rows": host_us, "rows": rows, "bars": bars}
 
 
-def plot(result: dict) -> None:
+def plot(result: dict, name: str = "gather") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -218,12 +274,14 @@ def plot(result: dict) -> None:
 
     rows = result["rows"]
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(18, 4.8))
-    m_plot = max(r["rows"] for r in rows if r["sweep"] == "size" and "py_ms" in r)
+    m_plot = max((r["rows"] for r in rows if r["sweep"] == "size" and "py_ms" in r),
+                 default=max((r["rows"] for r in rows if r["sweep"] == "size"), default=0))
     sel = [r for r in rows if r["sweep"] == "size" and r["rows"] == m_plot]
     xs = [r["row_bytes"] for r in sel]
     for way, style in [("datapath", "o-"), ("dp_sync", "o--"), ("dp_nosort", "o:"),
                        ("naive_zc", "x-"), ("py_pinned", "d-"), ("py", "v-")]:
-        a.plot(xs, [r[f"{way}_GBps"] for r in sel], style, label=way)
+        if sel and f"{way}_GBps" in sel[0]:
+            a.plot(xs, [r[f"{way}_GBps"] for r in sel], style, label=way)
     a.axhline(result["memcpy_GBps"], color="k", lw=1, ls=":", label="ideal (pinned memcpy)")
     a.set_xscale("log", base=2)
     a.set_xlabel("row size (bytes)")
@@ -237,15 +295,18 @@ def plot(result: dict) -> None:
         b.plot(xs, [r[f"{way}_GBps"] for r in al], style, label=way)
     b.axhline(result["memcpy_GBps"], color="k", lw=1, ls=":", label="ideal")
     b.set_xlabel("row size (bytes)")
-    b.set_title(f"alignment sweep, {al[0]['rows']} rows")
+    b.set_title(f"alignment sweep, {al[0]['rows'] if al else 0} rows")
     b.legend(fontsize=8)
     for rb, style in ((256, "o-"), (512, "s-"), (1024, "^-")):
-        ts = [r for r in rows if r["sweep"].startswith("table") and r["row_bytes"] == rb]
-        c.plot([r["table_bytes"] / 2**30 for r in ts], [r["datapath_GBps"] for r in ts], style, label=f"datapath {rb} B")
-        c.plot([r["table_bytes"] / 2**30 for r in ts], [r["dp_nosort_GBps"] for r in ts], style.replace("-", "--"),
-               label=f"dp_nosort {rb} B", alpha=0.7)
-        c.plot([r["table_bytes"] / 2**30 for r in ts], [r["naive_zc_GBps"] for r in ts], style.replace("-", ":"),
-               label=f"naive_zc {rb} B", alpha=0.5)
+        for huge in (False, True):
+            ts = [r for r in rows if r["sweep"].startswith("table") and r["sweep"].endswith("_huge") == huge
+                  and r["row_bytes"] == rb]
+            if not ts:
+                continue
+            tag = f"{rb} B{', 2 MiB pages' if huge else ''}"
+            gib = [r["table_bytes"] / 2**30 for r in ts]
+            c.plot(gib, [r["datapath_GBps"] for r in ts], style, label=f"datapath {tag}", lw=2.5 if huge else 1.5)
+            c.plot(gib, [r["naive_zc_GBps"] for r in ts], style.replace("-", ":"), label=f"naive_zc {tag}", alpha=0.6)
     c.axhline(result["memcpy_GBps"], color="k", lw=1, ls=":")
     c.set_xscale("log", base=2)
     c.set_xlabel("table size (GiB)")
@@ -253,16 +314,24 @@ def plot(result: dict) -> None:
     c.legend(fontsize=7)
     fig.suptitle(f"B1 zero-copy gather on {device_label()}")
     fig.tight_layout()
-    fig.savefig(RESULTS_DIR / "gather.png", dpi=110)
+    fig.savefig(RESULTS_DIR / f"{name}.png", dpi=110)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 GiB table, fewer sizes (about a minute)")
+    ap.add_argument("--row-sizes", default="", help="comma-separated row sizes in bytes (default: 256..16384)")
+    ap.add_argument("--counts", default="", help="comma-separated rows per call (default: 8192..1048576)")
+    ap.add_argument("--table-gib", default="", help="comma-separated table sizes of the table sweep (default 1,4,16; none: no table sweep)")
+    ap.add_argument("--no-align", action="store_true", help="skip the alignment sweep")
+    ap.add_argument("--no-py", action="store_true", help="skip the two CPU-gather ways")
+    ap.add_argument("--huge-tables", action="store_true",
+                    help="the table sweep also from a buffer on 2 MiB pages (datapath.memory.huge_pinned_empty)")
+    ap.add_argument("--name", default="gather", help="result name (results/<name>.json, .png)")
     args = ap.parse_args()
-    result = run(args.quick)
-    path = write_result("gather", result)
-    plot(result)
+    result = run(args)
+    path = write_result(args.name, result)
+    plot(result, args.name)
     table = [{"sweep": r["sweep"], "row_B": r["row_bytes"], "rows": r["rows"],
               "datapath": r["datapath_GBps"], "sync": r["dp_sync_GBps"], "sort": r["dp_sort_GBps"],
               "nosort": r["dp_nosort_GBps"], "naive_zc": r["naive_zc_GBps"],

@@ -7,6 +7,7 @@
     scatter_rows(table, cuda_idx, rows)   # the write direction
     check_errors()                        # raise an out-of-range index that an earlier call found
     buf = pinned_empty((n, f), torch.float32)   # page-locked, GPU-mapped (checked against what can be pinned)
+    buf = huge_pinned_empty((n, f), torch.float32)   # the same on 2 MiB pages (None where there are none)
 
 Loaders, sampling, ops, nn, unified tensors and the feature store all ask this module;
 none of them tests devices, ``is_pinned()`` or the unified subclass on its own, and none
@@ -14,10 +15,11 @@ gathers rows itself.  The kernels are ``kernels/gather.cu``.
 """
 from datapath._runtime.errors import PinnedMemoryError
 from datapath._runtime.pinned import (
-    HostRegistration, cuda_alias, pending_host_reads, pin_limit_bytes, pinned_empty, register_in_place,
+    HostRegistration, cuda_alias, pin_limit_bytes, pinned_empty, register_in_place,
 )
 from datapath.memory.bounds import ErrorFlag, check_errors, deferred_flag
 from datapath.memory.config import GATHER_MODES, GatherConfig, config_from_env, gather_config
+from datapath.memory.huge_pages import free_hugetlb_pages, huge_page_bytes, huge_pinned_empty, thp_mode
 from datapath.memory.placement import (
     PLACEMENTS,
     Kind,
@@ -31,11 +33,12 @@ from datapath.memory.placement import (
     placement_of,
     to_placement,
 )
-from datapath.memory.rows import ReadOnlyTableError, gather_rows, gather_tiered, scatter_rows
+from datapath.memory.rows import ReadOnlyTableError, gather_rows, gather_tiered, pending_host_reads, scatter_rows
 
 __all__ = [
     "HostRegistration", "PinnedMemoryError", "cuda_alias", "pending_host_reads", "pin_limit_bytes", "pinned_empty",
     "register_in_place",
+    "free_hugetlb_pages", "huge_page_bytes", "huge_pinned_empty", "thp_mode",
     "ErrorFlag", "check_errors", "deferred_flag", "GATHER_MODES", "GatherConfig", "config_from_env", "gather_config",
     "PLACEMENTS", "Kind", "Placement", "PlacementError", "host_of", "is_read_only", "is_unified", "kernel_view",
     "kind_of", "placement_of", "to_placement",

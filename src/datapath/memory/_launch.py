@@ -1,6 +1,7 @@
 """Launching the row kernels of ``kernels/gather.cu``: word width, lanes per row, grid, visit order.
 
-Private to `datapath.memory`; `datapath.memory.rows` decides what to launch.
+Private to `datapath.memory`; `datapath.memory.rows` decides what to launch, and
+`datapath.memory._plans` caches the plain kernels' launches per row geometry.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 
 from datapath._runtime import kernels
-from datapath.memory.config import GATHER_MODES, gather_config
+from datapath.memory.config import gather_config
 
 _WIDTHS = (16, 8, 4, 2, 1)
 _LINE = 128
@@ -29,7 +30,7 @@ class _Stream:
 _functions: dict[tuple[str, bool, int], Any] = {}
 
 
-def _function(name: str, all_modes: bool) -> Any:
+def function(name: str, all_modes: bool) -> Any:
     """The compiled kernel ``name`` (a CuPy ``Function``), loaded once per device."""
     key = (name, all_modes, torch.cuda.current_device())
     fn = _functions.get(key)
@@ -60,7 +61,7 @@ def word_bytes(*values: int) -> int:
     return 1
 
 
-def _lanes_and_rows(words: int, w: int, mode: int) -> tuple[int, int]:
+def lanes_and_rows(words: int, w: int, mode: int) -> tuple[int, int]:
     """(lanes per row G, rows a group moves per iteration) as the kernel chooses them."""
     g = 32 if words >= 32 else 1 << max(0, (words - 1).bit_length())
     span = words + _LINE // w - 1 if mode == 1 else words
@@ -83,33 +84,6 @@ def visit_order(keys: torch.Tensor, sort: bool) -> tuple[torch.Tensor, torch.Ten
     return keys, order
 
 
-def launch_plain(direction: str, table: torch.Tensor, row_bytes: int, row_stride: int, idx: torch.Tensor,
-                 dev_rows: torch.Tensor, *, mode: str, sort: bool, flag_ptr: int,
-                 on_host: bool) -> torch.cuda.Stream:
-    """Gather (table -> dev_rows) or scatter (dev_rows -> table) rows ``idx`` (flat, contiguous, CUDA).
-
-    ``table`` is any tensor whose rows are contiguous (pinned host or CUDA memory; its
-    data pointer is what the GPU reads); ``dev_rows`` is (m, row) contiguous CUDA memory.
-    Returns the stream the kernel was queued on (the current one).
-    """
-    n_rows, m = table.shape[0], idx.numel()
-    mode_id = GATHER_MODES[mode]
-    w = word_bytes(row_bytes, row_stride, table.data_ptr(), dev_rows.data_ptr())
-    g, per_group = _lanes_and_rows(row_bytes // w, w, mode_id)
-    dev = idx.device.index
-    blocks = _grid(m, g, per_group, dev, on_host)
-    keys, order = visit_order(idx, sort)
-    name = f"{direction}_w{w}_m{mode_id}_{'i32' if idx.dtype == torch.int32 else 'i64'}"
-    stream = torch.cuda.current_stream(idx.device)
-    _function(name, mode_id != 2)(
-        (blocks,), (gather_config.threads_per_block,),
-        (kernels.ptr(table), np.int64(n_rows), np.int64(row_stride), np.int64(row_bytes), kernels.ptr(keys),
-         kernels.ptr(0 if order is None else order), np.int64(m), kernels.ptr(dev_rows), np.int32(g),
-         np.uint64(flag_ptr)),
-        0, _Stream(stream.cuda_stream))
-    return stream
-
-
 def launch_tiered(a: torch.Tensor, b: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, *, sort: bool,
                   flag_ptr: int, counts: torch.Tensor | None, b_on_host: bool) -> None:
     """``out[k] = row of slot loc[k]`` from tables ``a`` (slots 1..len(a)) and ``b`` (the next len(b)).
@@ -126,12 +100,12 @@ def launch_tiered(a: torch.Tensor, b: torch.Tensor, loc: torch.Tensor, out: torc
     lb = row_layout(b) or (row_bytes, row_bytes)
     ptrs = [t.data_ptr() for t in (a, b) if t.numel()]
     w = word_bytes(row_bytes, la[1], lb[1], out.data_ptr(), *ptrs)
-    g, per_group = _lanes_and_rows(row_bytes // w, w, 2)
+    g, per_group = lanes_and_rows(row_bytes // w, w, 2)
     dev = loc.device.index
     blocks = _grid(m, g, per_group, dev, b_on_host and b.shape[0] > 0)
     keys, order = visit_order(loc, sort)
     stream = torch.cuda.current_stream(loc.device)
-    _function(f"tiered_gather_w{w}", False)(
+    function(f"tiered_gather_w{w}", False)(
         (blocks,), (gather_config.threads_per_block,),
         (kernels.ptr(a if a.numel() else 0), np.int64(la[1]), np.int64(a.shape[0]),
          kernels.ptr(b if b.numel() else 0), np.int64(lb[1]), np.int64(b.shape[0]),

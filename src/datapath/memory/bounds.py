@@ -37,11 +37,12 @@ class ErrorFlag:
         self.host = pinned_empty((2,), torch.int64)
         self.host.fill_(NO_ERROR)
         self._word = self.host.numpy()  # reads without a torch op (the check runs before every fetch)
+        self._ptr = self.host.data_ptr()
 
     @property
     def ptr(self) -> int:
         """The address a kernel writes to (host and device pointers agree under unified addressing)."""
-        return self.host.data_ptr()
+        return self._ptr
 
     def is_set(self) -> bool:
         """True when a launch has recorded a bad index (reads host memory; no CUDA call)."""

@@ -8,6 +8,8 @@ whose defaults come from the environment when the process starts:
 ``DATAPATH_GATHER_SYNC``        ``1``: wait for every gather and raise at once
 ``DATAPATH_GATHER_MODE``        ``circular`` | ``shift_mask`` | ``unaligned``
 ``DATAPATH_GATHER_SORT``        ``auto`` | ``1`` | ``0``
+``DATAPATH_GATHER_LAUNCHER``    ``cupy`` (default) | ``ctypes``: how a row kernel
+                                is launched (read once, at import)
 =============================  ================================================
 
 Assigning to `gather_config` (also ``datapath.unified_tensor.config``) changes the default

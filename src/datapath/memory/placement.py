@@ -41,10 +41,20 @@ class PlacementError(DatapathError, ValueError):
     """A tensor is in memory the requested path cannot use (wrong device, pageable where pinned is needed)."""
 
 
-def _unified_type() -> type:
-    from datapath.unified_tensor.tensor import UnifiedTensor  # noqa: PLC0415 - unified_tensor builds on memory
+_UNIFIED: list[type] = []
 
-    return UnifiedTensor
+
+def unified_type() -> type:
+    """`datapath.unified_tensor.UnifiedTensor` (imported on first use: unified_tensor builds on memory)."""
+    return _UNIFIED[0] if _UNIFIED else _unified_type()
+
+
+def _unified_type() -> type:
+    if not _UNIFIED:
+        from datapath.unified_tensor.tensor import UnifiedTensor  # noqa: PLC0415 - unified_tensor builds on memory
+
+        _UNIFIED.append(UnifiedTensor)
+    return _UNIFIED[0]
 
 
 def is_unified(t: object) -> bool:
@@ -83,6 +93,16 @@ def placement_of(t: torch.Tensor) -> Placement:
     if t.device.type == "cpu":
         return "unified" if torch.cuda.is_available() and t.is_pinned() else "cpu"
     raise PlacementError(f"tensors on device {t.device} are not supported; use cpu, unified or cuda")
+
+
+def split(t: torch.Tensor) -> tuple[Placement, torch.Tensor]:
+    """(`placement_of` ``t``, the tensor a kernel or the CPU reads: ``t`` or, for a unified tensor, `host_of` ``t``)."""
+    ut = _UNIFIED[0] if _UNIFIED else _unified_type()
+    if isinstance(t, ut):
+        return "unified", t._host  # type: ignore[attr-defined]
+    if t.is_cuda:
+        return "cuda", t
+    return placement_of(t), t
 
 
 def is_read_only(t: torch.Tensor) -> bool:

@@ -24,22 +24,28 @@ import torch
 
 from datapath._runtime.errors import DatapathError
 from datapath._runtime.pinned import cuda_alias, in_flight
-from datapath.memory import _launch
-from datapath.memory.bounds import ErrorFlag, raise_deferred, thread_flag
+from datapath._runtime.pinned import pending_host_reads as _pending_runtime
+from datapath.memory import _launch, _plans
+from datapath.memory.bounds import ErrorFlag, deferred_flag, raise_deferred, thread_flag
 from datapath.memory.config import GATHER_MODES, gather_config
-from datapath.memory.placement import PlacementError, host_of, is_read_only, is_unified, placement_of
+from datapath.memory.placement import (
+    PlacementError, host_of, is_read_only, is_unified, placement_of, split, unified_type,
+)
 
 
 class ReadOnlyTableError(DatapathError):
     """A write into a table whose memory is read-only (a read-only mapping or a non-writable array)."""
 
 
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
 def _check_index(idx: torch.Tensor) -> None:
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"row indices must be a torch.Tensor, got {type(idx).__name__}")
-    if idx.dtype not in (torch.int32, torch.int64):
+    if idx.dtype not in _INDEX_DTYPES:
         raise TypeError(f"row indices must be int32 or int64, got {idx.dtype}")
-    if idx.device.type not in ("cpu", "cuda"):
+    if not idx.is_cuda and idx.device.type != "cpu":
         raise TypeError(f"row indices must be on CPU or CUDA, got {idx.device}")
 
 
@@ -75,15 +81,24 @@ def _flag_for(error_flag: ErrorFlag | None, sync: bool | None) -> tuple[ErrorFla
     return thread_flag(), False
 
 
+def _wait_and_raise(flag: ErrorFlag, stream: torch.cuda.Stream) -> None:
+    event = torch.cuda.Event(blocking=True)
+    event.record(stream)
+    event.synchronize()
+    flag.raise_if_set()
+
+
 def _finish(flag: ErrorFlag, wait: bool, stream: torch.cuda.Stream, host_owner: torch.Tensor | None) -> None:
     """Wait for the launch and raise (``wait``), or keep the host table alive until the GPU has read it."""
     if wait:
-        event = torch.cuda.Event(blocking=True)
-        event.record(stream)
-        event.synchronize()
-        flag.raise_if_set()
+        _wait_and_raise(flag, stream)
     elif host_owner is not None:
         in_flight.hold(stream, host_owner)  # the GPU reads it after we return: keep it alive until then
+
+
+def pending_host_reads() -> int:
+    """How many launches that read or write host memory may still be running (their memory kept alive)."""
+    return _pending_runtime() + _plans.pending_host_tables()
 
 
 def _bounds_check_cuda(flat: torch.Tensor, n_rows: int) -> None:
@@ -99,6 +114,50 @@ def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, de
     if out.shape != shape or out.dtype != dtype or out.device != device or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape} on {device}; "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+
+
+def _gather_known_unified(table: torch.Tensor, idx: torch.Tensor, error_flag: ErrorFlag | None,
+                          sync: bool | None, sort: bool | None) -> torch.Tensor | None:
+    """`gather_rows`'s most common call in one straight line, or None when it is not that call.
+
+    That call: a unified table already fetched from (its `_plans.HostTable` made), 1-D
+    contiguous int32/int64 CUDA indices on the current device, no ``out``, the default mode,
+    no waiting.  Every decision is the general path's (the same plan, visit-order rule,
+    flags and keep-alive); only the checks that the first fetch settled are skipped.
+    """
+    if type(table) is not unified_type() or type(idx) is not torch.Tensor or not idx.is_cuda:
+        return None
+    rec = _plans.known_host_table(table._host)  # type: ignore[attr-defined]
+    if rec is None or idx.dim() != 1 or not idx.is_contiguous():
+        return None
+    idx_dtype = idx.dtype
+    if idx_dtype is not torch.int64 and idx_dtype is not torch.int32:
+        return None
+    dev = idx.get_device()
+    m = idx.numel()
+    cfg = gather_config
+    if m == 0 or torch._C._cuda_getDevice() != dev:  # noqa: SLF001 - the cheap current-device query
+        return None
+    if error_flag is None:
+        if cfg.sync_bounds_check if sync is None else sync:
+            return None
+        error_flag = deferred_flag()
+    out = idx.new_empty((m, *rec.rest), dtype=rec.dtype)
+    out_ptr = out.data_ptr()
+    w = rec.w if not out_ptr & (rec.w - 1) else _plans.word_width(rec.w, out_ptr)
+    plan = rec.plan("gather", idx_dtype, GATHER_MODES[cfg.gather_mode], dev, w)
+    # the auto rule sorts no call below both row thresholds: the common small call skips asking
+    if (sort is not None or cfg.sort_indices != "auto" or m >= cfg.sort_min_rows or m >= cfg.sort_min_rows_long) \
+            and cfg.sorts(m, rec.row_bytes, rec.table_bytes, sort, True):
+        keys, order = torch.sort(idx)
+        idx_ptr, order_ptr = keys.data_ptr(), order.data_ptr()
+    else:
+        idx_ptr, order_ptr = idx.data_ptr(), 0
+    key, ref, stream = _plans.current_stream(dev)
+    plan.launch(rec.ptr, rec.n_rows, idx_ptr, order_ptr, m, out_ptr, error_flag.ptr, ref)
+    if key not in rec.streams:
+        rec.streams[key] = stream  # the table's memory is kept until the work queued there is done
+    return out
 
 
 def gather_rows(table: torch.Tensor, idx: torch.Tensor, error_flag: ErrorFlag | None = None, *,
@@ -120,15 +179,18 @@ def gather_rows(table: torch.Tensor, idx: torch.Tensor, error_flag: ErrorFlag | 
         (*idx.shape, *rest) tensor of ``table``'s dtype: on CUDA for CUDA indices or a CUDA table,
         else on the CPU.
     """
+    if out is None and mode is None:
+        rows = _gather_known_unified(table, idx, error_flag, sync, sort)
+        if rows is not None:
+            return rows
     _check_index(idx)
-    where = placement_of(table)
-    data = table if where == "cuda" else host_of(table)
+    where, data = split(table)
     if data.dim() == 0:
         raise IndexError("cannot gather rows of a 0-dimensional tensor")
-    rest = tuple(data.shape[1:])
+    rest = data.shape[1:]
     if where == "cuda" and idx.device != data.device:
         idx = idx.to(data.device)
-    if idx.device.type == "cpu":
+    if not idx.is_cuda:
         if out is not None:
             raise ValueError("out= is for the GPU gather (CUDA indices or a CUDA table)")
         rows = torch.index_select(data, 0, _cpu_rows(data.shape[0], idx))
@@ -139,16 +201,16 @@ def gather_rows(table: torch.Tensor, idx: torch.Tensor, error_flag: ErrorFlag | 
             return rows.reshape(*idx.shape, *rest).to(idx.device)
         _check_out(out, (*idx.shape, *rest), data.dtype, idx.device)
         return out.copy_(rows.reshape(out.shape))
-    shape = (*idx.shape, *rest)
-    flat = idx.reshape(-1).contiguous()
+    flat = idx if idx.dim() == 1 and idx.is_contiguous() else idx.reshape(-1).contiguous()
+    m = flat.numel()
     if out is None:
-        out = torch.empty((flat.numel(), *rest), dtype=data.dtype, device=idx.device)
+        out = flat.new_empty((m, *rest), dtype=data.dtype)
     else:
-        _check_out(out, shape, data.dtype, idx.device)
-        out = out.view(flat.numel(), *rest)
-    if flat.numel():
+        _check_out(out, (*idx.shape, *rest), data.dtype, idx.device)
+        out = out.view(m, *rest)
+    if m:
         _launch_rows("gather", data, flat, out, where, error_flag, sync, mode, sort)
-    return out.view(shape)
+    return out if idx.dim() == 1 else out.view(*idx.shape, *rest)
 
 
 def scatter_rows(table: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, *, sync: bool | None = None,
@@ -198,35 +260,69 @@ def scatter_rows(table: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, *, 
 
 def _launch_rows(direction: str, data: torch.Tensor, flat: torch.Tensor, dev_rows: torch.Tensor, where: str,
                  error_flag: ErrorFlag | None, sync: bool | None, mode: str | None, sort: bool | None) -> None:
-    mode = gather_config.gather_mode if mode is None else mode
-    if mode not in GATHER_MODES:
+    """One kernel launch (three with a sorted visit order) moving rows ``flat`` between ``data`` and ``dev_rows``.
+
+    What depends only on the table and the row geometry is worked out once and cached
+    (`datapath.memory._plans`); nothing here waits for the GPU unless ``sync`` asks for it.
+    """
+    mode_id = GATHER_MODES.get(gather_config.gather_mode if mode is None else mode)
+    if mode_id is None:
         raise ValueError(f"mode must be one of {sorted(GATHER_MODES)}, got {mode!r}")
-    n_rows = data.shape[0]
-    layout = _launch.row_layout(data)
     on_host = where != "cuda"
-    if layout is None:  # rows not contiguous in memory: the generic path (bounds checked synchronously)
-        _bounds_check_cuda(flat, n_rows)
-        view = cuda_alias(data) if on_host else data
-        wrapped = flat.to(torch.int64).remainder(max(n_rows, 1))
-        if direction == "gather":
-            dev_rows.copy_(torch.index_select(view, 0, wrapped))
-        else:
-            view.index_copy_(0, wrapped, dev_rows)
+    dev = flat.get_device()
+    out_ptr = dev_rows.data_ptr()
+    switch = torch._C._cuda_getDevice() != dev  # noqa: SLF001 - the cheap current-device query
+    guard = torch.cuda.device(dev) if switch else None
+    if guard is not None:
+        guard.__enter__()
+    try:
         if on_host:
-            in_flight.hold(torch.cuda.current_stream(flat.device), data)
-        return
-    row_bytes, row_stride = layout
-    flag, wait = _flag_for(error_flag, sync)
-    dev = flat.device
-    sorted_visit = gather_config.sorts(flat.numel(), row_bytes, n_rows * row_stride, sort, on_host)
-    if torch.cuda.current_device() == dev.index:
-        stream = _launch.launch_plain(direction, data, row_bytes, row_stride, flat, dev_rows, mode=mode,
-                                      sort=sorted_visit, flag_ptr=flag.ptr, on_host=on_host)
+            rec = _plans.host_table(data)
+            if rec is None:
+                return _launch_generic(direction, data, flat, dev_rows, on_host)
+            w = rec.w if not out_ptr & (rec.w - 1) else _plans.word_width(rec.w, out_ptr)
+            plan = rec.plan(direction, flat.dtype, mode_id, dev, w)
+            n_rows, row_bytes, table_bytes = rec.n_rows, rec.row_bytes, rec.table_bytes
+        else:
+            layout = _launch.row_layout(data)
+            if layout is None:
+                return _launch_generic(direction, data, flat, dev_rows, on_host)
+            row_bytes, row_stride = layout
+            n_rows, table_bytes = data.shape[0], data.shape[0] * row_stride
+            w = _plans.word_width(row_bytes, row_stride, data.data_ptr(), out_ptr)
+            plan = _plans.plan_for(direction, flat.dtype, mode_id, dev, False, row_bytes, row_stride, w)
+        flag, wait = _flag_for(error_flag, sync)
+        m = flat.numel()
+        if gather_config.sorts(m, row_bytes, table_bytes, sort, on_host):
+            keys, order = torch.sort(flat)
+            idx_ptr, order_ptr = keys.data_ptr(), order.data_ptr()
+        else:
+            idx_ptr, order_ptr = flat.data_ptr(), 0
+        key, ref, stream = _plans.current_stream(dev)
+        plan.launch(data.data_ptr(), n_rows, idx_ptr, order_ptr, m, out_ptr, flag.ptr, ref)
+        if on_host and key not in rec.streams:
+            rec.streams[key] = stream  # the table's memory is kept until the work queued there is done
+    finally:
+        if guard is not None:
+            guard.__exit__(None, None, None)
+    if wait:
+        _wait_and_raise(flag, stream)
+    return None
+
+
+def _launch_generic(direction: str, data: torch.Tensor, flat: torch.Tensor, dev_rows: torch.Tensor,
+                    on_host: bool) -> None:
+    """Rows that are not contiguous in memory: PyTorch's index ops, bounds checked synchronously."""
+    n_rows = data.shape[0]
+    _bounds_check_cuda(flat, n_rows)
+    view = cuda_alias(data) if on_host else data
+    wrapped = flat.to(torch.int64).remainder(max(n_rows, 1))
+    if direction == "gather":
+        dev_rows.copy_(torch.index_select(view, 0, wrapped))
     else:
-        with torch.cuda.device(dev):
-            stream = _launch.launch_plain(direction, data, row_bytes, row_stride, flat, dev_rows, mode=mode,
-                                          sort=sorted_visit, flag_ptr=flag.ptr, on_host=on_host)
-    _finish(flag, wait, stream, data if on_host else None)
+        view.index_copy_(0, wrapped, dev_rows)
+    if on_host:
+        in_flight.hold(torch.cuda.current_stream(flat.device), data)
 
 
 def gather_tiered(a: torch.Tensor, b: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, *,

@@ -82,10 +82,8 @@ class UnifiedTensor(torch.Tensor):
 
     def __getitem__(self, index: Any) -> Any:
         """``u[cuda_idx]`` goes straight to the row gather (no indexing machinery); anything else as usual."""
-        if type(index) is torch.Tensor and index.device.type == "cuda" and index.dtype in _INT_INDEX:
-            from datapath.memory import gather_rows  # noqa: PLC0415 - memory imports this module lazily
-
-            return gather_rows(self, index)
+        if type(index) is torch.Tensor and index.is_cuda and index.dtype in _INT_INDEX:
+            return _row_gather()(self, index)
         return super().__getitem__(index)
 
     # --- affinity -----------------------------------------------------------------
@@ -153,6 +151,18 @@ class UnifiedTensor(torch.Tensor):
             if out is not NotImplemented:
                 return out
         return _run(func, args, kwargs)
+
+
+_GATHER: list[Callable[..., torch.Tensor]] = []
+
+
+def _row_gather() -> Callable[..., torch.Tensor]:
+    """`datapath.memory.gather_rows` (imported on first use: memory imports this module lazily)."""
+    if not _GATHER:
+        from datapath.memory import gather_rows  # noqa: PLC0415
+
+        _GATHER.append(gather_rows)
+    return _GATHER[0]
 
 
 _WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
