@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import gc
 import os
 import pickle
 import secrets
@@ -212,8 +213,18 @@ def _entry(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], nproc
         result = fn(*args)
         with open(os.path.join(outdir, f"rank{local_rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+        _leave_together()
     finally:
         shutdown_distributed()
+
+
+def _leave_together() -> None:
+    """Wait for every rank before the group is destroyed: a rank that tears its Gloo pairs down while a peer's last
+    collective is still in flight can abort the peer ("terminate called without an active exception").  Only on the
+    way out after success: a rank that failed is stopped by the launcher instead."""
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()  # DDP/FSDP objects of the finished work release their pending Work handles now
+        dist.barrier()
 
 
 class _Interrupted(BaseException):
