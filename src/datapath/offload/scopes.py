@@ -107,6 +107,7 @@ class Record:
         self.input_of: list[int] = []                  # profiling: per tensor, the block it is the input of (-1)
         self.mem_tail = 0                              # profiling: peak from the forward's end to the first unit backward
         self.mem_open: list[Any] = []                  # profiling: the interval a memory lap closes
+        self.mem_base = 0                              # profiling: memory held when the forward began
         self.pace = -1
         self.pace_fwd: collections.deque[Any] = collections.deque()
         self.pace_bwd: collections.deque[Any] = collections.deque()
