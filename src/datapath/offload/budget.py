@@ -49,6 +49,7 @@ log = logging.getLogger("datapath.offload.budget")
 
 RELAX_BELOW = 0.93   # a planned step under this share of the budget may relax the plan (once)
 LOOKAHEAD = 4        # forward segments whose working set a pack's admission leaves room for
+FREE_LEAD = 16       # units a planned step's CPU may run ahead of the GPU past its offloaded segments
 OVER = 1.005         # a planned step over this share of the budget corrects the plan (measurement noise below)
 
 
@@ -85,6 +86,7 @@ class BudgetPolicy(Policy):
         self._floor_peaks: list[int] = []
         self._head_fwd: list[int] = []
         self._head_bwd = 0
+        self._block_bytes: dict[int, int] = {}   # block -> bytes of the storages it saves
         self._error: OffloadConfigError | None = None
 
     # ------------------------------------------------------------ steps
@@ -158,7 +160,9 @@ class BudgetPolicy(Policy):
         elif (peak < RELAX_BELOW * self.budget and not self._overshot and not self._relaxed
               and (self.plan.offload_bytes or self.plan.recompute)):
             self._relaxed = True
-            self.target += 0.5 * (0.985 * self.budget - peak)
+            # aim higher only where the model's own prediction erred on the safe side, never past the budget
+            # (the step's peak varies with how fast its stores drain)
+            self.target = min(float(self.budget), self.target + 0.5 * (0.985 * self.budget - peak))
             log.info("memory budget: the step's peak %s is well under the budget %s; planning for %s",
                      _gb(peak), _gb(self.budget), _gb(self.target))
             self._replan()
@@ -217,6 +221,17 @@ class BudgetPolicy(Policy):
             return t.admit(nbytes, 2.0 * self.c.max_storage_bytes)
         if self._drain:  # the floor: the store of every earlier storage is over before the next is queued
             return t.admit(nbytes, 0.0)
+        return self._hold(rec)
+
+    def admit_kept(self, rec: Record, nbytes: int) -> float:
+        # a kept storage adds to the memory too: past the offloaded segments, stores still in flight must
+        # drain before the memory grows over the budget (the forward waits instead of the allocator growing)
+        if rec.plan is None or rec.timing or self.c.transfers.inflight_bytes == 0:
+            return 0.0
+        return self._hold(rec)
+
+    def _hold(self, rec: Record) -> float:
+        """Wait while the device holds more than the budget minus the working set of the next segments."""
         s = rec.segments[-1].index if rec.segments else 0
         heads = self._head_fwd
         mark = self.target - (heads[s] if s < len(heads) else max(heads, default=0))
@@ -224,15 +239,27 @@ class BudgetPolicy(Policy):
         if meter.allocated() <= mark:
             return 0.0
         # the device holds more than the budget allows here: wait for stores to free memory
-        return t.admit_until(lambda: meter.allocated() <= mark)
+        return self.c.transfers.admit_until(lambda: meter.allocated() <= mark)
 
     def prefetch_bound(self, rec: Record) -> float:
         if rec.plan is None:
             return derived_bound(self.c, self.c.bandwidth()[1])
-        return max(0.0, self.target - self._head_bwd - self.c.meter.allocated())
+        # room for the largest working set still to come in this backward, and for a recomputed block's
+        # activations, which all come back at once when its backward starts
+        plan = rec.plan
+        again = max((self._block_bytes.get(b, 0) for b in plan.recompute), default=0)
+        return max(0.0, self.target - self._head_bwd - again - self.c.meter.allocated())
 
     def paces(self, rec: Record) -> bool:
         return not rec.timing and (rec.plan is None or rec.plan.offload_bytes > 0)
+
+    def forward_lead(self, rec: Record, segment: int, lead: int) -> int:
+        plan = rec.plan
+        if plan is None:
+            return super().forward_lead(rec, segment, lead)
+        # a planned step stores only its first segments: pace while their stores run, then let the CPU run
+        # ahead (a wait per unit starves the GPU where a unit's kernels are shorter than their launches)
+        return lead if segment <= plan.cut_segment + LOOKAHEAD else max(lead, FREE_LEAD)
 
     # ------------------------------------------------------------ planning
     def _recomputable(self, rec: Record) -> list[int]:
@@ -251,6 +278,11 @@ class BudgetPolicy(Policy):
         grow = [max(0, s.mem_fwd - s.alloc_fwd) for s in segs]
         self._head_fwd = [max(grow[i: i + LOOKAHEAD]) for i in range(len(grow))]
         self._head_bwd = max((s.mem_bwd - s.alloc_bwd for s in segs if s.mem_bwd is not None), default=0)
+        self._block_bytes = {}
+        for si, nb, _ in rec.tensors:
+            b = segs[si].block
+            if b >= 0:
+                self._block_bytes[b] = self._block_bytes.get(b, 0) + nb
 
     def _replan(self) -> None:
         assert self.profile is not None

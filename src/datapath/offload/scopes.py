@@ -366,12 +366,7 @@ class ScopeTracker:
                     ev = torch.cuda.Event()
                     ev.record()
                     rec.pace_fwd.append(ev)
-                    lead = rec.pace
-                    n = rec.expected_units
-                    if n and rec.units > n - max(1, n // 8):
-                        # the last eighth of the forward, where the peak forms: launch a unit only once
-                        # the GPU has finished the one before (its stores have had that much more time)
-                        lead = 0
+                    lead = self.c.policy.forward_lead(rec, rec.segments[-1].index, rec.pace)
                     while len(rec.pace_fwd) > lead:  # lead 0: the event just recorded
                         wait_ev = rec.pace_fwd.popleft()
         if wait_ev is not None:
