@@ -420,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:  # a child: one model, records to --out
+        import logging  # noqa: PLC0415
+
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+        logging.getLogger("datapath.offload.budget").setLevel(logging.INFO)  # each plan and correction, in the log
         records = run_model(args.one, args)
         Path(args.out).write_text(json.dumps(records))
         return 0

@@ -21,11 +21,10 @@ tests() {  # timeout pytest-args...
 }
 case "${1:-dev}" in
   dev)
-    tests 230 tests/offload/test_offload_models_gpu.py -k "budget or compiled or floor"
-    timeout 120 python3 scripts/gpu_offload_diag.py --out "$L" > "$L/diag.log" 2>&1
-    echo "diag rc=$? ($((SECONDS - T0)) s)"; grep -v "^ *\[" "$L/diag.log" | tail -n 8 | cut -c1-1500
-    gzip -f "$L"/trace_*.json 2>/dev/null
-    timeout 170 python3 benchmarks/offload.py --models llama,gpt2 --methods keep,checkpoint,datapath-all,datapath-budget \
+    tests 230 tests/offload/test_offload_models_gpu.py -k "budget or compiled or floor or gpt2"
+    timeout 100 python3 scripts/gpu_offload_compiled.py > "$L/compiled.log" 2>&1
+    echo "compiled rc=$? ($((SECONDS - T0)) s)"; grep -E "^step|budget" "$L/compiled.log" | cut -c1-400 | head -n 30
+    timeout 170 python3 benchmarks/offload.py --models llama,gpt2 --methods keep,checkpoint,save_on_cpu,datapath-all,datapath-budget \
       --steps 3 --warmup 1 --time-budget 80 > "$L/b4.log" 2>&1
     echo "b4 rc=$? ($((SECONDS - T0)) s)"; grep -E "^  (llama|gpt2)" "$L/b4.log" | cut -c1-200
     python3 - "$OUT/offload.json" <<'PY'
