@@ -463,6 +463,7 @@ def save(records: list[dict[str, Any]], partial: bool) -> None:
     """offload.json: the record list; offload_meta.json: machine, command, bars and how things were measured."""
     checks = bars(records)
     path = write_result("offload", {"records": records, "bars": checks, "partial": partial,
+                                    "command": "python benchmarks/offload.py " + " ".join(sys.argv[1:]),
                                     "torchtune": torchtune_offload()[1] or TORCHTUNE_HOW,
                                     "grads_check": "one extra step per method from the same weights, batch and seed, "
                                                    "attention through SDPA's math backend (deterministic); per "
