@@ -359,7 +359,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    models = list(dict.fromkeys(r["model"] for r in records))
+    models = list(dict.fromkeys(r["model"] for r in records if r.get("step_ms")))  # models with a measurement
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5), squeeze=False)
     for ax, m in zip(axes[0], models):
         rs = [r for r in records if r["model"] == m and r.get("step_ms") and r.get("peak_gb") is not None]
