@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from _offload_models import assert_identical, run_steps
-from datapath.offload import TensorCache
-from datapath.offload.cheap_recompute import is_cheap, set_cheap_recompute
+from datapath.offload import TensorCache, is_cheap, set_cheap_recompute
 
 transformers = pytest.importorskip("transformers")
 
