@@ -359,7 +359,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    models = list(dict.fromkeys(r["model"] for r in records))
+    models = list(dict.fromkeys(r["model"] for r in records if r.get("step_ms")))  # models with a measurement
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5), squeeze=False)
     for ax, m in zip(axes[0], models):
         rs = [r for r in records if r["model"] == m and r.get("step_ms") and r.get("peak_gb") is not None]
@@ -420,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:  # a child: one model, records to --out
+        import logging  # noqa: PLC0415
+
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+        logging.getLogger("datapath.offload.budget").setLevel(logging.INFO)  # each plan and correction, in the log
         records = run_model(args.one, args)
         Path(args.out).write_text(json.dumps(records))
         return 0
@@ -459,6 +463,7 @@ def save(records: list[dict[str, Any]], partial: bool) -> None:
     """offload.json: the record list; offload_meta.json: machine, command, bars and how things were measured."""
     checks = bars(records)
     path = write_result("offload", {"records": records, "bars": checks, "partial": partial,
+                                    "command": "python benchmarks/offload.py " + " ".join(sys.argv[1:]),
                                     "torchtune": torchtune_offload()[1] or TORCHTUNE_HOW,
                                     "grads_check": "one extra step per method from the same weights, batch and seed, "
                                                    "attention through SDPA's math backend (deterministic); per "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
+import re
 from typing import Any
 
 import pytest
@@ -18,7 +20,8 @@ pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 
 FAMILIES = ["llama", "gpt2", "qwen2", "mistral"]
-STEPS = 7  # budget: one step runs as "all", one is profiled for memory, one for time, the rest are planned
+STEPS = 7  # budget: one step is profiled for memory, at most one for time, the rest are planned
+PLANNED_BY = 2  # a budget's first planned step is at most the third
 
 
 def build(family: str, attn: str) -> torch.nn.Module:
@@ -80,8 +83,17 @@ def assert_same(ref: list[Any], got: list[Any]) -> None:
             assert torch.equal(a, b), f"step {step}: grad {k} differs by {(a.float() - b.float()).abs().max()}"
 
 
+def release() -> None:
+    """Free what earlier runs left (models held in reference cycles until a collection): every run starts
+    from the same device memory, so peaks of different runs compare."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
 def keep_peak(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
     """(memory before a step, peak of the step) without offloading, optimizer state already made."""
+    release()
     m = copy.deepcopy(model)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     train(m, [ids], opt=opt)  # AdamW state, cuBLAS workspaces
@@ -94,13 +106,14 @@ def keep_peak(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     del m, opt
-    torch.cuda.empty_cache()
+    release()
     return base, peak
 
 
 def run_cache(model: torch.nn.Module, batches: list[torch.Tensor], *args: Any, peaks: list[int] | None = None,
               **kw: Any) -> tuple[list[Any], Any]:
     """Train a copy of ``model`` under a new TensorCache; (losses and gradients, the closed cache)."""
+    release()
     m = copy.deepcopy(model)
     cache = TensorCache(*args, **kw)
     try:
@@ -110,6 +123,8 @@ def run_cache(model: torch.nn.Module, batches: list[torch.Tensor], *args: Any, p
         assert cache.files() == []
     finally:
         cache.close(raise_errors=False)
+        del m
+        release()
     return got, cache
 
 
@@ -133,10 +148,6 @@ def test_hf_family_bit_identical(family: str, attn: str, hf_gc: bool) -> None:
     assert cache.stats.bytes_offloaded > 0 or hf_gc
 
 
-@pytest.mark.xfail(strict=True, raises=OffloadConfigError, reason=(
-    "known planner gap (H100 run of 2026-11-23, merged tree): the budget planner's measured minimum (its memory-profile "
-    "step, e.g. 0.40 GB) lies above the peak policy='all' reaches (this test's floor), so a budget half way from that "
-    "floor to keep's peak is refused as infeasible"))
 @pytest.mark.parametrize("hf_gc", [False, True], ids=["no-hf-gc", "hf-gc"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", FAMILIES)
@@ -153,7 +164,23 @@ def test_hf_family_budget(family: str, attn: str, hf_gc: bool) -> None:
     assert_same(ref, got)
     peaks = cache.policy.peaks
     assert peaks, "no planned step ran"
-    assert peaks[-1] <= 1.03 * budget, f"planned peaks {peaks} over the budget {budget}"
+    assert cache.policy.planned_at is not None and cache.policy.planned_at <= PLANNED_BY, cache.policy.planned_at
+    assert peaks[-1] <= 1.03 * budget, f"planned peaks {peaks} over the budget {budget} (floor {floor})"
+
+
+def test_budget_below_the_floor_names_the_measured_minimum() -> None:
+    """A budget under what a step needs with everything offloaded (here below the gradients alone): refused
+    within the first steps with `OffloadConfigError`, naming a measured minimum above the budget."""
+    model, batches = _family_run("llama", "sdpa", False)
+    base, _ = keep_peak(model, batches[0])
+    all_peaks: list[int] = []
+    run_cache(model, batches, "host", min_bytes=1 << 16, peaks=all_peaks)
+    budget = int(base + 0.1 * (max(all_peaks[1:]) - base))
+    with pytest.raises(OffloadConfigError, match="measured minimum") as info:
+        run_cache(model, batches, "host", memory_budget=budget, min_bytes=1 << 16)
+    m = re.search(r"measured minimum for this model and batch is ([0-9.]+) (GB|MB)", str(info.value))
+    assert m is not None, str(info.value)
+    assert float(m.group(1)) * (1e9 if m.group(2) == "GB" else 1e6) > budget, (str(info.value), budget)
 
 
 @pytest.mark.parametrize("target", ["ssd", "tiered"])
@@ -170,8 +197,9 @@ def test_llama_budget_on_files(target: str, tmp_path) -> None:
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "known gap (H100 run of 2026-11-23): on a torch.compile'd model the budget policy planned no step within 6 steps "
-    "(cache.policy.peaks stayed empty)"))
+    "known gap (H100 run of this session at commit a5affee, 69ef7f6 after the rebases): on a torch.compile'd model the budget policy planned no "
+    "step within 6 steps (cache.policy.peaks stayed empty) while eager models plan by step 2; not diagnosed yet: "
+    "scripts/gpu_offload_compiled.py prints the policy's state per step"))
 def test_compiled_llama_under_a_budget() -> None:
     """torch.compile'd model: the planner sees what the compiled graphs save, and the budget holds."""
     model = build("llama", "sdpa")
@@ -184,7 +212,9 @@ def test_compiled_llama_under_a_budget() -> None:
     try:
         cache.attach(model)
         got = train(torch.compile(model), batches, ctx=cache)
-        assert cache.policy.peaks and cache.policy.peaks[-1] <= 1.03 * budget, (cache.policy.peaks, budget)
+        pol = cache.policy
+        assert pol.peaks and pol.peaks[-1] <= 1.03 * budget, (pol.peaks, budget)
+        assert pol.planned_at is not None and pol.planned_at <= PLANNED_BY, pol.planned_at
     finally:
         cache.close(raise_errors=False)
     for (l0, _), (l1, _) in zip(ref, got):

@@ -21,6 +21,7 @@ from typing import Any
 
 from datapath.offload.budget_planner import BudgetPlan, BudgetProfile, SegmentCost, plan_budget
 from datapath.offload.cache import TensorCache
+from datapath.offload.cheap_recompute import is_cheap, set_cheap_recompute
 from datapath.offload.config import FlowOptions, OffloadConfig, SelectOptions, StoreOptions, parse_memory_budget
 from datapath.offload.context import offload
 from datapath.offload.distributed import clean_stale_ranks, offload_rank, rank_path
@@ -39,9 +40,9 @@ __all__ = [
     "BudgetPlan", "BudgetProfile", "FileStore", "FlowOptions", "HostStore", "OffloadConfig", "OffloadConfigError",
     "OffloadError", "OffloadPlan", "OffloadStats", "OffloadWarning", "SegmentCost", "SegmentProfile",
     "SelectOptions", "Slot", "SpillDir", "StepProfile", "Store", "StoreOptions", "TensorCache", "TensorProfile",
-    "TieredStore", "clean_stale", "clean_stale_ranks", "offload", "offload_rank", "parse_memory_budget",
+    "TieredStore", "clean_stale", "clean_stale_ranks", "is_cheap", "offload", "offload_rank", "parse_memory_budget",
     "patch_schedules", "plan_budget", "plan_offload", "rank_path", "reclaim_stale", "restore_patches",
-    "set_recompute",
+    "set_cheap_recompute", "set_recompute",
 ]
 
 # workload modelling moved to datapath.analysis: the old names work for one more release

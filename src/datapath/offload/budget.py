@@ -1,12 +1,15 @@
 """``memory_budget=``: fit a step's peak memory in a budget, as fast as this machine allows.
 
 The first forward pass runs with everything offloaded (the lowest memory the
-offloader reaches; it pays the one-time costs), and so does the next, profiled for
-memory (interval peaks in the allocator's own counters).  The one after runs with
-nothing offloaded and every block recomputed, profiled for time (each segment's
-compute time without offloading's stalls, each block's recompute cost; about
-checkpointing's memory).  From the two (`BudgetProfile`), `plan_budget` chooses, per
-saved storage and per block, keep, offload or recompute.  A planned step then
+offloader reaches), profiled for memory (interval peaks in the allocator's own
+counters).  The next runs with nothing offloaded and every block recomputed,
+profiled for time (each segment's compute time without offloading's stalls, each
+block's recompute cost; about checkpointing's memory) -- only where the memory
+profile says that step fits the budget; otherwise the plan is made from the first
+step's times.  From the two (`BudgetProfile`, moved by the change of the memory held
+before a step since the profiled one), `plan_budget` chooses, per saved storage and
+per block, keep, offload or recompute.  So the third step (the second, without the
+timing profile) runs planned.  A planned step then
 
 - offloads the planned prefix of storages, admitting each store only while the
   device's allocated memory stays under the budget minus the forward's measured
@@ -18,8 +21,11 @@ saved storage and per block, keep, offload or recompute.  A planned step then
 Each step's measured peak is compared with the budget: above it, the plan is
 made again for a budget lowered by the excess (a step whose peak exceeds the
 budget corrects the plan for the next); well below it, once, for a budget raised
-by part of the gap.  A budget below what the profile measured with everything
-offloaded raises `OffloadConfigError` naming that minimum.
+by part of the gap.  A budget under what the model predicts even with everything
+offloaded is not refused on the prediction: the lowest plan runs, and if its step
+still exceeds the budget, once more with every store drained before the next
+(the floor: the lowest memory offloading reaches); only a budget that floor's
+measured step exceeds raises `OffloadConfigError`, naming that measured minimum.
 """
 from __future__ import annotations
 
@@ -28,7 +34,9 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
-from datapath.offload.budget_planner import KEEP_ALL, BudgetPlan, BudgetProfile, SegmentCost, plan_budget
+from datapath.offload.budget_planner import (
+    KEEP_ALL, BudgetPlan, BudgetProfile, SegmentCost, modelled_peak, plan_budget, shifted,
+)
 from datapath.offload.errors import OffloadConfigError
 from datapath.offload.policy import Policy, derived_bound
 from datapath.offload.recompute import already_recomputed, clear_recompute, set_recompute
@@ -39,9 +47,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("datapath.offload.budget")
 
-WARMUP_RECORDS = 1   # forwards run with everything offloaded before the profiled one
 RELAX_BELOW = 0.93   # a planned step under this share of the budget may relax the plan (once)
 LOOKAHEAD = 4        # forward segments whose working set a pack's admission leaves room for
+FREE_LEAD = 16       # units a planned step's CPU may run ahead of the GPU past its offloaded segments
 OVER = 1.005         # a planned step over this share of the budget corrects the plan (measurement noise below)
 
 
@@ -64,15 +72,21 @@ class BudgetPolicy(Policy):
         self.last_peak: int | None = None
         self.peaks: list[int] = []
         self.replans = 0
+        self.planned_at: int | None = None      # the index of the first step that ran planned
         self._records = 0
         self._profiling: Record | None = None   # the memory profile: everything offloaded
         self._memory: Record | None = None      # ... once measured, until the timing profile is too
         self._timing: Record | None = None      # the time profile: nothing offloaded, every block recomputed
+        self._want_timing = False
         self._pending_peak: int | None = None
         self._overshot = False
         self._relaxed = False
+        self._at_floor = False    # the plan in force is the lowest the model has (it predicted no fit)
+        self._drain = False       # ... and every store is drained before the next pack (the floor)
+        self._floor_peaks: list[int] = []
         self._head_fwd: list[int] = []
         self._head_bwd = 0
+        self._block_bytes: dict[int, int] = {}   # block -> bytes of the storages it saves
         self._error: OffloadConfigError | None = None
 
     # ------------------------------------------------------------ steps
@@ -86,14 +100,21 @@ class BudgetPolicy(Policy):
         if rec is not None and rec.backward_started and rec.bwd_done:
             self._profiling = None
             self._memory = rec
-            if not self._recomputable(rec):
-                self._make_plan(rec, None)  # nothing to recompute: plan on the memory profile's own times
+            self._set_profile(rec, None)
+            blocks = self._recomputable(rec)
+            # the timing step (every block recomputed, nothing offloaded) runs only where the memory profile
+            # says it fits the budget: a budget is often there because more does not fit
+            self._want_timing = bool(blocks) and modelled_peak(self.profile, blocks, 0) <= self.target
+            if not self._want_timing:
+                self._memory = None
+                self._replan()  # plan on the memory profile's own times
             return
         rec = self._timing
         if rec is not None and rec.backward_started and rec.bwd_done and self._memory is not None:
             self._timing = None
-            self._make_plan(self._memory, rec)
+            self._set_profile(self._memory, rec)
             self._memory = None
+            self._replan()
             return
         peak, self._pending_peak = self._pending_peak, None
         if peak is not None:
@@ -110,6 +131,8 @@ class BudgetPolicy(Policy):
             rec.t_end = self.c.scopes.mark()
             rec.bwd_done = True
         elif rec.plan is not None:
+            if self.planned_at is None:
+                self.planned_at = self._records - 1
             self.last_peak = peak
             self.peaks.append(peak)
             self._pending_peak = max(peak, self._pending_peak or 0)
@@ -119,29 +142,52 @@ class BudgetPolicy(Policy):
             return
         if peak > OVER * self.budget:
             self._overshot = True
-            self.target -= (peak - self.budget) * 1.1 + 0.002 * self.budget
             self.c.stats.plan_corrections += 1
+            if self._at_floor:
+                self._floor_peaks.append(peak)
+                if self._drain:
+                    self._refuse(min(self._floor_peaks))
+                # the lowest plan did not hold: drain every store before the next pack, load only on demand
+                self._drain = True
+                self.target = 0.0
+                log.info("memory budget: the lowest plan's step peaked at %s, over the budget %s; draining every "
+                         "store before the next pack", _gb(peak), _gb(self.budget))
+                return
+            self.target -= (peak - self.budget) * 1.1 + 0.002 * self.budget
             log.info("memory budget: the step's peak %s exceeded the budget %s; planning for %s",
                      _gb(peak), _gb(self.budget), _gb(self.target))
             self._replan()
         elif (peak < RELAX_BELOW * self.budget and not self._overshot and not self._relaxed
               and (self.plan.offload_bytes or self.plan.recompute)):
             self._relaxed = True
-            self.target += 0.5 * (0.985 * self.budget - peak)
+            # aim higher only where the model's own prediction erred on the safe side, never past the budget
+            # (the step's peak varies with how fast its stores drain)
+            self.target = min(float(self.budget), self.target + 0.5 * (0.985 * self.budget - peak))
             log.info("memory budget: the step's peak %s is well under the budget %s; planning for %s",
                      _gb(peak), _gb(self.budget), _gb(self.target))
             self._replan()
+
+    def _refuse(self, floor: int) -> None:
+        clear_recompute(self.c.scopes.blocks)
+        self.plan = None
+        self._error = OffloadConfigError(
+            f"memory_budget={_gb(self.budget)} cannot be met: the measured minimum for this model and batch is "
+            f"{_gb(floor)} (a step with every activation offloaded and every store drained before the next: "
+            f"parameters, gradients and optimizer state {_gb(self.c.static_bytes())} plus the smallest working "
+            f"set). Raise the budget to at least {_gb(floor * 1.03)}, or lower the batch size.")
+        raise self._error
 
     def on_record_start(self, rec: Record) -> None:
         # planned steps load ahead as far as the budget's memory allows (`prefetch_bound`): the offloaded
         # storages are the first ones, needed last, and their loads overlap the whole backward before them
         rec.distance = self.c.config.flow.prefetch_distance if self.plan is None else 1 << 30
         rec.plan = self.plan
-        if self.plan is None and self.profile is None:
-            if self._memory is None and self._profiling is None and self._records >= WARMUP_RECORDS:
+        if self.plan is None:
+            if self._memory is None and self._profiling is None:
                 rec.profiling = True
+                rec.mem_base = self.c.meter.allocated()
                 self._profiling = rec
-            elif self._memory is not None and self._timing is None:
+            elif self._memory is not None and self._timing is None and self._want_timing:
                 # compute times without offloading's stalls, and each block's recompute cost: one step with
                 # every block recomputed and nothing offloaded (about checkpointing's memory)
                 rec.timing = True
@@ -171,8 +217,21 @@ class BudgetPolicy(Policy):
 
     def admit(self, rec: Record, nbytes: int) -> float:
         t = self.c.transfers
-        if rec.plan is None:  # warm-up and profile: the lowest memory, two storages in flight
+        if rec.plan is None:  # the memory profile: the lowest memory, two storages in flight
             return t.admit(nbytes, 2.0 * self.c.max_storage_bytes)
+        if self._drain:  # the floor: the store of every earlier storage is over before the next is queued
+            return t.admit(nbytes, 0.0)
+        return self._hold(rec)
+
+    def admit_kept(self, rec: Record, nbytes: int) -> float:
+        # a kept storage adds to the memory too: past the offloaded segments, stores still in flight must
+        # drain before the memory grows over the budget (the forward waits instead of the allocator growing)
+        if rec.plan is None or rec.timing or self.c.transfers.inflight_bytes == 0:
+            return 0.0
+        return self._hold(rec)
+
+    def _hold(self, rec: Record) -> float:
+        """Wait while the device holds more than the budget minus the working set of the next segments."""
         s = rec.segments[-1].index if rec.segments else 0
         heads = self._head_fwd
         mark = self.target - (heads[s] if s < len(heads) else max(heads, default=0))
@@ -180,15 +239,27 @@ class BudgetPolicy(Policy):
         if meter.allocated() <= mark:
             return 0.0
         # the device holds more than the budget allows here: wait for stores to free memory
-        return t.admit_until(lambda: meter.allocated() <= mark)
+        return self.c.transfers.admit_until(lambda: meter.allocated() <= mark)
 
     def prefetch_bound(self, rec: Record) -> float:
         if rec.plan is None:
             return derived_bound(self.c, self.c.bandwidth()[1])
-        return max(0.0, self.target - self._head_bwd - self.c.meter.allocated())
+        # room for the largest working set still to come in this backward, and for a recomputed block's
+        # activations, which all come back at once when its backward starts
+        plan = rec.plan
+        again = max((self._block_bytes.get(b, 0) for b in plan.recompute), default=0)
+        return max(0.0, self.target - self._head_bwd - again - self.c.meter.allocated())
 
     def paces(self, rec: Record) -> bool:
         return not rec.timing and (rec.plan is None or rec.plan.offload_bytes > 0)
+
+    def forward_lead(self, rec: Record, segment: int, lead: int) -> int:
+        plan = rec.plan
+        if plan is None:
+            return super().forward_lead(rec, segment, lead)
+        # a planned step stores only its first segments: pace while their stores run, then let the CPU run
+        # ahead (a wait per unit starves the GPU where a unit's kernels are shorter than their launches)
+        return lead if segment <= plan.cut_segment + LOOKAHEAD else max(lead, FREE_LEAD)
 
     # ------------------------------------------------------------ planning
     def _recomputable(self, rec: Record) -> list[int]:
@@ -196,35 +267,33 @@ class BudgetPolicy(Policy):
         return [b for b in sorted({s.block for s in rec.segments if s.block >= 0})
                 if b < len(blocks) and not already_recomputed(blocks[b])]
 
-    def _make_plan(self, rec: Record, timing: Record | None) -> None:
-        self.profile = self._build_profile(rec, timing)
+    def _set_profile(self, rec: Record, timing: Record | None) -> None:
+        """The profile from the memory record ``rec`` (times from ``timing`` when given), moved by the change
+        of the memory held at a step's start since ``rec`` began (optimizer state made after it, ...)."""
+        delta = self.c.meter.allocated() - rec.mem_base
+        self.profile = shifted(self._build_profile(rec, timing), delta)
         segs = rec.segments
         # what the forward allocates beyond what it holds at a segment's start, over the next few segments:
         # a pack waits for stores while the device holds more than the budget minus that
         grow = [max(0, s.mem_fwd - s.alloc_fwd) for s in segs]
         self._head_fwd = [max(grow[i: i + LOOKAHEAD]) for i in range(len(grow))]
         self._head_bwd = max((s.mem_bwd - s.alloc_bwd for s in segs if s.mem_bwd is not None), default=0)
-        self._replan()
+        self._block_bytes = {}
+        for si, nb, _ in rec.tensors:
+            b = segs[si].block
+            if b >= 0:
+                self._block_bytes[b] = self._block_bytes.get(b, 0) + nb
 
     def _replan(self) -> None:
         assert self.profile is not None
         plan = plan_budget(self.profile, int(self.target))
         self.replans += 1
-        if plan.infeasible and self.budget >= self.profile.min_peak:
-            # the budget itself is reachable (the profiled step held it): the lowest plan there is
-            log.info("memory budget: no plan is modelled under %s; using the lowest (%s modelled)",
+        self._at_floor = plan.infeasible
+        if plan.infeasible:
+            # not refused on the model's word: the lowest plan runs, and its measured peak decides
+            log.info("memory budget: no plan is modelled under %s (the lowest modelled: %s); running the lowest",
                      _gb(self.target), _gb(plan.predicted_peak))
             plan = dataclasses.replace(plan, infeasible=False)
-        if plan.infeasible:
-            blocks = self.c.scopes.blocks
-            clear_recompute(blocks)
-            self.plan = None
-            self._error = OffloadConfigError(
-                f"memory_budget={_gb(self.budget)} cannot be met: the measured minimum for this model and batch "
-                f"is {_gb(plan.min_peak)} (parameters, gradients and optimizer state "
-                f"{_gb(self.c.static_bytes())} plus the smallest working set, with every activation offloaded). "
-                f"Raise the budget to at least {_gb(plan.min_peak * 1.03)}, or lower the batch size.")
-            raise self._error
         self.plan = plan
         set_recompute(self.c.scopes.blocks, plan.recompute)
         log.info("memory budget %s (planning for %s): offload %s (%d segments), recompute %d block(s) %s, "
@@ -271,4 +340,7 @@ class BudgetPolicy(Policy):
 
     @property
     def min_peak(self) -> float:
+        """The lowest peak known to be reachable: the floor's measured step, else the memory profile's."""
+        if self._floor_peaks:
+            return float(min(self._floor_peaks))
         return self.profile.min_peak if self.profile is not None else math.nan

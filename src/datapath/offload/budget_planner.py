@@ -231,6 +231,24 @@ def _time(model: _Model, recompute: set[int], off: list[tuple[int, int]], slack:
 PACING_COST = 0.03  # a step that offloads paces the CPU to the GPU: this share of its compute time
 
 
+def modelled_peak(profile: BudgetProfile, recompute: tuple[int, ...] | list[int] = (), offloaded: int = 0) -> float:
+    """The peak the memory model gives when the blocks ``recompute`` are recomputed and the first
+    ``offloaded`` eligible storages offloaded (the rest kept)."""
+    model = _Model(profile)
+    return model.peak(_kept(model, set(recompute), offloaded)[0])
+
+
+def shifted(profile: BudgetProfile, delta: int) -> BudgetProfile:
+    """``profile`` with every interval peak moved by ``delta`` bytes (the memory held before a step changed
+    since the profiled one: optimizer state made, workspaces, other tensors of the program)."""
+    if not delta:
+        return profile
+    segs = [dataclasses.replace(s, mem_forward=s.mem_forward + delta,
+                                mem_backward=None if s.mem_backward is None else s.mem_backward + delta)
+            for s in profile.segments]
+    return dataclasses.replace(profile, segments=segs, mem_tail=profile.mem_tail + delta)
+
+
 def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6) -> BudgetPlan:
     """The fastest plan whose modelled peak fits ``budget`` bytes (see the module docstring)."""
     p = profile

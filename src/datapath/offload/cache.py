@@ -25,6 +25,7 @@ from torch import nn
 
 from datapath._runtime import pin_limit_bytes
 from datapath.offload.budget import BudgetPolicy
+from datapath.offload.cheap_recompute import set_cheap_recompute
 from datapath.offload.config import OffloadConfig, parse_memory_budget
 from datapath.offload.entry import Entry
 from datapath.offload.errors import OffloadConfigError, OffloadError, OffloadWarning
@@ -246,6 +247,8 @@ class TensorCache:
         blocks = auto_blocks(model)
         with self.lock:
             hooks = self.scopes.attach(model, unit_list, blocks)
+            if self.config.select.recompute_cheap:
+                set_cheap_recompute(model, True)
             self.scopes.models.append((weakref.ref(model), hooks))
             self.refresh_params()
             p = next(model.parameters(), None)
@@ -271,6 +274,7 @@ class TensorCache:
                     m = ref()
                     if m is not None:
                         clear_recompute(auto_blocks(m))
+                        set_cheap_recompute(m, False)
                 else:
                     keep.append((ref, hooks))
             self.scopes.models = keep

@@ -38,11 +38,14 @@ class SelectOptions:
     ``min_bytes``: storages smaller than this stay.  ``keep_last_modules``: the last units of
     the forward stay (their backward comes first).  ``offload_cpu_tensors``: CPU tensors
     are candidates too (normally kept; lets CPU-only runs exercise every path).
+    ``recompute_cheap``: multi-kernel activations and Hugging Face RMSNorms save only their
+    input and run again in backward (`datapath.offload.cheap_recompute`): fewer bytes to move.
     """
 
     min_bytes: int = 1 << 20
     keep_last_modules: int = 1
     offload_cpu_tensors: bool = False
+    recompute_cheap: bool = True
 
     def __post_init__(self) -> None:
         _int_at_least("min_bytes", self.min_bytes, 0)

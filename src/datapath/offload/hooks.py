@@ -90,6 +90,7 @@ class SavedTensorHooks:
                 rec.input_of.append(rec.input_ptrs.get(storage.data_ptr(), -1))
             if not c.policy.decide(rec, seg, idx, nbytes):
                 st.bytes_kept_policy += view_bytes
+                seg.wait_s += c.policy.admit_kept(rec, nbytes)
                 setattr(storage, self.attr, -rec.rid)  # later saves of it in this forward are not new storages
                 return t.detach()
             seg.wait_s += c.policy.admit(rec, nbytes)

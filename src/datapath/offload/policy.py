@@ -69,6 +69,10 @@ class Policy:
         """Backpressure before a store of ``nbytes`` is queued; the seconds waited."""
         return self.c.transfers.admit(nbytes, self.inflight_bound(rec))
 
+    def admit_kept(self, rec: Record, nbytes: int) -> float:
+        """Backpressure before a storage of ``nbytes`` is kept in device memory; the seconds waited."""
+        return 0.0
+
     def prefetch_bound(self, rec: Record) -> float:
         """Bytes one backward step may start loading beyond the segment it needs now."""
         v = self.c.config.flow.max_prefetch_bytes
@@ -77,6 +81,13 @@ class Policy:
     def paces(self, rec: Record) -> bool:
         """Whether the CPU is paced to the GPU during ``rec``."""
         return True
+
+    def forward_lead(self, rec: Record, segment: int, lead: int) -> int:
+        """Units the CPU may run ahead of the GPU when the forward enters a unit at ``segment``: ``lead``,
+        and 0 in the last eighth of the forward, where the peak forms (a unit is launched only once the GPU
+        has finished the one before: its stores have had that much more time)."""
+        n = rec.expected_units
+        return 0 if n and rec.units > n - max(1, n // 8) else lead
 
 
 def derived_bound(cache: "TensorCache", bandwidth: float) -> float:

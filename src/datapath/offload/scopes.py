@@ -107,6 +107,7 @@ class Record:
         self.input_of: list[int] = []                  # profiling: per tensor, the block it is the input of (-1)
         self.mem_tail = 0                              # profiling: peak from the forward's end to the first unit backward
         self.mem_open: list[Any] = []                  # profiling: the interval a memory lap closes
+        self.mem_base = 0                              # profiling: memory held when the forward began
         self.pace = -1
         self.pace_fwd: collections.deque[Any] = collections.deque()
         self.pace_bwd: collections.deque[Any] = collections.deque()
@@ -365,12 +366,7 @@ class ScopeTracker:
                     ev = torch.cuda.Event()
                     ev.record()
                     rec.pace_fwd.append(ev)
-                    lead = rec.pace
-                    n = rec.expected_units
-                    if n and rec.units > n - max(1, n // 8):
-                        # the last eighth of the forward, where the peak forms: launch a unit only once
-                        # the GPU has finished the one before (its stores have had that much more time)
-                        lead = 0
+                    lead = self.c.policy.forward_lead(rec, rec.segments[-1].index, rec.pace)
                     while len(rec.pace_fwd) > lead:  # lead 0: the event just recorded
                         wait_ev = rec.pace_fwd.popleft()
         if wait_ev is not None:
