@@ -6,8 +6,8 @@ Private to `datapath.memory`.
 dtype, alignment scheme, device, row size and stride, word width, grid settings): the
 compiled kernel, the lanes per row, the grid limit, and an argument block that the
 launch reads by pointer.  A call packs the ten arguments with one ``struct.pack_into``
-and launches, through ``cuLaunchKernel`` directly (ctypes) or CuPy's launcher with
-packed pointers (the fallback, and the choice where libcuda cannot be loaded).
+and launches through CuPy's launcher with packed pointers (the default, measured the
+faster), or through ``cuLaunchKernel`` directly via ctypes (``DATAPATH_GATHER_LAUNCHER=ctypes``).
 
 `HostTable`: one record per host table tensor, made on its first fetch: its row layout
 (so a call does not work it out again), its plans, and the streams its launches were
