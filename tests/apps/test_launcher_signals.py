@@ -92,3 +92,38 @@ def test_a_failed_job_leaves_no_error_files(tmp_path: Path) -> None:
     assert len(lines) == 1, out  # one line, no rank's traceback on the terminal
     assert lines[0].startswith("datapath train-gnn: error: rank 0 of 2 failed: ") and "DatasetError" in lines[0], out
     assert list(shm.iterdir()) == [] and _leftovers(tmp) == []
+
+
+_SWALLOWED = """
+import os, signal, sys, weakref
+from datapath.apps import exit_if_stopped, init_distributed, stop_requested
+init_distributed("cpu")          # one process: installs the rank's stop handler, no process group
+
+class Table:
+    pass
+
+def on_free(_):                  # the handler runs inside this callback, where Python ignores a raise
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(100000):
+        pass
+
+t = Table()
+ref = weakref.ref(t, on_free)
+del t
+print("survived the callback", stop_requested() == signal.SIGTERM, flush=True)
+exit_if_stopped()
+print("kept running", flush=True)
+"""
+
+
+def test_a_stop_signal_swallowed_by_a_callback_still_stops_the_loop(tmp_path: Path) -> None:
+    """A rank's SIGTERM landing in a weakref callback (its SystemExit ignored there) still ends the rank at the
+    training loop's next check, with 143 and without Python's 'Exception ignored' report."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "1"}
+    res = subprocess.run([sys.executable, "-c", _SWALLOWED], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert res.returncode == 128 + signal.SIGTERM, (res.stdout, res.stderr)
+    assert "survived the callback True" in res.stdout, (res.stdout, res.stderr)
+    assert "kept running" not in res.stdout
+    assert "Exception ignored" not in res.stderr and "Traceback" not in res.stderr, res.stderr

@@ -11,7 +11,8 @@ from datapath._runtime.cuda_sched import use_blocking_sync
 from datapath._runtime.device import cuda_available, device_label, machine_info, require_cuda
 from datapath.apps.errors import CudaAutogradUnavailableError, DistributedError
 from datapath.apps.launch import (
-    DistContext, all_gather_objects, in_launched_job, init_distributed, launch, new_prefix, shutdown_distributed,
+    DistContext, all_gather_objects, exit_if_stopped, in_launched_job, init_distributed, launch, new_prefix,
+    shutdown_distributed, stop_requested,
 )
 from datapath.apps.shared_data import (
     SharedDataset, attach_dataset, memory_footprint, segment_bytes, share_dataset, shared_dataset,
@@ -21,8 +22,9 @@ from datapath.apps.training import EpochStats, check_cuda_autograd, evaluate, pr
 
 __all__ = [
     "CudaAutogradUnavailableError", "DistContext", "DistributedError", "EpochStats", "SharedDataset", "TrainConfig",
-    "all_gather_objects", "attach_dataset", "check_cuda_autograd", "cuda_available", "device_label", "evaluate", "global_mean_loss",
+    "all_gather_objects", "attach_dataset", "check_cuda_autograd", "cuda_available", "device_label", "evaluate", "exit_if_stopped",
+    "global_mean_loss",
     "in_launched_job", "init_distributed", "launch", "machine_info", "make_optimizer", "memory_footprint",
     "new_prefix", "profile_batches", "require_cuda", "run_training", "segment_bytes", "share_dataset", "shared_dataset",
-    "shutdown_distributed", "train", "train_epoch", "use_blocking_sync", "wrap_ddp",
+    "shutdown_distributed", "stop_requested", "train", "train_epoch", "use_blocking_sync", "wrap_ddp",
 ]

@@ -10,14 +10,15 @@ shared tables and offload files are removed.
 from __future__ import annotations
 
 import contextlib
-import logging
 import gc
+import logging
 import os
 import pickle
 import secrets
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -121,24 +122,55 @@ def init_distributed(device: str | None = None, backend: str | None = None,
     return DistContext(rank, world, local_rank, local_world, dev, backend)
 
 
+_stop_signal: list[int] = []  # the signal that asked this process to stop, once one has
+
+
+def stop_requested() -> int | None:
+    """The signal (SIGTERM / SIGINT) that asked this rank to stop, or None.  Loops call `exit_if_stopped` per step."""
+    return _stop_signal[0] if _stop_signal else None
+
+
+def exit_if_stopped() -> None:
+    """Raise ``SystemExit(128 + signal)`` if a stop signal arrived: the handler's own raise can land inside a
+    weakref callback or ``__del__``, where Python prints it and carries on; a loop checking here still stops."""
+    if _stop_signal:
+        raise SystemExit(128 + _stop_signal[0])
+
+
 def _exit_on_sigterm(also_sigint: bool = False) -> None:
     """Turn SIGTERM (and SIGINT) into one ``SystemExit(128 + signal)`` that unwinds normally.
 
-    The first signal raises; later ones are ignored, so a second signal cannot interrupt the
-    clean-up (finally blocks, atexit handlers removing shared tables and offload files).
+    The first signal is recorded (`stop_requested`) and raises; later ones are ignored, so a second
+    signal cannot interrupt the clean-up (finally blocks, atexit handlers removing shared tables and
+    offload files).  Where the raise is swallowed (it arrived inside a weakref callback), the training
+    loop's per-step `exit_if_stopped` raises it again.
     """
     signals = (signal.SIGTERM, signal.SIGINT) if also_sigint else (signal.SIGTERM,)
 
     def handler(signum: int, frame: Any) -> None:  # noqa: ARG001
         for sig in signals:
             signal.signal(sig, signal.SIG_IGN)
+        if not _stop_signal:
+            _stop_signal.append(signum)
         raise SystemExit(128 + signum)
 
     try:
         for sig in signals:
             signal.signal(sig, handler)
     except ValueError:  # not the main thread
-        pass
+        return
+    previous = sys.unraisablehook
+    if getattr(previous, "_datapath_stop", False):
+        return
+
+    def quiet_stop(unraisable: Any) -> None:
+        # our SystemExit swallowed in a callback: not an error to print; `exit_if_stopped` raises it again
+        if _stop_signal and unraisable.exc_type is SystemExit:
+            return
+        previous(unraisable)
+
+    quiet_stop._datapath_stop = True  # type: ignore[attr-defined]
+    sys.unraisablehook = quiet_stop
 
 
 def shutdown_distributed() -> None:

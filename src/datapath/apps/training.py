@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from datapath.apps.errors import CudaAutogradUnavailableError
+from datapath.apps.launch import exit_if_stopped
 from datapath.loaders import Batch, NeighborLoader
 
 LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
@@ -102,6 +103,7 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
     it = iter(loader)
     try:
         while max_batches is None or n < max_batches:
+            exit_if_stopped()  # a stop signal whose own raise was swallowed (see `exit_if_stopped`)
             tw = time.perf_counter()
             batch = next(it, None)
             if batch is None:
