@@ -108,3 +108,16 @@ def interleaved_ms(fns: dict[str, Any], reps: int, target_ms: float = 2.0, max_c
             times[n].append(batch(live[n], calls[n]))
     out.update({n: statistics.median(t) for n, t in times.items()})
     return out
+
+
+def wall_us_per_call(fn: Callable[[], Any], calls: int = 200, warmup: int = 10) -> float:
+    """Wall microseconds per call of ``fn`` over ``calls`` back-to-back calls, synchronised at both ends: the cost
+    of a step where the host is the bottleneck (a GPU-bound ``fn`` shows its GPU time instead)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6

@@ -36,7 +36,7 @@ from benchmarks._common import RESULTS_DIR, cuda_time_ms, interleaved_ms, print_
 from datapath import memory
 from datapath.graph import CSRGraph
 from datapath.ops import KERNELS, aggregate, plan_aggregation, prepare_aggregation
-from datapath.testing import seed_graph
+from datapath.testing import edge_index, seed_graph
 
 GRAPHS = ("citeseer", "ppi", "OVCAR-8H", "amazon0505", "artist", "soc-BlogCatalog")
 WIDTHS = (16, 64, 128, 602)
@@ -116,9 +116,7 @@ def bench_spmm(graphs: dict[str, CSRGraph], widths: tuple[int, ...], dtypes: dic
                rows: list[dict], candidates: bool, checkpoint: Any) -> None:
     for name, g in graphs.items():
         e = g.indices.numel()
-        dst = torch.repeat_interleave(torch.arange(g.num_dst_nodes, device="cuda"), g.indptr[1:] - g.indptr[:-1],
-                                      output_size=e)
-        src = g.indices.long()
+        src, dst = edge_index(g)
         for dname, dt in dtypes.items():
             a, at = csr_tensors(g, dt)
             for f in widths:
@@ -227,10 +225,7 @@ def bench_layers(graphs: dict[str, CSRGraph], repeat: int, fin: int = 128, fout:
 
     rows = []
     for name, g in graphs.items():
-        e = g.indices.numel()
-        dst = torch.repeat_interleave(torch.arange(g.num_dst_nodes, device="cuda"), g.indptr[1:] - g.indptr[:-1],
-                                      output_size=e)
-        edge_index = torch.stack([g.indices.long(), dst])
+        ei = edge_index(g)
         x = torch.randn(g.num_src_nodes, fin, device="cuda", requires_grad=True)
         gy = torch.randn(g.num_dst_nodes, fout, device="cuda")
         for kind, ours, theirs in (
@@ -242,8 +237,8 @@ def bench_layers(graphs: dict[str, CSRGraph], repeat: int, fin: int = 128, fout:
             ours = ours.cuda()
             ours.load_state_dict(theirs.state_dict(), strict=False)
             with torch.no_grad():
-                err = float((ours(g, x) - theirs(x, edge_index)).abs().max())
-            res = time_ways({"datapath": lambda x: ours(g, x), "pyg": lambda x: theirs(x, edge_index)}, x, gy,
+                err = float((ours(g, x) - theirs(x, ei)).abs().max())
+            res = time_ways({"datapath": lambda x: ours(g, x), "pyg": lambda x: theirs(x, ei)}, x, gy,
                             repeat)
             t_ours, t_pyg = res["datapath"], res["pyg"]
             rows.append({"device": torch.cuda.get_device_name(), "graph": name, "layer": kind, "in": fin, "out": fout, "max_abs_diff": err,

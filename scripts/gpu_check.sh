@@ -11,6 +11,7 @@
 #   b2-papers B2 papers shape, cache and disk    benchmarks/gnn_epoch.py --datasets papers   (~7 min, 40 GiB data)
 #   b3        B3 aggregation + full-graph models benchmarks/aggregate.py, full_graph.py      (~6.5 min)
 #   b4        B4 offloading on real models       benchmarks/offload.py                       (~9 min)
+#             (B4_ARGS / B4_TIMEOUT override, e.g. B4_TIMEOUT=290 B4_ARGS="--steps 3 --warmup 1 --time-budget 110")
 #   rok       ROK curve                          benchmarks/rok.py                           (~2.5 min)
 #   two-gpu   the tests that need 2 GPUs (offload FSDP2/DDP/Megatron TP2, data-parallel loaders, sharded store,
 #             two torchrun nodes)                                                    (nvidia-h200-x2 only)
@@ -84,7 +85,7 @@ for s in "${suites[@]}"; do
           --eval-nodes 1024 --profile-batches 2 --disk-batches 15 --verify-batches 3 --name gnn_epoch_papers \
           --disk-dir "$PWD/bench-disk" ;;
     b3) bench 260 aggregate --repeat 5; bench 120 full_graph ;;
-    b4) bench 560 offload --time-budget 170 ;;
+    b4) bench "${B4_TIMEOUT:-560}" offload ${B4_ARGS:---time-budget 170} ;;
     rok) bench 160 rok ;;
     two-gpu)
       timeout "${T_TESTS:-500}" python3 -m pytest -q -rA -p no:cacheprovider -m gpu \

@@ -7,32 +7,18 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 import torch_geometric.nn as pyg
 
+from benchmarks._common import wall_us_per_call
 from datapath.nn import GCNConv, GINConv, SAGEConv
-from datapath.testing import seed_graph
-
-
-def host_us(fn, n: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+from datapath.testing import edge_index, seed_graph
 
 
 def main() -> None:
     g, _ = seed_graph("citeseer", device="cuda")
-    e = g.indices.numel()
-    dst = torch.repeat_interleave(torch.arange(g.num_dst_nodes, device="cuda"), g.indptr[1:] - g.indptr[:-1],
-                                  output_size=e)
-    edge_index = torch.stack([g.indices.long(), dst])
+    ei = edge_index(g)
     x = torch.randn(g.num_src_nodes, 128, device="cuda", requires_grad=True)
     gy = torch.randn(g.num_dst_nodes, 64, device="cuda")
     for kind, ours, theirs in (
@@ -49,7 +35,7 @@ def main() -> None:
 
         def fb_pyg() -> None:
             x.grad = None
-            theirs(x, edge_index).backward(gy)
+            theirs(x, ei).backward(gy)
 
         def f_ours() -> None:
             with torch.no_grad():
@@ -57,17 +43,17 @@ def main() -> None:
 
         def f_pyg() -> None:
             with torch.no_grad():
-                theirs(x, edge_index)
+                theirs(x, ei)
 
-        print(f"{kind}: host us/step fwd ours {host_us(f_ours):.1f} pyg {host_us(f_pyg):.1f}; "
-              f"fb ours {host_us(fb_ours):.1f} pyg {host_us(fb_pyg):.1f}", flush=True)
+        print(f"{kind}: host us/step fwd ours {wall_us_per_call(f_ours):.1f} pyg {wall_us_per_call(f_pyg):.1f}; "
+              f"fb ours {wall_us_per_call(fb_ours):.1f} pyg {wall_us_per_call(fb_pyg):.1f}", flush=True)
     # where datapath's host time goes (SAGEConv fb)
     ours = SAGEConv(128, 64).cuda()
 
     def fb() -> None:
         x.grad = None
         ours(g, x).backward(gy)
-    host_us(fb, 20)
+    wall_us_per_call(fb, 20)
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(200):

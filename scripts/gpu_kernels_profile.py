@@ -10,9 +10,10 @@ import collections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.aggregate import _PretransposedSpMM, csr_tensors, interleaved_ms
+from benchmarks._common import interleaved_ms
+from benchmarks.aggregate import _PretransposedSpMM, csr_tensors
 from datapath.ops import aggregate, plan_aggregation
-from datapath.testing import seed_graph
+from datapath.testing import edge_index, seed_graph
 
 STEPS = 20
 
@@ -76,10 +77,7 @@ def layers() -> None:
     from datapath.nn import SAGEConv  # noqa: PLC0415
 
     g, _ = seed_graph("citeseer", device="cuda")
-    e = g.indices.numel()
-    dst = torch.repeat_interleave(torch.arange(g.num_dst_nodes, device="cuda"), g.indptr[1:] - g.indptr[:-1],
-                                  output_size=e)
-    edge_index = torch.stack([g.indices.long(), dst])
+    ei = edge_index(g)
     x = torch.randn(g.num_src_nodes, 128, device="cuda", requires_grad=True)
     gy = torch.randn(g.num_dst_nodes, 64, device="cuda")
     theirs = pyg.SAGEConv(128, 64).cuda()
@@ -92,7 +90,7 @@ def layers() -> None:
 
     def fp() -> None:
         x.grad = None
-        theirs(x, edge_index).backward(gy)
+        theirs(x, ei).backward(gy)
     print("citeseer SAGEConv fb", interleaved_ms({"ours": fo, "pyg": fp}, reps=7), flush=True)
     summarize("ours", fo)
     summarize("pyg", fp)

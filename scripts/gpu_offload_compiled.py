@@ -1,7 +1,6 @@
 """Debug aid (GPU): a torch.compile'd small HF Llama under memory_budget, the budget policy's state per step."""
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch

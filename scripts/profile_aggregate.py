@@ -15,24 +15,17 @@ import cProfile
 import io
 import json
 import pstats
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks._common import wall_us_per_call
 from datapath.ops import aggregate, as_csr, plan_aggregation
 from datapath.testing.graphs import seed_graph
 
 
-def per_call_us(fn, n: int = 300) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+def per_call_us(fn) -> float:
+    return wall_us_per_call(fn, calls=300, warmup=20)
 
 
 def host_overhead(out: dict) -> str:

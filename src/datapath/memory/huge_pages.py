@@ -16,8 +16,8 @@ unpinned and unmapped when the last tensor over it is freed.  ``huge_pinned_empt
 returns None where neither way works (no CUDA, not Linux, THP off): the caller falls
 back to ordinary pinned memory.
 
-Measured (H100 PCIe Gen5 in a VM, 16 GiB table, 262K random rows per call, 2026-11-23,
-``scripts/gpu_features.sh``): no gain.  256/512/1024/4096-byte rows reached 11.6/23.7/45.3/50.3
+Measured (H100 PCIe Gen5 in a VM, 16 GiB table, 262K random rows per call, 2026-11-23, a
+development probe of the gather work): no gain.  256/512/1024/4096-byte rows reached 11.6/23.7/45.3/50.3
 GB/s (sorted visit) from cudaHostAlloc memory, 11.2/23.5/44.5/50.4 from THP and 11.6/23.1/45.2/50.6
 from hugetlbfs pages (all 16 GiB verified on 2 MiB pages): the translation cost of random rows
 lies on the GPU's side of the mapping, which host pages do not change.  So no allocator of

@@ -53,6 +53,14 @@ def power_law_csr(num_dst: int, num_src: int, num_edges: int, *, alpha: float = 
     return CSRGraph(indptr.to(device), indices.to(index_dtype).to(device), num_src, num_dst)
 
 
+def edge_index(graph: CSRGraph) -> torch.Tensor:
+    """(2, E) int64 ``[src, dst]`` of ``graph``'s edges in CSR order, on its device: PyG's ``edge_index``."""
+    ip = graph.indptr
+    dst = torch.repeat_interleave(torch.arange(graph.num_dst_nodes, device=ip.device), ip[1:] - ip[:-1],
+                                  output_size=graph.indices.numel())
+    return torch.stack([graph.indices.long(), dst])
+
+
 def dense_adjacency(graph: CSRGraph, weight: torch.Tensor | None = None) -> torch.Tensor:
     """(num_dst, num_src) float64 matrix on the CPU; duplicate edges summed; ``weight`` (E,) per CSR position."""
     ip, ix = graph.indptr.cpu(), graph.indices.cpu().long()
