@@ -5,13 +5,17 @@ intermediate 11008, vocab 32000; micro-batch 4, sequence 2048), HF GPT-2 (n_embd
 layers; micro-batch 8, sequence 1024) and the GPT stack H8192 L4 (micro-batch 8, sequence 1024).
 Methods: keep; checkpoint (HF gradient checkpointing, non-reentrant; layerwise for the stack);
 save_on_cpu (pin_memory=True); torchtune (OffloadActivations, when it imports); compile_budget
-(torch.compile with activation_memory_budget); datapath-all (``offload(model)``, defaults);
-datapath-budget (``offload(model, memory_budget=B)``, B at 25/50/75/100% of the way from keep's
-peak down to checkpoint's).  Per step: zero_grad(set_to_none=True) (gradients are allocated in
+(torch.compile of the whole model with each ``--compile-budgets`` activation_memory_budget, and
+the blocks compiled regionally with the default budget, ``regional: true``: what datapath's
+compiled method runs without offloading); datapath-all (``offload(model)``, defaults);
+datapath-budget (``offload(model, memory_budget=B, compile=True)``, B at 25/50/75/100% of the
+way from keep's peak down to checkpoint's; ``--datapath-compile eager|both`` for the eager
+method, ``compiled`` in each record).  Per step: zero_grad(set_to_none=True) (gradients are allocated in
 backward), forward, backward, SGD step; peak = torch.cuda.max_memory_allocated() over the step;
 step time = median of ``--steps`` after ``--warmup`` (more warm-up for datapath-budget: it profiles
 and plans).  grads_identical: one extra step per method from the same weights, batch and seed,
-gradients compared bit for bit (a per-parameter hash) with keep's.
+gradients compared bit for bit (a per-parameter hash) with keep's (compiled datapath: with the
+regionally compiled blocks' without offloading; compiled kernels differ from eager ones).
 
 Writes benchmarks/results/offload.json (a list of records {model, method, budget_gb, step_ms,
 peak_gb, grads_identical, device, ...}) and offload.png (step time against peak per model).
@@ -45,12 +49,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import RESULTS_DIR, print_table, write_result  # noqa: E402
-from datapath.offload import offload  # noqa: E402
+from datapath.offload import compile_blocks, offload, uncompile_blocks  # noqa: E402
 from datapath.offload.memory_meter import CpuMeter  # noqa: E402
 
 METHODS = ["keep", "checkpoint", "save_on_cpu", "torchtune", "datapath-all", "datapath-budget", "compile_budget"]
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)   # of the way from keep's peak down to checkpoint's
-COMPILE_BUDGET = 0.5                 # torch._functorch.config.activation_memory_budget
+COMPILE_BUDGETS = "1.0,0.5"          # torch._functorch.config.activation_memory_budget values measured
 
 
 class DecoderLayer(nn.Module):
@@ -199,9 +203,17 @@ def grad_hash(model: nn.Module) -> list[tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def method_context(w: Workload, method: str, budget: int | None, tt_cls: Any) -> Iterator[Callable[[], Any]]:
+def method_context(w: Workload, method: str, budget: int | None, tt_cls: Any, compiled: bool = False
+                   ) -> Iterator[Callable[[], Any]]:
     """Set the method up around the steps; yields a function giving the per-step context."""
     model = w.model
+    if method == "compile_regional":
+        compile_blocks(model)
+        try:
+            yield contextlib.nullcontext
+        finally:
+            uncompile_blocks(model)
+        return
     if method == "checkpoint":
         w.recompute(True)
         try:
@@ -215,6 +227,8 @@ def method_context(w: Workload, method: str, budget: int | None, tt_cls: Any) ->
     elif method in ("datapath-all", "datapath-budget"):
         cpu = next(model.parameters()).device.type == "cpu"
         opts: dict[str, Any] = dict(offload_cpu_tensors=True, min_bytes=4096) if cpu else {}
+        if compiled:
+            opts["compile"] = True
         with offload(model, memory_budget=budget, **opts) as cache:
             w.cache = cache  # type: ignore[attr-defined]
             yield contextlib.nullcontext
@@ -224,16 +238,17 @@ def method_context(w: Workload, method: str, budget: int | None, tt_cls: Any) ->
 
 def run_method(w: Workload, method: str, args: argparse.Namespace, budget: int | None, tt_cls: Any,
                ref_hash: list | None, step_fn: Callable[[], torch.Tensor] | None = None,
-               check_only: bool = False) -> dict[str, Any]:
+               check_only: bool = False, compiled: bool = False) -> dict[str, Any]:
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     model = w.model
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every method starts from the same weights
     # datapath-budget: runs everything offloaded, profiles a step, plans, corrects: more warm-up steps
-    warmup = args.warmup + (5 if method == "datapath-budget" else 0) + (1 if method == "compile_budget" else 0)
+    warmup = (args.warmup + (5 if method == "datapath-budget" else 0)
+              + (1 if compiled or method in ("compile_budget", "compile_regional") else 0))
     times, peaks = [], []
     w.cache = None  # type: ignore[attr-defined]
     fn = step_fn or (lambda: w.loss(model, w.batch))
-    with method_context(w, method, budget, tt_cls) as make_ctx:
+    with method_context(w, method, budget, tt_cls, compiled) as make_ctx:
         def step() -> None:
             opt.zero_grad(set_to_none=True)
             with make_ctx():
@@ -258,7 +273,7 @@ def run_method(w: Workload, method: str, args: argparse.Namespace, budget: int |
                 times.append(ms)
                 peaks.append(torch.cuda.max_memory_allocated() if cuda else meter.lap())
         h = None
-        if method != "compile_budget":  # compiled kernels differ from eager ones: no bit-for-bit check
+        if method != "compile_budget":  # the whole model compiled: its own kernels, no reference to compare with
             # the check step: same weights, batch and seed; attention through SDPA's math backend, the one
             # whose backward is deterministic (flash attention's accumulates with atomics)
             torch.manual_seed(1234)
@@ -309,21 +324,26 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
               f"grads identical {r.get('grads_identical')}", flush=True)
         return r
 
-    def attempt(method: str, budget: float | None = None, step_fn: Any = None, **kw: Any) -> dict[str, Any] | None:
+    def attempt(method: str, budget: float | None = None, step_fn: Any = None, compiled: bool = False,
+                ref: list | None = None, name: str | None = None, **kw: Any) -> dict[str, Any] | None:
+        name = name or method
+        if method == "datapath-budget":
+            kw["compiled"] = compiled
         if time.perf_counter() - t_start > args.time_budget:
-            rec(method, budget, status="skipped", reason="time budget of the run")
+            rec(name, budget, status="skipped", reason="time budget of the run", **kw)
             return None
         try:
-            out = run_method(w, method, args, None if budget is None else int(budget), tt_cls, ref_hash, step_fn)
+            out = run_method(w, method, args, None if budget is None else int(budget), tt_cls,
+                             ref_hash if ref is None else ref, step_fn, compiled=compiled)
         except Exception as exc:  # noqa: BLE001 - one broken method must not lose the others
             traceback.print_exc()
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            rec(method, budget, status="error", reason=f"{type(exc).__name__}: {exc}"[:400])
+            rec(name, budget, status="error", reason=f"{type(exc).__name__}: {exc}"[:400], **kw)
             return None
         hashes[method] = out.pop("hash")
-        return rec(method, budget, status="ok", **out, **kw)
+        return rec(name, budget, status="ok", **out, **kw)
 
     hashes: dict[str, Any] = {}
     keep = attempt("keep")
@@ -339,17 +359,29 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             rec(m, None, status="skipped", reason=tt_why or "needs CUDA")
             continue
         attempt(m)
+    cuda = device.type == "cuda"
+    ways = {"compiled": [True], "eager": [False], "both": [True, False]}[args.datapath_compile] if cuda else [False]
     if "datapath-budget" in methods and ckpt is not None:
         hi, lo = keep["peak_gb"] * 1e9, ckpt["peak_gb"] * 1e9
-        for f in FRACTIONS:
-            attempt("datapath-budget", hi - f * (hi - lo), fraction=f)
-    if "compile_budget" in methods and device.type == "cuda":
+        for compiled in ways:
+            ref = None
+            if compiled:  # the same compiled blocks without offloading: a peer, and the gradients' reference
+                attempt("compile_regional", name="compile_budget", activation_memory_budget=1.0, regional=True)
+                ref = hashes.get("compile_regional")
+                if ref is None:
+                    continue
+            for f in FRACTIONS:
+                    attempt("datapath-budget", hi - f * (hi - lo), compiled=compiled, ref=ref, fraction=f)
+    if "compile_budget" in methods and cuda:
         import torch._functorch.config as fconfig  # noqa: PLC0415
 
-        fconfig.activation_memory_budget = COMPILE_BUDGET
-        compiled = torch.compile(w.model)
-        attempt("compile_budget", None, step_fn=lambda: w.loss(compiled, w.batch),
-                activation_memory_budget=COMPILE_BUDGET)
+        for b in (float(x) for x in args.compile_budgets.split(",") if x):
+            torch._dynamo.reset()  # the partitioner reads the budget when it compiles: compile anew
+            fconfig.activation_memory_budget = b
+            whole = torch.compile(w.model)
+            attempt("compile_budget", None, step_fn=lambda: w.loss(whole, w.batch), activation_memory_budget=b,
+                    regional=False)
+            del whole
     return records
 
 
@@ -415,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--time-budget", type=float, default=150.0, help="seconds per model; later methods skipped")
+    ap.add_argument("--compile-budgets", default=COMPILE_BUDGETS,
+                    help=f"activation_memory_budget values of compile_budget [{COMPILE_BUDGETS}]")
+    ap.add_argument("--datapath-compile", choices=("compiled", "eager", "both"), default="compiled",
+                    help="datapath-budget with compile=True, without, or both [compiled]")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny configs on the CPU: checks the script")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -435,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         cmd = [sys.executable, __file__, "--one", name, "--out", str(tmp), "--methods", args.methods,
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--time-budget", str(args.time_budget)]
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--time-budget", str(args.time_budget),
+               "--compile-budgets", args.compile_budgets, "--datapath-compile", args.datapath_compile]
         if args.cpu_smoke:
             cmd.append("--cpu-smoke")
         print(f"== {name}", flush=True)

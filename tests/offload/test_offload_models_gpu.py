@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from datapath.offload import OffloadConfigError, TensorCache
+from datapath.offload import OffloadConfigError, TensorCache, compile_blocks
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -219,3 +219,28 @@ def test_compiled_llama_under_a_budget() -> None:
         cache.close(raise_errors=False)
     for (l0, _), (l1, _) in zip(ref, got):
         assert torch.allclose(l0.float(), l1.float(), rtol=2e-2), (l0, l1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_regionally_compiled_model_under_a_budget(family: str) -> None:
+    """compile=True: datapath compiles each block (regional compilation) and plans on what the compiled blocks
+    save: the budget holds from step 2 on, and the gradients are bit-identical to the same compiled blocks
+    without offloading over STEPS AdamW steps (dropout on: recomputed compiled blocks replay their masks)."""
+    model, batches = _family_run(family, "sdpa", False)
+    release()
+    ref_model = copy.deepcopy(model)
+    compile_blocks(ref_model)
+    compiled_peaks: list[int] = []
+    ref = train(ref_model, batches, peaks=compiled_peaks)
+    del ref_model
+    all_peaks: list[int] = []  # the floor: the compiled blocks with everything offloaded
+    run_cache(model, batches, "host", min_bytes=1 << 16, compile=True, peaks=all_peaks)
+    floor, peak = max(all_peaks[1:]), max(compiled_peaks[1:])
+    assert floor < peak, (floor, peak)
+    budget = int(floor + 0.5 * (peak - floor))
+    got, cache = run_cache(model, batches, "host", memory_budget=budget, min_bytes=1 << 16, compile=True)
+    assert_same(ref, got)
+    pol = cache.policy
+    assert pol.planned_at is not None and pol.planned_at <= PLANNED_BY, pol.planned_at
+    assert pol.peaks and pol.peaks[-1] <= 1.03 * budget, (pol.peaks, budget)
+    assert pol.plan is not None and (pol.plan.offload_bytes > 0 or pol.plan.recompute)

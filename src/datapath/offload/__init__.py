@@ -31,6 +31,7 @@ from datapath.offload.host_store import HostStore
 from datapath.offload.integrations import patch_schedules, restore_patches
 from datapath.offload.planner import OffloadPlan, SegmentProfile, StepProfile, TensorProfile, plan_offload
 from datapath.offload.recompute import set_recompute
+from datapath.offload.regional_compile import compile_blocks, uncompile_blocks
 from datapath.offload.spill_dir import SpillDir, clean_stale, reclaim_stale
 from datapath.offload.stats import OffloadStats
 from datapath.offload.store import Slot, Store
@@ -40,9 +41,9 @@ __all__ = [
     "BudgetPlan", "BudgetProfile", "FileStore", "FlowOptions", "HostStore", "OffloadConfig", "OffloadConfigError",
     "OffloadError", "OffloadPlan", "OffloadStats", "OffloadWarning", "SegmentCost", "SegmentProfile",
     "SelectOptions", "Slot", "SpillDir", "StepProfile", "Store", "StoreOptions", "TensorCache", "TensorProfile",
-    "TieredStore", "clean_stale", "clean_stale_ranks", "is_cheap", "offload", "offload_rank", "parse_memory_budget",
+    "TieredStore", "clean_stale", "clean_stale_ranks", "compile_blocks", "is_cheap", "offload", "offload_rank", "parse_memory_budget",
     "patch_schedules", "plan_budget", "plan_offload", "rank_path", "reclaim_stale", "restore_patches",
-    "set_cheap_recompute", "set_recompute",
+    "set_cheap_recompute", "set_recompute", "uncompile_blocks",
 ]
 
 # workload modelling moved to datapath.analysis: the old names work for one more release

@@ -35,6 +35,7 @@ from datapath.offload.host_store import HostStore
 from datapath.offload.memory_meter import CpuMeter, MemoryMeter, meter_for
 from datapath.offload.policy import AdaptivePolicy, AllPolicy, Policy
 from datapath.offload.recompute import clear_recompute
+from datapath.offload.regional_compile import compile_blocks, uncompile_blocks
 from datapath.offload.scopes import ScopeTracker, auto_blocks, resolve_units
 from datapath.offload.stats import OffloadStats
 from datapath.offload.store import Store
@@ -237,17 +238,25 @@ class TensorCache:
         ``"blocks"``: the blocks of the model's largest ``ModuleList``/``Sequential`` (transformer
         layers); ``"leaves"``: every module that owns parameters (Linear, LayerNorm, ...), finer
         scopes that keep less in memory; or a list.  None: ``"leaves"`` for the ``"all"`` and
-        budget policies, ``"blocks"`` for ``"adaptive"``.
+        budget policies, ``"blocks"`` for ``"adaptive"`` and with ``compile=True`` (which compiles
+        each block's forward here: `datapath.offload.regional_compile`).
         """
         if self._closed:
             raise OffloadConfigError("this TensorCache is closed; build a new one")
+        compile_options = self.config.select.compile_options
         if units is None:
-            units = "blocks" if self.config.policy == "adaptive" else "leaves"
+            units = "blocks" if self.config.policy == "adaptive" or compile_options is not None else "leaves"
         unit_list = resolve_units(model, units)
         blocks = auto_blocks(model)
+        if compile_options is not None:
+            inside = {id(m) for b in blocks for m in b.modules() if m is not b}
+            if any(id(u) in inside for u in unit_list):
+                raise OffloadConfigError("compile=True compiles each block whole: units inside the blocks would "
+                                         "break its graph; pass units='blocks' (the default with compile)")
+            compile_blocks(blocks, compile_options)
         with self.lock:
             hooks = self.scopes.attach(model, unit_list, blocks)
-            if self.config.select.recompute_cheap:
+            if self.config.select.recompute_cheap and compile_options is None:  # compiled: the compiler's job
                 set_cheap_recompute(model, True)
             self.scopes.models.append((weakref.ref(model), hooks))
             self.refresh_params()
@@ -274,6 +283,7 @@ class TensorCache:
                     m = ref()
                     if m is not None:
                         clear_recompute(auto_blocks(m))
+                        uncompile_blocks(auto_blocks(m))
                         set_cheap_recompute(m, False)
                 else:
                     keep.append((ref, hooks))

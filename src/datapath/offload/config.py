@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from datapath.offload.errors import OffloadConfigError
+from datapath.offload.regional_compile import check_compile_options
 
 TARGETS = ("host", "ssd", "tiered")
 POLICIES = ("all", "adaptive", "budget")
@@ -40,16 +41,26 @@ class SelectOptions:
     are candidates too (normally kept; lets CPU-only runs exercise every path).
     ``recompute_cheap``: multi-kernel activations and Hugging Face RMSNorms save only their
     input and run again in backward (`datapath.offload.cheap_recompute`): fewer bytes to move.
+    ``compile``: True or a dict of `torch.compile` options: compile each block's forward
+    (regional compilation, `datapath.offload.regional_compile`); the plan works on what the
+    compiled blocks still save, and the units are the blocks.
     """
 
     min_bytes: int = 1 << 20
     keep_last_modules: int = 1
     offload_cpu_tensors: bool = False
     recompute_cheap: bool = True
+    compile: Any = False
 
     def __post_init__(self) -> None:
         _int_at_least("min_bytes", self.min_bytes, 0)
         _int_at_least("keep_last_modules", self.keep_last_modules, 0)
+        check_compile_options(self.compile)
+
+    @property
+    def compile_options(self) -> dict[str, Any] | None:
+        """``compile`` as `torch.compile` keyword arguments; None when off."""
+        return check_compile_options(self.compile)
 
 
 @dataclass(frozen=True)

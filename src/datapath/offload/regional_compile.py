@@ -1,0 +1,105 @@
+"""Regional compilation: each block's forward compiled by `torch.compile`, the offloader's hooks and plan outside.
+
+``offload(model, memory_budget=..., compile=True)`` compiles the model's blocks (the
+layers of its largest ``ModuleList``) one region at a time, as PyTorch's regional
+compilation recipe does: one compiled function per block class, shared by every
+block of that class (so a 32-layer model compiles one layer), the embeddings, head
+and loss eager.  A compiled block saves what the compiler's partitioner decides
+(fused norms and activations are recomputed inside the block's backward), so fewer
+bytes are saved than in eager mode; the saved tensors reach the offloader's
+saved-tensor hooks when the block's forward returns, and its module hooks run
+eagerly around the compiled region.  So the budget planner plans on what the
+compiled graph still saves, and its choices per block compose with the compiler's:
+
+- keep: the compiled block as it is;
+- offload: its saved tensors go to the store as the block returns, and come back
+  before its backward;
+- recompute: `torch.utils.checkpoint` (non-reentrant, RNG state replayed) around the
+  compiled forward: the same compiled graph runs again in backward, so gradients are
+  bit-identical to the compiled model's without offloading, dropout included.
+
+Hooks on modules inside a block would break the compiled graph, so a compiled model's
+units are its blocks (``units="blocks"``), and the selective recompute of cheap
+modules (`datapath.offload.cheap_recompute`) is left to the compiler.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from datapath.offload.errors import OffloadConfigError
+from datapath.offload.scopes import auto_blocks
+
+_ORIGINAL = "_datapath_compiled_original"
+_COMPILE_KEYS = ("mode", "dynamic", "fullgraph", "backend", "options")
+_compiled: dict[tuple[type, str], Any] = {}
+
+
+def check_compile_options(value: Any) -> dict[str, Any] | None:
+    """``compile=`` as `torch.compile` keyword arguments (None: off); `OffloadConfigError` names a bad one."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if not isinstance(value, Mapping):
+        raise OffloadConfigError(f"compile must be True, False or a dict of torch.compile options "
+                                 f"({', '.join(_COMPILE_KEYS)}), got {value!r}")
+    bad = sorted(set(value) - set(_COMPILE_KEYS))
+    if bad:
+        raise OffloadConfigError(f"compile={dict(value)!r}: unknown torch.compile option(s) {bad}; "
+                                 f"known: {', '.join(_COMPILE_KEYS)}")
+    return dict(value)
+
+
+def _compiled_forward(cls: type, options: dict[str, Any]) -> Any:
+    """One compiled ``cls.forward`` per (class, options): blocks of one class share its graphs."""
+    key = (cls, repr(sorted(options.items(), key=lambda kv: kv[0])))
+    fn = _compiled.get(key)
+    if fn is None:
+        fn = _compiled[key] = torch.compile(cls.forward, **options)
+    return fn
+
+
+def is_compiled(block: nn.Module) -> bool:
+    """True when datapath compiled ``block``'s forward."""
+    return _ORIGINAL in block.__dict__
+
+
+def _blocks(what: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    return auto_blocks(what) if isinstance(what, nn.Module) else list(what)
+
+
+def compile_blocks(blocks: nn.Module | list[nn.Module], options: dict[str, Any] | None = None) -> int:
+    """Replace each block's forward by the compiled forward of its class; the number compiled now.
+
+    ``blocks``: a list of modules, or a model (its blocks: the layers of its largest
+    ``ModuleList``/``Sequential``).  ``options``: `torch.compile` keyword arguments.
+    The module tree, parameter names and state dict stay as they are; `uncompile_blocks`
+    restores the eager forward.  A block whose instance already has its own ``forward``
+    (a wrapper someone installed) keeps it underneath: the compiled function calls the
+    class's forward, so such a block is refused.
+    """
+    n = 0
+    for b in _blocks(blocks):
+        if is_compiled(b):
+            continue
+        if "forward" in b.__dict__:
+            raise OffloadConfigError(
+                f"compile=True: block {b.__class__.__name__} has its forward replaced on the instance already "
+                f"(by another wrapper); remove that wrapper or pass compile=False")
+        b.__dict__[_ORIGINAL] = True
+        b.forward = functools.partial(_compiled_forward(type(b), options or {}), b)  # type: ignore[method-assign]
+        n += 1
+    return n
+
+
+def uncompile_blocks(blocks: nn.Module | list[nn.Module]) -> None:
+    """Give every block compiled by `compile_blocks` its eager forward back (a list, or a model's blocks)."""
+    for b in _blocks(blocks):
+        if is_compiled(b):
+            del b.__dict__[_ORIGINAL]
+            del b.forward

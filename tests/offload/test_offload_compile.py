@@ -1,0 +1,84 @@
+"""compile=True (regional compilation, CPU inductor): each block compiled once per class, the offloader's hooks
+outside the compiled regions; offloaded and recomputed compiled blocks give the gradients of the compiled model
+without offloading, dropout on."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from _offload_models import assert_identical, run_steps
+from datapath.offload import (
+    OffloadConfigError, TensorCache, compile_blocks, offload, set_recompute, uncompile_blocks,
+)
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(layers: int = 3) -> nn.Module:
+    torch.manual_seed(7)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=layers,
+                                   num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
+                                   attention_dropout=0.1, attn_implementation="sdpa", use_cache=False)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def _loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return m(input_ids=ids, labels=ids).loss
+
+
+def _compiled_reference(model: nn.Module, batches: list[torch.Tensor]) -> list:
+    m = copy.deepcopy(model)
+    compile_blocks(list(m.model.layers))
+    try:
+        return run_steps(m, batches, _loss)
+    finally:
+        uncompile_blocks(list(m.model.layers))
+
+
+def test_offloaded_and_recomputed_compiled_blocks_are_bit_identical_to_the_compiled_model() -> None:
+    """The budget's two tools on compiled blocks: offload (policy "all") and checkpointing around the compiled
+    forward (what the plan switches on per block).  (A budget on the CPU measures with a dispatch mode, under
+    which dynamo does not compile: the budget on compiled blocks is tested on the GPU.)"""
+    model = _llama()
+    batches = [torch.randint(0, 128, (4, 32)) for _ in range(4)]
+    ref = _compiled_reference(model, batches)
+    eager = run_steps(copy.deepcopy(model), batches[:1], _loss)
+    assert not torch.equal(eager[0][0], ref[0][0])  # the compiled blocks draw their own dropout masks: compiled
+    cache = TensorCache("host", min_bytes=1024, offload_cpu_tensors=True, compile=True)
+    cache.attach(model)
+    blocks = list(model.model.layers)
+    assert all("forward" in b.__dict__ for b in blocks)  # compiled in place
+    set_recompute(blocks, [0, 2])
+    got = run_steps(model, batches, _loss, ctx=cache)
+    assert_identical(ref, got)  # dropout on: the compiled graph's masks are replayed in recompute
+    assert cache.stats.storages_offloaded > 0
+    cache.close()
+    assert all("forward" not in b.__dict__ for b in blocks)  # closing undid recompute and compile
+
+
+def test_compile_with_policy_all_offloads_and_matches() -> None:
+    model = _llama(2)
+    batches = [torch.randint(0, 128, (4, 32)) for _ in range(3)]
+    ref = _compiled_reference(model, batches)
+    with offload(model, min_bytes=1024, offload_cpu_tensors=True, compile={"dynamic": False}) as cache:
+        got = run_steps(model, batches, _loss)
+        assert cache.stats.storages_offloaded > 0
+    assert_identical(ref, got)
+
+
+@pytest.mark.parametrize("bad, match", [("yes", "compile must be"), ({"modes": "max"}, "unknown torch.compile")])
+def test_bad_compile_option_is_named(bad: object, match: str) -> None:
+    with pytest.raises(OffloadConfigError, match=match):
+        TensorCache("host", compile=bad)
+
+
+def test_compile_refuses_units_inside_blocks() -> None:
+    model = _llama(2)
+    cache = TensorCache("host", compile=True)
+    with pytest.raises(OffloadConfigError, match="units='blocks'"):
+        cache.attach(model, units="leaves")
+    cache.close()
+    assert all("forward" not in b.__dict__ for b in model.model.layers)
