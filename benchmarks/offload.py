@@ -275,12 +275,19 @@ def run_method(w: Workload, method: str, args: argparse.Namespace, budget: int |
         h = None
         if method != "compile_budget":  # the whole model compiled: its own kernels, no reference to compare with
             # the check step: same weights, batch and seed; attention through SDPA's math backend, the one
-            # whose backward is deterministic (flash attention's accumulates with atomics)
+            # whose backward is deterministic (flash attention's accumulates with atomics).  Compiled blocks
+            # keep the attention kernel they were traced with: for them the step runs with deterministic
+            # algorithms on (flash attention's deterministic backward; cuBLAS with CUBLAS_WORKSPACE_CONFIG)
             torch.manual_seed(1234)
             opt.zero_grad(set_to_none=True)
-            with make_ctx(), sdpa_kernel(SDPBackend.MATH):
-                fn().backward()
-            h = grad_hash(model)
+            det = compiled or method == "compile_regional"
+            try:
+                torch.use_deterministic_algorithms(det)
+                with make_ctx(), sdpa_kernel(SDPBackend.MATH):
+                    fn().backward()
+                h = grad_hash(model)
+            finally:
+                torch.use_deterministic_algorithms(False)
         cache = getattr(w, "cache", None)
         extra: dict[str, Any] = {}
         if cache is not None:
@@ -477,7 +484,9 @@ def main(argv: list[str] | None = None) -> int:
             cmd.append("--cpu-smoke")
         print(f"== {name}", flush=True)
         path = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        rc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": path}).returncode
+        # cuBLAS is deterministic only with a fixed workspace: the compiled methods' gradient check needs it
+        env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **os.environ, "PYTHONPATH": path}
+        rc = subprocess.run(cmd, env=env).returncode
         if tmp.exists():
             records += json.loads(tmp.read_text())
             tmp.unlink()

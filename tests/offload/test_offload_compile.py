@@ -31,11 +31,13 @@ def _loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def _compiled_reference(model: nn.Module, batches: list[torch.Tensor]) -> list:
     m = copy.deepcopy(model)
-    compile_blocks(list(m.model.layers))
+    compile_blocks(m)  # its blocks and its Hugging Face loss function
+    assert "_loss_function" in m.__dict__
     try:
         return run_steps(m, batches, _loss)
     finally:
-        uncompile_blocks(list(m.model.layers))
+        uncompile_blocks(m)
+        assert "_loss_function" not in m.__dict__ and all("forward" not in b.__dict__ for b in m.model.layers)
 
 
 def test_offloaded_and_recomputed_compiled_blocks_are_bit_identical_to_the_compiled_model() -> None:

@@ -161,7 +161,8 @@ def _kept(model: _Model, recompute: set[int], k: int) -> tuple[list[tuple[int, i
 
     A kept storage is resident between its save and its use (`_Model.middle`).  A recomputed
     block's storages are not saved, but its backward recomputes them all at once: each is
-    resident from the backward of the block's last unit to its own backward interval.
+    resident from the backward of the block's last unit up to its own backward interval, which
+    the profile measured with it loaded back already (so a block that is one unit adds nothing).
     """
     p = model.p
     n = model.n
@@ -176,7 +177,7 @@ def _kept(model: _Model, recompute: set[int], k: int) -> tuple[list[tuple[int, i
             own = model.own[seg]
             last = model.last_unit.get(b)
             if own is not None and last is not None:
-                res.append((2 * n - last, 2 * n - own, nb))
+                res.append((2 * n - last, 2 * n - own - 1, nb))
             continue
         if i < k:
             off.append((seg, nb))

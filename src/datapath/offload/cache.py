@@ -253,7 +253,7 @@ class TensorCache:
             if any(id(u) in inside for u in unit_list):
                 raise OffloadConfigError("compile=True compiles each block whole: units inside the blocks would "
                                          "break its graph; pass units='blocks' (the default with compile)")
-            compile_blocks(blocks, compile_options)
+            compile_blocks(model, compile_options)
         with self.lock:
             hooks = self.scopes.attach(model, unit_list, blocks)
             if self.config.select.recompute_cheap and compile_options is None:  # compiled: the compiler's job
@@ -283,7 +283,7 @@ class TensorCache:
                     m = ref()
                     if m is not None:
                         clear_recompute(auto_blocks(m))
-                        uncompile_blocks(auto_blocks(m))
+                        uncompile_blocks(m)
                         set_cheap_recompute(m, False)
                 else:
                     keep.append((ref, hooks))

@@ -3,8 +3,9 @@
 ``offload(model, memory_budget=..., compile=True)`` compiles the model's blocks (the
 layers of its largest ``ModuleList``) one region at a time, as PyTorch's regional
 compilation recipe does: one compiled function per block class, shared by every
-block of that class (so a 32-layer model compiles one layer), the embeddings, head
-and loss eager.  A compiled block saves what the compiler's partitioner decides
+block of that class (so a 32-layer model compiles one layer), and a Hugging Face
+model's loss function (the upcast logits and the cross-entropy fused); the
+embeddings and the head stay eager.  A compiled block saves what the compiler's partitioner decides
 (fused norms and activations are recomputed inside the block's backward), so fewer
 bytes are saved than in eager mode; the saved tensors reach the offloader's
 saved-tensor hooks when the block's forward returns, and its module hooks run
@@ -36,7 +37,8 @@ from datapath.offload.scopes import auto_blocks
 
 _ORIGINAL = "_datapath_compiled_original"
 _COMPILE_KEYS = ("mode", "dynamic", "fullgraph", "backend", "options")
-_compiled: dict[tuple[type, str], Any] = {}
+_cache: dict[tuple[Any, str], Any] = {}
+_LOSS = "_datapath_compiled_loss"
 
 
 def check_compile_options(value: Any) -> dict[str, Any] | None:
@@ -55,13 +57,13 @@ def check_compile_options(value: Any) -> dict[str, Any] | None:
     return dict(value)
 
 
-def _compiled_forward(cls: type, options: dict[str, Any]) -> Any:
-    """One compiled ``cls.forward`` per (class, options): blocks of one class share its graphs."""
-    key = (cls, repr(sorted(options.items(), key=lambda kv: kv[0])))
-    fn = _compiled.get(key)
-    if fn is None:
-        fn = _compiled[key] = torch.compile(cls.forward, **options)
-    return fn
+def _compiled(fn: Any, options: dict[str, Any]) -> Any:
+    """One compiled ``fn`` per (function, options): blocks of one class share its graphs."""
+    key = (fn, repr(sorted(options.items(), key=lambda kv: kv[0])))
+    out = _cache.get(key)
+    if out is None:
+        out = _cache[key] = torch.compile(fn, **options)
+    return out
 
 
 def is_compiled(block: nn.Module) -> bool:
@@ -77,7 +79,8 @@ def compile_blocks(blocks: nn.Module | list[nn.Module], options: dict[str, Any] 
     """Replace each block's forward by the compiled forward of its class; the number compiled now.
 
     ``blocks``: a list of modules, or a model (its blocks: the layers of its largest
-    ``ModuleList``/``Sequential``).  ``options``: `torch.compile` keyword arguments.
+    ``ModuleList``/``Sequential``; and a Hugging Face model's ``loss_function``, compiled
+    too).  ``options``: `torch.compile` keyword arguments.
     The module tree, parameter names and state dict stay as they are; `uncompile_blocks`
     restores the eager forward.  A block whose instance already has its own ``forward``
     (a wrapper someone installed) keeps it underneath: the compiled function calls the
@@ -92,8 +95,15 @@ def compile_blocks(blocks: nn.Module | list[nn.Module], options: dict[str, Any] 
                 f"compile=True: block {b.__class__.__name__} has its forward replaced on the instance already "
                 f"(by another wrapper); remove that wrapper or pass compile=False")
         b.__dict__[_ORIGINAL] = True
-        b.forward = functools.partial(_compiled_forward(type(b), options or {}), b)  # type: ignore[method-assign]
+        b.forward = functools.partial(_compiled(type(b).forward, options or {}), b)  # type: ignore[method-assign]
         n += 1
+    if isinstance(blocks, nn.Module) and not getattr(blocks, _LOSS, False):
+        # a Hugging Face model's loss (upcast logits, cross-entropy) compiled too: one fused kernel each way
+        # instead of several passes over the (tokens x vocab) logits in float32, and those not held
+        loss = getattr(blocks, "loss_function", None)
+        if callable(loss) and "_loss_function" not in blocks.__dict__:
+            blocks.loss_function = _compiled(loss, options or {})
+            setattr(blocks, _LOSS, True)
     return n
 
 
@@ -103,3 +113,5 @@ def uncompile_blocks(blocks: nn.Module | list[nn.Module]) -> None:
         if is_compiled(b):
             del b.__dict__[_ORIGINAL]
             del b.forward
+    if isinstance(blocks, nn.Module) and blocks.__dict__.pop(_LOSS, False):
+        blocks.__dict__.pop("_loss_function", None)

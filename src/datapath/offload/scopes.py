@@ -178,7 +178,10 @@ class ScopeTracker:
             hooks.append(u.register_forward_pre_hook(eager(functools.partial(self._on_unit_enter, name))))
             hooks.append(u.register_forward_hook(eager(functools.partial(self._on_unit_exit, name))))
         for i, b in enumerate(blocks):
-            hooks.append(b.register_forward_pre_hook(eager(functools.partial(self._on_block_enter, i))))
+            # a block that is a unit too (units="blocks"): entered before its unit segment opens and left after
+            # it closes, so the unit's segment (and the storages saved in it) belong to the block
+            hooks.append(b.register_forward_pre_hook(eager(functools.partial(self._on_block_enter, i)),
+                                                     prepend=True))
             hooks.append(b.register_forward_hook(eager(functools.partial(self._on_block_exit, i))))
         self.blocks = blocks
         return hooks
