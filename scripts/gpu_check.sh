@@ -10,8 +10,9 @@
 #   b2        B2 products epoch, store ways      benchmarks/gnn_epoch.py --datasets products (~2.5 min)
 #   b2-papers B2 papers shape, cache and disk    benchmarks/gnn_epoch.py --datasets papers   (~7 min, 40 GiB data)
 #   b3        B3 aggregation + full-graph models benchmarks/aggregate.py, full_graph.py      (~6.5 min)
-#   b4        B4 offloading on real models       benchmarks/offload.py                       (~9 min)
-#             (B4_ARGS / B4_TIMEOUT override, e.g. B4_TIMEOUT=290 B4_ARGS="--steps 3 --warmup 1 --time-budget 110")
+#   b4        B4 offloading on real models       benchmarks/offload.py          (~11 min for all three models)
+#             (B4_ARGS / B4_TIMEOUT override; the committed run: T_TESTS=110 B4_TIMEOUT=470
+#             B4_ARGS="--steps 5 --warmup 2 --time-budget 200", which completes llama and gpt2 within one call)
 #   rok       ROK curve                          benchmarks/rok.py                           (~2.5 min)
 #   two-gpu   the tests that need 2 GPUs (offload FSDP2/DDP/Megatron TP2, data-parallel loaders, sharded store,
 #             two torchrun nodes)                                                    (nvidia-h200-x2 only)
