@@ -408,7 +408,10 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         for r in rs:
             if r["method"] != "datapath-budget":
                 ax.scatter(r["peak_gb"], r["step_ms"], s=45)
-                ax.annotate(r["method"], (r["peak_gb"], r["step_ms"]), fontsize=8, xytext=(4, 4),
+                label = r["method"]
+                if r["method"] == "compile_budget":
+                    label += " regional" if r.get("regional") else f" {r.get('activation_memory_budget')}"
+                ax.annotate(label, (r["peak_gb"], r["step_ms"]), fontsize=8, xytext=(4, 4),
                             textcoords="offset points")
         bud = sorted((r for r in rs if r["method"] == "datapath-budget"), key=lambda r: r["peak_gb"])
         if bud:
