@@ -81,6 +81,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--disk-batches", type=int, default=None, help="timed batches per round of datapath_disk")
     p.add_argument("--disk-rounds", type=int, default=1, help="timed rounds of datapath_disk [1]")
     p.add_argument("--verify-batches", type=int, default=8, help="batches whose rows datapath_disk checks [8]")
+    p.add_argument("--disk-superbatch-frac", type=float, default=1.0,
+                   help="share of datapath_disk's host memory used as superbatch staging (the host tier gets the "
+                        "rest; 0: no superbatches, batches read row by row) [1.0]")
+    p.add_argument("--disk-buffers", type=int, default=1, help="staging buffers of datapath_disk (1 or 2) [1]")
+    p.add_argument("--disk-full-epoch", action="store_true",
+                   help="datapath_disk's timed round is one whole epoch (every batch's rows checked against the "
+                        "table), and gpu_resident also trains one whole timed epoch (resident_epoch_s)")
     p.add_argument("--batches", type=int, default=None, help="timed batches per way and round [30; quick 10]")
     p.add_argument("--rounds", type=int, default=None,
                    help="timed rounds per way, datapath and gpu_resident alternating; the median is reported "
@@ -159,6 +166,9 @@ class _Way:
     rounds: list[Any] = dataclasses.field(default_factory=list)
     store_stats: list[Any] = dataclasses.field(default_factory=list)  # the store's tiers in each timed round
     val_acc_first: float | None = None  # after the warm-up and the first round: the same batches for every way
+    reference: Any = None  # datapath_disk with --disk-full-epoch: the table the batches are checked against
+    epoch_check: Any = None
+    full_epoch: Any = None  # gpu_resident with --disk-full-epoch: one whole timed epoch
 
 
 def setup_way(way: str, model_name: str, ds: Any, placed: dict[str, Any], args: argparse.Namespace,
@@ -183,7 +193,14 @@ def setup_way(way: str, model_name: str, ds: Any, placed: dict[str, Any], args: 
     val_loader = NeighborLoader(graph, val, NeighborSampler(fanouts, seed=args.seed + 1), args.batch_size,
                                 features=feats, labels=labels, device=device)
     w = _Way(way, model_name, model, opt, loader, val_loader, placed)
-    w.warm = train_epoch(model, loader, opt, max_batches=args.warmup)
+    if way == "datapath_disk" and args.disk_full_epoch:
+        # warm up on one batch read row by row (no prefetching, so no superbatch schedule): a superbatch
+        # would read the disk rows of dozens of batches for it
+        loader.prefetch = 0
+        w.warm = train_epoch(model, loader, opt, max_batches=1)
+        loader.prefetch = args.prefetch
+    else:
+        w.warm = train_epoch(model, loader, opt, max_batches=args.warmup)
     return w
 
 
@@ -195,7 +212,13 @@ def time_round(w: _Way, args: argparse.Namespace) -> None:
     if store is not None:
         store.reset_stats()
     batches = args.disk_batches if w.way == "datapath_disk" and args.disk_batches else args.batches
-    w.rounds.append(train_epoch(w.model, w.loader, w.opt, max_batches=batches))
+    loader: Any = w.loader
+    if w.way == "datapath_disk" and args.disk_full_epoch:
+        batches, loader = None, tiers.CheckedLoader(w.loader, w.reference)
+        print(f"  {w.way}: timing one whole epoch ({len(w.loader)} batches)", flush=True)
+    w.rounds.append(train_epoch(w.model, loader, w.opt, max_batches=batches))
+    if isinstance(loader, tiers.CheckedLoader):
+        w.epoch_check = loader.result()
     if store is not None:
         w.store_stats.append(store.stats())
     if w.val_acc_first is None:
@@ -205,6 +228,9 @@ def time_round(w: _Way, args: argparse.Namespace) -> None:
 def finish_way(w: _Way, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Validation accuracy, the serial stage breakdown, and the result row (median round)."""
     fused = device.type == "cuda"
+    if w.way == "gpu_resident" and args.disk_full_epoch:
+        torch.manual_seed(args.seed * 1000 + 999)
+        w.full_epoch = train_epoch(w.model, w.loader, w.opt)
     acc_final = evaluate(w.model, w.val_loader)
     twin = copy.deepcopy(w.model)  # profiled on a copy so that the stage breakdown leaves the model alone
     prof = profile_batches(twin, w.loader, torch.optim.Adam(twin.parameters(), lr=args.lr, fused=fused),
@@ -219,8 +245,12 @@ def finish_way(w: _Way, args: argparse.Namespace, device: torch.device) -> dict[
         total = sum(rows.values())
         extra = {"hit_rate": {k: v / total for k, v in rows.items()}, "store_stats_rounds": w.store_stats,
                  "gpu_cache_frac": args.gpu_cache_frac, "store_tiers": w.loader.features.tiers()}
+    if w.full_epoch is not None:
+        extra["full_epoch_s"] = w.full_epoch.epoch_s
+        extra["full_epoch_batches"] = w.full_epoch.batches
     return {
         **extra,
+        "epoch_measured": st.batches == len(w.loader),
         "way": w.way, "model": w.model_name, "sample_on": w.loader.sample_device.type,
         "graph_in": w.loader.graph.placement, "features_in": PLACEMENT[w.way],
         "batches_timed": st.batches, "rounds": len(w.rounds), "per_batch_s_rounds": per_round,
@@ -259,8 +289,7 @@ def place(ds: Any, way: str, shared: dict[str, Any], args: argparse.Namespace) -
                                                              args.gpu_cache_frac),
                "labels": ds.labels.to("cuda")}
     elif way == "datapath_disk":
-        store, build_s = tiers.disk_store(shared["disk_file"], shared["hotness"], args.gpu_cache_frac,
-                                          args.host_memory_frac)
+        store, build_s = tiers.disk_store(shared["disk_file"], shared["hotness"], args, shared["disk_costs"])
         shared["store_build_s"] = build_s
         out = {"graph": graph, "features": store, "labels": ds.labels.to("cuda")}
     elif way == "gpu_resident":
@@ -383,6 +412,9 @@ def main() -> None:
             for model_name in args.models.split(","):
                 t0 = time.perf_counter()
                 ws = [setup_way(way, model_name, ds, placed_by[way], args, device) for way in placed_by]
+                for w in ws:
+                    if w.way == "datapath_disk":
+                        w.reference = as_unified(ds.features)
                 rounds = args.disk_rounds if group == ["datapath_disk"] else 1 if group == ["py"] else args.rounds
                 for i in range(rounds):
                     for w in (ws if i % 2 == 0 else ws[::-1]):

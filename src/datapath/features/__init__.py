@@ -9,7 +9,8 @@
 
 Modules: `store` (FeatureStore), `tiers` (TierStats, FetchTier: the interface a further tier,
 e.g. a remote shard, implements), `disk` (the disk tier and its O_DIRECT engines),
-`table_file` (TableFile), `hotness` (what to cache), `budget` (``"25%"``, ``"16GB"``),
+`scan` (the disk's costs, `probe_disk`; `choose_gap`: random reads or a scan; `read_rows`), `superbatch`
+(`Schedule`: the disk rows of many batches read at once, Ginex), `table_file` (TableFile, `write_table`), `hotness` (what to cache), `budget` (``"25%"``, ``"16GB"``),
 `placement` (the graph's place), `sharded` (the rows cut over the ranks of a torch.distributed job:
 `sharded_store`, `ShardedTier`).
 """
@@ -19,12 +20,15 @@ from datapath.features.errors import DiskReadError, FeatureStoreError, ShardExch
 from datapath.features.hotness import degree_hotness, presample_hotness, rank
 from datapath.features.placement import GPU_RESERVE_BYTES, gpu_budget, graph_bytes, place_graph
 from datapath.features.sharded import CACHE_SCOPES, ShardedTier, new_exchange_group, sharded_store
+from datapath.features.scan import GAPS, SCAN, DiskCosts, GapChoice, ReadResult, choose_gap, probe_disk, read_rows
 from datapath.features.store import DiskOptions, FeatureStore
-from datapath.features.table_file import TableFile
+from datapath.features.superbatch import Schedule, StagingPool
+from datapath.features.table_file import TableFile, write_table
 from datapath.features.tiers import FetchTier, TierStats
 
 __all__ = [
-    "CACHE_SCOPES", "DiskOptions", "DiskReadError", "DiskReader", "DiskTier", "ENGINES", "FeatureStore", "FeatureStoreError",
+    "CACHE_SCOPES", "DiskCosts", "DiskOptions", "GAPS", "GapChoice", "ReadResult", "SCAN", "Schedule", "StagingPool",
+    "choose_gap", "probe_disk", "read_rows", "write_table", "DiskReadError", "DiskReader", "DiskTier", "ENGINES", "FeatureStore", "FeatureStoreError",
     "FetchTier", "GPU_RESERVE_BYTES", "ReadPlan", "ShardExchangeError", "ShardedTier", "TableFile", "TierStats",
     "degree_hotness", "format_bytes", "gpu_budget", "graph_bytes", "native_aio_available", "new_exchange_group",
     "parse_budget", "place_graph", "plan_reads", "presample_hotness", "rank", "sharded_store",

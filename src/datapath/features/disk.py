@@ -53,8 +53,14 @@ class ReadPlan:
 
 
 def plan_reads(ids: np.ndarray, offset: int, row_bytes: int, max_read_bytes: int = 256 << 10,
-               page: int = PAGE) -> ReadPlan:
-    """Page-aligned reads covering rows ``ids`` (sorted, unique int64) of a file whose row 0 is at ``offset``."""
+               page: int = PAGE, max_gap_pages: int = 0) -> ReadPlan:
+    """Page-aligned reads covering rows ``ids`` (sorted, unique int64) of a file whose row 0 is at ``offset``.
+
+    Rows whose pages are at most ``max_gap_pages`` pages apart share a read (0: only rows on the
+    same or adjacent pages; a gap is read and thrown away, which pays where one more read costs
+    more than the gap's bytes: `datapath.features.scan.choose_gap`).  Reads are split every
+    ``max_read_bytes``.
+    """
     n = ids.size
     if n == 0:
         empty = np.zeros(0, np.int64)
@@ -63,7 +69,8 @@ def plan_reads(ids: np.ndarray, offset: int, row_bytes: int, max_read_bytes: int
     p_lo = start // page
     p_hi = (start + row_bytes - 1) // page
     new = np.ones(n, dtype=bool)
-    new[1:] = p_lo[1:] > p_hi[:-1] + 1  # a gap of at least one page: a new read
+    gap = min(int(max_gap_pages), 1 << 40)
+    new[1:] = p_lo[1:] > p_hi[:-1] + 1 + gap  # a gap of more than max_gap_pages pages: a new read
     max_pages = max(1, max_read_bytes // page)
     run = np.cumsum(new) - 1
     bucket = (p_lo - p_lo[new][run]) // max_pages  # split long merged stretches every max_pages pages
@@ -86,7 +93,7 @@ class DiskReader:
         if engine not in ENGINES:
             raise FeatureStoreError(f"engine must be one of {ENGINES}, got {engine!r}")
         self.path = str(table.path)
-        self.file_size = os.path.getsize(self.path)
+        self.file_size = table.offset + table.nbytes  # what the file must hold (a shorter file: a short read)
         self.direct = bool(_O_DIRECT)
         try:
             self.fd = os.open(self.path, os.O_RDONLY | _O_DIRECT)
@@ -217,12 +224,16 @@ class DiskTier(FetchTier):
         self.table = table
         self.device = device
         self.reader = DiskReader(table, engine, depth)
+        self.reader_depth = int(depth)
         self.max_read_bytes = int(max_read_bytes)
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._staging_free: torch.cuda.Event | None = None
         self._lock = threading.Lock()
         self._flag = ErrorFlag()  # the staging copy's own bounds flag (its indices are the tier's, always valid)
-        self.stats.extra.update(reads=0, read_bytes=0, io_seconds=0.0)
+        # reads/read_bytes/io_seconds: every read of the tier (row by row and superbatches); staged_rows: rows
+        # served from a superbatch's staging; superbatches: one record per superbatch read
+        self.stats.extra.update(reads=0, read_bytes=0, io_seconds=0.0, staged_rows=0, staged_missing=0,
+                                superbatches=[])
         self._align = int(np.gcd(table.row_bytes, PAGE)) if table.row_bytes else PAGE
         self._r0 = table.offset % self._align
 
@@ -267,10 +278,24 @@ class DiskTier(FetchTier):
                 out.index_copy_(0, positions, rows.index_select(0, slot).view(-1, *out.shape[1:]))
             self.stats.add(rows=int(ids.numel()), nbytes=int(ids.numel()) * self.table.row_bytes,
                            seconds=time.perf_counter() - t0)
+            self.count_reads(int(plan.offsets.size), plan.nbytes, io_s)
+
+    def count_reads(self, reads: int, nbytes: int, io_s: float, superbatch: dict | None = None) -> None:
+        """Add reads made for this tier elsewhere (a superbatch's, `datapath.features.superbatch`)."""
+        with self.stats._lock:
             ex = self.stats.extra
-            ex["reads"] += int(plan.offsets.size)
-            ex["read_bytes"] += plan.nbytes
+            ex["reads"] += reads
+            ex["read_bytes"] += nbytes
             ex["io_seconds"] += io_s
+            if superbatch is not None:
+                ex["superbatches"].append(superbatch)
+
+    def count_staged(self, rows: int, missing: int, seconds: float) -> None:
+        """Rows a superbatch served from its staging buffer (``missing``: rows of its batches it lacked)."""
+        self.stats.add(rows=rows, nbytes=rows * self.table.row_bytes, seconds=seconds)
+        with self.stats._lock:
+            self.stats.extra["staged_rows"] += rows
+            self.stats.extra["staged_missing"] += missing
 
     def _rows_view(self, staging: torch.Tensor, used: int) -> torch.Tensor:
         """The staging bytes as overlapping rows: row ``k`` starts at byte ``r0 + k * align``."""

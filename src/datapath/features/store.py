@@ -26,6 +26,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,8 @@ from datapath.features.budget import format_bytes, parse_budget
 from datapath.features.disk import DiskTier
 from datapath.features.errors import FeatureStoreError
 from datapath.features.hotness import degree_hotness, rank
+from datapath.features.scan import BOUNCE_BYTES, DiskCosts, probe_disk
+from datapath.features.superbatch import Schedule, StagingPool
 from datapath.features.table_file import TableFile
 from datapath.features.tiers import FetchTier, TierStats
 from datapath.graph import Graph
@@ -51,11 +54,25 @@ log = logging.getLogger("datapath.features")
 @dataclass(frozen=True)
 class DiskOptions:
     """How the disk tier reads: ``engine`` (``"auto"``, ``"aio"``, ``"threads"``, ``"kvikio"``), reads in flight
-    (``depth``), the longest merged read (``max_read_bytes``)."""
+    (``depth``), the longest merged read of a batch (``max_read_bytes``).
+
+    Superbatches (`datapath.features.superbatch`): ``superbatch`` is the host memory of the staging
+    buffers (a budget as for ``host_memory``: ``"10%"`` of the table, ``"4GB"``; None/0: off), taken
+    out of ``host_memory`` (the host tier shrinks by it); ``buffers`` splits it in 1 (more batches per
+    superbatch) or 2 (the next superbatch read while the current one trains); ``costs``: the disk's
+    `DiskCosts` (None: `probe_disk` measures them when the first schedule starts); ``scan_read_bytes``:
+    the size of a scan's reads; ``bounce_bytes``: each of the two buffers reads go through (counted in the
+    staging memory too; at least ``scan_read_bytes`` and 256 KiB).
+    """
 
     engine: str = "auto"
     depth: int = 256
     max_read_bytes: int = 256 << 10
+    superbatch: str | float | int | None = None
+    buffers: int = 1
+    costs: DiskCosts | None = None
+    scan_read_bytes: int = 1 << 20
+    bounce_bytes: int = BOUNCE_BYTES
 
 
 def _source(table: Any) -> TableFile | torch.Tensor:
@@ -141,6 +158,9 @@ class FeatureStore:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._cache = self._host = self._slots = self._direct = None
         self._fetch: list[FetchTier] = []
+        self._pool: StagingPool | None = None
+        self._schedules: list[Schedule] = []
+        self.disk_costs: DiskCosts | None = None
         self._gpu_stats, self._host_stats = TierStats(), TierStats()
         self._counts = torch.zeros(3, dtype=torch.int64, device=self.device)
         self._counted = 0
@@ -194,6 +214,20 @@ class FeatureStore:
         if host_bytes is None:
             fits = rest * self.row_bytes <= pin_limit_bytes() if self.device.type == "cuda" else True
             host_bytes = rest * self.row_bytes if fits else pin_limit_bytes() // 2
+        staging = parse_budget(disk.superbatch, self.nbytes, "disk.superbatch") or 0
+        if staging:
+            if disk.buffers not in (1, 2):
+                raise FeatureStoreError(f"disk.buffers must be 1 or 2, got {disk.buffers!r}")
+            if disk.bounce_bytes < max(disk.scan_read_bytes, 256 << 10):
+                raise FeatureStoreError(f"disk.bounce_bytes={disk.bounce_bytes} must be at least disk.scan_read_bytes "
+                                        f"({disk.scan_read_bytes}) and 256 KiB")
+            need = staging + 2 * disk.bounce_bytes
+            if need > host_bytes:
+                raise FeatureStoreError(
+                    f"disk.superbatch={disk.superbatch!r} needs {format_bytes(need)} of host memory (with two "
+                    f"{format_bytes(disk.bounce_bytes)} bounce buffers) but host_memory is "
+                    f"{format_bytes(host_bytes)}; give a smaller superbatch or more host_memory")
+            host_bytes -= need
         h = min(rest, host_bytes // self.row_bytes) if self.row_bytes else rest
         order = self._order(hotness) if (c or h < rest) else torch.arange(self.num_rows)
         cache_ids, host_ids = order[:c], order[c:c + h]
@@ -206,6 +240,11 @@ class FeatureStore:
         self._host = host
         if h < rest:
             self._fetch.append(DiskTier(tf, self.device, disk.engine, disk.depth, disk.max_read_bytes))
+            if staging:
+                self._pool = StagingPool(staging // disk.buffers, disk.buffers, self.device.type == "cuda",
+                                         disk.bounce_bytes)
+                self._disk_opts = disk
+                self.disk_costs = disk.costs
         if c == 0 and h == self.num_rows:  # everything in host memory, in row order
             self._direct, self._direct_stats = host, self._host_stats
             return
@@ -220,11 +259,41 @@ class FeatureStore:
             raise TypeError(f"a FeatureStore is indexed by an int32/int64 tensor of row ids, got {type(idx).__name__}")
         return self.gather(idx)
 
-    def gather(self, idx: torch.Tensor, error_flag: ErrorFlag | None = None) -> torch.Tensor:
+    def schedule(self, steps: list[int], input_nodes: Callable[[int], torch.Tensor]) -> Schedule | None:
+        """Superbatches for one epoch of a loader (None when the store has no superbatch disk tier).
+
+        ``steps``: the loader's step numbers of the epoch's batches, in order; ``input_nodes(k)``: the
+        node ids batch ``k`` (an index into ``steps``) will gather, sampled as the loader samples it
+        (called from a planner thread, on a CUDA stream of its own).  Pass ``schedule=`` and
+        ``step=`` to `gather`; `Schedule.close` when the epoch ends or is abandoned.
+        """
+        if self._pool is None:
+            return None
+        tier = self._fetch[0]
+        if self.disk_costs is None:
+            self.disk_costs = probe_disk(tier.table, random_reads=20_000, depths=(256,), seq_bytes=1 << 30,
+                                         seq_read_bytes=self._disk_opts.scan_read_bytes,
+                                         bounce_bytes=self._disk_opts.bounce_bytes)
+            log.info("disk costs of %s: %s", tier.table.path, self.disk_costs.as_dict())
+        self._schedules = [s for s in self._schedules if s._thread.is_alive()]
+        slots = self._slots
+
+        def on_disk(ids: torch.Tensor) -> torch.Tensor:
+            ids = ids.to(slots.device).long()
+            return ids[slots[ids] < 0]
+
+        sched = Schedule(tier, list(steps), input_nodes, on_disk, self._pool, self.disk_costs, self.device,
+                         self._disk_opts.scan_read_bytes)
+        self._schedules.append(sched)
+        return sched
+
+    def gather(self, idx: torch.Tensor, error_flag: ErrorFlag | None = None, *, schedule: Schedule | None = None,
+               step: int | None = None) -> torch.Tensor:
         """Rows ``idx`` (int32/int64, any shape, any device; negatives count from the end) on the store's device.
 
         Returns (*idx.shape, *rest).  An out-of-range index raises ``IndexError`` (see
-        `datapath.memory.gather_rows`; with ``error_flag`` the caller checks it).
+        `datapath.memory.gather_rows`; with ``error_flag`` the caller checks it).  ``schedule``/``step``:
+        the loader's superbatch `Schedule` and this batch's step (its disk rows come from there).
         """
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
             raise TypeError("FeatureStore rows are read with an int32/int64 index tensor")
@@ -270,7 +339,11 @@ class FeatureStore:
             for k, tier in enumerate(self._fetch):
                 mine = (codes == -(k + 1)).nonzero().squeeze(1) if len(self._fetch) > 1 else None
                 if tier.collective or (ids.numel() if mine is None else mine.numel()):
-                    tier.fetch(ids if mine is None else ids[mine], pos if mine is None else pos[mine], out)
+                    args = (ids if mine is None else ids[mine], pos if mine is None else pos[mine], out)
+                    if schedule is not None and schedule.tier is tier and step is not None:
+                        schedule.fetch(step, *args)
+                    else:
+                        tier.fetch(*args)
         return out.view(*idx.shape, *rest)
 
     def _timed(self, start: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
@@ -307,6 +380,9 @@ class FeatureStore:
         for t in self._fetch:
             rows = self.num_rows - self.cache_rows - self.host_rows if t.rows is None else t.rows
             out[t.name] = {"rows": rows, "bytes": rows * self.row_bytes, "engine": getattr(t, "engine", None)}
+        if self._pool is not None:
+            out["disk"].update(staging_bytes=self._pool.total_bytes, staging_buffers=self._pool.count,
+                               direct=self._fetch[0].reader.direct)
         out["slot_map_bytes"] = 0 if self._slots is None else self._slots.numel() * 4
         return out
 
@@ -344,7 +420,10 @@ class FeatureStore:
             s.reset()
 
     def close(self) -> None:
-        """Close the disk tier's file (idempotent)."""
+        """Stop the superbatch schedules and close the disk tier's file (idempotent)."""
+        for sched in self._schedules:
+            sched.close()
+        self._schedules = []
         for t in self._fetch:
             t.close()
 

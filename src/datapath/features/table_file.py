@@ -129,3 +129,37 @@ def _npy_header(p: Path) -> tuple[tuple[int, ...], np.dtype, int]:
     if dtype.hasobject:
         raise FeatureStoreError(f"{p} holds Python objects, not a numeric table")
     return tuple(int(s) for s in shape), np.dtype(dtype), int(offset)
+
+
+def write_table(path: str | os.PathLike, table: np.ndarray | torch.Tensor, align: int = 4096,
+                chunk_bytes: int = 256 << 20, fsync: bool = True) -> TableFile:
+    """Write ``table`` ((N, ...) C-contiguous, CPU) as a ``.npy`` file whose data starts at a multiple of ``align``
+    bytes (the header padded with spaces; ``np.load`` reads it as usual).
+
+    With the data page-aligned and rows of a size dividing 4 KiB, every row lies in one page, so
+    the disk tier reads one page per row (after numpy's 64-byte-aligned header one row in eight
+    straddles two pages: 12.5% more bytes for 512-byte rows).  Returns the `TableFile`.
+    """
+    arr = table.numpy() if isinstance(table, torch.Tensor) else np.asarray(table)
+    if not arr.flags.c_contiguous:
+        raise FeatureStoreError("table must be C-contiguous (rows contiguous); pass np.ascontiguousarray(table)")
+    if align < 64 or align > 8192 or align & (align - 1):  # numpy reads headers under 10,000 bytes
+        raise FeatureStoreError(f"align must be a power of two in [64, 8192], got {align}")
+    fmt = np.lib.format
+    text = repr({"descr": fmt.dtype_to_descr(arr.dtype), "fortran_order": False, "shape": tuple(arr.shape)})
+    prefix = 10  # magic (6), version 1.0 (2), header length (2)
+    total = -(-(prefix + len(text) + 1) // align) * align
+    header = (text + " " * (total - prefix - len(text) - 1) + "\n").encode("latin1")
+    if len(header) >= 10_000:
+        raise FeatureStoreError(f"the .npy header of shape {arr.shape} padded to {align} bytes is too long for numpy")
+    version, length = b"\x01\x00", len(header).to_bytes(2, "little")
+    p = Path(path)
+    flat = arr.reshape(-1).view(np.uint8)
+    with open(p, "wb") as f:
+        f.write(b"\x93NUMPY" + version + length + header)
+        for lo in range(0, flat.size, chunk_bytes):
+            f.write(memoryview(flat[lo:lo + chunk_bytes]))
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    return TableFile.open(p)

@@ -71,8 +71,9 @@ class _Producer:
     consumer reads the queues round-robin, so batches arrive in order however many workers.
     """
 
-    def __init__(self, loader: "NeighborLoader", work: list[tuple[torch.Tensor, int]]) -> None:
+    def __init__(self, loader: "NeighborLoader", work: list[tuple[torch.Tensor, int]], schedule: Any = None) -> None:
         self.loader = loader
+        self.schedule = schedule  # the feature store's superbatches of this epoch (closed with the producer)
         self.stop = threading.Event()
         self.cuda = loader.device.type == "cuda"
         self.queue_wait_s = 0.0  # producers' time blocked on a full queue (waiting for the consumer)
@@ -100,6 +101,8 @@ class _Producer:
         for t in self.threads:
             if t.is_alive() and threading.current_thread() is not t:
                 t.join(timeout=30)
+        if self.schedule is not None:
+            self.schedule.close()
 
     def _put(self, q: queue.Queue, item: object) -> bool:
         t0 = time.perf_counter()
@@ -140,9 +143,9 @@ class _Producer:
                     return
                 if self.cuda:
                     with torch.cuda.stream(stream):
-                        batch = self.loader._make(seeds, step)
+                        batch = self.loader._make(seeds, step, self.schedule)
                 else:
-                    batch = self.loader._make(seeds, step)
+                    batch = self.loader._make(seeds, step, self.schedule)
                 if not self._put(q, batch):
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
@@ -186,7 +189,7 @@ class _Producer:
             if isinstance(st, BaseException):
                 raise st
             with torch.cuda.stream(sample_stream):
-                batch = loader._collect(st, gather_stream)
+                batch = loader._collect(st, gather_stream, self.schedule)
             j = k + SAMPLE_AHEAD
             if j < len(work) and not any(isinstance(p, BaseException) for p in pending):
                 sw = Stopwatch()
@@ -212,8 +215,8 @@ class PrefetchIter:
     threads.
     """
 
-    def __init__(self, loader: "NeighborLoader", work: list[tuple[torch.Tensor, int]]) -> None:
-        self._producer = _Producer(loader, work)
+    def __init__(self, loader: "NeighborLoader", work: list[tuple[torch.Tensor, int]], schedule: Any = None) -> None:
+        self._producer = _Producer(loader, work, schedule)
         self._n = len(work)
         self._next = 0
         self._cuda = self._producer.cuda

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from datapath.features import FeatureStore
+from datapath.features import FeatureStore, Schedule
 from datapath.graph import Graph
 from datapath.loaders._prefetch import PrefetchIter, Started, Stopwatch
 from datapath.loaders.batch import Batch, GatherCheck
@@ -38,10 +38,12 @@ log = logging.getLogger("datapath.loaders")
 Table = torch.Tensor | FeatureStore
 
 
-def fetch_rows(table: Table, ids: torch.Tensor, flag: ErrorFlag | None = None) -> torch.Tensor:
-    """``table[ids]``: from a `FeatureStore`'s tiers, or by the memory layer's gather for a tensor."""
+def fetch_rows(table: Table, ids: torch.Tensor, flag: ErrorFlag | None = None, schedule: Schedule | None = None,
+               step: int | None = None) -> torch.Tensor:
+    """``table[ids]``: from a `FeatureStore`'s tiers (its disk rows from ``schedule``'s superbatch of ``step``,
+    if given), or by the memory layer's gather for a tensor."""
     if isinstance(table, FeatureStore):
-        return table.gather(ids, flag)
+        return table.gather(ids, flag, schedule=schedule, step=step)
     return gather_rows(table, ids, flag)
 
 
@@ -172,12 +174,23 @@ class NeighborLoader:
         steps = [epoch * len(self) + i for i in range(len(batches))]
         if self.prefetch == 0:
             return (self._make(b, s) for b, s in zip(batches, steps))
-        return PrefetchIter(self, list(zip(batches, steps)))
+        return PrefetchIter(self, list(zip(batches, steps)), self._schedule(batches, steps))
+
+    def _schedule(self, batches: list[torch.Tensor], steps: list[int]) -> Schedule | None:
+        """The feature store's superbatches for this epoch (None unless ``features`` is a store that makes them):
+        its planner samples each batch again (a pure function of the step) to learn its disk rows ahead."""
+        if not isinstance(self.features, FeatureStore):
+            return None
+
+        def input_nodes(k: int) -> torch.Tensor:
+            return self._start(batches[k], steps[k]).pending.blocks()[0].src_nodes
+
+        return self.features.schedule(steps, input_nodes)
 
     # -- one batch ---------------------------------------------------------------------------
-    def _make(self, seeds_cpu: torch.Tensor, step: int) -> Batch:
+    def _make(self, seeds_cpu: torch.Tensor, step: int, schedule: Schedule | None = None) -> Batch:
         """Sample, gather and prepare one batch on the current stream and wait for it (no prefetching)."""
-        batch = self._collect(self._start(seeds_cpu, step), None)
+        batch = self._collect(self._start(seeds_cpu, step), None, schedule)
         self._prepare(batch, None)
         if batch._events:
             batch._events[-1].synchronize()
@@ -190,7 +203,8 @@ class NeighborLoader:
         pending = self.sampler._launch(self.graph, seeds, step)
         return Started(seeds, step, pending, sw.wall(), sw.cpu(), sw.wait())
 
-    def _collect(self, st: "Started", gather_stream: torch.cuda.Stream | None) -> Batch:
+    def _collect(self, st: "Started", gather_stream: torch.cuda.Stream | None,
+                 schedule: Schedule | None = None) -> Batch:
         """Wait for ``st``'s sample, then gather its features and labels.
 
         With ``gather_stream`` (the prefetching threads on the GPU path) the gather runs there and
@@ -211,7 +225,7 @@ class NeighborLoader:
                 # later (`GatherCheck`), not waited for here
                 flag = ErrorFlag()
                 src = blocks[0].src_nodes
-                x = fetch_rows(self.features, src, flag) if self.features is not None else None
+                x = fetch_rows(self.features, src, flag, schedule, st.step) if self.features is not None else None
                 y = fetch_rows(self.labels, seeds, flag) if self.labels is not None else None
                 src.record_stream(gather_stream)
                 seeds.record_stream(gather_stream)
@@ -219,7 +233,8 @@ class NeighborLoader:
                 events[-1].record(gather_stream)
                 check = GatherCheck(events[-1], flag, st.step)
         else:
-            x = fetch_rows(self.features, blocks[0].src_nodes) if self.features is not None else None
+            x = (fetch_rows(self.features, blocks[0].src_nodes, None, schedule, st.step)
+                 if self.features is not None else None)
             y = fetch_rows(self.labels, seeds) if self.labels is not None else None
             if self.device != self.sample_device:
                 blocks = [b.to(self.device, non_blocking=False) for b in blocks]
