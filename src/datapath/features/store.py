@@ -243,6 +243,7 @@ class FeatureStore:
             if staging:
                 self._pool = StagingPool(staging // disk.buffers, disk.buffers, self.device.type == "cuda",
                                          disk.bounce_bytes)
+                self._pool.allocate()
                 self._disk_opts = disk
                 self.disk_costs = disk.costs
         if c == 0 and h == self.num_rows:  # everything in host memory, in row order

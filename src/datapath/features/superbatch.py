@@ -68,6 +68,12 @@ class StagingPool:
         self._cv = threading.Condition()
         self.bounce = [_aligned(self.bounce_bytes), _aligned(self.bounce_bytes)]
 
+    def allocate(self) -> None:
+        """Allocate (and pin) every buffer now rather than on first use."""
+        for i in range(self.count):
+            if self._bufs[i] is None:
+                self._bufs[i], self._handles[i] = _staging_buffer(self.nbytes, self.pinned)
+
     @property
     def total_bytes(self) -> int:
         """Host memory the pool holds once allocated (staging buffers and the two bounce buffers)."""
