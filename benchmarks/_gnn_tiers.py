@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from datapath.features import DiskOptions, FeatureStore, TableFile, presample_hotness, probe_disk, write_table
+from datapath.features import BOUNCE_BUFFERS, BOUNCE_BYTES, DiskOptions, FeatureStore, TableFile, presample_hotness, probe_disk, write_table
+from datapath.apps import train_epoch
 from datapath.loaders import NeighborLoader
 from datapath.memory import gather_rows, host_of
 from datapath.sampling import NeighborSampler
@@ -42,6 +43,18 @@ def hotness(graph: Any, ds: Any, args: Any) -> torch.Tensor:
 def cache_store(features: torch.Tensor, hot: torch.Tensor, frac: float) -> FeatureStore:
     """A store over the pinned table (its host tier) with a GPU cache of ``frac`` of the feature bytes."""
     return FeatureStore(features, gpu_cache=frac, hotness=hot)
+
+
+def warm_up(way: str, loader: NeighborLoader, model: Any, opt: Any, args: Any) -> Any:
+    """``args.warmup`` untimed batches; for ``datapath_disk`` with ``--disk-full-epoch`` one batch read row by row
+    (no prefetching, so no superbatch schedule: a superbatch would read the disk rows of dozens of batches)."""
+    if way == "datapath_disk" and args.disk_full_epoch:
+        loader.prefetch = 0
+        try:
+            return train_epoch(model, loader, opt, max_batches=1)
+        finally:
+            loader.prefetch = args.prefetch
+    return train_epoch(model, loader, opt, max_batches=args.warmup)
 
 
 def write_file(features: torch.Tensor, path: Path) -> dict[str, Any]:
@@ -63,9 +76,8 @@ def disk_store(path: Path, hot: torch.Tensor, args: Any, costs: Any) -> tuple[Fe
     t0 = time.perf_counter()
     nbytes = os.path.getsize(path)
     host = int(args.host_memory_frac * nbytes)
-    bounce = 64 << 20
-    staging = int(args.disk_superbatch_frac * host) - 2 * bounce if args.disk_superbatch_frac > 0 else 0
-    opts = DiskOptions(superbatch=max(staging, 0) or None, buffers=args.disk_buffers, costs=costs, bounce_bytes=bounce)
+    staging = int(args.disk_superbatch_frac * host) - BOUNCE_BUFFERS * BOUNCE_BYTES if args.disk_superbatch_frac else 0
+    opts = DiskOptions(superbatch=max(staging, 0) or None, buffers=args.disk_buffers, costs=costs)
     fs = FeatureStore(path, gpu_cache=args.gpu_cache_frac, host_memory=host, hotness=hot, disk=opts)
     return fs, time.perf_counter() - t0
 

@@ -193,14 +193,7 @@ def setup_way(way: str, model_name: str, ds: Any, placed: dict[str, Any], args: 
     val_loader = NeighborLoader(graph, val, NeighborSampler(fanouts, seed=args.seed + 1), args.batch_size,
                                 features=feats, labels=labels, device=device)
     w = _Way(way, model_name, model, opt, loader, val_loader, placed)
-    if way == "datapath_disk" and args.disk_full_epoch:
-        # warm up on one batch read row by row (no prefetching, so no superbatch schedule): a superbatch
-        # would read the disk rows of dozens of batches for it
-        loader.prefetch = 0
-        w.warm = train_epoch(model, loader, opt, max_batches=1)
-        loader.prefetch = args.prefetch
-    else:
-        w.warm = train_epoch(model, loader, opt, max_batches=args.warmup)
+    w.warm = tiers.warm_up(way, loader, model, opt, args)
     return w
 
 

@@ -3,7 +3,8 @@
 # epoch (whole epoch, every batch's rows checked) beside a whole GPU-resident epoch.
 #
 #   scripts/gpu_features_superbatch.sh dev     # papers shape at 10 GiB of features (1/4): checks the path (~2 min)
-#   scripts/gpu_features_superbatch.sh final   # papers shape, 40 GiB: gnn_epoch_papers.json (~7 min)
+#   scripts/gpu_features_superbatch.sh final   # papers shape, 40 GiB: gnn_epoch_papers.json (gpu_resident and
+#                                              # datapath_disk; ~7 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -22,10 +23,12 @@ if [ "$mode" = dev ]; then
         --name gnn_epoch_papers_dev)
   limit=300
 else
-  args=(--datasets papers --models sage --ways datapath,datapath_cache,gpu_resident,datapath_disk --rounds 3
-        --batches 100 --warmup 3 --eval-nodes 1024 --profile-batches 1 --verify-batches 2 --disk-full-epoch
-        --name gnn_epoch_papers)
-  limit="${FINAL_LIMIT:-560}"
+  timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/features/test_superbatch_gpu.py \
+    > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$? ($((SECONDS - T0)) s)"; tail -n 3 "$OUT/gpu_tests.log"
+  args=(--datasets papers --models sage --ways gpu_resident,datapath_disk --rounds 1 --batches 100 --warmup 3
+        --eval-nodes 1024 --profile-batches 1 --verify-batches 1 --disk-full-epoch --name gnn_epoch_papers)
+  limit="${FINAL_LIMIT:-540}"
 fi
 echo "== gnn_epoch ${args[*]} ($((SECONDS - T0)) s)"
 timeout "$limit" python3 benchmarks/gnn_epoch.py "${args[@]}" --disk-dir "$PWD/bench-disk" > "$OUT/bench.log" 2>&1

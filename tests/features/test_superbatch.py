@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from datapath.features import (
-    GAPS, SCAN, DiskCosts, DiskOptions, DiskReader, DiskReadError, FeatureStore, FeatureStoreError, TableFile,
+    BOUNCE_BUFFERS, GAPS, SCAN, DiskCosts, DiskOptions, DiskReader, DiskReadError, FeatureStore, FeatureStoreError, TableFile,
     choose_gap, native_aio_available, plan_reads, probe_disk, read_rows, write_table,
 )
 from datapath.graph import generate
 from datapath.loaders import NeighborLoader
 
 ENGINES = ["threads"] + (["aio"] if native_aio_available() is None else [])
-SMALL = dict(scan_read_bytes=64 << 10, bounce_bytes=256 << 10)  # small reads and buffers for small files
+SMALL = dict(scan_read_bytes=64 << 10, bounce_bytes=128 << 10)  # small reads and buffers for small files
 
 
 def _table(n: int, width: int, seed: int = 0) -> torch.Tensor:
@@ -158,7 +158,8 @@ def _graph_store(tmp_path, superbatch: str, buffers: int = 1, host: str = "75%")
 def test_superbatches_serve_every_batch_from_staging(tmp_path, buffers: int) -> None:
     pct = 30 * buffers  # every batch's disk rows fit a buffer
     ds, t, fs = _graph_store(tmp_path, f"{pct}%", buffers, host="95%")
-    assert fs.tiers()["disk"]["staging_bytes"] == (fs.nbytes * pct // 100) // buffers * buffers + 2 * (256 << 10)
+    assert fs.tiers()["disk"]["staging_bytes"] == (fs.nbytes * pct // 100) // buffers * buffers + \
+        BOUNCE_BUFFERS * (128 << 10)
     loader = NeighborLoader(ds.graph, ds.train_idx, [10, 5], 256, shuffle=True, features=fs, labels=ds.labels,
                             device="cpu", prefetch=2)
     disk_rows = 0

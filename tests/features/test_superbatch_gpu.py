@@ -23,7 +23,7 @@ def test_gpu_loader_batches_come_from_superbatches(tmp_path, buffers: int) -> No
     hot = presample_hotness(graph, ds.train_idx, [10, 5], batch_size=256, batches=4)
     fs = FeatureStore(tmp_path / "f.npy", gpu_cache="10%", host_memory="80%", hotness=hot,
                       disk=DiskOptions(superbatch=f"{30 * buffers}%", buffers=buffers, scan_read_bytes=256 << 10,
-                                       bounce_bytes=1 << 20))
+                                       bounce_bytes=256 << 10))
     loader = NeighborLoader(graph, ds.train_idx, [10, 5], 256, shuffle=True, features=fs, labels=ds.labels.cuda(),
                             device="cuda", prefetch=2)
     for epoch in range(2):
@@ -49,7 +49,7 @@ def test_gpu_superbatch_read_error_names_the_file(tmp_path) -> None:
     p = tmp_path / "f.npy"
     write_table(p, t)
     fs = FeatureStore(p, gpu_cache=0, host_memory="70%", hotness=torch.rand(ds.graph.num_nodes),
-                      disk=DiskOptions(superbatch="40%", bounce_bytes=1 << 20, scan_read_bytes=256 << 10))
+                      disk=DiskOptions(superbatch="40%", bounce_bytes=256 << 10, scan_read_bytes=256 << 10))
     with open(p, "r+b") as f:
         f.truncate(os.path.getsize(p) - 256 * 1024)
     loader = NeighborLoader(ds.graph.to("unified"), ds.train_idx, [10, 5], 256, features=fs, device="cuda")

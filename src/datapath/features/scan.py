@@ -10,8 +10,9 @@ away, depends on the disk:
 - `choose_gap` predicts, from those numbers, the time of each way of covering the rows
   (merging rows whose pages lie at most ``G`` pages apart, from ``G = 0``, random reads,
   to one scan) and picks the fastest;
-- `read_rows` runs the chosen reads through two bounce buffers (one being read, one being
-  unpacked) and copies only the wanted rows into a compact buffer, row ``i`` for ``ids[i]``.
+- `read_rows` runs the chosen reads through a few bounce buffers, a reader thread each (`run_groups`:
+  while one copies the wanted rows out of its buffer, the others' reads are in flight), into a
+  compact buffer, row ``i`` for ``ids[i]``.
 
 A failed or short read raises `DiskReadError` naming the file and the offset.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +35,11 @@ from datapath.features.table_file import TableFile
 SCAN = 1 << 40
 """``max_gap_pages`` of one scan: every gap is read."""
 
-BOUNCE_BYTES = 64 << 20
-"""Each of the two bounce buffers of `read_rows` (and of `probe_disk`'s sequential reads)."""
+BOUNCE_BYTES = 32 << 20
+"""Each bounce buffer of `read_rows` (and of `probe_disk`'s sequential reads)."""
+
+BOUNCE_BUFFERS = 4
+"""Bounce buffers (and reader threads) of `read_rows`: while one unpacks, the others' reads are in flight."""
 
 
 GAPS = (0, 1, 3, 7, 15, 63, 255, SCAN)
@@ -106,12 +110,11 @@ def probe_disk(table: TableFile, *, random_reads: int = 60_000, depths: tuple[in
     offs = first + np.arange(n, dtype=np.int64) * seq_read_bytes
     lengths = np.full(n, seq_read_bytes, np.int64)
     plan = ReadPlan(offs, lengths, np.arange(n, dtype=np.int64) * seq_read_bytes, np.zeros(0, np.int64))
-    bounce = [_aligned(bounce_bytes or BOUNCE_BYTES) for _ in range(2)]
-    t0 = time.perf_counter()
-    for _ in _groups(reader, plan, bounce):
-        pass
-    seq_s = time.perf_counter() - t0
-    reader.close()
+    bounce = [_aligned(bounce_bytes or BOUNCE_BYTES) for _ in range(BOUNCE_BUFFERS)]
+    readers = [reader] + [DiskReader(table, engine, depth=depths[-1]) for _ in range(BOUNCE_BUFFERS - 1)]
+    seq_s = run_groups(readers, plan, bounce)
+    for r in readers:
+        r.close()
     iops = max(v["iops"] for v in by_depth.values())
     return DiskCosts(iops=iops, seq_GBps=n * seq_read_bytes / seq_s / 1e9, seq_read_bytes=seq_read_bytes,
                      direct=reader.direct, engine=reader.engine,
@@ -169,27 +172,58 @@ def choose_gap(ids: np.ndarray, offset: int, row_bytes: int, costs: DiskCosts, m
     return GapChoice(best["max_gap_pages"], best["reads"], best["bytes"], best["seconds"], out)
 
 
-def _groups(reader: DiskReader, plan: ReadPlan, bounce: list[torch.Tensor],
-            waits: list[Future | None] | None = None, stop: threading.Event | None = None):
-    """Run ``plan`` in groups that fit a bounce buffer, alternating buffers; yield (group reads a:b, buffer,
-    seconds the reads took).  Before a buffer is read into again, ``waits[i]`` (its unpacking) is waited for."""
+def _group_bounds(plan: ReadPlan, cap: int) -> list[tuple[int, int]]:
+    """Consecutive reads ``a:b`` of ``plan`` whose bytes fit ``cap``."""
     n = plan.offsets.size
-    cap = int(bounce[0].numel())
     ends = plan.staging + plan.lengths
-    a, g = 0, 0
-    while a < n and not (stop is not None and stop.is_set()):
+    out, a = [], 0
+    while a < n:
         b = int(np.searchsorted(ends, plan.staging[a] + cap, side="right"))
         if b <= a:
             raise FeatureStoreError(f"a read of {int(plan.lengths[a])} bytes does not fit the {cap}-byte bounce buffer")
-        i = g % len(bounce)
-        if waits is not None and waits[i] is not None:
-            waits[i].result()
-        base = int(plan.staging[a])
-        sub = ReadPlan(plan.offsets[a:b], plan.lengths[a:b], plan.staging[a:b] - base, plan.row_at[:0])
-        t0 = time.perf_counter()
-        reader.read(sub, bounce[i])
-        yield a, b, i, time.perf_counter() - t0
-        a, g = b, g + 1
+        out.append((a, b))
+        a = b
+    return out
+
+
+def run_groups(readers: list[DiskReader], plan: ReadPlan, bounce: list[torch.Tensor],
+               consume: Callable[[int, int, torch.Tensor], None] | None = None,
+               stop: threading.Event | None = None) -> float:
+    """Run ``plan`` in groups of reads that fit a bounce buffer: worker ``w`` (a thread with ``readers[w]`` and
+    ``bounce[w]``) reads groups ``w, w + W, ...`` into its buffer and hands each to ``consume(a, b, buffer)``
+    (reads ``a:b``), so that the disk always has the groups of the other workers in flight while one
+    unpacks.  Returns the wall seconds.  The first error (`DiskReadError`) stops every worker and is raised;
+    ``stop`` ends the reads early."""
+    if len(readers) != len(bounce):
+        raise FeatureStoreError(f"one reader per bounce buffer: {len(readers)} readers, {len(bounce)} buffers")
+    groups = _group_bounds(plan, min(int(b.numel()) for b in bounce))
+    halt = threading.Event()
+    errors: list[BaseException] = []
+
+    def work(w: int) -> None:
+        try:
+            for a, b in groups[w::len(bounce)]:
+                if halt.is_set() or (stop is not None and stop.is_set()):
+                    return
+                base = int(plan.staging[a])
+                sub = ReadPlan(plan.offsets[a:b], plan.lengths[a:b], plan.staging[a:b] - base, plan.row_at[:0])
+                readers[w].read(sub, bounce[w])
+                if consume is not None:
+                    consume(a, b, bounce[w])
+        except BaseException as exc:  # noqa: BLE001 - raised by the caller
+            errors.append(exc)
+            halt.set()
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=work, args=(w,), name=f"datapath-read-{w}", daemon=True)
+               for w in range(min(len(bounce), len(groups)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0
 
 
 def _word(row_bytes: int, align: int, r0: int) -> torch.dtype:
@@ -222,16 +256,17 @@ def plan_rows(table: TableFile, ids: np.ndarray, max_gap_pages: int, max_read_by
     return plan_reads(ids, table.offset, rb, cap, max_gap_pages=max_gap_pages)
 
 
-def read_rows(reader: DiskReader, table: TableFile, ids: np.ndarray, out: torch.Tensor, max_gap_pages: int,
-              max_read_bytes: int = 1 << 20, bounce: list[torch.Tensor] | None = None,
+def read_rows(readers: DiskReader | list[DiskReader], table: TableFile, ids: np.ndarray, out: torch.Tensor,
+              max_gap_pages: int, max_read_bytes: int = 1 << 20, bounce: list[torch.Tensor] | None = None,
               stop: threading.Event | None = None, plan: ReadPlan | None = None) -> ReadResult:
     """``out[i] = bytes of row ids[i]`` for sorted unique ``ids``: ``out`` is (len(ids), row_bytes) uint8 CPU memory.
 
     The reads are `plan_rows` (``max_gap_pages``, ``max_read_bytes``; or ``plan``, made by it
-    beforehand) run through two ``bounce`` buffers (page-aligned, equal; default two of
-    `BOUNCE_BYTES`): a helper thread copies the rows of one buffer out while the next group of
-    reads fills the other.  Raises `DiskReadError` (file and offset) on a failed or short read;
-    ``out`` is then incomplete (also when ``stop`` is set, which ends the reads early).
+    beforehand) run by `run_groups`: one worker per ``bounce`` buffer (page-aligned, equal; default
+    `BOUNCE_BUFFERS` of `BOUNCE_BYTES`) and reader, each copying the wanted rows out of its buffer
+    while the others' reads are in flight.  ``io_s`` is the wall time of the reads (unpacking
+    overlapped).  Raises `DiskReadError` (file and offset) on a failed or short read; ``out`` is
+    then incomplete (also when ``stop`` is set, which ends the reads early).
     """
     t_all = time.perf_counter()
     rb = table.row_bytes
@@ -241,7 +276,10 @@ def read_rows(reader: DiskReader, table: TableFile, ids: np.ndarray, out: torch.
     if ids.size == 0:
         return ReadResult(0, 0, 0.0, 0.0)
     if bounce is None:
-        bounce = [_aligned(BOUNCE_BYTES), _aligned(BOUNCE_BYTES)]
+        bounce = [_aligned(BOUNCE_BYTES) for _ in range(BOUNCE_BUFFERS)]
+    readers = list(readers) if isinstance(readers, (list, tuple)) else [readers]
+    if len(readers) < len(bounce):
+        bounce = bounce[: len(readers)]
     if plan is None:
         plan = plan_rows(table, ids, max_gap_pages, max_read_bytes, int(bounce[0].numel()))
     align = math.gcd(rb, PAGE)
@@ -249,26 +287,16 @@ def read_rows(reader: DiskReader, table: TableFile, ids: np.ndarray, out: torch.
     word = _word(rb, align, r0)
     ws = torch.empty((), dtype=word).element_size()
     out_w = out.view(word)
-    waits: list[Future | None] = [None] * len(bounce)
-    io_s = 0.0
 
-    def unpack(i: int, ra: int, rb_: int, base: int) -> None:
+    def unpack(a: int, b: int, buf: torch.Tensor) -> None:
+        base = int(plan.staging[a])
+        ra = int(np.searchsorted(plan.row_at, base, side="left"))
+        rb_ = int(np.searchsorted(plan.row_at, int(plan.staging[b - 1] + plan.lengths[b - 1]), side="left"))
         local = plan.row_at[ra:rb_] - base
-        buf = bounce[i].view(word)
-        count = (bounce[i].numel() - r0 - rb) // align + 1
-        rows = torch.as_strided(buf, (count, rb // ws), (align // ws, 1), buf.storage_offset() + r0 // ws)
+        words = buf.view(word)
+        count = (buf.numel() - r0 - rb) // align + 1
+        rows = torch.as_strided(words, (count, rb // ws), (align // ws, 1), words.storage_offset() + r0 // ws)
         torch.index_select(rows, 0, torch.from_numpy((local - r0) // align), out=out_w[ra:rb_])
 
-    with ThreadPoolExecutor(1, thread_name_prefix="datapath-unpack") as pool:
-        try:
-            for a, b, i, dt in _groups(reader, plan, bounce, waits, stop):
-                io_s += dt
-                base = int(plan.staging[a])
-                ra = int(np.searchsorted(plan.row_at, base, side="left"))
-                rb_ = int(np.searchsorted(plan.row_at, int(plan.staging[b - 1] + plan.lengths[b - 1]), side="left"))
-                waits[i] = pool.submit(unpack, i, ra, rb_, base)
-        finally:
-            for w in waits:
-                if w is not None:
-                    w.result()
+    io_s = run_groups(readers[: len(bounce)], plan, bounce, unpack, stop)
     return ReadResult(int(plan.offsets.size), plan.nbytes, io_s, time.perf_counter() - t_all)

@@ -38,7 +38,7 @@ from datapath.features.budget import format_bytes, parse_budget
 from datapath.features.disk import DiskTier
 from datapath.features.errors import FeatureStoreError
 from datapath.features.hotness import degree_hotness, rank
-from datapath.features.scan import BOUNCE_BYTES, DiskCosts, probe_disk
+from datapath.features.scan import BOUNCE_BUFFERS, BOUNCE_BYTES, DiskCosts, probe_disk
 from datapath.features.superbatch import Schedule, StagingPool
 from datapath.features.table_file import TableFile
 from datapath.features.tiers import FetchTier, TierStats
@@ -61,8 +61,8 @@ class DiskOptions:
     out of ``host_memory`` (the host tier shrinks by it); ``buffers`` splits it in 1 (more batches per
     superbatch) or 2 (the next superbatch read while the current one trains); ``costs``: the disk's
     `DiskCosts` (None: `probe_disk` measures them when the first schedule starts); ``scan_read_bytes``:
-    the size of a scan's reads; ``bounce_bytes``: each of the two buffers reads go through (counted in the
-    staging memory too; at least ``scan_read_bytes`` and 256 KiB).
+    the size of a scan's reads; ``bounce_bytes``: each of the `BOUNCE_BUFFERS` buffers reads go through
+    (counted in the staging memory too; at least ``scan_read_bytes``).
     """
 
     engine: str = "auto"
@@ -218,13 +218,13 @@ class FeatureStore:
         if staging:
             if disk.buffers not in (1, 2):
                 raise FeatureStoreError(f"disk.buffers must be 1 or 2, got {disk.buffers!r}")
-            if disk.bounce_bytes < max(disk.scan_read_bytes, 256 << 10):
+            if disk.bounce_bytes < disk.scan_read_bytes:
                 raise FeatureStoreError(f"disk.bounce_bytes={disk.bounce_bytes} must be at least disk.scan_read_bytes "
-                                        f"({disk.scan_read_bytes}) and 256 KiB")
-            need = staging + 2 * disk.bounce_bytes
+                                        f"({disk.scan_read_bytes})")
+            need = staging + BOUNCE_BUFFERS * disk.bounce_bytes
             if need > host_bytes:
                 raise FeatureStoreError(
-                    f"disk.superbatch={disk.superbatch!r} needs {format_bytes(need)} of host memory (with two "
+                    f"disk.superbatch={disk.superbatch!r} needs {format_bytes(need)} of host memory (with {BOUNCE_BUFFERS} "
                     f"{format_bytes(disk.bounce_bytes)} bounce buffers) but host_memory is "
                     f"{format_bytes(host_bytes)}; give a smaller superbatch or more host_memory")
             host_bytes -= need
@@ -276,7 +276,7 @@ class FeatureStore:
                                          seq_read_bytes=self._disk_opts.scan_read_bytes,
                                          bounce_bytes=self._disk_opts.bounce_bytes)
             log.info("disk costs of %s: %s", tier.table.path, self.disk_costs.as_dict())
-        self._schedules = [s for s in self._schedules if s._thread.is_alive()]
+        self._schedules = [s for s in self._schedules if s.alive]
         slots = self._slots
 
         def on_disk(ids: torch.Tensor) -> torch.Tensor:

@@ -2,20 +2,23 @@
 
 A `Schedule` is made by a loader for one epoch (`FeatureStore.schedule`): it knows the
 batches to come and how to sample one (``input_nodes(k)``, the same pure function of
-the step the loader samples with).  A planner thread walks ahead of the loader:
+the step the loader samples with).  Two threads walk ahead of the loader:
 
-1. it samples batches ``k, k+1, ...`` and marks their disk rows (deduplicated: a row several
-   batches need is read once) until the superbatch's distinct rows fill a staging buffer;
-2. it waits for a free staging buffer (pinned host memory, counted in the store's host
-   memory), then lets `datapath.features.scan.choose_gap` pick, by the disk's measured
-   costs, sorted random reads or one sequential scan of the file (or merges in between),
-   and `read_rows` puts exactly the needed rows, sorted by id, into the buffer;
+1. the planner samples batches ``k, k+1, ...`` and marks their disk rows (deduplicated: a
+   row several batches need is read once) until the superbatch's distinct rows fill a
+   staging buffer, and lets `datapath.features.scan.choose_gap` pick, by the disk's
+   measured costs, the reads: only the needed pages (random reads where rows are sparse),
+   one sequential scan of the file, or merges in between;
+2. the reader waits for a free staging buffer (pinned host memory, counted in the store's
+   host memory) and `read_rows` puts exactly the needed rows, sorted by id, into it;
 3. the loader's gathers of those batches (`fetch`) find their rows there (a binary search
    on the device) and copy them zero-copy; after the superbatch's last batch the buffer
    is handed back (once the GPU has read it) and the next superbatch is read into it.
 
-Planning (sampling) of the next superbatch overlaps the current one's training; with
-two buffers (``buffers=2``) its reads do as well, at half the rows per superbatch.
+The next superbatch is planned while the current one is read and trains; with two
+buffers (``buffers=2``) its reads overlap the current one's training too, at half the
+rows per superbatch (one buffer is the better trade where reading takes far longer than
+training).
 A batch the schedule does not know (another loader, evaluation) is read row by row as
 before.  A read error raises `DiskReadError` (file and offset) in the gather of every batch
 of the failed superbatch; no row of it is served.
@@ -23,6 +26,7 @@ of the failed superbatch; no row of it is served.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -32,13 +36,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from datapath.features.disk import ReadPlan
-from datapath.features.scan import BOUNCE_BYTES, DiskCosts, GapChoice, _aligned, choose_gap, plan_rows, read_rows
+from datapath.features.disk import DiskReader, ReadPlan
+from datapath.features.scan import BOUNCE_BUFFERS, BOUNCE_BYTES, DiskCosts, GapChoice, _aligned, choose_gap, plan_rows, read_rows
 from datapath.memory import gather_rows
 from datapath.unified_tensor import as_unified, host_tensor
 
 if TYPE_CHECKING:
-    from datapath.features.disk import DiskReader, DiskTier
+    from datapath.features.disk import DiskTier
 
 log = logging.getLogger("datapath.features.superbatch")
 
@@ -66,7 +70,7 @@ class StagingPool:
         self._handles: list[Any] = [None] * self.count  # the pinning of each buffer
         self._done: list[Any] = [None] * self.count  # a CUDA event of the buffer's last reads
         self._cv = threading.Condition()
-        self.bounce = [_aligned(self.bounce_bytes), _aligned(self.bounce_bytes)]
+        self.bounce = [_aligned(self.bounce_bytes) for _ in range(BOUNCE_BUFFERS)]
 
     def allocate(self) -> None:
         """Allocate (and pin) every buffer now rather than on first use."""
@@ -76,8 +80,8 @@ class StagingPool:
 
     @property
     def total_bytes(self) -> int:
-        """Host memory the pool holds once allocated (staging buffers and the two bounce buffers)."""
-        return self.nbytes * self.count + 2 * self.bounce_bytes
+        """Host memory the pool holds once allocated (staging buffers and the bounce buffers)."""
+        return self.nbytes * self.count + len(self.bounce) * self.bounce_bytes
 
     def acquire(self, stop: threading.Event) -> tuple[int, torch.Tensor] | None:
         with self._cv:
@@ -146,34 +150,79 @@ class Schedule:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._planned_to = 0  # indices below this are planned
-        self._thread = threading.Thread(target=self._run, name="datapath-superbatch", daemon=True)
-        self._thread.start()
+        self._stop_planning = threading.Event()
+        self._plans: queue.Queue = queue.Queue(maxsize=1)  # planned, not yet read (one ahead of the reads)
+        self._threads = [threading.Thread(target=self._plan_loop, name="datapath-superbatch-plan", daemon=True),
+                         threading.Thread(target=self._read_loop, name="datapath-superbatch-read", daemon=True)]
+        for t in self._threads:
+            t.start()
 
-    # -- the planner thread ----------------------------------------------------------------
-    def _run(self) -> None:
+    # -- the planner and reader threads ------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = exc
+            self._cv.notify_all()
+        self._stop_planning.set()
+
+    def _plan_loop(self) -> None:
+        """Plan superbatch after superbatch (sample, mark, choose the reads) into ``_plans``, one ahead of the
+        reads: the next superbatch is planned while the current one is read."""
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        reader = None
         try:
             if stream is not None:
                 torch.cuda.set_device(self.device)
-            from datapath.features.disk import DiskReader  # noqa: PLC0415 - a reader of its own (own AIO context)
-
-            reader = DiskReader(self.tier.table, self.tier.reader.engine if self.tier.reader.engine != "kvikio"
-                                else "auto", self.tier.reader_depth)
             mark = torch.zeros(self.tier.table.num_rows, dtype=torch.bool, device=self.device)
             k, number, carry = 0, 0, None
-            while k < self._n and not self._stop.is_set():
+            while k < self._n and not self._stop_planning.is_set():
                 with torch.cuda.stream(stream) if stream is not None else _null():
                     sb, carry = self._plan(number, k, mark, carry)
                     ids = mark.nonzero().squeeze(1)
                     mark[ids] = False
                     ids_np = ids.cpu().numpy()
+                if self._stop_planning.is_set():
+                    return
                 t0 = time.perf_counter()
                 choice = choose_gap(ids_np, self.tier.table.offset, self.row_bytes, self.costs, self.max_read_bytes)
                 plan = plan_rows(self.tier.table, ids_np, choice.max_gap_pages, self.max_read_bytes,
                                  self.pool.bounce_bytes)
                 sb.info["choose_s"] = time.perf_counter() - t0
                 self._publish_plan(sb)
+                while not self._stop_planning.is_set():
+                    try:
+                        self._plans.put((sb, ids, ids_np, choice, plan), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                k, number = sb.last, number + 1
+        except BaseException as exc:  # noqa: BLE001 - raised by the gathers that wait for it
+            self._fail(exc)
+        finally:
+            while True:  # the reader's end
+                try:
+                    self._plans.put(None, timeout=0.1)
+                    break
+                except queue.Full:
+                    if self._stop.is_set() or not self._threads[1].is_alive():
+                        break
+
+    def _read_loop(self) -> None:
+        """Read each planned superbatch into a free staging buffer and publish it."""
+        readers: list[DiskReader] = []
+        try:
+            engine = self.tier.reader.engine if self.tier.reader.engine != "kvikio" else "auto"
+            for _ in self.pool.bounce:  # readers of its own (own AIO contexts), one per bounce buffer
+                readers.append(DiskReader(self.tier.table, engine, self.tier.reader_depth))
+            while True:
+                try:
+                    item = self._plans.get(timeout=0.1)
+                except queue.Empty:
+                    if self._stop.is_set():
+                        return
+                    continue
+                if item is None or self._stop.is_set():
+                    return
+                sb, ids, ids_np, choice, plan = item
                 t0 = time.perf_counter()
                 got = self.pool.acquire(self._stop)
                 if got is None:
@@ -181,7 +230,7 @@ class Schedule:
                 sb.info["wait_buffer_s"] = time.perf_counter() - t0
                 sb.buffer, buf = got
                 try:
-                    self._read(sb, reader, ids, ids_np, buf, choice, plan)
+                    self._read(sb, readers, ids, ids_np, buf, choice, plan)
                 except BaseException as exc:  # noqa: BLE001 - handed to the batches of this superbatch
                     sb.error = exc
                     self.pool.release(sb.buffer)
@@ -190,18 +239,17 @@ class Schedule:
                         self.pool.release(sb.buffer)
                     return
                 with self._cv:
-                    self._supers[number] = sb
+                    self._supers[sb.number] = sb
                     self._cv.notify_all()
                 if sb.error is not None:  # no later superbatch is read: the loader stops at this one
+                    self._stop_planning.set()
                     return
-                k, number = sb.last, number + 1
         except BaseException as exc:  # noqa: BLE001 - raised by the gathers that wait for it
-            with self._cv:
-                self._error = exc
-                self._cv.notify_all()
+            self._fail(exc)
         finally:
-            if reader is not None:
-                reader.close()
+            self._stop_planning.set()
+            for r in readers:
+                r.close()
 
     def _plan(self, number: int, k: int, mark: torch.Tensor,
               carry: tuple[int, torch.Tensor] | None) -> tuple[_Super, tuple[int, torch.Tensor] | None]:
@@ -238,11 +286,11 @@ class Schedule:
             self._planned_to = sb.last
             self._cv.notify_all()
 
-    def _read(self, sb: _Super, reader: "DiskReader", ids: torch.Tensor, ids_np: np.ndarray,
+    def _read(self, sb: _Super, readers: list[DiskReader], ids: torch.Tensor, ids_np: np.ndarray,
               buf: torch.Tensor, choice: GapChoice, plan: ReadPlan) -> None:
         n = ids_np.size
         out = buf[: n * self.row_bytes].view(n, self.row_bytes)
-        res = read_rows(reader, self.tier.table, ids_np, out, choice.max_gap_pages, self.max_read_bytes,
+        res = read_rows(readers, self.tier.table, ids_np, out, choice.max_gap_pages, self.max_read_bytes,
                         self.pool.bounce, self._stop, plan)
         rest = tuple(self.tier.table.shape[1:])
         sb.rows = buf[: n * self.row_bytes].view(self.tier.table.dtype).view(n, *rest)
@@ -314,11 +362,18 @@ class Schedule:
             sb.ids = sb.rows = None
             self.pool.release(sb.buffer, event)
 
+    @property
+    def alive(self) -> bool:
+        """Whether its planner or reader thread still runs."""
+        return any(t.is_alive() for t in self._threads)
+
     def close(self) -> None:
-        """Stop the planner and hand back every staging buffer (idempotent)."""
+        """Stop the planner and reader and hand back every staging buffer (idempotent)."""
         self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=60)
+        self._stop_planning.set()
+        for t in self._threads:
+            if t.is_alive() and threading.current_thread() is not t:
+                t.join(timeout=60)
         with self._cv:
             for sb in self._supers.values():
                 if sb.pending and sb.buffer >= 0 and sb.error is None:
