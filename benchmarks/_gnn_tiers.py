@@ -140,22 +140,33 @@ def verify_rows(graph: Any, ds: Any, store: FeatureStore, reference: torch.Tenso
             "checksum_store": sum_store, "checksum_table": sum_ref}
 
 
+def _epoch(row: dict[str, Any]) -> tuple[float, bool]:
+    """A way's epoch seconds and whether they were measured over a whole epoch (else extrapolated)."""
+    if row.get("epoch_measured"):
+        return row["time_s"], True
+    if row.get("full_epoch_s") is not None:
+        return row["full_epoch_s"], True
+    return row["epoch_s_extrapolated"], False
+
+
 def record(dataset: str, row: dict[str, Any], resident: dict[str, Any] | None, device: str, **extra: Any
            ) -> dict[str, Any]:
     """The issue's record: dataset, model, features_on, gpu_cache_frac, host_memory_gb, epoch_s,
-    resident_epoch_s, hit_rate, device (+ the disk tier's fields)."""
-    full = row.get("epoch_measured") and resident is not None and resident.get("full_epoch_s") is not None
+    resident_epoch_s, hit_rate, device (+ the disk tier's fields).  Whole epochs, where measured, beat
+    extrapolations (``epoch_measured``, ``resident_epoch_measured``)."""
+    epoch_s, measured = _epoch(row)
+    res_s, res_measured = _epoch(resident) if resident else (None, False)
     return {"dataset": dataset, "model": row["model"], "features_on": row.get("features_on_label", row["features_in"]),
             "gpu_cache_frac": row.get("gpu_cache_frac", 0.0), "host_memory_gb": row.get("host_memory_gb"),
-            "epoch_s": row["time_s"] if row.get("epoch_measured") else row["epoch_s_extrapolated"],
-            "resident_epoch_s": (resident["full_epoch_s"] if full else resident["epoch_s_extrapolated"])
-            if resident else None,
+            "epoch_s": epoch_s, "resident_epoch_s": res_s,
             "ratio_vs_resident": row["per_batch_s"] / resident["per_batch_s"] if resident else None,
+            "epoch_ratio_vs_resident": epoch_s / res_s if res_s else None,
             "hit_rate": row.get("hit_rate"), "device": device, "batches_timed": row["batches_timed"] * row["rounds"],
-            "batches_per_epoch": row["batches_per_epoch"],
-            "epoch_note": ("epoch_s: one whole epoch, measured; resident_epoch_s: gpu_resident's whole epoch, measured "
-                           "in the same run" if full else
-                           "epoch_s = median timed round's per-batch time x batches per epoch (extrapolated)"),
+            "batches_per_epoch": row["batches_per_epoch"], "epoch_measured": measured,
+            "resident_epoch_measured": res_measured,
+            "epoch_note": ("epoch_s: one whole epoch, measured" if measured else
+                           "epoch_s = median timed round's per-batch time x batches per epoch (extrapolated)")
+            + ("; resident_epoch_s: gpu_resident's whole epoch, measured in the same run" if res_measured else ""),
             **extra}
 
 
@@ -222,7 +233,7 @@ def records(results: list[dict[str, Any]], device: str) -> list[dict[str, Any]]:
                          and x["way"] == "gpu_resident"), None)
         extra = {k: r[k] for k in ("rows_match", "disk_read_GBps", "disk_probe_GBps", "rows_checked",
                                    "checksum_store", "checksum_table", "disk_useful_GBps", "staging_gb",
-                                   "host_tier_gb", "superbatch_modes", "epoch_measured") if k in r}
+                                   "host_tier_gb", "superbatch_modes") if k in r}
         rec = record(r["dataset"], {**r, "features_on_label": r["way"]}, resident, device, **extra)
         if resident and r["way"] != "gpu_resident":
             pairs = [a / b for a, b in zip(r["per_batch_s_rounds"], resident["per_batch_s_rounds"])]
