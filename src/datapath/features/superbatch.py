@@ -25,6 +25,7 @@ of the failed superbatch; no row of it is served.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -68,7 +69,7 @@ class StagingPool:
         self._free: list[int] = list(range(self.count))
         self._bufs: list[torch.Tensor | None] = [None] * self.count
         self._handles: list[Any] = [None] * self.count  # the pinning of each buffer
-        self._done: list[Any] = [None] * self.count  # a CUDA event of the buffer's last reads
+        self._done: list[list[Any]] = [[] for _ in range(self.count)]  # CUDA events of the buffer's last reads
         self._cv = threading.Condition()
         self.bounce = [_aligned(self.bounce_bytes) for _ in range(BOUNCE_BUFFERS)]
 
@@ -90,16 +91,17 @@ class StagingPool:
                     return None
                 self._cv.wait(0.1)
             i = self._free.pop(0)
-        if self._done[i] is not None:
-            self._done[i].synchronize()
-            self._done[i] = None
+        for event in self._done[i]:
+            event.synchronize()
+        self._done[i] = []
         if self._bufs[i] is None:
             self._bufs[i], self._handles[i] = _staging_buffer(self.nbytes, self.pinned)
         return i, self._bufs[i]
 
-    def release(self, i: int, done: Any = None) -> None:
+    def release(self, i: int, done: list[Any] | None = None) -> None:
+        """Hand buffer ``i`` back; ``done``: CUDA events after which the GPU no longer reads it."""
         with self._cv:
-            self._done[i] = done
+            self._done[i] = list(done or [])
             self._free.append(i)
             self._cv.notify_all()
 
@@ -116,6 +118,7 @@ class _Super:
     rows: torch.Tensor | None = None
     pending: set[int] = field(default_factory=set)
     skipped: set[int] = field(default_factory=set)  # batches whose rows alone overflow a buffer: read as before
+    events: list[Any] = field(default_factory=list)  # CUDA events after each batch's reads of the buffer
     error: BaseException | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -149,7 +152,6 @@ class Schedule:
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        self._planned_to = 0  # indices below this are planned
         self._stop_planning = threading.Event()
         self._plans: queue.Queue = queue.Queue(maxsize=1)  # planned, not yet read (one ahead of the reads)
         self._threads = [threading.Thread(target=self._plan_loop, name="datapath-superbatch-plan", daemon=True),
@@ -175,7 +177,7 @@ class Schedule:
             mark = torch.zeros(self.tier.table.num_rows, dtype=torch.bool, device=self.device)
             k, number, carry = 0, 0, None
             while k < self._n and not self._stop_planning.is_set():
-                with torch.cuda.stream(stream) if stream is not None else _null():
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     sb, carry = self._plan(number, k, mark, carry)
                     ids = mark.nonzero().squeeze(1)
                     mark[ids] = False
@@ -283,7 +285,6 @@ class Schedule:
         with self._cv:
             for k in range(sb.first, sb.last):
                 self._of[k] = sb.number
-            self._planned_to = sb.last
             self._cv.notify_all()
 
     def _read(self, sb: _Super, readers: list[DiskReader], ids: torch.Tensor, ids_np: np.ndarray,
@@ -348,6 +349,11 @@ class Schedule:
             slot, positions = slot[found], positions[found.to(positions.device)]
         rows = gather_rows(sb.rows, slot.to(out.device)) if out.device.type == "cuda" else sb.rows.index_select(0, slot)
         out.index_copy_(0, positions, rows.view(-1, *out.shape[1:]))
+        if out.device.type == "cuda":  # the buffer is reused once every stream that read it is past this
+            event = torch.cuda.Event()
+            event.record()
+            with self._cv:
+                sb.events.append(event)
         self.tier.count_staged(int(slot.numel()), missing, time.perf_counter() - t0)
 
     def _done(self, sb: _Super, k: int, out: torch.Tensor) -> None:
@@ -355,12 +361,8 @@ class Schedule:
             sb.pending.discard(k)
             last = not sb.pending and sb.buffer >= 0 and sb.error is None
         if last:
-            event = None
-            if out.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
             sb.ids = sb.rows = None
-            self.pool.release(sb.buffer, event)
+            self.pool.release(sb.buffer, sb.events)
 
     @property
     def alive(self) -> bool:
@@ -381,11 +383,3 @@ class Schedule:
                     sb.ids = sb.rows = None
                     self.pool.release(sb.buffer)
             self._cv.notify_all()
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
