@@ -48,8 +48,9 @@ class TierStats:
     def as_dict(self, total_rows: int) -> dict[str, Any]:
         """The counters plus ``hit_rate`` (share of all rows the store returned that came from this tier)."""
         with self._lock:
+            extra = {k: list(v) if isinstance(v, list) else v for k, v in self.extra.items()}  # a snapshot
             return {"rows": self.rows, "bytes": self.bytes, "seconds": self.seconds,
-                    "hit_rate": self.rows / total_rows if total_rows else 0.0, **self.extra}
+                    "hit_rate": self.rows / total_rows if total_rows else 0.0, **extra}
 
 
 class FetchTier(ABC):
