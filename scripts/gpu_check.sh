@@ -9,6 +9,9 @@
 #   b1        B1 gather                          benchmarks/gather.py                        (~2.5 min)
 #   b2        B2 products epoch, store ways      benchmarks/gnn_epoch.py --datasets products (~2.5 min)
 #   b2-papers B2 papers shape, cache and disk    benchmarks/gnn_epoch.py --datasets papers   (~7 min, 40 GiB data)
+#   b2-disk   B2 papers shape, a WHOLE disk-tier epoch (superbatches; every batch's rows checked) beside a whole
+#             GPU-resident epoch, after the superbatch GPU tests       (~7-8 min projected; not yet run at full scale)
+#   b2-disk-quarter  the same at a quarter of the papers feature bytes (10 GiB)            (~2.5 min)
 #   b3        B3 aggregation + full-graph models benchmarks/aggregate.py, full_graph.py      (~6.5 min)
 #   b4        B4 offloading on real models       benchmarks/offload.py          (~11 min for all three models)
 #             (B4_ARGS / B4_TIMEOUT override; the committed run: T_TESTS=110 B4_TIMEOUT=470
@@ -85,6 +88,16 @@ for s in "${suites[@]}"; do
           --ways datapath,datapath_cache,gpu_resident,datapath_disk --rounds 3 --batches 100 --warmup 3 \
           --eval-nodes 1024 --profile-batches 2 --disk-batches 15 --verify-batches 3 --name gnn_epoch_papers \
           --disk-dir "$PWD/bench-disk" ;;
+    b2-disk|b2-disk-quarter)
+      timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/features/test_superbatch_gpu.py \
+        > "$L/superbatch_gpu_tests.log" 2>&1
+      rc=$?; [ "$rc" = 0 ] || status=1
+      echo "superbatch GPU tests rc=$rc"; tail -n 3 "$L/superbatch_gpu_tests.log"
+      if [ "$s" = b2-disk ]; then size=(); name=gnn_epoch_papers_disk; t=540
+      else size=(--papers-feature-gb 10); name=gnn_epoch_papers_quarter; t=300; fi
+      bench "$t" gnn_epoch --datasets papers "${size[@]}" --models sage --ways gpu_resident,datapath_disk --rounds 1 \
+        --batches 100 --warmup 3 --eval-nodes 1024 --profile-batches 1 --verify-batches 1 --disk-full-epoch \
+        --name "$name" --disk-dir "$PWD/bench-disk" ;;
     b3) bench 260 aggregate --repeat 5; bench 120 full_graph ;;
     b4) bench "${B4_TIMEOUT:-560}" offload ${B4_ARGS:---time-budget 170} ;;
     rok) bench 160 rok ;;
