@@ -84,6 +84,10 @@ def register(sub: Any) -> None:
     p.add_argument("--host-memory", type=_budget("--host-memory"), default=None, metavar="SIZE",
                    help="pinned host memory for the feature rows of a dataset directory ('16GB', '25%%'); rows "
                         "beyond it are read from its features.npy on disk (O_DIRECT) [all of them when they fit]")
+    p.add_argument("--disk-superbatch", type=_budget("--disk-superbatch"), default=None, metavar="SIZE",
+                   help="with --host-memory: that much of it ('20%%' of the features, '8GB') stages the disk rows "
+                        "of many batches at once, read as only their pages or one sequential O_DIRECT scan, "
+                        "whichever the disk's measured costs make faster [off: each batch reads its own rows]")
     p.add_argument("--cache-policy", choices=("presample", "degree"), default="presample",
                    help="which rows the GPU cache and host memory hold: the ones a presampling pass of the "
                         "sampler reads most (GNNLab), or the highest-degree nodes [presample]")
@@ -157,6 +161,7 @@ def train_gnn(args: argparse.Namespace) -> int:
                       lr=args.lr, optimizer=args.optimizer, device=args.device, features_on=args.features_on,
                       graph_on=args.graph_on, max_batches=args.max_batches, eval_nodes=args.eval_nodes,
                       gpu_cache=args.gpu_cache, host_memory=args.host_memory, cache_policy=args.cache_policy,
+                      disk_superbatch=args.disk_superbatch,
                       shard_features=args.shard_features, cache_scope=args.cache_scope,
                       dist_timeout_s=args.dist_timeout,
                       memory_gb=args.memory_gb, seed=args.seed, prefetch=args.prefetch,

@@ -22,7 +22,7 @@ import torch
 
 from datapath.apps.launch import DistContext, on_every_rank
 from datapath.features import (
-    FeatureStore, degree_hotness, gpu_budget, parse_budget, place_graph, presample_hotness, sharded_store,
+    DiskOptions, FeatureStore, degree_hotness, gpu_budget, parse_budget, place_graph, presample_hotness, sharded_store,
 )
 from datapath.graph import Dataset, load_dataset
 from datapath.memory import to_placement
@@ -66,10 +66,13 @@ def place_with_store(cfg: Any, device: torch.device, ds: Dataset) -> tuple[Datas
     hot = _hotness(cfg, ds)
     directory = Path(cfg.dataset)
     source: Any = ds.features
+    disk = None
     if cfg.host_memory and directory.is_dir():
         source = directory / "features.npy"  # rows beyond host memory are read from this file
+        if getattr(cfg, "disk_superbatch", None):
+            disk = DiskOptions(superbatch=cfg.disk_superbatch)
     ds.features = FeatureStore(source, gpu_cache=cfg.gpu_cache, host_memory=cfg.host_memory, hotness=hot,
-                               device=device)
+                               device=device, disk=disk)
     return ds, {"features_on": "feature_store", "graph_on": ds.graph.placement, "shared_prefix": None,
                 "feature_store": ds.features.tiers()}
 

@@ -58,7 +58,9 @@ class TrainConfig:
     multi-process run always keeps one shared unified copy.  ``gpu_cache`` / ``host_memory``
     (``"25%"``, ``"16GB"``): a one-process run serves the features from a `FeatureStore` with a GPU
     cache of that size (the hottest rows by ``cache_policy``: ``presample`` or ``degree``) and, for a
-    dataset directory, that much pinned host memory, the rest read from disk; ``graph_on`` may
+    dataset directory, that much pinned host memory, the rest read from disk (``disk_superbatch``:
+    that much of it, ``"20%"`` of the features or ``"8GB"``, stages the disk rows of many batches
+    at once, read as only their pages or one sequential scan: `datapath.features.superbatch`); ``graph_on`` may
     then also be ``auto`` (the default: on the GPU when it fits beside the cache).  ``shard_features``: a
     dataset directory's features cut over the ranks, each holding its shard in (pinned) host memory
     and fetching the others' rows from them (``gpu_cache``: a GPU cache of hot rows of any shard on
@@ -87,6 +89,7 @@ class TrainConfig:
     memory_gb: float | None = None
     gpu_cache: str | None = None
     host_memory: str | None = None
+    disk_superbatch: str | None = None
     cache_policy: str = "presample"
     shard_features: bool = False
     cache_scope: str = "any"
@@ -124,8 +127,11 @@ class TrainConfig:
             allowed = (*PLACEMENTS, "auto") if name == "graph_on" and uses_store(self) else PLACEMENTS
             if v is not None and v not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {v!r}")
-        for name in ("gpu_cache", "host_memory"):
+        for name in ("gpu_cache", "host_memory", "disk_superbatch"):
             parse_budget(getattr(self, name), 1 << 40, name)  # FeatureStoreError (a ValueError) names it
+        if self.disk_superbatch and not (self.host_memory and Path(self.dataset).is_dir()):
+            raise ValueError("disk_superbatch stages the disk rows of a dataset directory read beyond host_memory: "
+                             "pass host_memory and a dataset directory (datapath prepare-dataset PRESET DIR) too")
         if self.cache_policy not in CACHE_POLICIES:
             raise ValueError(f"cache_policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
         if uses_store(self) and self.features_on is not None:
