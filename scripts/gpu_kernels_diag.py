@@ -1,0 +1,126 @@
+"""Where a host-bound layer forward+backward spends its time on the GPU machine (citeseer shape, 128 -> 64).
+
+Decomposes the step: the autograd engine alone, a Linear, one aggregation, the layers (datapath, PyG), each with
+the engine's device threads on and off (``torch.autograd.set_multithreading_enabled``) and with the cyclic GC off;
+then a torch.profiler table (CPU self time, CUDA time) of datapath's GINConv step and PyG's.  Host us per step:
+`benchmarks._common.wall_us_per_call` (back-to-back steps, one sync at each end).
+Run on the GPU machine:  PYTHONPATH=src:. python scripts/gpu_kernels_diag.py
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+
+import torch
+import torch.nn.functional as F
+import torch_geometric.nn as pyg
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks._common import wall_us_per_call
+from datapath.nn import GCNConv, GINConv, SAGEConv
+from datapath.ops import aggregate, as_csr
+from datapath.testing import edge_index, seed_graph
+
+
+class _ProtoGIN(torch.autograd.Function):
+    """A whole GIN layer (one Linear, projected first) as one autograd node: what fusing the layer would save."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, g, gt, ope):  # type: ignore[override]
+        h = F.linear(x, weight)
+        out = aggregate(g, h)
+        out.add_(h, alpha=ope).add_(bias)
+        ctx.save_for_backward(x, weight)
+        ctx.gt, ctx.ope = gt, ope
+        return out
+
+    @staticmethod
+    def backward(ctx, gout):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        gh = aggregate(ctx.gt, gout).add_(gout, alpha=ctx.ope)
+        return gh @ weight, gh.t() @ x, gout.sum(0), None, None, None
+
+
+def step(fn, x: torch.Tensor, gy: torch.Tensor):
+    def call() -> None:
+        x.grad = None
+        fn(x).backward(gy)
+    return call
+
+
+def table(label: str, fn, rows: int = 22) -> None:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+    print(f"\n== profile {label} (20 steps)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48))
+    kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.device_time for e in kern) / 20
+    print(f"   kernels/step {len(kern) / 20:.1f}, GPU busy us/step {gpu_us:.1f}")
+    threads = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.cpu_parent is None:
+            threads[e.thread] = threads.get(e.thread, 0) + e.cpu_time_total
+    print("   top-level CPU us/step by thread: " + ", ".join(f"{t}:{v / 20:.0f}" for t, v in threads.items()))
+
+
+def main() -> None:
+    print(f"python {sys.version.split()[0]} torch {torch.__version__} switchinterval {sys.getswitchinterval()}; "
+          f"threads {[t.name for t in threading.enumerate()]}", flush=True)
+    g, _ = seed_graph("citeseer", device="cuda")
+    ei = edge_index(g)
+    n = g.num_src_nodes
+    x = torch.randn(n, 128, device="cuda", requires_grad=True)
+    gy = torch.randn(n, 64, device="cuda")
+    h64 = torch.randn(n, 64, device="cuda", requires_grad=True)
+    lin = torch.nn.Linear(128, 64).cuda()
+    w = torch.nn.Parameter(torch.randn(64, 128, device="cuda"))
+    ways = {
+        "mul(x)": (lambda x: x * 2, x, torch.randn(n, 128, device="cuda")),
+        "linear nobias": (lambda x: F.linear(x, w), x, gy),
+        "Linear": (lambda x: lin(x), x, gy),
+        "aggregate F64": (lambda h: aggregate(g, h), h64, gy),
+        "aggregate F64 gcn": (lambda h: aggregate(g, h, norm="gcn"), h64, gy),
+    }
+    layers = {}
+    for kind, ours, theirs in (
+        ("SAGE", SAGEConv(128, 64), pyg.SAGEConv(128, 64)),
+        ("GCN", GCNConv(128, 64), pyg.GCNConv(128, 64, add_self_loops=False, cached=True)),
+        ("GIN", GINConv(torch.nn.Linear(128, 64)), pyg.GINConv(torch.nn.Linear(128, 64))),
+    ):
+        theirs, ours = theirs.cuda(), ours.cuda()
+        ours.load_state_dict(theirs.state_dict(), strict=False)
+        layers[kind] = (ours, theirs)
+        ways[f"{kind} ours"] = (lambda x, m=ours: m(g, x), x, gy)
+        ways[f"{kind} pyg"] = (lambda x, m=theirs: m(x, ei), x, gy)
+    gt = as_csr(g).transposed()
+    gin_lin = layers["GIN"][0].nn
+    ways["GIN one node"] = (lambda x: _ProtoGIN.apply(x, gin_lin.weight, gin_lin.bias, g, gt, 1.0), x, gy)
+    print(f"{'way':>20} {'fwd_us':>8} {'fb_us':>8} {'fb_1thr':>8} {'fb_nogc':>8}  (host us per step)")
+    for name, (fn, inp, grad) in ways.items():
+        def f_only(fn=fn, inp=inp) -> None:
+            with torch.no_grad():
+                fn(inp)
+        fb = step(fn, inp, grad)
+        t_f = wall_us_per_call(f_only)
+        t_fb = wall_us_per_call(fb)
+        with torch.autograd.set_multithreading_enabled(False):
+            t_1 = wall_us_per_call(fb)
+        gc.disable()
+        t_ng = wall_us_per_call(fb)
+        gc.enable()
+        print(f"{name:>20} {t_f:8.1f} {t_fb:8.1f} {t_1:8.1f} {t_ng:8.1f}", flush=True)
+    ours, theirs = layers["GIN"]
+    table("GIN ours", step(lambda x: ours(g, x), x, gy))
+    table("GIN pyg", step(lambda x: theirs(x, ei), x, gy), rows=14)
+    ours, _ = layers["GCN"]
+    table("GCN ours", step(lambda x: ours(g, x), x, gy), rows=16)
+
+
+if __name__ == "__main__":
+    main()
