@@ -294,7 +294,12 @@ def backward_x(csr: CSRView, grad_out: torch.Tensor, weight: torch.Tensor | None
     if spec.plan is not None:
         plan = _plan_of(spec, feat)
     else:
-        plan = _tune.choose(t, feat, g.dtype, spec.variant, w is not None, spec.heads)
+        weighted = w is not None
+        plan = t.cache.get(_tune.plan_key(feat, g.dtype, spec.variant, weighted, spec.heads))
+        if plan is None:  # no forward probed it (e.g. `aggregate_transposed` in a layer's own backward): once here
+            allow = spec.heads == 1 and _tune.may_probe(csr)
+            run = _tune.public_call(t, g, "sum", weight.detach() if weight is not None else None) if allow else None
+            plan = _tune.choose(t, feat, g.dtype, spec.variant, weighted, spec.heads, run=run, allow_probe=allow)
     return sum_forward(t, g, w, spec.row_scale, spec.col_scale, plan, spec.heads).to(x_dtype)
 
 

@@ -151,6 +151,52 @@ def aggregate(graph: Any, x: torch.Tensor, reduce: str = "sum", edge_weight: tor
     return out if len(tail) == 1 else out.view(csr.num_dst, *tail)
 
 
+def aggregate_transposed(graph: Any, y: torch.Tensor, reduce: str = "sum", norm: str | None = None) -> torch.Tensor:
+    """The transposed aggregation: what `aggregate` sends back from the destination rows to the sources.
+
+    ``out[s] = sum over the edges s -> d of c(d, s) * y[d]``, with ``c`` the coefficient the same
+    ``aggregate(graph, x, reduce, norm=norm)`` gives edge ``s -> d`` (1, 1/in-degree for ``"mean"``,
+    GCN's symmetric norm): for an output gradient ``y`` it is the gradient of that call with
+    respect to ``x``.  It runs over the transposed CSR kept with the graph (built once, no host
+    synchronisation), by the kernel planned for it (on an untrusted whole graph, probed once).
+    For writing one autograd node for a whole layer (see `datapath.nn`) instead of a node per op.
+
+    Args:
+        graph: as for `aggregate`.
+        y: (num_dst, F) float16/bfloat16/float32/float64 on the graph's device; not tracked by autograd
+            (call it in a custom backward or under ``torch.no_grad()``).
+        reduce: ``"sum"`` or ``"mean"``.
+        norm: None or ``"gcn"`` (with ``reduce="sum"``).
+
+    Returns:
+        (num_src, F) in y's dtype on y's device.
+    """
+    if reduce not in ("sum", "mean") or norm is not None:
+        _check_reduce(reduce, norm)
+        if reduce == "max":
+            raise ValueError("aggregate_transposed takes reduce='sum' or 'mean' (a max has no fixed transpose)")
+    _inputs.check_float(y, "y")
+    csr = as_csr(graph)
+    if y.dim() != 2 or y.shape[0] != csr.num_dst:
+        raise FeatureShapeError(
+            f"y must be (num_dst_nodes, F) = ({csr.num_dst}, F), one row per destination; got {tuple(y.shape)}"
+        )
+    if csr.device != y.device:
+        _inputs.check_graph_device(csr, y.device)
+    if y.requires_grad and torch.is_grad_enabled():
+        raise FeatureShapeError(
+            "aggregate_transposed is not tracked by autograd but y requires grad; call it under torch.no_grad() or "
+            "inside a custom backward (its gradient is aggregate(graph, ., reduce, norm=norm))"
+        )
+    feat = y.shape[1]
+    if feat == 0 or csr.num_edges == 0:
+        return torch.zeros(csr.num_src, feat, dtype=y.dtype, device=y.device)
+    sdt = torch.float64 if y.dtype == torch.float64 else torch.float32
+    spec = _kept_spec(csr, reduce, norm, sdt, True)
+    g = y if y.is_contiguous() else y.contiguous()
+    return _inputs.backend_for(y.device).backward_x(csr, g, None, spec, None, y.dtype)
+
+
 def prepare_aggregation(graph: Any, feat: int, dtype: torch.dtype = torch.float32, *, backward: bool = True,
                         plan: Any = None, reduce: str = "sum", norm: str | None = None) -> list[torch.Tensor]:
     """Precompute, on the current stream, what a sum/mean `aggregate` over ``graph`` will need.
