@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from datapath.ops import FeatureShapeError, aggregate, aggregate_transposed
+from datapath.ops import (
+    FeatureShapeError,
+    UnsupportedDtypeError,
+    aggregate,
+    aggregate_transposed,
+    transposed_aggregator,
+)
 from datapath.testing import power_law_csr
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -38,6 +44,9 @@ def test_is_the_gradient_of_aggregate(device: str, reduce: str, norm: str | None
     x = torch.randn(g.num_src_nodes, 24, device=device, requires_grad=True)
     aggregate(g, x, reduce, norm=norm).backward(y)
     torch.testing.assert_close(got, x.grad, rtol=1e-5, atol=1e-5)
+    run = transposed_aggregator(g, 24, torch.float32, reduce, norm)  # resolved once, then only launched
+    torch.testing.assert_close(run(y), got)
+    torch.testing.assert_close(run(2 * y), 2 * got)
 
 
 def test_bad_input() -> None:
@@ -53,3 +62,9 @@ def test_bad_input() -> None:
     with torch.no_grad():
         assert aggregate_transposed(g, torch.randn(20, 4, requires_grad=True)).shape == (30, 4)
     assert aggregate_transposed(g, torch.randn(20, 0)).shape == (30, 0)
+    with pytest.raises(ValueError, match="feat"):
+        transposed_aggregator(g, 0, torch.float32)
+    with pytest.raises(UnsupportedDtypeError, match="dtype"):
+        transposed_aggregator(g, 4, torch.int64)
+    with pytest.raises(ValueError, match="reduce"):
+        transposed_aggregator(g, 4, torch.float32, "max")

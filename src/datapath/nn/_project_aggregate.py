@@ -13,7 +13,7 @@ layer is one node; its backward is::
     gb = sum_rows(g);  gh = AGG^T(g) (+ c * g into its first num_dst rows when W is shared)
     gW = gh^T x;  gx = gh W;  own root: gR = g^T x_dst, gx[:num_dst] += g R (or g_x_dst = g R)
 
-`datapath.ops.aggregate_transposed` is ``AGG^T`` (the transposed CSR kept with the graph).  The
+`datapath.ops.transposed_aggregator` gives ``AGG^T`` (the transposed CSR kept with the graph).  The
 layers use it for whole graphs and blocks without edge weights and outside autocast; everything
 else takes the op-by-op path.
 """
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from datapath.ops import CSRView, aggregate, aggregate_transposed
+from datapath.ops import CSRView, aggregate, transposed_aggregator
 
 ROOTS = ("none", "shared", "own")
 
@@ -51,7 +51,9 @@ class _ProjectAggregate(torch.autograd.Function):
             out.add_(r)
         if bias is not None:
             out.add_(bias)
-        ctx.csr, ctx.reduce, ctx.norm, ctx.root = csr, reduce, norm, root
+        ctx.nd, ctx.root = nd, root
+        need = ctx.needs_input_grad  # the backward's aggregation resolved here, so that it only launches there
+        ctx.run_t = transposed_aggregator(csr, h.shape[1], h.dtype, reduce, norm) if need[0] or need[2] else None
         ctx.r = r if scale is not None and ctx.needs_input_grad[5] else None
         ctx.save_for_backward(x, x_dst, weight, root_weight, scale)
         return out
@@ -62,7 +64,7 @@ class _ProjectAggregate(torch.autograd.Function):
         x, x_dst, weight, root_weight, scale = ctx.saved_tensors
         need = ctx.needs_input_grad
         g = g.contiguous()
-        nd = ctx.csr.num_dst
+        nd = ctx.nd
         gx = gxd = gw = grw = gb = gs = None
         if need[4]:
             gb = g.sum(0)
@@ -70,7 +72,7 @@ class _ProjectAggregate(torch.autograd.Function):
             gs = (g * ctx.r).sum().reshape(scale.shape)
         gr = g if scale is None else g * scale  # the root term's gradient
         if need[0] or need[2]:
-            gh = aggregate_transposed(ctx.csr, g, ctx.reduce, ctx.norm)
+            gh = ctx.run_t(g)
             if ctx.root == "shared":
                 head = gh if gh.shape[0] == nd else gh[:nd]
                 head.add_(gr)

@@ -278,6 +278,35 @@ def _max(csr: CSRView, x: torch.Tensor, w: torch.Tensor | None, spec: AggSpec,
     return out, argmax
 
 
+def transposed_runner(csr: CSRView, spec: AggSpec, feat: int, dtype: torch.dtype) -> Any:
+    """``run(g)``: the unweighted sum-family aggregation of ``g`` (num_dst, feat) ``dtype`` over the transposed
+    CSR (the gradient of x), its plan and kernel resolved here once (probed with the graph, as the forward's),
+    so that a backward calls a kernel with no lookups.  Kept with ``csr`` (not the transposed view: no cycle)."""
+    t = csr.transposed()
+    plan = t.cache.get(_tune.plan_key(feat, dtype, spec.variant, False, 1))
+    if plan is None:
+        allow = _tune.may_probe(csr)
+        g = torch.randn(csr.num_dst, feat, device=csr.device).to(dtype) if allow else None
+        plan = _tune.choose(t, feat, dtype, spec.variant, False, 1, allow_probe=allow,
+                            run=_tune.public_call(t, g, "sum", None) if allow else None)
+    key = ("t_runner", feat, dtype, spec.variant)
+    hit = csr.cache.get(key)
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    nbr, row = spec.row_scale, spec.col_scale  # the forward's row scale applies to the transpose's sources
+    if plan.kernel == "rows":
+        def run(g: torch.Tensor) -> torch.Tensor:
+            return _spmm.rows(t, g, None, nbr, row, plan)
+    elif plan.kernel == "cusparse":
+        def run(g: torch.Tensor) -> torch.Tensor:
+            return _spmm.cusparse(t, g, None, nbr, row)
+    else:
+        def run(g: torch.Tensor) -> torch.Tensor:
+            return sum_forward(t, g, None, nbr, row, plan)
+    csr.cache[key] = (plan, run)
+    return run
+
+
 def backward_x(csr: CSRView, grad_out: torch.Tensor, weight: torch.Tensor | None, spec: AggSpec,
                argmax: torch.Tensor | None, x_dtype: torch.dtype) -> torch.Tensor:
     """(num_src, F) gradient of x: the aggregation over the cached transposed CSR, or atomic scatter."""
