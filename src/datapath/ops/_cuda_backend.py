@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,17 +95,22 @@ def _schedule(view: CSRView, plan: AggregationPlan, dtype: torch.dtype) -> None:
 
 
 def prepare(csr: CSRView, feat: int, dtype: torch.dtype, backward: bool, plan: AggregationPlan | None,
-            variant: str = "sum") -> list[torch.Tensor]:
+            spec: AggSpec) -> list[torch.Tensor]:
     """Build, on the current stream, what a sum-family aggregation of ``feat``-wide ``dtype`` rows over
-    ``csr`` will read (the plan's schedule; for ``backward``, the transposed CSR and its schedule), so
-    that a training step using them launches only its own kernels.  Returns every tensor kept with the
-    graph (for ``record_stream`` by a caller on another stream)."""
+    ``csr`` will read (the plan's schedule and bound launch; for ``backward``, the transposed CSR and its
+    schedule and launch), so that a training step using them launches only its own kernels.  Returns every
+    tensor kept with the graph (for ``record_stream`` by a caller on another stream)."""
+    variant = spec.variant
     p = plan or _tune.choose(csr, feat, dtype, variant, False, 1)
     _schedule(csr, p, dtype)
+    if plan is None:
+        _forward_runner(csr, spec, p, feat, dtype)
     if backward and p.backward != "atomic":
         t = csr.transposed()
         pt = plan or _tune.choose(t, feat, dtype, variant, False, 1)
         _schedule(t, pt, dtype)
+        if plan is None:
+            transposed_runner(csr, spec, feat, dtype)
     return csr.tensors()
 
 
@@ -257,6 +263,8 @@ def forward(csr: CSRView, x: torch.Tensor, weight: torch.Tensor | None,
                 g = torch.randn(csr.num_dst, feat, device=x.device).to(x.dtype)
                 _tune.choose(t, feat, x.dtype, spec.variant, weighted, 1, allow_probe=True,
                              run=_tune.public_call(t, g, "sum", wd))
+        if w is None and spec.heads == 1:  # the common call: its launch bound once
+            return _forward_runner(csr, spec, plan, feat, x.dtype)(x), None
     return sum_forward(csr, x, w, spec.col_scale, spec.row_scale, plan, spec.heads), None
 
 
@@ -293,16 +301,28 @@ def transposed_runner(csr: CSRView, spec: AggSpec, feat: int, dtype: torch.dtype
     hit = csr.cache.get(key)
     if hit is not None and hit[0] is plan:
         return hit[1]
-    nbr, row = spec.row_scale, spec.col_scale  # the forward's row scale applies to the transpose's sources
-    if plan.kernel == "rows":
-        def run(g: torch.Tensor) -> torch.Tensor:
-            return _spmm.rows(t, g, None, nbr, row, plan)
-    elif plan.kernel == "cusparse":
-        def run(g: torch.Tensor) -> torch.Tensor:
-            return _spmm.cusparse(t, g, None, nbr, row)
-    else:
-        def run(g: torch.Tensor) -> torch.Tensor:
-            return sum_forward(t, g, None, nbr, row, plan)
+    # the forward's row scale applies to the transpose's sources, its column scale to the transpose's rows
+    run = _bound(t, plan, feat, dtype, spec.row_scale, spec.col_scale)
+    csr.cache[key] = (plan, run)
+    return run
+
+
+def _bound(view: CSRView, plan: AggregationPlan, feat: int, dtype: torch.dtype, nbr: torch.Tensor | None,
+           row: torch.Tensor | None) -> Any:
+    run = _spmm.bound(view, plan, feat, dtype, nbr, row)
+    if run is not None:
+        return run
+    vref = weakref.ref(view)  # kept in the view's own cache: no reference cycle
+    return lambda x: sum_forward(vref(), x, None, nbr, row, plan)
+
+
+def _forward_runner(csr: CSRView, spec: AggSpec, plan: AggregationPlan, feat: int, dtype: torch.dtype) -> Any:
+    """The unweighted forward by ``plan``, bound once per (width, dtype, variant, plan) and kept with ``csr``."""
+    key = ("f_runner", feat, dtype, spec.variant)
+    hit = csr.cache.get(key)
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    run = _bound(csr, plan, feat, dtype, spec.col_scale, spec.row_scale)
     csr.cache[key] = (plan, run)
     return run
 

@@ -166,8 +166,8 @@ class CSRView:
             if id(v) in seen:
                 return
             seen.add(id(v))
-            if isinstance(v, torch.Tensor):
-                out.append(v)
+            if isinstance(v, torch.Tensor):  # a CSR matrix (cuSPARSE's) by its parts: record_stream takes those
+                out.extend((v.crow_indices(), v.col_indices(), v.values()) if v.layout == torch.sparse_csr else (v,))
             elif isinstance(v, (tuple, list)):
                 for u in v:
                     walk(u)

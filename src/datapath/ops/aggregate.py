@@ -275,4 +275,4 @@ def prepare_aggregation(graph: Any, feat: int, dtype: torch.dtype = torch.float3
     sdt = torch.float64 if dtype == torch.float64 else torch.float32
     for grad_x in (False, True):
         spec = _kept_spec(csr, reduce, norm, sdt, grad_x)  # builds the scale vectors
-    return prep(csr, int(feat), dtype, backward, plan, spec.variant)
+    return prep(csr, int(feat), dtype, backward, plan, spec)
