@@ -70,17 +70,20 @@ class _ProjectAggregate(torch.autograd.Function):
             gb = g.sum(0)
         if need[5]:
             gs = (g * ctx.r).sum().reshape(scale.shape)
-        gr = g if scale is None else g * scale  # the root term's gradient
         if need[0] or need[2]:
             gh = ctx.run_t(g)
-            if ctx.root == "shared":
+            if ctx.root == "shared":  # the root term's gradient joins h's
                 head = gh if gh.shape[0] == nd else gh[:nd]
-                head.add_(gr)
+                if scale is None:
+                    head.add_(g)
+                else:
+                    head.addcmul_(g, scale)
             if need[2]:
                 gw = torch.mm(gh.t(), x)
             if need[0]:
                 gx = torch.mm(gh, weight)
         if ctx.root == "own":
+            gr = g if scale is None else g * scale  # the root term's gradient
             xd = x[:nd] if x_dst is None else x_dst
             if need[3]:
                 grw = torch.mm(gr.t(), xd)
