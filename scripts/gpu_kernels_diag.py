@@ -2,7 +2,8 @@
 
 Decomposes the step: the autograd engine alone, a Linear, one aggregation, the layers (datapath, PyG), each with
 the engine's device threads on and off (``torch.autograd.set_multithreading_enabled``) and with the cyclic GC off;
-then a torch.profiler table (CPU self time, CUDA time) of datapath's GINConv step and PyG's.  Host us per step:
+a torch.profiler table (CPU self time, CUDA time) of datapath's GINConv step; then the aggregation alone against
+cuSPARSE on ppi and citeseer (host us and GPU ms per call, forward and forward+backward).  Host us per step:
 `benchmarks._common.wall_us_per_call` (back-to-back steps, one sync at each end).
 Run on the GPU machine:  PYTHONPATH=src:. python scripts/gpu_kernels_diag.py
 """
@@ -19,27 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks._common import wall_us_per_call
 from datapath.nn import GCNConv, GINConv, SAGEConv
-from datapath.ops import aggregate, as_csr
+from datapath.ops import aggregate
 from datapath.testing import edge_index, seed_graph
-
-
-class _ProtoGIN(torch.autograd.Function):
-    """A whole GIN layer (one Linear, projected first) as one autograd node: what fusing the layer would save."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, g, gt, ope):  # type: ignore[override]
-        h = F.linear(x, weight)
-        out = aggregate(g, h)
-        out.add_(h, alpha=ope).add_(bias)
-        ctx.save_for_backward(x, weight)
-        ctx.gt, ctx.ope = gt, ope
-        return out
-
-    @staticmethod
-    def backward(ctx, gout):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        gh = aggregate(ctx.gt, gout).add_(gout, alpha=ctx.ope)
-        return gh @ weight, gh.t() @ x, gout.sum(0), None, None, None
 
 
 def step(fn, x: torch.Tensor, gy: torch.Tensor):
@@ -98,9 +80,6 @@ def main() -> None:
         layers[kind] = (ours, theirs)
         ways[f"{kind} ours"] = (lambda x, m=ours: m(g, x), x, gy)
         ways[f"{kind} pyg"] = (lambda x, m=theirs: m(x, ei), x, gy)
-    gt = as_csr(g).transposed()
-    gin_lin = layers["GIN"][0].nn
-    ways["GIN one node"] = (lambda x: _ProtoGIN.apply(x, gin_lin.weight, gin_lin.bias, g, gt, 1.0), x, gy)
     print(f"{'way':>20} {'fwd_us':>8} {'fb_us':>8} {'fb_1thr':>8} {'fb_nogc':>8}  (host us per step)")
     for name, (fn, inp, grad) in ways.items():
         def f_only(fn=fn, inp=inp) -> None:
@@ -116,10 +95,42 @@ def main() -> None:
         gc.enable()
         print(f"{name:>20} {t_f:8.1f} {t_fb:8.1f} {t_1:8.1f} {t_ng:8.1f}", flush=True)
     ours, theirs = layers["GIN"]
-    table("GIN ours", step(lambda x: ours(g, x), x, gy))
-    table("GIN pyg", step(lambda x: theirs(x, ei), x, gy), rows=14)
-    ours, _ = layers["GCN"]
-    table("GCN ours", step(lambda x: ours(g, x), x, gy), rows=16)
+    table("GIN ours", step(lambda x: ours(g, x), x, gy), rows=16)
+    spmm_host()
+
+
+def spmm_host() -> None:
+    """Host us per call and GPU ms per call (CUDA events, back-to-back batch) of the forward (no autograd) and of a
+    forward+backward step, datapath vs cuSPARSE (torch.sparse.mm; the backward with a prebuilt transpose), where
+    the GPU work is a few tens of microseconds (ppi) and on citeseer."""
+    from benchmarks._common import interleaved_ms  # noqa: PLC0415
+    from benchmarks.aggregate import _PretransposedSpMM, csr_tensors  # noqa: PLC0415
+    from datapath.ops import plan_aggregation  # noqa: PLC0415
+
+    print(f"\n{'graph':>9} {'F':>4} {'dtype':>9} {'plan':>9} {'dp_f_us':>8} {'cs_f_us':>8} {'dp_f_ms':>8} "
+          f"{'cs_f_ms':>8} {'dp_fb_us':>8} {'cs_fb_us':>8}")
+    for name in ("ppi", "citeseer"):
+        g, _ = seed_graph(name, device="cuda")
+        for dt in (torch.float32, torch.float16):
+            a, at = csr_tensors(g, dt)
+            for f in (16, 64, 128):
+                x = torch.randn(g.num_src_nodes, f, device="cuda").to(dt).requires_grad_()
+                gy = torch.randn(g.num_dst_nodes, f, device="cuda").to(dt)
+                plan = plan_aggregation(g, f, dt, probe=True)
+
+                def f_dp(x=x, g=g) -> None:
+                    with torch.no_grad():
+                        aggregate(g, x)
+
+                def f_cs(x=x, a=a) -> None:
+                    with torch.no_grad():
+                        torch.sparse.mm(a, x)
+                fb_dp = step(lambda x, g=g: aggregate(g, x), x, gy)
+                fb_cs = step(lambda x, a=a, at=at: _PretransposedSpMM.apply(x, a, at), x, gy)
+                ev = interleaved_ms({"dp": f_dp, "cs": f_cs}, 5)
+                print(f"{name:>9} {f:>4} {str(dt)[6:]:>9} {plan.kernel:>9} {wall_us_per_call(f_dp):8.1f} "
+                      f"{wall_us_per_call(f_cs):8.1f} {ev['dp']:8.4f} {ev['cs']:8.4f} {wall_us_per_call(fb_dp):8.1f} "
+                      f"{wall_us_per_call(fb_cs):8.1f}", flush=True)
 
 
 if __name__ == "__main__":
