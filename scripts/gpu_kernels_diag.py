@@ -5,7 +5,7 @@ the engine's device threads on and off (``torch.autograd.set_multithreading_enab
 a torch.profiler table (CPU self time, CUDA time) of datapath's GINConv step; then the aggregation alone against
 cuSPARSE on ppi and citeseer (host us and GPU ms per call, forward and forward+backward).  Host us per step:
 `benchmarks._common.wall_us_per_call` (back-to-back steps, one sync at each end).
-Run on the GPU machine:  PYTHONPATH=src:. python scripts/gpu_kernels_diag.py
+Run on the GPU machine:  PYTHONPATH=src:. python scripts/gpu_kernels_diag.py [--full]
 """
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def table(label: str, fn, rows: int = 22) -> None:
 
 
 def main() -> None:
+    full = "--full" in sys.argv  # also the 1-thread / no-GC columns and the profiler table
     print(f"python {sys.version.split()[0]} torch {torch.__version__} switchinterval {sys.getswitchinterval()}; "
           f"threads {[t.name for t in threading.enumerate()]}", flush=True)
     g, _ = seed_graph("citeseer", device="cuda")
@@ -87,19 +88,22 @@ def main() -> None:
                 fn(inp)
         fb = step(fn, inp, grad)
         t_f = wall_us_per_call(f_only)
-        t_fb = wall_us_per_call(fb)
-        with torch.autograd.set_multithreading_enabled(False):
-            t_1 = wall_us_per_call(fb)
-        gc.disable()
-        t_ng = wall_us_per_call(fb)
-        gc.enable()
+        t_fb = min(wall_us_per_call(fb) for _ in range(3))
+        t_1 = t_ng = float("nan")
+        if full:
+            with torch.autograd.set_multithreading_enabled(False):
+                t_1 = wall_us_per_call(fb)
+            gc.disable()
+            t_ng = wall_us_per_call(fb)
+            gc.enable()
         print(f"{name:>20} {t_f:8.1f} {t_fb:8.1f} {t_1:8.1f} {t_ng:8.1f}", flush=True)
-    ours, theirs = layers["GIN"]
-    table("GIN ours", step(lambda x: ours(g, x), x, gy), rows=16)
-    spmm_host()
+    if full:
+        ours, theirs = layers["GIN"]
+        table("GIN ours", step(lambda x: ours(g, x), x, gy), rows=16)
+    spmm_host(("ppi", "citeseer") if full else ("ppi",), (16, 64, 128) if full else (16, 64))
 
 
-def spmm_host() -> None:
+def spmm_host(names: tuple[str, ...], widths: tuple[int, ...]) -> None:
     """Host us per call and GPU ms per call (CUDA events, back-to-back batch) of the forward (no autograd) and of a
     forward+backward step, datapath vs cuSPARSE (torch.sparse.mm; the backward with a prebuilt transpose), where
     the GPU work is a few tens of microseconds (ppi) and on citeseer."""
@@ -109,11 +113,11 @@ def spmm_host() -> None:
 
     print(f"\n{'graph':>9} {'F':>4} {'dtype':>9} {'plan':>9} {'dp_f_us':>8} {'cs_f_us':>8} {'dp_f_ms':>8} "
           f"{'cs_f_ms':>8} {'dp_fb_us':>8} {'cs_fb_us':>8}")
-    for name in ("ppi", "citeseer"):
+    for name in names:
         g, _ = seed_graph(name, device="cuda")
         for dt in (torch.float32, torch.float16):
             a, at = csr_tensors(g, dt)
-            for f in (16, 64, 128):
+            for f in widths:
                 x = torch.randn(g.num_src_nodes, f, device="cuda").to(dt).requires_grad_()
                 gy = torch.randn(g.num_dst_nodes, f, device="cuda").to(dt)
                 plan = plan_aggregation(g, f, dt, probe=True)
