@@ -45,10 +45,12 @@ def test_is_the_gradient_of_aggregate(device: str, reduce: str, norm: str | None
     torch.testing.assert_close(got.cpu().double(), a.t() @ y.cpu().double(), rtol=1e-4, atol=1e-4)
     x = torch.randn(g.num_src_nodes, 24, device=device, requires_grad=True)
     aggregate(g, x, reduce, norm=norm).backward(y)
-    torch.testing.assert_close(got, x.grad, rtol=1e-5, atol=1e-5)
+    # the same kernel, but long rows add their pieces atomically on the GPU (in any order): float32 rounding apart
+    kw = {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(got, x.grad, **kw)
     run = transposed_aggregator(g, 24, torch.float32, reduce, norm)  # resolved once, then only launched
-    torch.testing.assert_close(run(y), got)
-    torch.testing.assert_close(run(2 * y), 2 * got)
+    torch.testing.assert_close(run(y), got, **kw)
+    torch.testing.assert_close(run(2 * y), 2 * got, **kw)
 
 
 def test_bad_input() -> None:
