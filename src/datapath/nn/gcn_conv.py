@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from datapath.nn._inputs import layer_inputs
+from datapath.nn._project_aggregate import fusable, project_aggregate
 from datapath.ops import add_self_loops as _add_self_loops
 from datapath.ops import aggregate, prepare_aggregation
 
@@ -61,6 +62,8 @@ class GCNConv(nn.Module):
             graph = _add_self_loops(graph)
         inp = layer_inputs(graph, x, src_ids)
         norm = "gcn" if self.normalize else None
+        if not inp.fused and fusable(inp.x_src, edge_weight):  # one autograd node for the layer
+            return project_aggregate(inp.csr, inp.x_src, self.lin.weight, norm=norm, bias=self.bias)
         if inp.fused:
             h = self.lin(aggregate(inp.csr, inp.x_src, "sum", edge_weight, norm, src_ids=inp.src_ids))
         else:

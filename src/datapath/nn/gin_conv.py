@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from datapath.nn._inputs import layer_inputs
+from datapath.nn._project_aggregate import fusable, project_aggregate
 from datapath.ops import aggregate, prepare_aggregation
 
 
@@ -55,10 +56,10 @@ class GINConv(nn.Module):
         return kept[1]
 
     def _projects_first(self, x_width: int) -> bool:
-        """``nn`` is one Linear narrowing the rows: project, then aggregate (the same function, fewer bytes)."""
+        """``nn`` is one Linear not widening the rows: project, then aggregate (the same function, no more bytes)."""
         lin = self.nn
         return (self.aggr in ("sum", "mean") and isinstance(lin, torch.nn.Linear)
-                and lin.in_features == x_width and lin.out_features < lin.in_features)
+                and lin.in_features == x_width and lin.out_features <= lin.in_features)
 
     def prepare(self, graph: Any, dtype: torch.dtype = torch.float32, input_grad: bool = True) -> list[torch.Tensor]:
         """Precompute this layer's aggregation data for ``graph`` (see `datapath.ops.prepare_aggregation`)."""
@@ -75,6 +76,12 @@ class GINConv(nn.Module):
     def forward(self, graph: Any, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                 src_ids: torch.Tensor | None = None, edge_weight: torch.Tensor | None = None) -> torch.Tensor:
         inp = layer_inputs(graph, x, src_ids)
+        if not inp.fused and fusable(inp.x_src, edge_weight) and self._projects_first(inp.x_src.shape[-1]):
+            lin = self.nn  # the layer as one autograd node: AGG(x W^T) + (1 + eps) x_dst W^T + b
+            pair = isinstance(x, tuple)
+            return project_aggregate(inp.csr, inp.x_src, lin.weight, reduce=self.aggr, bias=lin.bias,
+                                     root="own" if pair else "shared", x_dst=inp.x_dst if pair else None,
+                                     root_weight=lin.weight if pair else None, scale=self._one_plus_eps())
         if not inp.fused and self._projects_first(inp.x_src.shape[-1]):
             lin = self.nn
             h_src = F.linear(inp.x_src, lin.weight)

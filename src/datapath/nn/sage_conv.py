@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from datapath.nn._inputs import layer_inputs
+from datapath.nn._project_aggregate import fusable, project_aggregate
 from datapath.ops import aggregate, prepare_aggregation
 
 
@@ -62,6 +63,12 @@ class SAGEConv(nn.Module):
         inp = layer_inputs(graph, x, src_ids)
         if inp.fused:
             h = self.lin_l(aggregate(inp.csr, inp.x_src, self.aggr, edge_weight, src_ids=inp.src_ids))
+        elif self.aggr != "max" and self.in_channels > self.out_channels and fusable(inp.x_src, edge_weight):
+            pair = isinstance(x, tuple)  # the layer as one autograd node: AGG(x W_l^T) + x_dst W_r^T + b_l
+            h = project_aggregate(inp.csr, inp.x_src, self.lin_l.weight, reduce=self.aggr, bias=self.lin_l.bias,
+                                  root="none" if self.lin_r is None else "own", x_dst=inp.x_dst if pair else None,
+                                  root_weight=None if self.lin_r is None else self.lin_r.weight)
+            return F.normalize(h, p=2.0, dim=-1) if self.normalize else h
         elif self.aggr != "max" and self.in_channels > self.out_channels:
             h = aggregate(inp.csr, F.linear(inp.x_src, self.lin_l.weight), self.aggr, edge_weight)
             if self.lin_r is not None:  # the root term and lin_l's bias in one matmul: one kernel fewer

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,17 +95,22 @@ def _schedule(view: CSRView, plan: AggregationPlan, dtype: torch.dtype) -> None:
 
 
 def prepare(csr: CSRView, feat: int, dtype: torch.dtype, backward: bool, plan: AggregationPlan | None,
-            variant: str = "sum") -> list[torch.Tensor]:
+            spec: AggSpec) -> list[torch.Tensor]:
     """Build, on the current stream, what a sum-family aggregation of ``feat``-wide ``dtype`` rows over
-    ``csr`` will read (the plan's schedule; for ``backward``, the transposed CSR and its schedule), so
-    that a training step using them launches only its own kernels.  Returns every tensor kept with the
-    graph (for ``record_stream`` by a caller on another stream)."""
+    ``csr`` will read (the plan's schedule and bound launch; for ``backward``, the transposed CSR and its
+    schedule and launch), so that a training step using them launches only its own kernels.  Returns every
+    tensor kept with the graph (for ``record_stream`` by a caller on another stream)."""
+    variant = spec.variant
     p = plan or _tune.choose(csr, feat, dtype, variant, False, 1)
     _schedule(csr, p, dtype)
+    if plan is None:
+        _forward_runner(csr, spec, p, feat, dtype)
     if backward and p.backward != "atomic":
         t = csr.transposed()
         pt = plan or _tune.choose(t, feat, dtype, variant, False, 1)
         _schedule(t, pt, dtype)
+        if plan is None:
+            transposed_runner(csr, spec, feat, dtype)
     return csr.tensors()
 
 
@@ -257,6 +263,8 @@ def forward(csr: CSRView, x: torch.Tensor, weight: torch.Tensor | None,
                 g = torch.randn(csr.num_dst, feat, device=x.device).to(x.dtype)
                 _tune.choose(t, feat, x.dtype, spec.variant, weighted, 1, allow_probe=True,
                              run=_tune.public_call(t, g, "sum", wd))
+        if w is None and spec.heads == 1:  # the common call: its launch bound once
+            return _forward_runner(csr, spec, plan, feat, x.dtype)(x), None
     return sum_forward(csr, x, w, spec.col_scale, spec.row_scale, plan, spec.heads), None
 
 
@@ -278,6 +286,47 @@ def _max(csr: CSRView, x: torch.Tensor, w: torch.Tensor | None, spec: AggSpec,
     return out, argmax
 
 
+def transposed_runner(csr: CSRView, spec: AggSpec, feat: int, dtype: torch.dtype) -> Any:
+    """``run(g)``: the unweighted sum-family aggregation of ``g`` (num_dst, feat) ``dtype`` over the transposed
+    CSR (the gradient of x), its plan and kernel resolved here once (probed with the graph, as the forward's),
+    so that a backward calls a kernel with no lookups.  Kept with ``csr`` (not the transposed view: no cycle)."""
+    t = csr.transposed()
+    plan = t.cache.get(_tune.plan_key(feat, dtype, spec.variant, False, 1))
+    if plan is None:
+        allow = _tune.may_probe(csr)
+        g = torch.randn(csr.num_dst, feat, device=csr.device).to(dtype) if allow else None
+        plan = _tune.choose(t, feat, dtype, spec.variant, False, 1, allow_probe=allow,
+                            run=_tune.public_call(t, g, "sum", None) if allow else None)
+    key = ("t_runner", feat, dtype, spec.variant)
+    hit = csr.cache.get(key)
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    # the forward's row scale applies to the transpose's sources, its column scale to the transpose's rows
+    run = _bound(t, plan, feat, dtype, spec.row_scale, spec.col_scale)
+    csr.cache[key] = (plan, run)
+    return run
+
+
+def _bound(view: CSRView, plan: AggregationPlan, feat: int, dtype: torch.dtype, nbr: torch.Tensor | None,
+           row: torch.Tensor | None) -> Any:
+    run = _spmm.bound(view, plan, feat, dtype, nbr, row)
+    if run is not None:
+        return run
+    vref = weakref.ref(view)  # kept in the view's own cache: no reference cycle
+    return lambda x: sum_forward(vref(), x, None, nbr, row, plan)
+
+
+def _forward_runner(csr: CSRView, spec: AggSpec, plan: AggregationPlan, feat: int, dtype: torch.dtype) -> Any:
+    """The unweighted forward by ``plan``, bound once per (width, dtype, variant, plan) and kept with ``csr``."""
+    key = ("f_runner", feat, dtype, spec.variant)
+    hit = csr.cache.get(key)
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    run = _bound(csr, plan, feat, dtype, spec.col_scale, spec.row_scale)
+    csr.cache[key] = (plan, run)
+    return run
+
+
 def backward_x(csr: CSRView, grad_out: torch.Tensor, weight: torch.Tensor | None, spec: AggSpec,
                argmax: torch.Tensor | None, x_dtype: torch.dtype) -> torch.Tensor:
     """(num_src, F) gradient of x: the aggregation over the cached transposed CSR, or atomic scatter."""
@@ -294,7 +343,12 @@ def backward_x(csr: CSRView, grad_out: torch.Tensor, weight: torch.Tensor | None
     if spec.plan is not None:
         plan = _plan_of(spec, feat)
     else:
-        plan = _tune.choose(t, feat, g.dtype, spec.variant, w is not None, spec.heads)
+        weighted = w is not None
+        plan = t.cache.get(_tune.plan_key(feat, g.dtype, spec.variant, weighted, spec.heads))
+        if plan is None:  # no forward probed it (e.g. `aggregate_transposed` in a layer's own backward): once here
+            allow = spec.heads == 1 and _tune.may_probe(csr)
+            run = _tune.public_call(t, g, "sum", weight.detach() if weight is not None else None) if allow else None
+            plan = _tune.choose(t, feat, g.dtype, spec.variant, weighted, spec.heads, run=run, allow_probe=allow)
     return sum_forward(t, g, w, spec.row_scale, spec.col_scale, plan, spec.heads).to(x_dtype)
 
 

@@ -129,18 +129,23 @@ class CSRView:
         return self.cached("indices64", lambda: self.indices.long())
 
     def transposed(self) -> CSRView:
-        """The CSR of source rows (built once, no host synchronisation), as a view of its own.
+        """The CSR of source rows (built once), as a view of its own.
 
         Row ``s`` lists the destinations of source ``s`` in their original order (stable sort);
         its ``edge_perm[k]`` is the original CSR position of its k-th edge.  The gradient of an
-        aggregation with respect to its input is an aggregation over this view.
+        aggregation with respect to its input is an aggregation over this view.  Built without
+        a host synchronisation, except for a graph the ops checked themselves (not ``trusted``: it
+        waited for its check already), whose longest source row is read too (the row-split kernel
+        then needs no launch for long rows when there are none).
         """
         def make() -> CSRView:
             perm = torch.sort(self.indices64(), stable=True).indices
             t_indices = self.edge_dst().index_select(0, perm).to(self.indices.dtype)
             t_indptr = torch.zeros(self.num_src + 1, dtype=torch.int64, device=self.device)
             torch.cumsum(self.out_degrees(), 0, out=t_indptr[1:])
-            return CSRView(t_indptr, t_indices, self.num_dst, self.num_src, trusted=True, edge_perm=perm)
+            longest = None if self.trusted or self.num_src == 0 else int(self.out_degrees().max())
+            return CSRView(t_indptr, t_indices, self.num_dst, self.num_src, trusted=True, max_degree=longest,
+                           edge_perm=perm)
         return self.cached("transposed", make)
 
     def row_scale(self, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -166,8 +171,8 @@ class CSRView:
             if id(v) in seen:
                 return
             seen.add(id(v))
-            if isinstance(v, torch.Tensor):
-                out.append(v)
+            if isinstance(v, torch.Tensor):  # a CSR matrix (cuSPARSE's) by its parts: record_stream takes those
+                out.extend((v.crow_indices(), v.col_indices(), v.values()) if v.layout == torch.sparse_csr else (v,))
             elif isinstance(v, (tuple, list)):
                 for u in v:
                     walk(u)

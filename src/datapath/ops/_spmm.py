@@ -13,6 +13,9 @@ the tensor-core translation (once per graph).
 """
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -168,18 +171,45 @@ def _values(view: CSRView, w: torch.Tensor | None, nbr_scale: torch.Tensor | Non
     return v.to(dtype)
 
 
+def _matrix(view: CSRView, values: torch.Tensor) -> torch.Tensor:
+    crow, col = _csr_index(view)
+    return torch.sparse_csr_tensor(crow, col, values, (view.num_dst, view.num_src), check_invariants=False)
+
+
+def matrix(view: CSRView, dtype: torch.dtype, nbr_scale: torch.Tensor | None,
+           row_scale: torch.Tensor | None) -> torch.Tensor:
+    """The unweighted view with both scales as a ``dtype`` CSR matrix (built once, kept with the view)."""
+    key = ("cusparse_matrix", dtype, id(nbr_scale), id(row_scale))
+    mat = view.cache.get(key)
+    if mat is None:
+        mat = view.cache[key] = _matrix(view, _values(view, None, nbr_scale, row_scale, dtype))
+    return mat
+
+
 def cusparse(view: CSRView, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torch.Tensor | None,
              row_scale: torch.Tensor | None) -> torch.Tensor:
     """``torch.sparse.mm`` with the view as a CSR matrix (cuSPARSE SpMM); the matrix is kept when unweighted."""
-    crow, col = _csr_index(view)
-    size = (view.num_dst, view.num_src)
-
-    def build(values: torch.Tensor) -> torch.Tensor:
-        return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
-
     if w is None:
-        key = ("cusparse_matrix", x.dtype, id(nbr_scale), id(row_scale))
-        mat = view.cached(key, lambda: build(_values(view, None, nbr_scale, row_scale, x.dtype)))
-    else:
-        mat = build(_values(view, w, nbr_scale, row_scale, x.dtype))
-    return torch.sparse.mm(mat, x)
+        return torch.sparse.mm(matrix(view, x.dtype, nbr_scale, row_scale), x)
+    return torch.sparse.mm(_matrix(view, _values(view, w, nbr_scale, row_scale, x.dtype)), x)
+
+
+def bound(view: CSRView, plan: AggregationPlan, feat: int, dtype: torch.dtype, nbr_scale: torch.Tensor | None,
+          row_scale: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``run(x)``: the unweighted aggregation of contiguous (view.num_src, feat) ``dtype`` rows by ``plan``'s
+    kernel (``rows`` or ``cusparse``; None for the others), everything but the call resolved here (the launch,
+    the matrix): the least host work per call."""
+    if plan.kernel == "rows" and view.num_dst > 0:
+        launch_ = rows_launch(view, dtype, feat, plan.vec, plan.dw, plan.cf, plan)
+        align, n = plan.vec * dtype.itemsize, view.num_dst
+        vref = weakref.ref(view)  # the runner may be kept in the view's own cache: no reference cycle
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if x.data_ptr() % align:
+                return rows(vref(), x, None, nbr_scale, row_scale, plan)
+            return launch_.run(x, None, nbr_scale, row_scale, None, n)
+        return run
+    if plan.kernel == "cusparse":
+        mat = matrix(view, dtype, nbr_scale, row_scale)
+        return lambda x: torch.sparse.mm(mat, x)
+    return None

@@ -133,8 +133,10 @@ def _label(p: AggregationPlan) -> str:
 
 
 def choose(view: CSRView, feat: int, dtype: torch.dtype, variant: str, weighted: bool, heads: int,
-           run: Callable[[AggregationPlan], Any] | None = None, allow_probe: bool = False) -> AggregationPlan:
-    """The plan kept with ``view`` for this key; made on first use (probed with ``run`` if ``allow_probe``)."""
+           run: Callable[[AggregationPlan], Any] | None = None, allow_probe: bool = False,
+           kernels: tuple[str, ...] | None = None) -> AggregationPlan:
+    """The plan kept with ``view`` for this key; made on first use (probed with ``run`` if ``allow_probe``, among
+    ``kernels`` if given)."""
     key = plan_key(feat, dtype, variant, weighted, heads)
     p = view.cache.get(key)
     if p is not None:
@@ -142,8 +144,13 @@ def choose(view: CSRView, feat: int, dtype: torch.dtype, variant: str, weighted:
     if run is not None and heads == 1 and allow_probe:
         if view.max_degree is None:  # known degrees spare the row split its tail launch; a sync is fine here
             view.max_degree = int(view.in_degrees().max()) if view.num_dst else 0
+        cands = candidates(view, feat, dtype, heads)
+        if kernels is not None:
+            cands = [c for c in cands if c.kernel in kernels]
+            if not cands:
+                raise ValueError(f"none of the kernels {kernels} can run this aggregation ({dtype}, width {feat})")
         with torch.cuda.device(view.device):  # the events and synchronisations on the graph's GPU
-            p, view.cache[("probe_ms",) + key] = probe(candidates(view, feat, dtype, heads), run)
+            p, view.cache[("probe_ms",) + key] = probe(cands, run)
     else:
         p = model_plan(view, feat, dtype, heads)
     view.cache[key] = p
@@ -163,7 +170,7 @@ def public_call(view: CSRView, x: torch.Tensor, variant: str, w: torch.Tensor | 
 
 
 def tune_graph(graph: Any, feat: int, dtype: torch.dtype, reduce: str, norm: str | None,
-               weighted: bool) -> AggregationPlan:
+               weighted: bool, kernels: tuple[str, ...] | None = None) -> AggregationPlan:
     """Probe the kernels for ``graph`` (forward, and backward over its transpose) on random rows."""
     csr = as_csr(graph)
     variant = "gcn" if norm == "gcn" else reduce
@@ -174,5 +181,6 @@ def tune_graph(graph: Any, feat: int, dtype: torch.dtype, reduce: str, norm: str
     for view, var, n_in in ((csr, variant, csr.num_src), (csr.transposed(), "sum", csr.num_dst)):
         view.cache.pop(plan_key(feat, dtype, variant, weighted, 1), None)
         x = torch.randn(n_in, feat, device=dev).to(dtype)
-        choose(view, feat, dtype, variant, weighted, 1, allow_probe=True, run=public_call(view, x, var, w))
+        choose(view, feat, dtype, variant, weighted, 1, allow_probe=True, run=public_call(view, x, var, w),
+               kernels=kernels)
     return csr.cache[plan_key(feat, dtype, variant, weighted, 1)]

@@ -8,7 +8,7 @@ import torch
 from datapath.ops import _inputs
 from datapath.ops._graph import CSRView, as_csr
 from datapath.ops._torch_backend import AggSpec
-from datapath.ops.errors import FeatureShapeError
+from datapath.ops.errors import FeatureShapeError, UnsupportedDtypeError
 
 REDUCTIONS = ("sum", "mean", "max")
 NORMS = (None, "gcn")
@@ -22,6 +22,11 @@ class _AggregateFn(torch.autograd.Function):
                 backend: Any) -> torch.Tensor:  # type: ignore[override]
         out, argmax = backend.forward(csr, x, weight, spec)
         ctx.csr, ctx.spec, ctx.backend = csr, spec, backend
+        # the common gradient (of x alone, sum family, no weight): its kernel resolved now, on the calling thread,
+        # so that the backward (on autograd's device thread) only launches it
+        ctx.run_t = (_runner(csr, spec, x.shape[1], x.dtype, backend)
+                     if weight is None and spec.reduce == "sum" and spec.heads == 1 and spec.src_ids is None
+                     and spec.plan is None and ctx.needs_input_grad[0] else None)
         ctx.x_dtype = x.dtype
         ctx.w_dtype = weight.dtype if weight is not None else None
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight, argmax)
@@ -31,6 +36,8 @@ class _AggregateFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if ctx.run_t is not None:
+            return ctx.run_t(grad_out.contiguous()), None, None, None, None
         x, weight, argmax = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         grad_x = grad_w = None
@@ -151,6 +158,86 @@ def aggregate(graph: Any, x: torch.Tensor, reduce: str = "sum", edge_weight: tor
     return out if len(tail) == 1 else out.view(csr.num_dst, *tail)
 
 
+def aggregate_transposed(graph: Any, y: torch.Tensor, reduce: str = "sum", norm: str | None = None) -> torch.Tensor:
+    """The transposed aggregation: what `aggregate` sends back from the destination rows to the sources.
+
+    ``out[s] = sum over the edges s -> d of c(d, s) * y[d]``, with ``c`` the coefficient the same
+    ``aggregate(graph, x, reduce, norm=norm)`` gives edge ``s -> d`` (1, 1/in-degree for ``"mean"``,
+    GCN's symmetric norm): for an output gradient ``y`` it is the gradient of that call with
+    respect to ``x``.  It runs over the transposed CSR kept with the graph (built once, no host
+    synchronisation), by the kernel planned for it (on an untrusted whole graph, probed once).
+    For writing one autograd node for a whole layer (see `datapath.nn`) instead of a node per op.
+
+    Args:
+        graph: as for `aggregate`.
+        y: (num_dst, F) float16/bfloat16/float32/float64 on the graph's device; not tracked by autograd
+            (call it in a custom backward or under ``torch.no_grad()``).
+        reduce: ``"sum"`` or ``"mean"``.
+        norm: None or ``"gcn"`` (with ``reduce="sum"``).
+
+    Returns:
+        (num_src, F) in y's dtype on y's device.
+    """
+    if reduce not in ("sum", "mean") or norm is not None:
+        _check_reduce(reduce, norm)
+        if reduce == "max":
+            raise ValueError("aggregate_transposed takes reduce='sum' or 'mean' (a max has no fixed transpose)")
+    _inputs.check_float(y, "y")
+    csr = as_csr(graph)
+    if y.dim() != 2 or y.shape[0] != csr.num_dst:
+        raise FeatureShapeError(
+            f"y must be (num_dst_nodes, F) = ({csr.num_dst}, F), one row per destination; got {tuple(y.shape)}"
+        )
+    if csr.device != y.device:
+        _inputs.check_graph_device(csr, y.device)
+    if y.requires_grad and torch.is_grad_enabled():
+        raise FeatureShapeError(
+            "aggregate_transposed is not tracked by autograd but y requires grad; call it under torch.no_grad() or "
+            "inside a custom backward (its gradient is aggregate(graph, ., reduce, norm=norm))"
+        )
+    feat = y.shape[1]
+    if feat == 0 or csr.num_edges == 0:
+        return torch.zeros(csr.num_src, feat, dtype=y.dtype, device=y.device)
+    run = _transposed(csr, feat, y.dtype, reduce, norm)
+    return run(y if y.is_contiguous() else y.contiguous())
+
+
+def _runner(csr: CSRView, spec: AggSpec, feat: int, dtype: torch.dtype, backend: Any) -> Any:
+    make = getattr(backend, "transposed_runner", None)
+    if make is not None:
+        return make(csr, spec, feat, dtype)
+    return lambda g: backend.backward_x(csr, g, None, spec, None, dtype)
+
+
+def _transposed(csr: CSRView, feat: int, dtype: torch.dtype, reduce: str, norm: str | None) -> Any:
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    return _runner(csr, _kept_spec(csr, reduce, norm, sdt, True), feat, dtype, _inputs.backend_for(csr.device))
+
+
+def transposed_aggregator(graph: Any, feat: int, dtype: torch.dtype, reduce: str = "sum",
+                          norm: str | None = None) -> Any:
+    """`aggregate_transposed` for rows of width ``feat`` and ``dtype``, resolved once: ``run(y)`` launches its kernel.
+
+    Checks the graph, picks (on an untrusted whole graph: probes) the transposed CSR's kernel and
+    returns a callable taking a contiguous (num_dst, feat) ``dtype`` tensor ``y`` on the graph's
+    device and returning (num_src, feat) ``A^T y``, with no further checks: for a custom autograd
+    node that resolves it in its forward and only launches in its backward (which runs on
+    autograd's device thread, where host work costs most).  Not tracked by autograd.
+    """
+    if reduce not in ("sum", "mean") or norm is not None:
+        _check_reduce(reduce, norm)
+        if reduce == "max":
+            raise ValueError("transposed_aggregator takes reduce='sum' or 'mean' (a max has no fixed transpose)")
+    if feat < 1:
+        raise ValueError(f"feat must be >= 1, got {feat}")
+    if dtype not in _inputs.FLOAT_DTYPES:
+        raise UnsupportedDtypeError(f"dtype {dtype} is not supported; use float16, bfloat16, float32 or float64")
+    csr = as_csr(graph)
+    if csr.num_edges == 0:
+        return lambda y: torch.zeros(csr.num_src, feat, dtype=y.dtype, device=y.device)
+    return _transposed(csr, feat, dtype, reduce, norm)
+
+
 def prepare_aggregation(graph: Any, feat: int, dtype: torch.dtype = torch.float32, *, backward: bool = True,
                         plan: Any = None, reduce: str = "sum", norm: str | None = None) -> list[torch.Tensor]:
     """Precompute, on the current stream, what a sum/mean `aggregate` over ``graph`` will need.
@@ -188,4 +275,4 @@ def prepare_aggregation(graph: Any, feat: int, dtype: torch.dtype = torch.float3
     sdt = torch.float64 if dtype == torch.float64 else torch.float32
     for grad_x in (False, True):
         spec = _kept_spec(csr, reduce, norm, sdt, grad_x)  # builds the scale vectors
-    return prep(csr, int(feat), dtype, backward, plan, spec.variant)
+    return prep(csr, int(feat), dtype, backward, plan, spec)

@@ -179,7 +179,7 @@ def plan_for(num_edges: int, num_dst: int, feat_dim: int, elem_bytes: int, **ove
 
 def plan_aggregation(graph: Any, feat_dim: int, dtype: torch.dtype = torch.float32, reduce: str = "sum", *,
                      probe: bool = False, edge_weight: bool = False, norm: str | None = None,
-                     **overrides: Any) -> AggregationPlan:
+                     kernels: tuple[str, ...] | None = None, **overrides: Any) -> AggregationPlan:
     """The plan `aggregate` uses for ``graph`` at width ``feat_dim``.
 
     Without ``probe``: the model's plan (pure arithmetic, no GPU work) with keyword
@@ -191,11 +191,18 @@ def plan_aggregation(graph: Any, feat_dim: int, dtype: torch.dtype = torch.float
     ``dtype`` and the fastest becomes ``graph``'s plan for this width, dtype, ``reduce``,
     ``norm`` and ``edge_weight`` (whether the calls pass one), forward and backward (the
     transposed CSR gets its own); later `aggregate` calls use it without probing again.
+    ``kernels`` (with ``probe=True``) limits the probe to those of `KERNELS` (e.g. ``("cusparse",)``
+    to keep the library); a ValueError if none of them can run this aggregation.
     """
     from datapath.ops._graph import as_csr  # noqa: PLC0415
 
     csr = as_csr(graph)
     elem = torch.empty((), dtype=dtype).element_size()
+    if kernels is not None:
+        bad = [k for k in kernels if k not in KERNELS]
+        if not probe or bad or not kernels:
+            raise ValueError(f"kernels lists kernels for probe=True to time, some of {KERNELS}; got {kernels!r} "
+                             f"with probe={probe}")
     if not probe:
         return plan_for(csr.num_edges, csr.num_dst, feat_dim, elem, **overrides)
     if overrides:
@@ -204,4 +211,4 @@ def plan_aggregation(graph: Any, feat_dim: int, dtype: torch.dtype = torch.float
         raise ValueError(f"probe=True times the CUDA kernels; the graph is on {csr.device}")
     from datapath.ops._tune import tune_graph  # noqa: PLC0415
 
-    return tune_graph(csr, feat_dim, dtype, reduce, norm, edge_weight)
+    return tune_graph(csr, feat_dim, dtype, reduce, norm, edge_weight, kernels)

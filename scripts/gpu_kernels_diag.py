@@ -1,0 +1,157 @@
+"""Where a host-bound layer forward+backward spends its time on the GPU machine (citeseer shape, 128 -> 64).
+
+Decomposes the step: the autograd engine alone, a Linear, one aggregation, the layers (datapath, PyG), each with
+the engine's device threads on and off (``torch.autograd.set_multithreading_enabled``) and with the cyclic GC off;
+a torch.profiler table (CPU self time, CUDA time) of datapath's GINConv step; then the aggregation alone against
+cuSPARSE on ppi and citeseer (host us and GPU ms per call, forward and forward+backward).  Host us per step:
+`benchmarks._common.wall_us_per_call` (back-to-back steps, one sync at each end).
+Run on the GPU machine:  PYTHONPATH=src:. python scripts/gpu_kernels_diag.py [--full]
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+import torch_geometric.nn as pyg
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks._common import wall_us_per_call
+from datapath.nn import GCNConv, GINConv, SAGEConv
+from datapath.ops import aggregate
+from datapath.testing import edge_index, seed_graph
+
+
+def step(fn, x: torch.Tensor, gy: torch.Tensor):
+    def call() -> None:
+        x.grad = None
+        fn(x).backward(gy)
+    return call
+
+
+def table(label: str, fn, rows: int = 22) -> None:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+    print(f"\n== profile {label} (20 steps)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48))
+    kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.device_time for e in kern) / 20
+    print(f"   kernels/step {len(kern) / 20:.1f}, GPU busy us/step {gpu_us:.1f}")
+    threads = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.cpu_parent is None:
+            threads[e.thread] = threads.get(e.thread, 0) + e.cpu_time_total
+    print("   top-level CPU us/step by thread: " + ", ".join(f"{t}:{v / 20:.0f}" for t, v in threads.items()))
+
+
+def main() -> None:
+    full = "--full" in sys.argv  # also the 1-thread / no-GC columns and the profiler table
+    print(f"python {sys.version.split()[0]} torch {torch.__version__} switchinterval {sys.getswitchinterval()}; "
+          f"threads {[t.name for t in threading.enumerate()]}", flush=True)
+    g, _ = seed_graph("citeseer", device="cuda")
+    ei = edge_index(g)
+    n = g.num_src_nodes
+    x = torch.randn(n, 128, device="cuda", requires_grad=True)
+    gy = torch.randn(n, 64, device="cuda")
+    h64 = torch.randn(n, 64, device="cuda", requires_grad=True)
+    lin = torch.nn.Linear(128, 64).cuda()
+    w = torch.nn.Parameter(torch.randn(64, 128, device="cuda"))
+    ways = {
+        "mul(x)": (lambda x: x * 2, x, torch.randn(n, 128, device="cuda")),
+        "linear nobias": (lambda x: F.linear(x, w), x, gy),
+        "Linear": (lambda x: lin(x), x, gy),
+        "aggregate F64": (lambda h: aggregate(g, h), h64, gy),
+        "aggregate F64 gcn": (lambda h: aggregate(g, h, norm="gcn"), h64, gy),
+    }
+    layers = {}
+    for kind, ours, theirs in (
+        ("SAGE", SAGEConv(128, 64), pyg.SAGEConv(128, 64)),
+        ("GCN", GCNConv(128, 64), pyg.GCNConv(128, 64, add_self_loops=False, cached=True)),
+        ("GIN", GINConv(torch.nn.Linear(128, 64)), pyg.GINConv(torch.nn.Linear(128, 64))),
+    ):
+        theirs, ours = theirs.cuda(), ours.cuda()
+        ours.load_state_dict(theirs.state_dict(), strict=False)
+        layers[kind] = (ours, theirs)
+        ways[f"{kind} ours"] = (lambda x, m=ours: m(g, x), x, gy)
+        ways[f"{kind} pyg"] = (lambda x, m=theirs: m(x, ei), x, gy)
+    print(f"{'way':>20} {'fwd_us':>8} {'fb_us':>8} {'fb_1thr':>8} {'fb_nogc':>8}  (host us per step)")
+    for name, (fn, inp, grad) in ways.items():
+        def f_only(fn=fn, inp=inp) -> None:
+            with torch.no_grad():
+                fn(inp)
+        fb = step(fn, inp, grad)
+        t_f = wall_us_per_call(f_only)
+        t_fb = min(wall_us_per_call(fb) for _ in range(3))
+        t_1 = t_ng = float("nan")
+        if full:
+            with torch.autograd.set_multithreading_enabled(False):
+                t_1 = wall_us_per_call(fb)
+            gc.disable()
+            t_ng = wall_us_per_call(fb)
+            gc.enable()
+        print(f"{name:>20} {t_f:8.1f} {t_fb:8.1f} {t_1:8.1f} {t_ng:8.1f}", flush=True)
+    if full:
+        ours, theirs = layers["GIN"]
+        table("GIN ours", step(lambda x: ours(g, x), x, gy), rows=16)
+    spmm_host(("ppi", "citeseer") if full else ("ppi",), (16, 64, 128) if full else (16, 64))
+
+
+def host_us(fn, calls: int = 40) -> float:
+    """Host microseconds per call to enqueue ``fn`` (no synchronisation at the end: few enough calls that the launch
+    queue never fills), the median of 5 batches."""
+    out = []
+    for _ in range(5):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return sorted(out)[2]
+
+
+def spmm_host(names: tuple[str, ...], widths: tuple[int, ...]) -> None:
+    """Host us per call (enqueue only) and GPU ms per call (CUDA events, back-to-back batch) of the forward (no
+    autograd) and of a forward+backward step, datapath vs cuSPARSE (torch.sparse.mm; the backward with a prebuilt
+    transpose), where the GPU work is a few tens of microseconds (ppi) and on citeseer."""
+    from benchmarks._common import interleaved_ms  # noqa: PLC0415
+    from benchmarks.aggregate import _PretransposedSpMM, csr_tensors  # noqa: PLC0415
+    from datapath.ops import plan_aggregation  # noqa: PLC0415
+
+    print(f"\n{'graph':>9} {'F':>4} {'dtype':>9} {'plan':>9} {'dp_f_us':>8} {'cs_f_us':>8} {'dp_f_ms':>8} "
+          f"{'cs_f_ms':>8} {'dp_fb_us':>8} {'cs_fb_us':>8}")
+    for name in names:
+        g, _ = seed_graph(name, device="cuda")
+        for dt in (torch.float32, torch.float16):
+            a, at = csr_tensors(g, dt)
+            for f in widths:
+                x = torch.randn(g.num_src_nodes, f, device="cuda").to(dt).requires_grad_()
+                gy = torch.randn(g.num_dst_nodes, f, device="cuda").to(dt)
+                plan = plan_aggregation(g, f, dt, probe=True)
+
+                def f_dp(x=x, g=g) -> None:
+                    with torch.no_grad():
+                        aggregate(g, x)
+
+                def f_cs(x=x, a=a) -> None:
+                    with torch.no_grad():
+                        torch.sparse.mm(a, x)
+                fb_dp = step(lambda x, g=g: aggregate(g, x), x, gy)
+                fb_cs = step(lambda x, a=a, at=at: _PretransposedSpMM.apply(x, a, at), x, gy)
+                ev = interleaved_ms({"dp": f_dp, "cs": f_cs}, 5)
+                print(f"{name:>9} {f:>4} {str(dt)[6:]:>9} {plan.kernel:>9} {host_us(f_dp):8.1f} "
+                      f"{host_us(f_cs):8.1f} {ev['dp']:8.4f} {ev['cs']:8.4f} {host_us(fb_dp):8.1f} "
+                      f"{host_us(fb_cs):8.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
