@@ -84,3 +84,12 @@ def test_compile_refuses_units_inside_blocks() -> None:
         cache.attach(model, units="leaves")
     cache.close()
     assert all("forward" not in b.__dict__ for b in model.model.layers)
+
+
+def test_a_block_with_its_own_forward_is_refused_before_any_block_changes() -> None:
+    model = _llama(3)
+    blocks = list(model.model.layers)
+    blocks[2].forward = blocks[2].forward  # a wrapper someone installed on the instance
+    with pytest.raises(OffloadConfigError, match="forward replaced"):
+        compile_blocks(model)
+    assert all("forward" not in b.__dict__ for b in blocks[:2]) and "_loss_function" not in model.__dict__

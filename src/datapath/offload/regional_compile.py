@@ -5,9 +5,9 @@ layers of its largest ``ModuleList``) one region at a time, as PyTorch's regiona
 compilation recipe does: one compiled function per block class, shared by every
 block of that class (so a 32-layer model compiles one layer), and a Hugging Face
 model's loss function (the upcast logits and the cross-entropy fused); the
-embeddings and the head stay eager.  A compiled block saves what the compiler's partitioner decides
-(fused norms and activations are recomputed inside the block's backward), so fewer
-bytes are saved than in eager mode; the saved tensors reach the offloader's
+embeddings and the head stay eager.  A compiled block saves what the compiler's
+partitioner decides (fused norms and activations are recomputed inside the block's
+backward), so fewer bytes are saved than in eager mode; the saved tensors reach the offloader's
 saved-tensor hooks when the block's forward returns, and its module hooks run
 eagerly around the compiled region.  So the budget planner plans on what the
 compiled graph still saves, and its choices per block compose with the compiler's:
@@ -83,17 +83,17 @@ def compile_blocks(blocks: nn.Module | list[nn.Module], options: dict[str, Any] 
     too).  ``options``: `torch.compile` keyword arguments.
     The module tree, parameter names and state dict stay as they are; `uncompile_blocks`
     restores the eager forward.  A block whose instance already has its own ``forward``
-    (a wrapper someone installed) keeps it underneath: the compiled function calls the
-    class's forward, so such a block is refused.
+    (a wrapper someone installed) is refused before any block changes: the compiled
+    function calls the class's forward and would bypass that wrapper.
     """
-    n = 0
-    for b in _blocks(blocks):
-        if is_compiled(b):
-            continue
+    todo = [b for b in _blocks(blocks) if not is_compiled(b)]
+    for b in todo:
         if "forward" in b.__dict__:
             raise OffloadConfigError(
                 f"compile=True: block {b.__class__.__name__} has its forward replaced on the instance already "
                 f"(by another wrapper); remove that wrapper or pass compile=False")
+    n = 0
+    for b in todo:
         b.__dict__[_ORIGINAL] = True
         b.forward = functools.partial(_compiled(type(b).forward, options or {}), b)  # type: ignore[method-assign]
         n += 1
