@@ -297,12 +297,17 @@ def transposed_runner(csr: CSRView, spec: AggSpec, feat: int, dtype: torch.dtype
         g = torch.randn(csr.num_dst, feat, device=csr.device).to(dtype) if allow else None
         plan = _tune.choose(t, feat, dtype, spec.variant, False, 1, allow_probe=allow,
                             run=_tune.public_call(t, g, "sum", None) if allow else None)
-    key = ("t_runner", feat, dtype, spec.variant)
+    # the forward's row scale applies to the transpose's sources, its column scale to the transpose's rows
+    return _kept_runner(csr, ("t_runner", feat, dtype, spec.variant), plan,
+                        lambda: _bound(t, plan, feat, dtype, spec.row_scale, spec.col_scale))
+
+
+def _kept_runner(csr: CSRView, key: tuple, plan: AggregationPlan, make: Any) -> Any:
+    """The runner kept in ``csr``'s cache under ``key`` for ``plan``; ``make()`` builds it when absent or stale."""
     hit = csr.cache.get(key)
     if hit is not None and hit[0] is plan:
         return hit[1]
-    # the forward's row scale applies to the transpose's sources, its column scale to the transpose's rows
-    run = _bound(t, plan, feat, dtype, spec.row_scale, spec.col_scale)
+    run = make()
     csr.cache[key] = (plan, run)
     return run
 
@@ -318,13 +323,8 @@ def _bound(view: CSRView, plan: AggregationPlan, feat: int, dtype: torch.dtype, 
 
 def _forward_runner(csr: CSRView, spec: AggSpec, plan: AggregationPlan, feat: int, dtype: torch.dtype) -> Any:
     """The unweighted forward by ``plan``, bound once per (width, dtype, variant, plan) and kept with ``csr``."""
-    key = ("f_runner", feat, dtype, spec.variant)
-    hit = csr.cache.get(key)
-    if hit is not None and hit[0] is plan:
-        return hit[1]
-    run = _bound(csr, plan, feat, dtype, spec.col_scale, spec.row_scale)
-    csr.cache[key] = (plan, run)
-    return run
+    return _kept_runner(csr, ("f_runner", feat, dtype, spec.variant), plan,
+                        lambda: _bound(csr, plan, feat, dtype, spec.col_scale, spec.row_scale))
 
 
 def backward_x(csr: CSRView, grad_out: torch.Tensor, weight: torch.Tensor | None, spec: AggSpec,
