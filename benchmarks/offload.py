@@ -6,16 +6,16 @@ layers; micro-batch 8, sequence 1024) and the GPT stack H8192 L4 (micro-batch 8,
 Methods: keep; checkpoint (HF gradient checkpointing, non-reentrant; layerwise for the stack);
 save_on_cpu (pin_memory=True); torchtune (OffloadActivations, when it imports); compile_budget
 (torch.compile of the whole model with each ``--compile-budgets`` activation_memory_budget, and
-the blocks compiled regionally with the default budget, ``regional: true``: what datapath's
-compiled method runs without offloading); datapath-all (``offload(model)``, defaults);
+PyTorch's regional compilation recipe, each block's module compiled, ``regional: true``); datapath-all (``offload(model)``, defaults);
 datapath-budget (``offload(model, memory_budget=B, compile=True)``, B at 25/50/75/100% of the
 way from keep's peak down to checkpoint's; ``--datapath-compile eager|both`` for the eager
 method, ``compiled`` in each record).  Per step: zero_grad(set_to_none=True) (gradients are allocated in
 backward), forward, backward, SGD step; peak = torch.cuda.max_memory_allocated() over the step;
 step time = median of ``--steps`` after ``--warmup`` (more warm-up for datapath-budget: it profiles
 and plans).  grads_identical: one extra step per method from the same weights, batch and seed,
-gradients compared bit for bit (a per-parameter hash) with keep's (compiled datapath: with the
-regionally compiled blocks' without offloading; compiled kernels differ from eager ones).
+gradients compared bit for bit (a per-parameter hash) with keep's (compiled datapath: with datapath's
+compiled regions' (`compile_blocks`: blocks, output head, loss) without offloading; compiled kernels
+differ from eager ones).
 
 Writes benchmarks/results/offload.json (a list of records {model, method, budget_gb, step_ms,
 peak_gb, grads_identical, device, ...}) and offload.png (step time against peak per model).
@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import _offload_workloads as _workloads  # noqa: E402
 from benchmarks._common import RESULTS_DIR, print_table, write_result  # noqa: E402
 from benchmarks._offload_workloads import Workload, build, torchtune_offload  # noqa: E402
-from datapath.offload import compile_blocks, offload, uncompile_blocks  # noqa: E402
+from datapath.offload import auto_blocks, compile_blocks, offload, uncompile_blocks  # noqa: E402
 from datapath.offload.memory_meter import CpuMeter  # noqa: E402
 
 METHODS = ["keep", "checkpoint", "save_on_cpu", "torchtune", "datapath-all", "datapath-budget", "compile_budget"]
@@ -75,12 +75,22 @@ def method_context(w: Workload, method: str, budget: int | None, tt_cls: Any, co
                    ) -> Iterator[Callable[[], Any]]:
     """Set the method up around the steps; yields a function giving the per-step context."""
     model = w.model
-    if method == "compile_regional":
+    if method == "compile_datapath":  # datapath's compiled regions without offloading: the compiled reference
         compile_blocks(model)
         try:
             yield contextlib.nullcontext
         finally:
             uncompile_blocks(model)
+        return
+    if method == "compile_regional":  # PyTorch's regional compilation recipe: each block's module compiled
+        blocks = auto_blocks(model)
+        for b in blocks:
+            b.compile()
+        try:
+            yield contextlib.nullcontext
+        finally:
+            for b in blocks:
+                b._compiled_call_impl = None  # what nn.Module.compile set: the eager call again
         return
     if method == "checkpoint":
         w.recompute(True)
@@ -112,7 +122,7 @@ def run_method(w: Workload, method: str, args: argparse.Namespace, budget: int |
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every method starts from the same weights
     # datapath-budget: runs everything offloaded, profiles a step, plans, corrects: more warm-up steps
     warmup = (args.warmup + (5 if method == "datapath-budget" else 0)
-              + (1 if compiled or method in ("compile_budget", "compile_regional") else 0))
+              + (1 if compiled or method.startswith("compile_") else 0))
     times, peaks = [], []
     w.cache = None  # type: ignore[attr-defined]
     fn = step_fn or (lambda: w.loss(model, w.batch))
@@ -148,7 +158,7 @@ def run_method(w: Workload, method: str, args: argparse.Namespace, budget: int |
             # algorithms on (flash attention's deterministic backward; cuBLAS with CUBLAS_WORKSPACE_CONFIG)
             torch.manual_seed(1234)
             opt.zero_grad(set_to_none=True)
-            det = compiled or method == "compile_regional"
+            det = compiled or method in ("compile_regional", "compile_datapath")
             try:
                 torch.use_deterministic_algorithms(det)
                 with make_ctx(), sdpa_kernel(SDPBackend.MATH):
@@ -243,9 +253,18 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         hi, lo = keep["peak_gb"] * 1e9, ckpt["peak_gb"] * 1e9
         for compiled in ways:
             ref = None
-            if compiled:  # the same compiled blocks without offloading: a peer, and the gradients' reference
+            if compiled:
+                # a peer: PyTorch's regional compilation (each block compiled); and the gradients' reference:
+                # datapath's compiled regions (blocks, head, loss) without offloading, one step
                 attempt("compile_regional", name="compile_budget", activation_memory_budget=1.0, regional=True)
-                ref = hashes.get("compile_regional")
+                try:  # timed too: its graphs must be traced outside the check step's math attention
+                    out = run_method(w, "compile_datapath", args, None, None, None)
+                    ref = out["hash"]
+                    print(f"  {name} datapath's compiled regions without offloading (the reference, not a peer): "
+                          f"{out['step_ms']:.1f} ms, peak {out['peak_gb']:.2f} GB", flush=True)
+                except Exception:  # noqa: BLE001 - without a reference the compiled records say so
+                    traceback.print_exc()
+                    ref = None
                 if ref is None:
                     continue
             for f in FRACTIONS:
@@ -333,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--datapath-compile", choices=("compiled", "eager", "both"), default="compiled",
                     help="datapath-budget with compile=True, without, or both [compiled]")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny configs on the CPU: checks the script")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="merge offload.json files of runs of different models (a model's records all come from "
+                         "the last file that has it) into benchmarks/results/, with each file's meta beside it")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -344,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         records = run_model(args.one, args)
         Path(args.out).write_text(json.dumps(records))
         return 0
+    if args.merge:
+        return merge(args.merge)
     if not torch.cuda.is_available() and not args.cpu_smoke:
         print("B4 needs a CUDA GPU; nothing to do here (--cpu-smoke checks the script).")
         return 0
@@ -379,7 +403,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def save(records: list[dict[str, Any]], partial: bool) -> None:
+def merge(paths: list[str]) -> int:
+    """Records of several runs (one model per run, every peer of a model in its run), their metas listed."""
+    by_model: dict[str, list[dict[str, Any]]] = {}
+    runs = []
+    for p in paths:
+        recs = json.loads(Path(p).read_text())
+        meta_path = Path(p).with_name("offload_meta.json")
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        models = sorted({r["model"] for r in recs})
+        runs.append({"file": p, "models": models, "command": meta.get("command"), "date": meta.get("date"),
+                     "machine": meta.get("machine")})
+        for m in models:
+            by_model[m] = [r for r in recs if r["model"] == m]
+    records = [r for m in by_model for r in by_model[m]]
+    save(records, partial=False, runs=runs)
+    plot(records, RESULTS_DIR / "offload.png")
+    print_table(bars(records))
+    return 0
+
+
+def save(records: list[dict[str, Any]], partial: bool, runs: list[dict[str, Any]] | None = None) -> None:
     """offload.json: the record list; offload_meta.json: machine, command, bars and how things were measured."""
     checks = bars(records)
     path = write_result("offload", {"records": records, "bars": checks, "partial": partial,
@@ -390,7 +434,10 @@ def save(records: list[dict[str, Any]], partial: bool) -> None:
                                                    "parameter hash of the gradient bits compared with keep's; "
                                                    "keep's own record compares two keep runs",
                                     "peak": "torch.cuda.max_memory_allocated() over zero_grad(set_to_none) + "
-                                            "forward + backward + SGD step, parameters and gradients included"})
+                                            "forward + backward + SGD step, parameters and gradients included",
+                                    **({"merged_runs": runs, "machine": runs[-1]["machine"],
+                                        "command": "python benchmarks/offload.py --merge " +
+                                                   " ".join(r["file"] for r in runs)} if runs else {})})
     doc = json.loads(path.read_text())
     path.write_text(json.dumps(doc["records"], indent=1))  # the record list the issue asks for ...
     (RESULTS_DIR / "offload_meta.json").write_text(json.dumps(  # ... and the machine, command, bars beside it

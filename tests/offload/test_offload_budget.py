@@ -48,6 +48,8 @@ def test_budget_holds_and_gradients_identical(target: str, fraction: float, tmp_
     # the feedback settles: the last step holds (single CPU steps are noisy: stores race the forward for 2 cores)
     assert peaks[-1] <= 1.03 * budget, (peaks, budget)
     assert cache.plan.offload_bytes > 0 or cache.plan.recompute
+    # past the segments the plan offloads, saved tensors were kept the quick way, gradients still identical
+    assert cache.stats.packs_quiet > 0
     assert cache.files() == []
     cache.close()
 
@@ -61,9 +63,12 @@ def test_budget_above_keep_offloads_nothing() -> None:
         run_steps(model, batches, _lm_loss)
         assert cache.plan is not None
         assert cache.plan.offload_bytes == 0 and cache.plan.recompute == ()
-        off = cache.stats.bytes_queued
+        off, packs, quiet = cache.stats.bytes_queued, cache.stats.packs, cache.stats.packs_quiet
         run_steps(model, batches[:1], _lm_loss)
         assert cache.stats.bytes_queued == off  # a planned step moved nothing
+        # ... and kept what it saved the quick way, all but the code before the first unit
+        n, q = cache.stats.packs - packs, cache.stats.packs_quiet - quiet
+        assert n > 0 and q >= n - 3, (n, q)
 
 
 def _profile(layers: int, bandwidth: float) -> BudgetProfile:

@@ -31,13 +31,14 @@ def _loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def _compiled_reference(model: nn.Module, batches: list[torch.Tensor]) -> list:
     m = copy.deepcopy(model)
-    compile_blocks(m)  # its blocks and its Hugging Face loss function
-    assert "_loss_function" in m.__dict__
+    compile_blocks(m)  # its blocks, its output head and its Hugging Face loss function
+    assert "_loss_function" in m.__dict__ and "forward" in m.lm_head.__dict__
     try:
         return run_steps(m, batches, _loss)
     finally:
         uncompile_blocks(m)
-        assert "_loss_function" not in m.__dict__ and all("forward" not in b.__dict__ for b in m.model.layers)
+        assert "_loss_function" not in m.__dict__ and "forward" not in m.lm_head.__dict__
+        assert all("forward" not in b.__dict__ for b in m.model.layers)
 
 
 def test_offloaded_and_recomputed_compiled_blocks_are_bit_identical_to_the_compiled_model() -> None:
@@ -59,6 +60,7 @@ def test_offloaded_and_recomputed_compiled_blocks_are_bit_identical_to_the_compi
     assert cache.stats.storages_offloaded > 0
     cache.close()
     assert all("forward" not in b.__dict__ for b in blocks)  # closing undid recompute and compile
+    assert "forward" not in model.lm_head.__dict__
 
 
 def test_compile_with_policy_all_offloads_and_matches() -> None:
@@ -93,3 +95,4 @@ def test_a_block_with_its_own_forward_is_refused_before_any_block_changes() -> N
     with pytest.raises(OffloadConfigError, match="forward replaced"):
         compile_blocks(model)
     assert all("forward" not in b.__dict__ for b in blocks[:2]) and "_loss_function" not in model.__dict__
+    assert "forward" not in model.lm_head.__dict__

@@ -12,7 +12,8 @@ or recomputed, whichever fits fastest.
 `TensorCache` gives explicit control (attach/detach, micro-batch and backward hints,
 `wait_io`, statistics); `OffloadConfig` holds its settings; `plan_budget` and
 `plan_offload` are the budget and adaptive planners; `HostStore`, `FileStore` and
-`TieredStore` implement the one `Store` interface.  Workload modelling (ROK curves,
+`TieredStore` implement the one `Store` interface; `auto_blocks` names the blocks of a
+model (the units of ``units="blocks"``, what ``compile=True`` compiles one by one).  Workload modelling (ROK curves,
 the SSD plan, presets) lives in `datapath.analysis`.
 """
 import importlib
@@ -32,6 +33,7 @@ from datapath.offload.integrations import patch_schedules, restore_patches
 from datapath.offload.planner import OffloadPlan, SegmentProfile, StepProfile, TensorProfile, plan_offload
 from datapath.offload.recompute import set_recompute
 from datapath.offload.regional_compile import compile_blocks, uncompile_blocks
+from datapath.offload.scopes import auto_blocks
 from datapath.offload.spill_dir import SpillDir, clean_stale, reclaim_stale
 from datapath.offload.stats import OffloadStats
 from datapath.offload.store import Slot, Store
@@ -41,7 +43,7 @@ __all__ = [
     "BudgetPlan", "BudgetProfile", "FileStore", "FlowOptions", "HostStore", "OffloadConfig", "OffloadConfigError",
     "OffloadError", "OffloadPlan", "OffloadStats", "OffloadWarning", "SegmentCost", "SegmentProfile",
     "SelectOptions", "Slot", "SpillDir", "StepProfile", "Store", "StoreOptions", "TensorCache", "TensorProfile",
-    "TieredStore", "clean_stale", "clean_stale_ranks", "compile_blocks", "is_cheap", "offload", "offload_rank", "parse_memory_budget",
+    "TieredStore", "auto_blocks", "clean_stale", "clean_stale_ranks", "compile_blocks", "is_cheap", "offload", "offload_rank", "parse_memory_budget",
     "patch_schedules", "plan_budget", "plan_offload", "rank_path", "reclaim_stale", "restore_patches",
     "set_cheap_recompute", "set_recompute", "uncompile_blocks",
 ]

@@ -182,6 +182,9 @@ class BudgetPolicy(Policy):
         # storages are the first ones, needed last, and their loads overlap the whole backward before them
         rec.distance = self.c.config.flow.prefetch_distance if self.plan is None else 1 << 30
         rec.plan = self.plan
+        if self.plan is not None and not self._drain:
+            # the plan offloads a prefix of segments: past it every storage is kept (the pack hook's quick way)
+            rec.quiet_from = self.plan.cut_segment + (1 if self.plan.cut_bytes else 0)
         if self.plan is None:
             if self._memory is None and self._profiling is None:
                 rec.profiling = True

@@ -40,6 +40,14 @@ class SavedTensorHooks:
     def pack(self, t: torch.Tensor) -> Any:
         c = self.c
         st = c.stats
+        if c.scopes.quiet and not c.transfers.inflight_bytes and is_plain_strided(t):
+            # past what the plan offloads, with no store in flight to wait for: kept, nothing else to do --
+            # unless the storage is one offloaded earlier in this step (a view of it saved again: deduplicated)
+            sid = getattr(t.untyped_storage(), self.attr, None)
+            if sid is None or sid < 0:
+                st.packs += 1
+                st.packs_quiet += 1
+                return t.detach()
         with c.lock:
             c.transfers.raise_pending()
             st.packs += 1

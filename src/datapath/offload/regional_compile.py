@@ -72,15 +72,33 @@ def is_compiled(block: nn.Module) -> bool:
 
 
 def _blocks(what: nn.Module | list[nn.Module]) -> list[nn.Module]:
-    return auto_blocks(what) if isinstance(what, nn.Module) else list(what)
+    """The regions compiled per module: a list as given; a model's blocks and its output head."""
+    if not isinstance(what, nn.Module):
+        return list(what)
+    blocks = auto_blocks(what)
+    head = _output_head(what, blocks)
+    return blocks + ([head] if head is not None else [])
+
+
+def _output_head(model: nn.Module, blocks: list[nn.Module]) -> nn.Module | None:
+    """A Hugging Face model's output projection (``get_output_embeddings()``) when it lies outside the blocks."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        return None
+    if not isinstance(head, nn.Module) or head is model:
+        return None
+    inside = {id(m) for b in blocks for m in b.modules()}
+    return None if id(head) in inside else head
 
 
 def compile_blocks(blocks: nn.Module | list[nn.Module], options: dict[str, Any] | None = None) -> int:
     """Replace each block's forward by the compiled forward of its class; the number compiled now.
 
     ``blocks``: a list of modules, or a model (its blocks: the layers of its largest
-    ``ModuleList``/``Sequential``; and a Hugging Face model's ``loss_function``, compiled
-    too).  ``options``: `torch.compile` keyword arguments.
+    ``ModuleList``/``Sequential``; and a Hugging Face model's output head and
+    ``loss_function``, compiled too).  ``options``: `torch.compile` keyword arguments.
     The module tree, parameter names and state dict stay as they are; `uncompile_blocks`
     restores the eager forward.  A block whose instance already has its own ``forward``
     (a wrapper someone installed) is refused before any block changes: the compiled

@@ -94,6 +94,7 @@ class Record:
         self.depth = 0
         self.block = -1
         self.first_packs = 0
+        self.quiet_from = 1 << 62        # from this segment on, the policy keeps every storage (see `quiet`)
         self.live = 0
         self.entries_made = 0
         self.backward_started = False
@@ -163,6 +164,10 @@ class ScopeTracker:
         self.expected_units: int | None = None
         self.models: list[tuple[Any, list[Any]]] = []
         self.blocks: list[nn.Module] = []
+        # True while the current record is past the segments its plan offloads from: the pack hook then
+        # keeps each saved tensor at once, without its bookkeeping (hundreds of saves per step whose host
+        # time otherwise starves the GPU of a compiled model's fast blocks)
+        self.quiet = False
         self._rids = iter(range(1, 1 << 62))
 
     # ------------------------------------------------------------- attaching
@@ -193,6 +198,7 @@ class ScopeTracker:
         rec = Record(next(self._rids), False, microbatch if microbatch is not None else self.mb,
                      self.expected_units)
         c.policy.on_record_start(rec)
+        self.quiet = False
         rec.pace = c.pace_lead() if c.wants_pacing(rec) else -1
         if rec.profiling or rec.timing:
             rec.t0 = self.mark()
@@ -226,6 +232,7 @@ class ScopeTracker:
     def _new_segment(self, rec: Record, is_unit: bool, name: str) -> Segment:
         self._close_segment(rec)
         seg = Segment(len(rec.segments), is_unit, rec.units, rec.block, name)
+        self.quiet = seg.index >= rec.quiet_from
         if rec.timing:
             seg.t_start = self.mark()
         if rec.profiling:

@@ -16,6 +16,7 @@ class OffloadStats:
     records: int = 0               # forward passes seen (one per micro-batch)
     microbatch_hints: int = 0      # set_microbatch calls (pipeline schedule hints)
     packs: int = 0                 # saved tensors offered by autograd
+    packs_quiet: int = 0           # ... of them kept at once: a planned step past the segments it offloads
     unpacks: int = 0               # saved tensors handed back to autograd
     storages_offloaded: int = 0    # storages queued for the target
     bytes_queued: int = 0          # their bytes (what was chosen for offloading, whatever timing did next)

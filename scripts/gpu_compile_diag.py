@@ -1,0 +1,100 @@
+"""Why a regionally compiled HF model is slower than the whole model compiled (GPU machine, B4's shapes).
+
+For each way: step time (median of 5 after warm-up; the host's time to enqueue the step beside it: equal
+means the step is host-bound), peak, and a torch.profiler table of one step (CUDA kernels by total time),
+so the two ways' kernels can be compared line by line.  Ways: ``regional`` (datapath's `compile_blocks`),
+``whole`` (`torch.compile(model)`), ``datapath`` (`offload(model, memory_budget=B, compile=True)`, B given
+in GB by ``--budget-gb``, default 80% of keep's measured peak).
+Run on the GPU machine:  PYTHONPATH=src:. python scripts/gpu_compile_diag.py [--model gpt2] [--ways a,b]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks._offload_workloads import build
+from datapath.offload import compile_blocks, offload, uncompile_blocks
+
+
+def measure(name: str, fn, steps: int, warmup: int, model: torch.nn.Module, rows: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        fn().backward()
+        opt.step()
+
+    for _ in range(warmup):
+        step()
+    walls, enq = [], []
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+        enq.append((t1 - t0) * 1e3)
+    peak = torch.cuda.max_memory_allocated() / 1e9
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    gpu_ms = sum(e.self_device_time_total for e in prof.key_averages()
+                 if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    print(f"\n=== {name}: step {statistics.median(walls):.1f} ms (enqueue {statistics.median(enq):.1f} ms), "
+          f"peak {peak:.2f} GB, kernel time in one step {gpu_ms:.1f} ms", flush=True)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70),
+          flush=True)
+    opt.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2")
+    ap.add_argument("--ways", default="regional,whole,datapath")
+    ap.add_argument("--budget-gb", type=float, default=None)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rows", type=int, default=25)
+    args = ap.parse_args()
+    w = build(args.model, torch.device("cuda"), smoke=False)
+    model = w.model
+    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    measure("eager keep", lambda: w.loss(model, w.batch), args.steps, 2, model, 12)
+    keep_peak = torch.cuda.max_memory_allocated()
+    for way in args.ways.split(","):
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        if way == "regional":
+            compile_blocks(model)
+            measure(way, lambda: w.loss(model, w.batch), args.steps, 3, model, args.rows)
+            uncompile_blocks(model)
+        elif way == "whole":
+            whole = torch.compile(model)
+            measure(way, lambda: w.loss(whole, w.batch), args.steps, 3, model, args.rows)
+            del whole
+        elif way == "datapath":
+            budget = int(args.budget_gb * 1e9) if args.budget_gb else int(keep_peak * 0.8)
+            with offload(model, memory_budget=budget, compile=True) as cache:
+                measure(f"{way} budget {budget / 1e9:.2f} GB", lambda: w.loss(model, w.batch), args.steps, 8,
+                        model, args.rows)
+                plan = cache.plan.as_dict() if cache.plan is not None else None
+                st = cache.stats
+                print(f"plan {plan}\npacks {st.packs} offloaded {st.bytes_offloaded / 1e9:.2f} GB "
+                      f"store wait {st.store_wait_seconds:.3f} s", flush=True)
+        print(f"({way}: {time.perf_counter() - t0:.0f} s with compilation)", flush=True)
+    with contextlib.suppress(Exception):
+        torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()
