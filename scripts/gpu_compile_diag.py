@@ -2,7 +2,8 @@
 
 For each way: step time (median of 5 after warm-up; the host's time to enqueue the step beside it: equal
 means the step is host-bound), peak, and a torch.profiler table of one step (CUDA kernels by total time),
-so the two ways' kernels can be compared line by line.  Ways: ``regional`` (datapath's `compile_blocks`),
+so the two ways' kernels can be compared line by line.  Ways: ``recipe`` (PyTorch's regional compilation, each block's module compiled), ``regional``
+(datapath's `compile_blocks`: blocks, output head, loss),
 ``whole`` (`torch.compile(model)`), ``datapath`` (`offload(model, memory_budget=B, compile=True)`, B given
 in GB by ``--budget-gb``, default 80% of keep's measured peak).
 Run on the GPU machine:  PYTHONPATH=src:. python scripts/gpu_compile_diag.py [--model gpt2] [--ways a,b]
@@ -19,10 +20,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks._offload_workloads import build
-from datapath.offload import compile_blocks, offload, uncompile_blocks
+from datapath.offload import auto_blocks, compile_blocks, offload, uncompile_blocks
 
 
-def measure(name: str, fn, steps: int, warmup: int, model: torch.nn.Module, rows: int) -> None:
+def measure(name: str, fn, steps: int, warmup: int, model: torch.nn.Module, rows: int,
+            cprofile: bool = False) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
 
     def step() -> None:
@@ -32,6 +34,32 @@ def measure(name: str, fn, steps: int, warmup: int, model: torch.nn.Module, rows
 
     for _ in range(warmup):
         step()
+    # one step in phases: host time to enqueue the forward and the backward, GPU time of each (events)
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    torch.cuda.synchronize()
+    opt.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    ev[0].record()
+    loss = fn()
+    ev[1].record()
+    t1 = time.perf_counter()
+    loss.backward()
+    ev[2].record()
+    t2 = time.perf_counter()
+    torch.cuda.synchronize()
+    print(f"{name}: host enqueue forward {(t1 - t0) * 1e3:.1f} ms, backward {(t2 - t1) * 1e3:.1f} ms; GPU forward "
+          f"{ev[0].elapsed_time(ev[1]):.1f} ms, backward {ev[1].elapsed_time(ev[2]):.1f} ms", flush=True)
+    if cprofile:
+        import cProfile  # noqa: PLC0415
+        import pstats  # noqa: PLC0415
+
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(30)
     walls, enq = [], []
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -63,6 +91,7 @@ def main() -> None:
     ap.add_argument("--budget-gb", type=float, default=None)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--cprofile", action="store_true", help="the datapath way: cProfile of 3 steps (host time)")
     args = ap.parse_args()
     w = build(args.model, torch.device("cuda"), smoke=False)
     model = w.model
@@ -74,7 +103,13 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         t0 = time.perf_counter()
-        if way == "regional":
+        if way == "recipe":  # PyTorch's regional compilation: each block's module compiled
+            for b in auto_blocks(model):
+                b.compile()
+            measure(way, lambda: w.loss(model, w.batch), args.steps, 3, model, args.rows)
+            for b in auto_blocks(model):
+                b._compiled_call_impl = None
+        elif way == "regional":  # datapath's compiled regions without offloading
             compile_blocks(model)
             measure(way, lambda: w.loss(model, w.batch), args.steps, 3, model, args.rows)
             uncompile_blocks(model)
@@ -86,7 +121,7 @@ def main() -> None:
             budget = int(args.budget_gb * 1e9) if args.budget_gb else int(keep_peak * 0.8)
             with offload(model, memory_budget=budget, compile=True) as cache:
                 measure(f"{way} budget {budget / 1e9:.2f} GB", lambda: w.loss(model, w.batch), args.steps, 8,
-                        model, args.rows)
+                        model, args.rows, cprofile=args.cprofile)
                 plan = cache.plan.as_dict() if cache.plan is not None else None
                 st = cache.stats
                 print(f"plan {plan}\npacks {st.packs} offloaded {st.bytes_offloaded / 1e9:.2f} GB "

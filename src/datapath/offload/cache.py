@@ -95,6 +95,7 @@ class TensorCache:
         self.lock = threading.RLock()
         self.max_storage_bytes = 0
         self._param_keys: set[tuple[str, int, int]] = set()
+        self._params_stale = False  # a forward began: refresh the keys before the next check (`is_parameter`)
         self._extra_params: list[weakref.ref[torch.Tensor]] = []
         self._hook_ctx: list[Any] = []
         self._closed = False
@@ -297,7 +298,13 @@ class TensorCache:
                 self._extra_params.append(weakref.ref(p))
             self.refresh_params()
 
+    def params_may_have_moved(self) -> None:
+        """A forward begins: parameters may live in new storages (FSDP2 gathers them per step); the keys are
+        read again when a saved tensor is next checked, not now (a step that checks none pays nothing)."""
+        self._params_stale = True
+
     def refresh_params(self) -> None:
+        self._params_stale = False
         keys: set[tuple[str, int, int]] = set()
 
         def add(t: torch.Tensor) -> None:
@@ -323,6 +330,8 @@ class TensorCache:
 
     def is_parameter(self, t: torch.Tensor, storage: Any) -> bool:
         """``t`` is a parameter, a buffer, or a view of one (never offloaded)."""
+        if self._params_stale:
+            self.refresh_params()
         return (t.device.type, t.device.index or 0, storage.data_ptr()) in self._param_keys or (
             t.requires_grad and t.is_leaf) or (
             t._base is not None and t._base.is_leaf and t._base.requires_grad)

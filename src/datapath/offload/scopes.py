@@ -307,7 +307,7 @@ class ScopeTracker:
         c = self.c
         with c.lock:
             c.transfers.raise_pending()
-            c.refresh_params()
+            c.params_may_have_moved()
             c.policy.on_step_start()
             rec = self.record
             if rec is None or rec.microbatch is None or rec.segments or rec.backward_started:
@@ -445,6 +445,8 @@ class ScopeTracker:
     def prefetch_range(self, rec: Record, j: int) -> None:
         """Prefetch segment ``j`` and those before it, down to the ``distance``-th unit before ``j``
         (only while the loads started here stay within the prefetch bound)."""
+        if rec.entries_made == 0:  # nothing of this forward was offloaded: nothing to load
+            return
         d = rec.distance
         units_before = [i for i in range(j - 1, -1, -1) if rec.segments[i].is_unit]
         lo = units_before[d - 1] if len(units_before) >= d else 0
