@@ -96,3 +96,47 @@ def test_a_block_with_its_own_forward_is_refused_before_any_block_changes() -> N
         compile_blocks(model)
     assert all("forward" not in b.__dict__ for b in blocks[:2]) and "_loss_function" not in model.__dict__
     assert "forward" not in model.lm_head.__dict__
+
+
+class _TiedInside(nn.Module):
+    """Blocks and a head that is one of the blocks' own modules (nothing to compile separately)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3))
+        self.head = nn.Linear(16, 7)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.layers[2][0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.layers:
+            x = b(x)
+        return self.head(x)
+
+
+def test_output_head_compiled_only_outside_the_blocks() -> None:
+    torch.manual_seed(3)
+    m = _TiedInside()
+    x = torch.randn(4, 16)
+    want = m(x)
+    assert compile_blocks(m) == 3  # the three blocks; the "head" lies inside block 2: not a region of its own
+    assert "forward" not in m.layers[2][0].__dict__ and "forward" not in m.head.__dict__
+    torch.testing.assert_close(m(x), want)
+    uncompile_blocks(m)
+    assert all("forward" not in b.__dict__ for b in m.layers)
+    assert compile_blocks(list(m.layers[:2])) == 2  # a list: exactly those modules
+    uncompile_blocks(list(m.layers[:2]))
+
+
+def test_hf_output_head_compiled_and_restored() -> None:
+    model = _llama(2).eval()  # no dropout: the compiled and eager logits must agree
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    assert compile_blocks(model) == 3  # two layers and the vocabulary projection
+    assert "forward" in model.lm_head.__dict__
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+    uncompile_blocks(model)
+    assert "forward" not in model.lm_head.__dict__ and "_loss_function" not in model.__dict__
