@@ -6,7 +6,8 @@ layers; micro-batch 8, sequence 1024) and the GPT stack H8192 L4 (micro-batch 8,
 Methods: keep; checkpoint (HF gradient checkpointing, non-reentrant; layerwise for the stack);
 save_on_cpu (pin_memory=True); torchtune (OffloadActivations, when it imports); compile_budget
 (torch.compile of the whole model with each ``--compile-budgets`` activation_memory_budget, and
-PyTorch's regional compilation recipe, each block's module compiled, ``regional: true``); datapath-all (``offload(model)``, defaults);
+PyTorch's regional compilation recipe, each block's module compiled, ``regional: true``);
+datapath-all (``offload(model)``, defaults);
 datapath-budget (``offload(model, memory_budget=B, compile=True)``, B at 25/50/75/100% of the
 way from keep's peak down to checkpoint's; ``--datapath-compile eager|both`` for the eager
 method, ``compiled`` in each record).  Per step: zero_grad(set_to_none=True) (gradients are allocated in
@@ -255,7 +256,7 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             ref = None
             if compiled:
                 # a peer: PyTorch's regional compilation (each block compiled); and the gradients' reference:
-                # datapath's compiled regions (blocks, head, loss) without offloading, one step
+                # datapath's compiled regions (blocks, head, loss) without offloading (timed, printed, no record)
                 attempt("compile_regional", name="compile_budget", activation_memory_budget=1.0, regional=True)
                 try:  # timed too: its graphs must be traced outside the check step's math attention
                     out = run_method(w, "compile_datapath", args, None, None, None)
