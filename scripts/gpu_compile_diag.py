@@ -20,7 +20,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks._offload_workloads import build
-from datapath.offload import auto_blocks, compile_blocks, offload, uncompile_blocks
+from benchmarks.offload import method_context
+from datapath.offload import offload
 
 
 def measure(name: str, fn, steps: int, warmup: int, model: torch.nn.Module, rows: int,
@@ -103,16 +104,9 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         t0 = time.perf_counter()
-        if way == "recipe":  # PyTorch's regional compilation: each block's module compiled
-            for b in auto_blocks(model):
-                b.compile()
-            measure(way, lambda: w.loss(model, w.batch), args.steps, 3, model, args.rows)
-            for b in auto_blocks(model):
-                b._compiled_call_impl = None
-        elif way == "regional":  # datapath's compiled regions without offloading
-            compile_blocks(model)
-            measure(way, lambda: w.loss(model, w.batch), args.steps, 3, model, args.rows)
-            uncompile_blocks(model)
+        if way in ("recipe", "regional"):  # set up as B4 sets up its peer and its compiled reference
+            with method_context(w, "compile_regional" if way == "recipe" else "compile_datapath", None, None):
+                measure(way, lambda: w.loss(model, w.batch), args.steps, 3, model, args.rows)
         elif way == "whole":
             whole = torch.compile(model)
             measure(way, lambda: w.loss(whole, w.batch), args.steps, 3, model, args.rows)
