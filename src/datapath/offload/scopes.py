@@ -267,6 +267,7 @@ class ScopeTracker:
 
     def begin_backward(self, rec: Record) -> None:
         rec.backward_started = True
+        self.quiet = False  # what is saved from now on goes through the full path (a new forward: a new record)
         if rec.profiling or rec.timing:
             rec.t_bwd0 = self.mark()
             self._close_segment(rec)
