@@ -121,8 +121,9 @@ def run_method(w: Workload, method: str, args: argparse.Namespace, budget: int |
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     model = w.model
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every method starts from the same weights
-    # datapath-budget: runs everything offloaded, profiles a step, plans, corrects: more warm-up steps
-    warmup = (args.warmup + (5 if method == "datapath-budget" else 0)
+    # datapath-budget: runs everything offloaded, profiles a step, plans, tries plans that offload less,
+    # corrects: more warm-up steps
+    warmup = (args.warmup + (7 if method == "datapath-budget" else 0)
               + (1 if compiled or method.startswith("compile_") else 0))
     times, peaks = [], []
     w.cache = None  # type: ignore[attr-defined]
@@ -178,6 +179,7 @@ def run_method(w: Workload, method: str, args: argparse.Namespace, budget: int |
                      else None}
             if method == "datapath-budget":
                 extra["step_peaks_gb"] = [p / 1e9 for p in cache.policy.peaks]
+                extra["plan_trials"] = cache.policy.trials
     opt.zero_grad(set_to_none=True)
 
     gc.collect()

@@ -129,6 +129,24 @@ def test_output_head_compiled_only_outside_the_blocks() -> None:
     uncompile_blocks(list(m.layers[:2]))
 
 
+def test_output_head_matmuls_padded_unless_the_user_chose() -> None:
+    from datapath.offload.regional_compile import _cache, _head_options
+    assert _head_options({}) == {"options": {"force_shape_pad": True}}
+    assert _head_options({"dynamic": False, "options": {"max_autotune": True}}) == {
+        "dynamic": False, "options": {"max_autotune": True, "force_shape_pad": True}}
+    assert _head_options({"options": {"force_shape_pad": False}})["options"] == {"force_shape_pad": False}
+    for given in ({"mode": "max-autotune"}, {"backend": "aot_eager"}):
+        assert _head_options(given) == given  # torch.compile takes no options with a mode; other backends: none
+    model = _llama(2)
+    compile_blocks(model)
+    try:  # the head's forward is compiled with the padding forced, the blocks' without
+        keys = [k for k in _cache if k[0] is nn.Linear.forward]
+        assert keys and all("force_shape_pad" in k[1] for k in keys)
+        assert not any("force_shape_pad" in k[1] for k in _cache if k[0] is type(model.model.layers[0]).forward)
+    finally:
+        uncompile_blocks(model)
+
+
 def test_hf_output_head_compiled_and_restored() -> None:
     model = _llama(2).eval()  # no dropout: the compiled and eager logits must agree
     ids = torch.randint(0, 128, (2, 16))

@@ -18,6 +18,12 @@ timing profile) runs planned.  A planned step then
 - recomputes the planned blocks (non-reentrant checkpointing, RNG replayed);
 - loads ahead in the backward only while the memory stays under the budget.
 
+The time model cannot see everything offloading costs, so a plan that offloads is
+put to the test: after its first step, the plans made with offloading weighed more
+(`TRIAL_COSTS`: less offloaded, more recomputed) run one step each, and the fastest
+measured step (GPU time from the forward's start to the backward's end) whose peak
+held the budget is kept (`BudgetPolicy.trials` says what ran and what was kept).
+
 Each step's measured peak is compared with the budget: above it, the plan is
 made again for a budget lowered by the excess (a step whose peak exceeds the
 budget corrects the plan for the next); well below it, once, for a budget raised
@@ -51,6 +57,13 @@ RELAX_BELOW = 0.93   # a planned step under this share of the budget may relax t
 LOOKAHEAD = 4        # forward segments whose working set a pack's admission leaves room for
 FREE_LEAD = 16       # units a planned step's CPU may run ahead of the GPU past its offloaded segments
 OVER = 1.005         # a planned step over this share of the budget corrects the plan (measurement noise below)
+TRIAL_COSTS = (4.0, 1e3)  # offload cost factors of the plans tried against one that offloads (1e3: fewest bytes)
+MAX_TRIAL_ROUNDS = 2      # trials per policy (a plan remade after a correction may be tried again)
+
+
+def _shape(plan: BudgetPlan) -> tuple[int, int, tuple[int, ...]]:
+    """What a plan does (two plans of one shape run the same step)."""
+    return plan.cut_segment, plan.cut_bytes, plan.recompute
 
 
 def _gb(n: float) -> str:
@@ -88,6 +101,11 @@ class BudgetPolicy(Policy):
         self._head_bwd = 0
         self._block_bytes: dict[int, int] = {}   # block -> bytes of the storages it saves
         self._error: OffloadConfigError | None = None
+        self.trials: list[dict[str, object]] = []   # per trial round: the plans run, their step ms and peaks, kept
+        self._trial_due = False   # the plan in force offloads: its first measured step opens a trial
+        self._trial_next: list[BudgetPlan] | None = None  # the trial's plans still to run (None: no trial open)
+        self._trial_runs: list[tuple[BudgetPlan, int, object, object]] = []  # the round's (plan, peak, t0, t_end)
+        self._last_run: tuple[BudgetPlan, int, object, object] | None = None
 
     # ------------------------------------------------------------ steps
     def on_step_start(self) -> None:
@@ -117,8 +135,15 @@ class BudgetPolicy(Policy):
             self._replan()
             return
         peak, self._pending_peak = self._pending_peak, None
-        if peak is not None:
-            self._feedback(peak)
+        if peak is None:
+            return
+        if self._trial_next is not None:
+            self._trial_step()
+            return
+        self._feedback(peak)
+        run = self._last_run
+        if self._trial_due and run is not None and run[0] is self.plan:
+            self._open_trial(run)
 
     def on_backward_end(self, rec: Record) -> None:
         # a planned step's peak is read, not reset: whoever measures the step after it still sees it
@@ -136,6 +161,12 @@ class BudgetPolicy(Policy):
             self.last_peak = peak
             self.peaks.append(peak)
             self._pending_peak = max(peak, self._pending_peak or 0)
+            self._last_run = None
+            if rec.t0 is not None:
+                rec.t_end = self.c.scopes.mark()
+                self._last_run = (rec.plan, peak, rec.t0, rec.t_end)
+                if self._trial_next is not None:
+                    self._trial_runs.append(self._last_run)
 
     def _feedback(self, peak: int) -> None:
         if self.plan is None or self.profile is None:
@@ -185,6 +216,8 @@ class BudgetPolicy(Policy):
         if self.plan is not None and not self._drain:
             # the plan offloads a prefix of segments: past it every storage is kept (the pack hook's quick way)
             rec.quiet_from = self.plan.cut_segment + (1 if self.plan.cut_bytes else 0)
+        if self.plan is not None and (self._trial_due or self._trial_next is not None):
+            rec.t0 = self.c.scopes.mark()  # a step a trial measures
         if self.plan is None:
             if self._memory is None and self._profiling is None:
                 rec.profiling = True
@@ -264,6 +297,49 @@ class BudgetPolicy(Policy):
         # ahead (a wait per unit starves the GPU where a unit's kernels are shorter than their launches)
         return lead if segment <= plan.cut_segment + LOOKAHEAD else max(lead, FREE_LEAD)
 
+    # ------------------------------------------------------------ trials
+    def _open_trial(self, run: tuple[BudgetPlan, int, object, object]) -> None:
+        """The plan in force offloads and its step held the budget: run the plans that offload less."""
+        assert self.profile is not None and self.plan is not None
+        self._trial_due = False
+        seen = {_shape(self.plan)}
+        todo: list[BudgetPlan] = []
+        for cost in TRIAL_COSTS:
+            p = plan_budget(self.profile, int(self.target), offload_cost=cost)
+            if not p.infeasible and _shape(p) not in seen:
+                seen.add(_shape(p))
+                todo.append(p)
+        if not todo:
+            return
+        self._trial_runs = [run]
+        self._trial_next = todo
+        self._use(todo.pop(0))
+
+    def _trial_step(self) -> None:
+        """A trial's step ended: run its next plan, or keep the fastest that held the budget."""
+        assert self._trial_next is not None
+        if self._trial_next:
+            self._use(self._trial_next.pop(0))
+            return
+        self._trial_next = None
+        runs = []
+        for plan, peak, t0, t1 in self._trial_runs:
+            runs.append((self.c.scopes.seconds(t0, t1), peak, plan))
+        self._trial_runs = []
+        held = [r for r in runs if r[1] <= OVER * self.budget]
+        best = min(held, key=lambda r: r[0]) if held else runs[0]
+        self.trials.append({
+            "plans": [dict(p.as_dict(), step_ms=t * 1e3, peak=pk) for t, pk, p in runs],
+            "kept": runs.index(best), "replans": self.replans})
+        self._use(best[2])
+        log.info("memory budget: plans tried %s; kept offload %s, recompute %s (%.1f ms)",
+                 ", ".join(f"{t * 1e3:.1f} ms ({_gb(p.offload_bytes)} offloaded, recompute {list(p.recompute)})"
+                           for t, _, p in runs), _gb(best[2].offload_bytes), list(best[2].recompute), best[0] * 1e3)
+
+    def _use(self, plan: BudgetPlan) -> None:
+        self.plan = plan
+        set_recompute(self.c.scopes.blocks, plan.recompute)
+
     # ------------------------------------------------------------ planning
     def _recomputable(self, rec: Record) -> list[int]:
         blocks = self.c.scopes.blocks
@@ -297,7 +373,10 @@ class BudgetPolicy(Policy):
             log.info("memory budget: no plan is modelled under %s (the lowest modelled: %s); running the lowest",
                      _gb(self.target), _gb(plan.predicted_peak))
             plan = dataclasses.replace(plan, infeasible=False)
+        if self.plan is not None and _shape(plan) == _shape(self.plan):
+            return  # the same step as before (a relaxed target that changes nothing): its measures stand
         self.plan = plan
+        self._trial_due = (plan.offload_bytes > 0 and not self._at_floor and len(self.trials) < MAX_TRIAL_ROUNDS)
         set_recompute(self.c.scopes.blocks, plan.recompute)
         log.info("memory budget %s (planning for %s): offload %s (%d segments), recompute %d block(s) %s, "
                  "predicted peak %s, predicted step %.1f ms", _gb(self.budget), _gb(self.target),

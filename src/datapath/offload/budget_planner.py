@@ -26,7 +26,10 @@ read bandwidth and delay the backward where they arrive late; bandwidths are
 taken at 0.6 of those measured and a step that offloads pays `PACING_COST` (its
 transfers compete with the step, its CPU is paced to the GPU), so offloading is
 chosen where it hides behind compute, recomputing elsewhere.  A recomputed block
-costs its forward time again in the backward.
+costs its forward time again in the backward.  The model misses what offloading
+costs beyond its transfers (host work the pacing exposes on a model of short blocks,
+copies competing with the step's kernels): ``offload_cost`` weighs offloading more,
+and the budget policy measures such plans against the first (`BudgetPolicy`).
 
 Search.  For each number ``m`` of recomputed blocks (the last ``m`` recomputable
 ones, identical layers being equally good per byte and the first ones having the
@@ -101,6 +104,9 @@ class BudgetPlan:
 
 
 KEEP_ALL = BudgetPlan(0, 0, (), 0, 0, 0.0, 0)  # offloads nothing, recomputes nothing
+
+
+PACING_COST = 0.03  # a step that offloads paces the CPU to the GPU: this share of its compute time
 
 
 class _Model:
@@ -196,7 +202,8 @@ def _eligible(p: BudgetProfile, recompute: set[int]) -> int:
     return sum(1 for seg, _ in p.storages if p.segments[seg].block not in recompute)
 
 
-def _time(model: _Model, recompute: set[int], off: list[tuple[int, int]], slack: float) -> float:
+def _time(model: _Model, recompute: set[int], off: list[tuple[int, int]], slack: float,
+          pacing_cost: float = PACING_COST) -> float:
     """Estimated step time (see the module docstring)."""
     p = model.p
     w, r = max(p.write_bandwidth, 1.0), max(p.read_bandwidth, 1.0)
@@ -225,11 +232,10 @@ def _time(model: _Model, recompute: set[int], off: list[tuple[int, int]], slack:
             if t_load > need:
                 stall += t_load - need
         elapsed += bwd[s]
-    pacing = PACING_COST * (t_fwd + elapsed) if off else 0.0
+    pacing = pacing_cost * (t_fwd + elapsed) if off else 0.0
     return fwd_end + elapsed + stall + pacing
 
 
-PACING_COST = 0.03  # a step that offloads paces the CPU to the GPU: this share of its compute time
 
 
 def modelled_peak(profile: BudgetProfile, recompute: tuple[int, ...] | list[int] = (), offloaded: int = 0) -> float:
@@ -250,12 +256,21 @@ def shifted(profile: BudgetProfile, delta: int) -> BudgetProfile:
     return dataclasses.replace(profile, segments=segs, mem_tail=profile.mem_tail + delta)
 
 
-def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6) -> BudgetPlan:
-    """The fastest plan whose modelled peak fits ``budget`` bytes (see the module docstring)."""
+def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
+                offload_cost: float = 1.0) -> BudgetPlan:
+    """The fastest plan whose modelled peak fits ``budget`` bytes (see the module docstring).
+
+    ``offload_cost`` multiplies what offloading costs in the time model (its transfer times and
+    its pacing share): above 1 the planner recomputes more and offloads less (a large value: the
+    plan that offloads the fewest bytes, recomputing wherever that fits the budget); the budget
+    policy tries such plans against the first one and keeps the fastest measured.
+    """
+    if not offload_cost > 0:
+        raise ValueError(f"offload_cost must be > 0, got {offload_cost!r}")
     p = profile
     model = _Model(p)
-    scaled = dataclasses.replace(p, write_bandwidth=p.write_bandwidth * safety,
-                                 read_bandwidth=p.read_bandwidth * safety)
+    scaled = dataclasses.replace(p, write_bandwidth=p.write_bandwidth * safety / offload_cost,
+                                 read_bandwidth=p.read_bandwidth * safety / offload_cost)
     tmodel = _Model(scaled)
     best: tuple[float, int, int, set[int], float] | None = None
     lowest = math.inf
@@ -279,7 +294,7 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6) -> 
         kept, off = _kept(model, rec, lo)
         peak = model.peak(kept)
         lowest = min(lowest, peak)
-        t = _time(tmodel, rec, off, max(0.0, budget - peak))
+        t = _time(tmodel, rec, off, max(0.0, budget - peak), PACING_COST * offload_cost)
         key = (t, sum(nb for _, nb in off))
         if best is None or key < (best[0], best[2]):
             best = (t, lo, sum(nb for _, nb in off), rec, peak)
@@ -291,6 +306,10 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6) -> 
                           math.inf, budget, infeasible=True, min_peak=int(min(lowest, p.min_peak)))
     t, k, nbytes, rec, peak = best
     cut_segment, cut_bytes = _cut(p, rec, k)
+    if offload_cost != 1.0:  # the time the plain model gives this plan (comparable with other plans')
+        t = _time(_Model(dataclasses.replace(p, write_bandwidth=p.write_bandwidth * safety,
+                                             read_bandwidth=p.read_bandwidth * safety)),
+                  rec, _kept(model, rec, k)[1], max(0.0, budget - peak), PACING_COST)
     return BudgetPlan(cut_segment, cut_bytes, tuple(sorted(rec)), nbytes, int(peak), t, budget,
                       min_peak=int(min(lowest, p.min_peak)))
 

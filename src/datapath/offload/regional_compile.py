@@ -4,8 +4,8 @@
 layers of its largest ``ModuleList``) one region at a time, as PyTorch's regional
 compilation recipe does: one compiled function per block class, shared by every
 block of that class (so a 32-layer model compiles one layer), and a Hugging Face
-model's loss function (the upcast logits and the cross-entropy fused); the
-embeddings and the head stay eager.  A compiled block saves what the compiler's
+model's loss function (the upcast logits and the cross-entropy fused) and output
+head (its matmuls padded to aligned shapes); the embeddings stay eager.  A compiled block saves what the compiler's
 partitioner decides (fused norms and activations are recomputed inside the block's
 backward), so fewer bytes are saved than in eager mode; the saved tensors reach the offloader's
 saved-tensor hooks when the block's forward returns, and its module hooks run
@@ -93,6 +93,23 @@ def _output_head(model: nn.Module, blocks: list[nn.Module]) -> nn.Module | None:
     return None if id(head) in inside else head
 
 
+def _head_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The output head's compile options: Inductor told to pad its matmuls' shapes.
+
+    A vocabulary is often no multiple of 8 (GPT-2's 50257): cuBLAS then runs the head's three
+    matmuls on slower unaligned kernels, and Inductor's own choice to pad them is a timing
+    benchmark made at compile time, which can go either way from one process to the next.  The
+    head is always worth padding (the padded weight copy is small beside the logits), so the
+    choice is forced.  Left as given when the user names a ``mode`` (`torch.compile` takes no
+    ``options`` with one), another backend, or ``force_shape_pad`` themselves.
+    """
+    if "mode" in options or options.get("backend", "inductor") != "inductor":
+        return options
+    inner = dict(options.get("options") or {})
+    inner.setdefault("force_shape_pad", True)
+    return {**options, "options": inner}
+
+
 def compile_blocks(blocks: nn.Module | list[nn.Module], options: dict[str, Any] | None = None) -> int:
     """Replace each block's forward by the compiled forward of its class; the number compiled now.
 
@@ -110,10 +127,12 @@ def compile_blocks(blocks: nn.Module | list[nn.Module], options: dict[str, Any] 
             raise OffloadConfigError(
                 f"compile=True: block {b.__class__.__name__} has its forward replaced on the instance already "
                 f"(by another wrapper); remove that wrapper or pass compile=False")
+    head = _output_head(blocks, auto_blocks(blocks)) if isinstance(blocks, nn.Module) else None
     n = 0
     for b in todo:
         b.__dict__[_ORIGINAL] = True
-        b.forward = functools.partial(_compiled(type(b).forward, options or {}), b)  # type: ignore[method-assign]
+        opts = _head_options(options or {}) if b is head else (options or {})
+        b.forward = functools.partial(_compiled(type(b).forward, opts), b)  # type: ignore[method-assign]
         n += 1
     if isinstance(blocks, nn.Module) and not getattr(blocks, _LOSS, False):
         # a Hugging Face model's loss (upcast logits, cross-entropy) compiled too: one fused kernel each way
