@@ -158,3 +158,57 @@ def test_hf_output_head_compiled_and_restored() -> None:
         torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
     uncompile_blocks(model)
     assert "forward" not in model.lm_head.__dict__ and "_loss_function" not in model.__dict__
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_training_with_the_default_kv_cache_compiles_one_graph_for_every_layer(family: str) -> None:
+    """Configs default to use_cache=True: a layer's cache update would make each layer compile its own graph (past
+    the recompile limit, later layers fall back to eager).  Training calls run without the cache: one graph;
+    a budget that recomputes blocks still matches the eager gradients; inference keeps its cache."""
+    torch.manual_seed(11)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
+                                      attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(cfg).train()
+        fraction = 0.7  # of eager's peak: the compiled blocks save less, the loss's working set stays
+    else:
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=3,
+                                       num_attention_heads=4, vocab_size=128, max_position_embeddings=64)
+        model = transformers.LlamaForCausalLM(cfg).train()
+        fraction = 0.9
+    assert cfg.use_cache
+    batches = [torch.randint(0, 128, (8, 64)) for _ in range(6)]
+    ref = run_steps(copy.deepcopy(model), batches, _loss)
+    torch._dynamo.reset()
+    # one graph per block class, or this raises at the second layer
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        plain = copy.deepcopy(model)
+        compile_blocks(plain)
+        compiled = run_steps(plain, batches, _loss)
+        uncompile_blocks(plain)
+        with offload(model, memory_budget=int(fraction * _keep_bytes(model, batches[0])), compile=True, min_bytes=1024,
+                     offload_cpu_tensors=True) as cache:
+            got = run_steps(model, batches, _loss)
+            assert cache.plan is not None and (cache.plan.recompute or cache.plan.offload_bytes)
+    for (l1, g1), (l2, g2) in [*zip(ref, got), *zip(ref, compiled)]:  # compiled kernels: close to eager
+        torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-5)
+        for a, b in zip(g1, g2):
+            torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-5)
+    compile_blocks(model)
+    try:
+        with torch.no_grad():
+            out = model.eval()(input_ids=batches[0], use_cache=True)
+        assert out.past_key_values is not None and out.past_key_values.get_seq_length() == 64
+    finally:
+        uncompile_blocks(model)
+        torch._dynamo.reset()
+
+
+def _keep_bytes(model: nn.Module, ids: torch.Tensor) -> int:
+    from datapath.offload.memory_meter import CpuMeter
+    m = copy.deepcopy(model)
+    meter = CpuMeter(sum(p.numel() * p.element_size() for p in m.parameters()))
+    meter.lap()
+    with meter:
+        _loss(m, ids).backward()
+    return meter.lap()

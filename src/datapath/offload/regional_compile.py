@@ -93,6 +93,37 @@ def _output_head(model: nn.Module, blocks: list[nn.Module]) -> nn.Module | None:
     return None if id(head) in inside else head
 
 
+_CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")
+
+
+def _is_kv_cache(value: Any) -> bool:
+    """A Hugging Face KV cache (`transformers.Cache` or a subclass), told apart without importing transformers."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
+
+
+def _training_forward(compiled: Any, block: nn.Module) -> Any:
+    """``block``'s compiled forward; a training call (module in training mode, grad enabled) runs without a KV cache.
+
+    A Hugging Face layer updates the KV cache entry of its own ``layer_idx``, so the compiled
+    graph guards on that entry and every layer compiles its own graph, until torch.compile's
+    recompile limit (8) sends the later layers back to eager, where a recomputed layer may
+    save other tensors than its first run did.  Training needs no cache (one forward per
+    batch), and Hugging Face's own gradient checkpointing drops it in the same way; inference
+    (eval mode or no grad) keeps it.
+    """
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if block.training and torch.is_grad_enabled():
+            if any(_is_kv_cache(a) for a in args):
+                args = tuple(None if _is_kv_cache(a) else a for a in args)
+            for name in _CACHE_KWARGS:
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+        return compiled(block, *args, **kwargs)
+    return forward
+
+
 def _head_options(options: dict[str, Any]) -> dict[str, Any]:
     """The output head's compile options: Inductor told to pad its matmuls' shapes.
 
@@ -131,8 +162,10 @@ def compile_blocks(blocks: nn.Module | list[nn.Module], options: dict[str, Any] 
     n = 0
     for b in todo:
         b.__dict__[_ORIGINAL] = True
-        opts = _head_options(options or {}) if b is head else (options or {})
-        b.forward = functools.partial(_compiled(type(b).forward, opts), b)  # type: ignore[method-assign]
+        if b is head:
+            b.forward = functools.partial(_compiled(type(b).forward, _head_options(options or {})), b)
+        else:
+            b.forward = _training_forward(_compiled(type(b).forward, options or {}), b)  # type: ignore[method-assign]
         n += 1
     if isinstance(blocks, nn.Module) and not getattr(blocks, _LOSS, False):
         # a Hugging Face model's loss (upcast logits, cross-entropy) compiled too: one fused kernel each way
