@@ -212,3 +212,45 @@ def _keep_bytes(model: nn.Module, ids: torch.Tensor) -> int:
     with meter:
         _loss(m, ids).backward()
     return meter.lap()
+
+
+class _MaskedBlock(nn.Module):
+    """A block whose boolean-mask indexing breaks the graph: that op runs eagerly inside the compiled model, and
+    autograd calls the saved-tensor hooks from it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        picked = h[h > 0]  # data-dependent shape: a graph break
+        return h * torch.sigmoid(h) + x + picked.sum()
+
+
+def test_whole_model_compile_never_traces_the_offloader() -> None:
+    """torch.compile(model) around the offloader: the hooks run as plain Python (TorchDynamo compiled them, and what
+    they call, when an eager op saved tensors: a crash in Inductor on a GPU Llama), and gradients still match."""
+    from datapath.offload.cache import TensorCache as _Cache
+    from datapath.offload.hooks import SavedTensorHooks
+    torch.manual_seed(5)
+    model = nn.Sequential(*[_MaskedBlock() for _ in range(3)])
+    xs = [torch.randn(128, 64) for _ in range(4)]
+
+    def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).square().mean()
+
+    torch._dynamo.reset()
+    ref = run_steps(torch.compile(copy.deepcopy(model)), xs, loss)
+    cache = TensorCache("host", min_bytes=1024, offload_cpu_tensors=True)  # policy "all": every storage offloaded
+    cache.attach(model)
+    try:
+        got = run_steps(torch.compile(model), xs, loss, ctx=cache)
+        assert cache.stats.storages_offloaded > 0
+    finally:
+        cache.close()
+    assert_identical(ref, got)
+    get = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    for fn in (SavedTensorHooks.pack, SavedTensorHooks.unpack, _Cache.is_parameter):
+        assert get(fn.__code__) == [], f"TorchDynamo compiled {fn.__qualname__}"
+    torch._dynamo.reset()

@@ -32,9 +32,14 @@ class SavedTensorHooks:
         self.c = cache
         self.attr = f"_datapath_sid_{uuid.uuid4().hex[:10]}"  # storage -> entry id (negative: kept by record)
         self._ids = iter(range(1, 1 << 62))
+        self._pack = torch.compiler.disable(self.pack)
+        self._unpack = torch.compiler.disable(self.unpack)
 
     def context(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        # run as plain Python, never traced: under torch.compile(model) autograd calls the hooks from ops
+        # that run eagerly (around a graph break), where TorchDynamo would otherwise compile the hooks and
+        # everything they call (as it does the module hooks: see `scopes`)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     # ------------------------------------------------------------------ pack
     def pack(self, t: torch.Tensor) -> Any:
