@@ -10,12 +10,13 @@
 #   b2        B2 products epoch, store ways      benchmarks/gnn_epoch.py --datasets products (~2.5 min)
 #   b2-papers B2 papers shape, cache and disk    benchmarks/gnn_epoch.py --datasets papers   (~7 min, 40 GiB data)
 #   b2-disk   B2 papers shape, a WHOLE disk-tier epoch (superbatches; every batch's rows checked) beside a whole
-#             GPU-resident epoch, after the superbatch GPU tests       (~7-8 min projected; not yet run at full scale)
+#             GPU-resident epoch, after the superbatch GPU tests       (9 min: the committed run took 540 s)
 #   b2-disk-quarter  the same at a quarter of the papers feature bytes (10 GiB)            (~2.5 min)
 #   b3        B3 aggregation + full-graph models benchmarks/aggregate.py, full_graph.py      (~6.5 min)
 #   b4        B4 offloading on real models       benchmarks/offload.py          (~11 min for all three models)
-#             (B4_ARGS / B4_TIMEOUT override; the committed run: T_TESTS=110 B4_TIMEOUT=470
-#             B4_ARGS="--steps 5 --warmup 2 --time-budget 200", which completes llama and gpt2 within one call)
+#             (B4_ARGS / B4_TIMEOUT override; the committed runs, two calls merged with `offload.py --merge`:
+#             B4_TIMEOUT=575 B4_ARGS="--models llama,gpt2 --steps 7 --warmup 2 --time-budget 265" (390 s) and
+#             B4_TIMEOUT=300 B4_ARGS="--models gpt-h8192 --steps 5 --warmup 2 --time-budget 250" (190 s))
 #   rok       ROK curve                          benchmarks/rok.py                           (~2.5 min)
 #   two-gpu   the tests that need 2 GPUs (offload FSDP2/DDP/Megatron TP2, data-parallel loaders, sharded store,
 #             two torchrun nodes)                                                    (nvidia-h200-x2 only)
