@@ -129,22 +129,35 @@ def test_output_head_compiled_only_outside_the_blocks() -> None:
     uncompile_blocks(list(m.layers[:2]))
 
 
-def test_output_head_matmuls_padded_unless_the_user_chose() -> None:
-    from datapath.offload.regional_compile import _cache, _head_options
-    assert _head_options({}) == {"options": {"force_shape_pad": True}}
-    assert _head_options({"dynamic": False, "options": {"max_autotune": True}}) == {
-        "dynamic": False, "options": {"max_autotune": True, "force_shape_pad": True}}
-    assert _head_options({"options": {"force_shape_pad": False}})["options"] == {"force_shape_pad": False}
-    for given in ({"mode": "max-autotune"}, {"backend": "aot_eager"}):
-        assert _head_options(given) == given  # torch.compile takes no options with a mode; other backends: none
-    model = _llama(2)
-    compile_blocks(model)
-    try:  # the head's forward is compiled with the padding forced, the blocks' without
-        keys = [k for k in _cache if k[0] is nn.Linear.forward]
-        assert keys and all("force_shape_pad" in k[1] for k in keys)
-        assert not any("force_shape_pad" in k[1] for k in _cache if k[0] is type(model.model.layers[0]).forward)
-    finally:
-        uncompile_blocks(model)
+def test_output_head_matmuls_padded_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head is compiled with Inductor's shape padding forced, the blocks with the options as given; a mode
+    (torch.compile takes no options with one), another backend or the user's own value: left as given.  (Each
+    case uses options no other test compiles with, so every region is compiled afresh and seen here.)"""
+    calls: list[tuple[object, dict]] = []
+    real = torch.compile
+
+    def spy(fn: object, **kw: object) -> object:
+        calls.append((fn, kw))
+        return real(fn, **kw)
+
+    monkeypatch.setattr(torch, "compile", spy)
+
+    def compiled_with(opts: dict) -> tuple[list[dict], list[dict]]:
+        calls.clear()
+        m = _llama(2)
+        compile_blocks(m, opts)
+        uncompile_blocks(m)
+        layer = type(m.model.layers[0]).forward
+        return ([kw for fn, kw in calls if fn is nn.Linear.forward], [kw for fn, kw in calls if fn is layer])
+
+    opts = {"dynamic": False, "options": {"epilogue_fusion": True}}
+    head, blocks = compiled_with(opts)
+    assert head == [{"dynamic": False, "options": {"epilogue_fusion": True, "force_shape_pad": True}}]
+    assert blocks == [opts]
+    for given in ({"mode": "max-autotune-no-cudagraphs"}, {"backend": "aot_eager", "dynamic": False},
+                  {"options": {"force_shape_pad": False, "epilogue_fusion": True}}):
+        head, blocks = compiled_with(given)
+        assert head == [given] and blocks == [given]
 
 
 def test_hf_output_head_compiled_and_restored() -> None:
