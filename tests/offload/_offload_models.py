@@ -91,6 +91,20 @@ def run_steps(model: nn.Module, batches: list[Any], loss_fn: Callable[[nn.Module
     return out
 
 
+def cpu_keep_peak(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any) -> int:
+    """The CPU memory meter's peak of one training step of a copy of ``model`` with nothing offloaded (bytes,
+    parameters included): what a budget is a fraction of in the CPU budget tests."""
+    import copy  # noqa: PLC0415
+
+    from datapath.offload.memory_meter import CpuMeter  # noqa: PLC0415
+    m = copy.deepcopy(model)
+    meter = CpuMeter(sum(p.numel() * p.element_size() for p in m.parameters()))
+    meter.lap()
+    with meter:
+        loss_fn(m, batch).backward()
+    return meter.lap()
+
+
 def assert_identical(ref: list[Any], got: list[Any]) -> None:
     assert len(ref) == len(got)
     for step, ((l0, g0), (l1, g1)) in enumerate(zip(ref, got)):

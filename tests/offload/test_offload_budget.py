@@ -9,12 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _offload_models import GPT, assert_identical, run_steps
+from _offload_models import GPT, assert_identical, cpu_keep_peak, run_steps
 from datapath.offload import (
     BudgetProfile, OffloadConfigError, SegmentCost, TensorCache, offload, parse_memory_budget, plan_budget,
     set_recompute,
 )
-from datapath.offload.memory_meter import CpuMeter
 
 
 def _lm_loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -22,12 +21,7 @@ def _lm_loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _keep_peak(model: nn.Module, batch: torch.Tensor) -> int:
-    m = copy.deepcopy(model)
-    meter = CpuMeter(sum(p.numel() * p.element_size() for p in m.parameters()))
-    meter.lap()
-    with meter:
-        _lm_loss(m, batch).backward()
-    return meter.lap()
+    return cpu_keep_peak(model, _lm_loss, batch)
 
 
 @pytest.mark.parametrize("target", ["host", "ssd", "tiered"])
@@ -223,12 +217,7 @@ def test_hf_llama_budget_on_cpu(slow_store: bool) -> None:
         return m(input_ids=ids, labels=ids).loss
 
     ref = run_steps(copy.deepcopy(model), batches, loss)
-    m = copy.deepcopy(model)
-    meter = CpuMeter(sum(p.numel() * p.element_size() for p in m.parameters()))
-    meter.lap()
-    with meter:
-        loss(m, batches[0]).backward()
-    budget = int(meter.lap() * (0.8 if slow_store else 0.7))
+    budget = int(cpu_keep_peak(model, loss, batches[0]) * (0.8 if slow_store else 0.7))
     cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
     if slow_store:
         cache.bandwidth = lambda: (1e5, 1e5)

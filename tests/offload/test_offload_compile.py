@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from _offload_models import assert_identical, run_steps
+from _offload_models import assert_identical, cpu_keep_peak, run_steps
 from datapath.offload import (
     OffloadConfigError, TensorCache, compile_blocks, offload, set_recompute, uncompile_blocks,
 )
@@ -199,7 +199,7 @@ def test_training_with_the_default_kv_cache_compiles_one_graph_for_every_layer(f
         compile_blocks(plain)
         compiled = run_steps(plain, batches, _loss)
         uncompile_blocks(plain)
-        with offload(model, memory_budget=int(fraction * _keep_bytes(model, batches[0])), compile=True, min_bytes=1024,
+        with offload(model, memory_budget=int(fraction * cpu_keep_peak(model, _loss, batches[0])), compile=True, min_bytes=1024,
                      offload_cpu_tensors=True) as cache:
             got = run_steps(model, batches, _loss)
             assert cache.plan is not None and (cache.plan.recompute or cache.plan.offload_bytes)
@@ -215,16 +215,6 @@ def test_training_with_the_default_kv_cache_compiles_one_graph_for_every_layer(f
     finally:
         uncompile_blocks(model)
         torch._dynamo.reset()
-
-
-def _keep_bytes(model: nn.Module, ids: torch.Tensor) -> int:
-    from datapath.offload.memory_meter import CpuMeter
-    m = copy.deepcopy(model)
-    meter = CpuMeter(sum(p.numel() * p.element_size() for p in m.parameters()))
-    meter.lap()
-    with meter:
-        _loss(m, ids).backward()
-    return meter.lap()
 
 
 class _MaskedBlock(nn.Module):

@@ -269,9 +269,11 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
         raise ValueError(f"offload_cost must be > 0, got {offload_cost!r}")
     p = profile
     model = _Model(p)
-    scaled = dataclasses.replace(p, write_bandwidth=p.write_bandwidth * safety / offload_cost,
-                                 read_bandwidth=p.read_bandwidth * safety / offload_cost)
-    tmodel = _Model(scaled)
+
+    def timed(cost: float) -> _Model:  # the time model with offloading's transfers weighed ``cost`` times
+        return _Model(dataclasses.replace(p, write_bandwidth=p.write_bandwidth * safety / cost,
+                                          read_bandwidth=p.read_bandwidth * safety / cost))
+    tmodel = timed(offload_cost)
     best: tuple[float, int, int, set[int], float] | None = None
     lowest = math.inf
     lowest_plan: tuple[int, set[int]] = (0, set())
@@ -307,9 +309,7 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
     t, k, nbytes, rec, peak = best
     cut_segment, cut_bytes = _cut(p, rec, k)
     if offload_cost != 1.0:  # the time the plain model gives this plan (comparable with other plans')
-        t = _time(_Model(dataclasses.replace(p, write_bandwidth=p.write_bandwidth * safety,
-                                             read_bandwidth=p.read_bandwidth * safety)),
-                  rec, _kept(model, rec, k)[1], max(0.0, budget - peak), PACING_COST)
+        t = _time(timed(1.0), rec, _kept(model, rec, k)[1], max(0.0, budget - peak))
     return BudgetPlan(cut_segment, cut_bytes, tuple(sorted(rec)), nbytes, int(peak), t, budget,
                       min_peak=int(min(lowest, p.min_peak)))
 

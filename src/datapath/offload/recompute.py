@@ -34,17 +34,30 @@ def is_recomputed(block: nn.Module) -> bool:
 _CACHES = ("past_key_value", "past_key_values", "layer_past")
 
 
+def _is_kv_cache(value: Any) -> bool:
+    """A Hugging Face KV cache (`transformers.Cache` or a subclass), told apart without importing transformers."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
+
+
+def without_kv_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A block call's arguments with its Hugging Face KV cache dropped (as Hugging Face's own checkpointing
+    does): a cache passed by keyword or by position (GPT-2 passes it second) becomes None, ``use_cache`` False."""
+    if any(_is_kv_cache(a) for a in args):
+        args = tuple(None if _is_kv_cache(a) else a for a in args)
+    for name in _CACHES:
+        if kwargs.get(name) is not None:
+            kwargs[name] = None
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
 def _wrap(original: Any) -> Any:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
-        # as Hugging Face's own checkpointing does: a recomputed block runs without a KV cache (the
-        # recomputation would append to it a second time)
-        if kwargs.get("use_cache"):
-            kwargs["use_cache"] = False
-        for name in _CACHES:
-            if kwargs.get(name) is not None:
-                kwargs[name] = None
+        # a recomputed block runs without a KV cache (the recomputation would append to it a second time)
+        args, kwargs = without_kv_cache(args, kwargs)
         return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
     return forward
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from datapath.offload.errors import OffloadConfigError
+from datapath.offload.recompute import without_kv_cache
 from datapath.offload.scopes import auto_blocks
 
 _ORIGINAL = "_datapath_compiled_original"
@@ -93,14 +94,6 @@ def _output_head(model: nn.Module, blocks: list[nn.Module]) -> nn.Module | None:
     return None if id(head) in inside else head
 
 
-_CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")
-
-
-def _is_kv_cache(value: Any) -> bool:
-    """A Hugging Face KV cache (`transformers.Cache` or a subclass), told apart without importing transformers."""
-    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
-
-
 def _training_forward(compiled: Any, block: nn.Module) -> Any:
     """``block``'s compiled forward; a training call (module in training mode, grad enabled) runs without a KV cache.
 
@@ -113,13 +106,7 @@ def _training_forward(compiled: Any, block: nn.Module) -> Any:
     """
     def forward(*args: Any, **kwargs: Any) -> Any:
         if block.training and torch.is_grad_enabled():
-            if any(_is_kv_cache(a) for a in args):
-                args = tuple(None if _is_kv_cache(a) else a for a in args)
-            for name in _CACHE_KWARGS:
-                if kwargs.get(name) is not None:
-                    kwargs[name] = None
-            if kwargs.get("use_cache"):
-                kwargs["use_cache"] = False
+            args, kwargs = without_kv_cache(args, kwargs)
         return compiled(block, *args, **kwargs)
     return forward
 
