@@ -155,6 +155,13 @@ def test_tiered_gather(sort: bool) -> None:
         want[v == 0] = 0
         assert torch.equal(out.cpu().view(torch.int32), want.view(torch.int32)), (width, sort)
         assert counts.tolist() == [int(in_a.sum()), int(in_b.sum()), int((v < 0).sum())]
+    for width in (1, 7):  # no rows asked (a shard's exchange may serve none): nothing read, nothing counted
+        out = torch.empty((0, width), device="cuda")
+        counts = torch.zeros(3, dtype=torch.int64, device="cuda")
+        loc = torch.empty(0, dtype=torch.int32, device="cuda")
+        assert gather_tiered(_table(3, width, 1).cuda(), _table(5, width, 2).pin_memory(), loc, out, counts=counts,
+                             sort=sort) is out
+        assert counts.tolist() == [0, 0, 0]
     check_errors()
 
 

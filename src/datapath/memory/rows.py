@@ -18,6 +18,7 @@ wait for the GPU) at the thread's next fetch, at `check_errors`, or through the 
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -356,7 +357,9 @@ def gather_tiered(a: torch.Tensor, b: torch.Tensor, loc: torch.Tensor, out: torc
         if t.numel() and (_launch.row_layout(t) is None or t.shape[1:] != out.shape[1:]):
             raise ValueError(f"table {name} of a tiered gather needs contiguous rows shaped like out's "
                              f"{tuple(out.shape[1:])}, got {tuple(t.shape)} with strides {t.stride()}")
-    row_bytes = out[0].numel() * out.element_size() if out.dim() > 1 else out.element_size()
+    if loc.numel() == 0:
+        return out
+    row_bytes = math.prod(out.shape[1:]) * out.element_size()
     with torch.cuda.device(loc.device):
         _launch.launch_tiered(a, b_data, loc, out, flag_ptr=flag.ptr, counts=counts, b_on_host=b_on_host,
                               sort=gather_config.sorts(loc.numel(), row_bytes, b_data.shape[0] * row_bytes, sort,

@@ -75,19 +75,28 @@ class _LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         m = self.meter
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+        inputs = {_data_ptr(t) for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
                 continue
             st = t.untyped_storage()
             key, nbytes = id(st), st.nbytes()
-            if nbytes == 0 or key in m.keys or st.data_ptr() in inputs:
+            if nbytes == 0 or key in m.keys or _data_ptr(t) in inputs:
                 continue  # empty, already counted, or an input's storage returned (views, in-place ops)
             m.keys.add(key)
             m.add(nbytes)
             weakref.finalize(st, m.free, key, nbytes)
         return out
+
+
+def _data_ptr(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage; None for a storage freed in place (FSDP2 resizes an unsharded
+    parameter's storage to 0 between uses: its Python storage is then invalid)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 class CpuMeter(MemoryMeter):
