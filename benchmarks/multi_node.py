@@ -283,6 +283,8 @@ def record(dataset: str, run: dict[str, Any], mode: str, batch: int, cache: str 
                            "test_acc": run["test_acc"], "remote_bytes_per_batch": 0.0, "hit_rate_local": 1.0,
                            "device": run["device_name"], "backend": run["backend"] if nodes > 1 else None,
                            "gpu_cache": cache if nodes > 1 else "none", "nccl_transport": run.get("nccl_transport")}
+    last = run["epochs"][-1]  # where the last epoch's time went (slowest rank per column): the loader's stages
+    rec["breakdown_s"] = {k: last.get(k) for k in ("sample_s", "gather_s", "train_s", "wait_s")}
     stores = [s for s in run["stores"] if s is not None]
     if nodes > 1 and stores:
         rem = [s["remote"] for s in stores]

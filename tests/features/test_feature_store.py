@@ -109,6 +109,26 @@ def test_every_tier_mix_gives_the_table_rows(tmp_path, engine: str) -> None:
     fs.close()
 
 
+def test_a_gather_in_two_parts(tmp_path) -> None:
+    """start_gather reads the cache and host rows; finish adds the disk rows (what a loader's exchange stage does
+    for a collective store)."""
+    t = _table(3000, 19, seed=4)
+    fs = FeatureStore(_save(tmp_path, t), gpu_cache="10%", host_memory="20%",
+                      hotness=torch.rand(3000, generator=torch.Generator().manual_seed(5)))
+    assert not fs.collective
+    idx = torch.randint(-3000, 3000, (700, 3), generator=torch.Generator().manual_seed(6))
+    pending = fs.start_gather(idx)
+    assert pending.out.shape == (700, 3, 19)
+    disk_rows = fs.stats()["disk"]["rows"]
+    assert disk_rows == 0  # nothing read from the disk yet
+    got = pending.finish()
+    assert got is pending.out and torch.equal(got, t[idx]) and fs.stats()["disk"]["rows"] > 0
+    assert pending.finish() is got  # idempotent
+    with pytest.raises(IndexError):  # on the CPU at the lookup; on a GPU by finish, before any disk read
+        fs.start_gather(torch.tensor([1, 3000])).finish()
+    fs.close()
+
+
 def test_tensor_tables_and_bad_input(tmp_path) -> None:
     t = _table(3000, 16, seed=4)
     idx = torch.randint(0, 3000, (777,))

@@ -24,14 +24,14 @@ from datapath.features.scan import (
     BOUNCE_BUFFERS, BOUNCE_BYTES, GAPS, SCAN, DiskCosts, GapChoice, ReadResult, choose_gap, probe_disk, read_rows,
     run_groups,
 )
-from datapath.features.store import DiskOptions, FeatureStore
+from datapath.features.store import DiskOptions, FeatureStore, PendingGather
 from datapath.features.superbatch import Schedule, StagingPool
 from datapath.features.table_file import TableFile, write_table
 from datapath.features.tiers import FetchTier, TierStats
 
 __all__ = [
     "BOUNCE_BUFFERS", "BOUNCE_BYTES", "CACHE_SCOPES", "DiskCosts", "DiskOptions", "GAPS", "GapChoice", "ReadResult", "SCAN", "Schedule", "StagingPool",
-    "choose_gap", "probe_disk", "read_rows", "run_groups", "write_table", "DiskReadError", "DiskReader", "DiskTier", "ENGINES", "FeatureStore", "FeatureStoreError",
+    "choose_gap", "probe_disk", "read_rows", "run_groups", "write_table", "DiskReadError", "DiskReader", "DiskTier", "ENGINES", "FeatureStore", "FeatureStoreError", "PendingGather",
     "FetchTier", "GPU_RESERVE_BYTES", "ReadPlan", "ShardExchangeError", "ShardedTier", "TableFile", "TierStats",
     "degree_hotness", "format_bytes", "gpu_budget", "graph_bytes", "native_aio_available", "new_exchange_group",
     "parse_budget", "place_graph", "plan_reads", "presample_hotness", "rank", "sharded_store",

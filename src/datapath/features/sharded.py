@@ -164,7 +164,8 @@ class ShardedTier(FetchTier):
                 raise ShardExchangeError(self._broken) from exc
 
     def abort(self, error: BaseException) -> None:
-        """Tell the other ranks, in place of this gather's exchange, that this rank's gather failed."""
+        """Tell the other ranks, in place of this gather's exchange, that this rank's gather failed (the
+        exchanges still pair up afterwards: this call took the failed one's turn)."""
         with self._lock:
             if self._broken is None:
                 self._signal_failure()
@@ -184,27 +185,30 @@ class ShardedTier(FetchTier):
         if self._flag is not None:
             self._flag.raise_if_set(f" (rows a rank asked of rank {self.rank}'s shard: an internal error)")
         ids = ids.to(self.device, torch.int64)
-        uniq, inverse = torch.unique(ids, return_inverse=True)  # sorted, so grouped by owner
-        cuts = torch.searchsorted(uniq, self._bounds)
+        # sorted, so grouped by owner; repeats are asked for as often as they come (a loader's ids are distinct,
+        # and sorting needs no host synchronisation where torch.unique would wait for the GPU)
+        ordered, perm = torch.sort(ids)
+        cuts = torch.searchsorted(ordered, self._bounds)
         asks = cuts[1:] - cuts[:-1]
-        bad = (cuts[0] > 0) | (cuts[-1] < uniq.numel())  # ids below 0 or from N on belong to no shard
+        bad = (cuts[0] > 0) | (cuts[-1] < ordered.numel())  # ids below 0 or from N on belong to no shard
         asks = torch.where(bad, torch.full_like(asks, -1), asks)
         self._joined = True
         matrix = self._counts(asks)
-        self._raise_failed(matrix, uniq)
+        self._raise_failed(matrix, ordered)
         self._stats.extra["exchanges"] += 1
         mine = matrix[self.rank]  # rows this rank asks of each rank
         theirs = [matrix[r][self.rank] for r in range(self.world_size)]  # rows each rank asks of this one
         if not any(any(row) for row in matrix):
             return torch.empty((0, *self._rest), dtype=self.shard.dtype, device=self.device)
-        local = uniq - torch.repeat_interleave(self._bounds[:-1], asks, output_size=uniq.numel())
+        local = ordered - torch.repeat_interleave(self._bounds[:-1], asks, output_size=ordered.numel())
         wanted = torch.empty(sum(theirs), dtype=self._id_dtype, device=self._comm)
         dist.all_to_all_single(wanted, local.to(self._comm, self._id_dtype), theirs, mine, group=self.group)
         mid = _event() if cuda else time.perf_counter()
         got = self._send_rows(wanted, mine, theirs, self._pieces(matrix))
         if not cuda:
             self._stats.extra["exchange_seconds"] += time.perf_counter() - mid
-        rows = got.to(self.device).index_select(0, inverse)
+        got = got.to(self.device)
+        rows = torch.empty_like(got).index_copy_(0, perm, got)  # back in the order of ``ids``
         if cuda:
             with self._events_lock:
                 self._events.append((start, mid, _event()))
@@ -264,13 +268,13 @@ class ShardedTier(FetchTier):
         _all_gather(out, asks.to(self._comm), group=self.group)
         return out.view(self.world_size, self.world_size).tolist()
 
-    def _raise_failed(self, matrix: list[list[int]], uniq: torch.Tensor) -> None:
+    def _raise_failed(self, matrix: list[list[int]], ids: torch.Tensor) -> None:
         failed = [r for r, row in enumerate(matrix) if any(v < 0 for v in row)]
         if not failed:
             return
         if self.rank in failed:
             n = self.layout.num_rows
-            bad = uniq[(uniq < 0) | (uniq >= n)]
+            bad = torch.unique(ids[(ids < 0) | (ids >= n)])
             raise IndexError(f"rank {self.rank}: row ids {bad[:5].tolist()}{' ...' if bad.numel() > 5 else ''} are "
                              f"out of bounds for a sharded table of {n} rows")
         raise ShardExchangeError(f"rank {self.rank} of {self.world_size} stops: rank {failed[0]} could not fetch its "
@@ -323,7 +327,13 @@ def new_exchange_group(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None
     """A process group of all ranks for the exchange (collective: every rank calls it): NCCL on GPUs, gloo on CPUs."""
     if backend is None:
         backend = "nccl" if dist.get_backend() == "nccl" else "gloo"
-    return dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    options = None
+    if backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        # its kernels on a high-priority stream: an exchange is short and the step waits for it, while the
+        # sampling and gather kernels beside it fill the GPU for milliseconds
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = True
+    return dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s), pg_options=options)
 
 
 def _cache_rows(gpu_cache: str | float | int | None, n: int, row_bytes: int) -> int:

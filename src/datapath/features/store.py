@@ -288,6 +288,12 @@ class FeatureStore:
         self._schedules.append(sched)
         return sched
 
+    @property
+    def collective(self) -> bool:
+        """Whether a tier is collective (a shard of a ``torch.distributed`` group): every gather of every rank
+        pairs up in an exchange, so gathers must be finished in the same order on every rank."""
+        return any(t.collective for t in self._fetch)
+
     def gather(self, idx: torch.Tensor, error_flag: ErrorFlag | None = None, *, schedule: Schedule | None = None,
                step: int | None = None) -> torch.Tensor:
         """Rows ``idx`` (int32/int64, any shape, any device; negatives count from the end) on the store's device.
@@ -296,56 +302,81 @@ class FeatureStore:
         `datapath.memory.gather_rows`; with ``error_flag`` the caller checks it).  ``schedule``/``step``:
         the loader's superbatch `Schedule` and this batch's step (its disk rows come from there).
         """
+        return self.start_gather(idx, error_flag, schedule=schedule, step=step).finish()
+
+    def start_gather(self, idx: torch.Tensor, error_flag: ErrorFlag | None = None, *,
+                     schedule: Schedule | None = None, step: int | None = None,
+                     defer: bool = False) -> "PendingGather":
+        """`gather` in two parts: this one launches the read of the rows the GPU addresses (cache, host) on the
+        current stream; `PendingGather.finish` fills the rest from the fetch tiers (disk, other ranks' shards).
+
+        A loader finishes a collective store's gathers on a thread and stream of its own, so that the
+        exchange with the other ranks overlaps the next batches' sampling.  ``defer``: the caller finishes
+        (or, if this call raises, calls `abort`) in its own order; otherwise a failure here tells the other
+        ranks at once.
+        """
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
             raise TypeError("FeatureStore rows are read with an int32/int64 index tensor")
         if idx.device != self.device:
             idx = idx.to(self.device)
         flat = idx.reshape(-1)
-        rest = tuple(self.shape[1:])
+        shape = (*idx.shape, *self.shape[1:])
         if self._direct is not None:
             start = self._timed()
             rows = gather_rows(self._direct, flat, error_flag)
             self._timed(start)
             self._direct_stats.add(flat.numel(), flat.numel() * self.row_bytes)
-            return rows.view(*idx.shape, *rest)
+            return PendingGather(self, rows, shape)
         own_flag = error_flag is None and self.device.type == "cuda"
         if own_flag:
             error_flag = deferred_flag()  # one flag for the lookup and the gather (raised by the next fetch)
-        collective = any(t.collective for t in self._fetch)
         try:
             loc = gather_rows(self._slots, flat, error_flag)
-            out = torch.empty((flat.numel(), *rest), dtype=self.dtype, device=self.device)
-            misses = None
-            if self._fetch and (flat.numel() or collective):
-                pos = (loc < 0).nonzero().squeeze(1)  # the one host synchronisation of a batch with fetched rows
-                if own_flag:
-                    error_flag.raise_if_set()  # the lookup has run: a bad index is raised before any fetch
-                if pos.numel() or collective:
-                    ids = flat[pos].long()
-                    misses = (pos, torch.where(ids < 0, ids + self.num_rows, ids), loc[pos])
+            out = torch.empty((flat.numel(), *self.shape[1:]), dtype=self.dtype, device=self.device)
         except BaseException as exc:
-            for t in self._fetch:  # the other ranks wait in the exchange: tell them
-                if t.collective:
-                    t.abort(exc)
+            if not defer:
+                self.abort(exc)
             raise
-        empty = torch.empty((0, *rest), dtype=self.dtype, device=self.device)
+        empty = torch.empty((0, *self.shape[1:]), dtype=self.dtype, device=self.device)
         start = self._timed()
         gather_tiered(self._cache if self._cache is not None else empty,
                       self._host if self._host is not None else empty, loc, out,
                       error_flag=error_flag, counts=self._counts)
         self._timed(start)
         self._counted += flat.numel()
-        if misses is not None:
-            pos, ids, codes = misses
-            for k, tier in enumerate(self._fetch):
-                mine = (codes == -(k + 1)).nonzero().squeeze(1) if len(self._fetch) > 1 else None
-                if tier.collective or (ids.numel() if mine is None else mine.numel()):
-                    args = (ids if mine is None else ids[mine], pos if mine is None else pos[mine], out)
-                    if schedule is not None and schedule.tier is tier and step is not None:
-                        schedule.fetch(step, *args)
-                    else:
-                        tier.fetch(*args)
-        return out.view(*idx.shape, *rest)
+        return PendingGather(self, out, shape, flat, loc, error_flag if own_flag else None, schedule, step)
+
+    def abort(self, error: BaseException) -> None:
+        """This rank's gather failed with ``error`` before its fetch tiers ran: the collective ones tell the others."""
+        for t in self._fetch:
+            if t.collective:
+                t.abort(error)
+
+    def _fetch_missing(self, flat: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, own_flag: ErrorFlag | None,
+                       schedule: Schedule | None, step: int | None) -> None:
+        """Fill the rows of ``out`` that the GPU-read tiers left (``loc < 0``) from the fetch tiers."""
+        collective = self.collective
+        if not (self._fetch and (flat.numel() or collective)):
+            return
+        try:
+            pos = (loc < 0).nonzero().squeeze(1)  # the one host synchronisation of a batch with fetched rows
+            if own_flag is not None:
+                own_flag.raise_if_set()  # the lookup has run: a bad index is raised before any fetch
+            if not (pos.numel() or collective):
+                return
+            ids = flat[pos].long()
+            ids, codes = torch.where(ids < 0, ids + self.num_rows, ids), loc[pos]
+        except BaseException as exc:
+            self.abort(exc)  # the other ranks wait in the exchange: tell them
+            raise
+        for k, tier in enumerate(self._fetch):
+            mine = (codes == -(k + 1)).nonzero().squeeze(1) if len(self._fetch) > 1 else None
+            if tier.collective or (ids.numel() if mine is None else mine.numel()):
+                args = (ids if mine is None else ids[mine], pos if mine is None else pos[mine], out)
+                if schedule is not None and schedule.tier is tier and step is not None:
+                    schedule.fetch(step, *args)
+                else:
+                    tier.fetch(*args)
 
     def _timed(self, start: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
         """Record a timing event on the current stream (CUDA only); with ``start``, keep the pair."""
@@ -430,3 +461,32 @@ class FeatureStore:
 
     def __repr__(self) -> str:
         return f"FeatureStore{self.describe()}"
+
+
+class PendingGather:
+    """A `FeatureStore` gather whose GPU-read rows are launched and whose fetch tiers' rows are still to come.
+
+    ``out``: (*idx.shape, *rest) on the store's device, complete once `finish` has run (and the
+    work it queued on the then current stream is done).
+    """
+
+    def __init__(self, store: FeatureStore, out: torch.Tensor, shape: tuple[int, ...],
+                 flat: torch.Tensor | None = None, loc: torch.Tensor | None = None,
+                 own_flag: ErrorFlag | None = None, schedule: Schedule | None = None,
+                 step: int | None = None) -> None:
+        self.store = store
+        self._rows = out
+        self.out = out.view(shape)
+        self._args = None if flat is None else (flat, loc, own_flag, schedule, step)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The CUDA tensors `finish` reads or writes (another stream that finishes records them)."""
+        return [self._rows] + ([] if self._args is None else [self._args[0], self._args[1]])
+
+    def finish(self) -> torch.Tensor:
+        """Fetch the remaining rows into ``out`` (queued on the current stream); idempotent.  Returns ``out``."""
+        args, self._args = self._args, None
+        if args is not None:
+            flat, loc, own_flag, schedule, step = args
+            self.store._fetch_missing(flat, loc, self._rows, own_flag, schedule, step)
+        return self.out

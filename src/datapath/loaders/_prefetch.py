@@ -84,6 +84,12 @@ class _Producer:
                              name=f"datapath-neighbor-loader-{i}")
             for i in range(k)
         ]
+        # a collective feature store: one worker hands its batches to the exchange stage, which finishes their
+        # gathers (the exchange with the other ranks) in order, while the worker samples the next batches
+        self.exchange: _Exchange | None = None
+        if k == 1 and loader._defers_exchange():
+            self.exchange = _Exchange(self, self.queues[0])
+            self.threads.append(self.exchange.thread)
 
     def start(self) -> None:
         for t in self.threads:
@@ -92,7 +98,7 @@ class _Producer:
     def close(self) -> None:
         """Stop the workers, drop what they queued, and join them (idempotent)."""
         self.stop.set()
-        for q in self.queues:
+        for q in self.queues + ([self.exchange.inbox] if self.exchange is not None else []):
             while True:
                 try:
                     q.get_nowait()
@@ -130,7 +136,7 @@ class _Producer:
         return streams
 
     def _run(self, i: int, work: list[tuple[torch.Tensor, int]]) -> None:
-        q = self.queues[i]
+        q = self.queues[i] if self.exchange is None else self.exchange.inbox
         try:
             if self.cuda:
                 torch.cuda.set_device(self.loader.device)
@@ -143,15 +149,25 @@ class _Producer:
                     return
                 if self.cuda:
                     with torch.cuda.stream(stream):
-                        batch = self.loader._make(seeds, step, self.schedule)
+                        batch = self._make(seeds, step)
                 else:
-                    batch = self.loader._make(seeds, step, self.schedule)
+                    batch = self._make(seeds, step)
                 if not self._put(q, batch):
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
             self._put(q, exc)
             return
         self._put(q, _DONE)
+
+    def _make(self, seeds: torch.Tensor, step: int) -> Batch:
+        """One batch, made and waited for on the current stream; with the exchange stage, gathered but for
+        the rows of other ranks (the stage finishes and prepares it)."""
+        if self.exchange is None:
+            return self.loader._make(seeds, step, self.schedule)
+        batch = self.loader._collect(self.loader._start(seeds, step), None, self.schedule, defer=True)
+        if batch._events:
+            batch._events[-1].synchronize()
+        return batch
 
     def _run_pipelined(self, q: queue.Queue, work: list[tuple[torch.Tensor, int]],
                        streams: tuple[torch.cuda.Stream, ...]) -> None:
@@ -189,7 +205,7 @@ class _Producer:
             if isinstance(st, BaseException):
                 raise st
             with torch.cuda.stream(sample_stream):
-                batch = loader._collect(st, gather_stream, self.schedule)
+                batch = loader._collect(st, gather_stream, self.schedule, defer=self.exchange is not None)
             j = k + SAMPLE_AHEAD
             if j < len(work) and not any(isinstance(p, BaseException) for p in pending):
                 sw = Stopwatch()
@@ -198,7 +214,8 @@ class _Producer:
                 if isinstance(nxt, Started):
                     nxt.sample_s = nxt.cpu_s = nxt.wait_s = 0.0
                 pending.append(nxt)
-            loader._prepare(batch, prepare_stream)
+            if self.exchange is None:
+                loader._prepare(batch, prepare_stream)
             if batch._check is not None:
                 checks.append(batch._check)
             if not self._put(q, batch):
@@ -206,6 +223,84 @@ class _Producer:
         for c in checks:
             c.raise_if_bad()
         self._put(q, _DONE)
+
+
+class _Exchange:
+    """The stage that finishes a collective feature store's gathers, in batch order, on a thread of its own.
+
+    The worker hands over each batch with its features gathered but for the rows of other ranks
+    (``batch._pending``); this thread runs the exchange (host synchronisations, waits for the other
+    ranks) on a CUDA stream of its own that waits only for that batch's gather, runs the ``prepare``
+    hook, and passes the batch on.  Meanwhile the worker samples and gathers the next batches, so a
+    rank's exchange overlaps its sampling instead of following it.  A worker's error takes its batch's
+    place in the order: the other ranks learn of it in that exchange (`FeatureStore.abort`).
+    """
+
+    def __init__(self, producer: _Producer, out: queue.Queue) -> None:
+        self.producer = producer
+        self.out = out
+        self.inbox: queue.Queue = queue.Queue(maxsize=max(1, producer.loader.prefetch))
+        self.thread = threading.Thread(target=self._run, daemon=True, name="datapath-neighbor-loader-exchange")
+
+    def _get(self) -> object:
+        while not self.producer.stop.is_set():
+            try:
+                return self.inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return _DONE
+
+    def _run(self) -> None:
+        p, loader = self.producer, self.producer.loader
+        try:
+            stream = prepare_stream = None
+            if p.cuda:
+                torch.cuda.set_device(loader.device)
+                # high priority, as the exchange group's NCCL stream: its short kernels go before the sampling's
+                high = torch.cuda.Stream.priority_range()[1]
+                stream = loader._streams.setdefault(-1, (torch.cuda.Stream(loader.device, priority=high),))[0]
+                prepare_stream = p._streams(0)[2] if loader._overlap_gather else None
+            while True:
+                item = self._get()
+                if item is _DONE:
+                    p._put(self.out, _DONE)
+                    return
+                if isinstance(item, BaseException):
+                    loader.features.abort(item)  # this batch's exchange: the other ranks raise, naming this one
+                    p._put(self.out, item)
+                    return
+                batch: Batch = item
+                self._finish(batch, stream)
+                if stream is not None and prepare_stream is None:
+                    with torch.cuda.stream(stream):  # after the exchange, off the training's stream
+                        loader._prepare(batch, None)
+                else:
+                    loader._prepare(batch, prepare_stream)
+                if not p._put(self.out, batch):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            p._put(self.out, exc)
+
+    @staticmethod
+    def _finish(batch: Batch, stream: torch.cuda.Stream | None) -> None:
+        pending, batch._pending = batch._pending, None
+        if pending is None:
+            return
+        sw = Stopwatch()
+        if stream is None:
+            pending.finish()
+        else:
+            if batch._events:  # the batch's own gather (and, before it, its sampling)
+                stream.wait_event(batch._events[0])
+            with torch.cuda.stream(stream):
+                pending.finish()
+                for t in pending.tensors():  # made on the worker's streams, read and written here
+                    t.record_stream(stream)
+                done = torch.cuda.Event(blocking=True)
+                done.record()
+            batch._events.append(done)
+            batch._inputs = done
+        sw.charge(batch, "gather")
 
 
 class PrefetchIter:

@@ -39,6 +39,8 @@ class Batch:
     _check: "GatherCheck | None" = field(default=None, repr=False)
     _sampled: torch.cuda.Event | None = field(default=None, repr=False)
     _prepared: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _pending: Any = field(default=None, repr=False)  # a collective store's gather still to finish (`PendingGather`)
+    _inputs: torch.cuda.Event | None = field(default=None, repr=False)  # x and y complete (after an exchange)
 
     def tensors(self) -> list[torch.Tensor]:
         out = [t for b in self.blocks for t in b.tensors()] + [self.seeds] + self._prepared
@@ -51,8 +53,9 @@ class Batch:
         ``y``: in the prefetching threads they are gathered on a stream of their own, concurrently
         with the hook (the consumer's stream waits for everything before it gets the batch).
         """
-        if self._check is not None:
-            torch.cuda.current_stream().wait_event(self._check.event)
+        event = self._inputs if self._inputs is not None else (self._check.event if self._check is not None else None)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
 
     @property
     def input_nodes(self) -> torch.Tensor:

@@ -92,9 +92,10 @@ class DistributedNeighborLoader(NeighborLoader):
         """Seeds this rank trains on in the first ``num_batches`` steps of an epoch."""
         return sum(self.rank_batch(i)[1] for i in range(min(num_batches, len(self))))
 
-    def _collect(self, st: Any, gather_stream: torch.cuda.Stream | None, schedule: Any = None) -> "RankBatch":
+    def _collect(self, st: Any, gather_stream: torch.cuda.Stream | None, schedule: Any = None,
+                 defer: bool = False) -> "RankBatch":
         # every path that makes a batch (prefetch 0, the threads, the pipelined GPU producer) goes through here
-        b = super()._collect(st, gather_stream, schedule)
+        b = super()._collect(st, gather_stream, schedule, defer)
         fields = {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
         step = st.step
         return RankBatch(**fields, step=step, global_batch_size=self.global_batch_size(step % self._global_batches()))

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from datapath.features import FeatureStore, Schedule
+from datapath.features import FeatureStore, PendingGather, Schedule
 from datapath.graph import Graph
 from datapath.loaders._prefetch import PrefetchIter, Started, Stopwatch
 from datapath.loaders.batch import Batch, GatherCheck
@@ -203,9 +203,29 @@ class NeighborLoader:
         pending = self.sampler._launch(self.graph, seeds, step)
         return Started(seeds, step, pending, sw.wall(), sw.cpu(), sw.wait())
 
+    def _defers_exchange(self) -> bool:
+        """Whether the features come from a collective store whose exchanges a stage of their own can finish
+        in order (the labels exchange nothing: their gathers would interleave with the stage's)."""
+        return (isinstance(self.features, FeatureStore) and self.features.collective
+                and self.features.device.type == self.device.type
+                and not (isinstance(self.labels, FeatureStore) and self.labels.collective))
+
+    def _features(self, ids: torch.Tensor, flag: ErrorFlag | None, schedule: Schedule | None, step: int,
+                  defer: bool) -> tuple[torch.Tensor | None, PendingGather | None]:
+        """The batch's features, and with ``defer`` the collective gather still to finish (`PendingGather`)."""
+        if self.features is None:
+            return None, None
+        if defer:
+            pending = self.features.start_gather(ids, flag, schedule=schedule, step=step, defer=True)
+            return pending.out, pending
+        return fetch_rows(self.features, ids, flag, schedule, step), None
+
     def _collect(self, st: "Started", gather_stream: torch.cuda.Stream | None,
-                 schedule: Schedule | None = None) -> Batch:
+                 schedule: Schedule | None = None, defer: bool = False) -> Batch:
         """Wait for ``st``'s sample, then gather its features and labels.
+
+        ``defer`` (a collective feature store, `_defers_exchange`): the gather of the rows of other ranks is
+        left to the caller (``batch._pending``), which finishes the batches' gathers in order.
 
         With ``gather_stream`` (the prefetching threads on the GPU path) the gather runs there and
         is not waited for, so that its PCIe reads overlap the ``prepare`` hook and the next batch's
@@ -225,7 +245,7 @@ class NeighborLoader:
                 # later (`GatherCheck`), not waited for here
                 flag = ErrorFlag()
                 src = blocks[0].src_nodes
-                x = fetch_rows(self.features, src, flag, schedule, st.step) if self.features is not None else None
+                x, pending = self._features(src, flag, schedule, st.step, defer)
                 y = fetch_rows(self.labels, seeds, flag) if self.labels is not None else None
                 src.record_stream(gather_stream)
                 seeds.record_stream(gather_stream)
@@ -233,19 +253,19 @@ class NeighborLoader:
                 events[-1].record(gather_stream)
                 check = GatherCheck(events[-1], flag, st.step)
         else:
-            x = (fetch_rows(self.features, blocks[0].src_nodes, None, schedule, st.step)
-                 if self.features is not None else None)
+            x, pending = self._features(blocks[0].src_nodes, None, schedule, st.step, defer)
             y = fetch_rows(self.labels, seeds) if self.labels is not None else None
             if self.device != self.sample_device:
                 blocks = [b.to(self.device, non_blocking=False) for b in blocks]
                 seeds = seeds.to(self.device)
-            x = x.to(self.device) if x is not None else None
+            if pending is None:  # (a deferred gather's rows are on the store's device, the loader's)
+                x = x.to(self.device) if x is not None else None
             y = y.to(self.device) if y is not None else None
         if self.device.type == "cuda":  # everything the sampling stream did for this batch
             events.append(torch.cuda.Event(blocking=True))
             events[-1].record()
         batch = Batch(blocks, x, y, seeds, st.sample_s + t1 - sw.t0)
-        batch._events, batch._check = events, check
+        batch._events, batch._check, batch._pending = events, check, pending
         # what the prepare stream waits for: the sampling (not the gather, when it shares the stream)
         batch._sampled = st.pending.event if st.pending.event is not None else (events[-1] if events else None)
         batch.gather_s = time.perf_counter() - t1
