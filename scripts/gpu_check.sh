@@ -19,9 +19,12 @@
 #             B4_TIMEOUT=300 B4_ARGS="--models gpt-h8192 --steps 5 --warmup 2 --time-budget 250" (190 s))
 #   rok       ROK curve                          benchmarks/rok.py                           (~2.5 min)
 #   two-gpu   the tests that need 2 GPUs (offload FSDP2/DDP/Megatron TP2, data-parallel loaders, sharded store,
-#             two torchrun nodes)                                                    (nvidia-h200-x2 only)
+#             two torchrun nodes)                                     (nvidia-h200-x2 only; ~4 min with tests/features)
 #   b5        B5 features sharded over 2 nodes: its GPU tests, then products 1 GPU vs 2 torchrun nodes
-#             benchmarks/multi_node.py --datasets products                 (nvidia-h200-x2 only; ~7 min)
+#             benchmarks/multi_node.py --datasets products    (nvidia-h200-x2 only; tests ~70 s, the bench 135 s; the
+#             committed multi_node.json: --no-tests --bench "multi_node --datasets products --caches none,own:50%
+#             --name multi_node_products --data-dir bench-disk --timeout 80", then multi_node.py --merge)
+#   (scripts/gpu_fsdp2_diag.py: an FSDP2 step's memory at every layer boundary, keep vs offloaded; 2 GPUs, ~40 s)
 #   b5-papers B5 on the papers shape (6 GiB)                               (nvidia-h200-x2 only; ~8 min)
 #             then here: benchmarks/multi_node.py --merge OUT1/multi_node_products.json OUT2/multi_node_papers.json
 #
