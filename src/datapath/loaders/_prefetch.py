@@ -257,8 +257,10 @@ class _Exchange:
             if p.cuda:
                 torch.cuda.set_device(loader.device)
                 # high priority, as the exchange group's NCCL stream: its short kernels go before the sampling's
-                high = torch.cuda.Stream.priority_range()[1]
-                stream = loader._streams.setdefault(-1, (torch.cuda.Stream(loader.device, priority=high),))[0]
+                if -1 not in loader._streams:  # made once per loader, as the workers' streams
+                    high = torch.cuda.Stream.priority_range()[1]
+                    loader._streams[-1] = (torch.cuda.Stream(loader.device, priority=high),)
+                stream = loader._streams[-1][0]
                 prepare_stream = p._streams(0)[2] if loader._overlap_gather else None
             while True:
                 item = self._get()
