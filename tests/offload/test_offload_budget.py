@@ -105,15 +105,22 @@ def test_planner_offload_cost_trades_offloading_for_recompute() -> None:
         plan_budget(prof, budget=budget, offload_cost=0)
 
 
+def _gpt_at_60_percent(seed: int, dropout: float, steps: int) -> tuple[nn.Module, list, list, TensorCache]:
+    """A 4-layer GPT, ``steps`` batches, its reference run without offloading, and a cache whose budget is 60%
+    of keep's peak (not attached yet)."""
+    torch.manual_seed(seed)
+    model = GPT(vocab=64, h=64, heads=4, layers=4, dropout=dropout, tied=False)
+    batches = [torch.randint(0, 64, (8, 64)) for _ in range(steps)]
+    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
+    budget = int(_keep_peak(model, batches[0]) * 0.6)
+    return model, batches, ref, TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
+
+
 def test_budget_trial_keeps_the_fastest_measured_plan() -> None:
     """A plan that offloads is tried against plans that offload less; the fastest measured step that held the
     budget is kept, and every step's gradients (dropout on, plans switching between steps) stay identical."""
-    torch.manual_seed(7)
-    model = GPT(vocab=64, h=64, heads=4, layers=4, dropout=0.1, tied=False)
-    batches = [torch.randint(0, 64, (8, 64)) for _ in range(10)]
-    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
-    budget = int(_keep_peak(model, batches[0]) * 0.6)
-    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
+    model, batches, ref, cache = _gpt_at_60_percent(seed=7, dropout=0.1, steps=10)
+    budget = cache.memory_budget
     cache.attach(model)
     got = run_steps(model, batches, _lm_loss, ctx=cache)
     assert_identical(ref, got)
@@ -233,12 +240,8 @@ def test_hf_llama_budget_on_cpu(slow_store: bool) -> None:
 
 def test_slow_store_budget_recomputes_blocks_inside_the_cache(tmp_path) -> None:
     """A store far slower than the compute: the plan recomputes blocks; dropout masks and gradients hold."""
-    torch.manual_seed(5)
-    model = GPT(vocab=64, h=64, heads=4, layers=4, dropout=0.2, tied=False)
-    batches = [torch.randint(0, 64, (8, 64)) for _ in range(7)]
-    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
-    budget = int(_keep_peak(model, batches[0]) * 0.6)
-    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
+    model, batches, ref, cache = _gpt_at_60_percent(seed=5, dropout=0.2, steps=7)
+    budget = cache.memory_budget
     cache.bandwidth = lambda: (1e5, 1e5)  # as if every byte took 10 us to store: offloading costs seconds
     cache.attach(model)
     got = run_steps(model, batches, _lm_loss, ctx=cache)

@@ -149,25 +149,15 @@ class _Producer:
                     return
                 if self.cuda:
                     with torch.cuda.stream(stream):
-                        batch = self._make(seeds, step)
+                        batch = self.loader._make(seeds, step, self.schedule, self.exchange is not None)
                 else:
-                    batch = self._make(seeds, step)
+                    batch = self.loader._make(seeds, step, self.schedule, self.exchange is not None)
                 if not self._put(q, batch):
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
             self._put(q, exc)
             return
         self._put(q, _DONE)
-
-    def _make(self, seeds: torch.Tensor, step: int) -> Batch:
-        """One batch, made and waited for on the current stream; with the exchange stage, gathered but for
-        the rows of other ranks (the stage finishes and prepares it)."""
-        if self.exchange is None:
-            return self.loader._make(seeds, step, self.schedule)
-        batch = self.loader._collect(self.loader._start(seeds, step), None, self.schedule, defer=True)
-        if batch._events:
-            batch._events[-1].synchronize()
-        return batch
 
     def _run_pipelined(self, q: queue.Queue, work: list[tuple[torch.Tensor, int]],
                        streams: tuple[torch.cuda.Stream, ...]) -> None:

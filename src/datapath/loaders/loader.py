@@ -188,10 +188,14 @@ class NeighborLoader:
         return self.features.schedule(steps, input_nodes)
 
     # -- one batch ---------------------------------------------------------------------------
-    def _make(self, seeds_cpu: torch.Tensor, step: int, schedule: Schedule | None = None) -> Batch:
-        """Sample, gather and prepare one batch on the current stream and wait for it (no prefetching)."""
-        batch = self._collect(self._start(seeds_cpu, step), None, schedule)
-        self._prepare(batch, None)
+    def _make(self, seeds_cpu: torch.Tensor, step: int, schedule: Schedule | None = None,
+              defer: bool = False) -> Batch:
+        """Sample, gather and prepare one batch on the current stream and wait for it (no prefetching).
+
+        ``defer``: the collective gather is left to finish, and ``prepare`` to run after it (the exchange stage)."""
+        batch = self._collect(self._start(seeds_cpu, step), None, schedule, defer)
+        if not defer:
+            self._prepare(batch, None)
         if batch._events:
             batch._events[-1].synchronize()
         return batch
