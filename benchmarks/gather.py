@@ -266,7 +266,8 @@ def run(args: argparse.Namespace) -> dict:
 
     settings = {k: getattr(gather_config, k) for k in ("blocks_per_sm", "sort_indices", "sort_min_rows",
                                                         "sort_max_row_bytes", "sort_min_rows_long",
-                                                        "sort_min_table_bytes", "sync_bounds_check")}
+                                                        "sort_min_table_bytes", "sort_method", "host_window_bytes",
+                                                        "host_min_inflight_bytes", "sync_bounds_check")}
     return {"quick": quick, "table_buffer_bytes": buf_bytes, "gather_config": settings, "memcpy_GBps": peak,
             "huge_pages": huge_info, "host_us_per_call_8k_rows": host_us, "rows": rows, "bars": bars}
 

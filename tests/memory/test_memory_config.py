@@ -40,3 +40,17 @@ def test_arguments_come_first() -> None:
     table = torch.randn(50, 3)
     idx = torch.randint(0, 50, (20,))
     assert torch.equal(gather_rows(table, idx, sync=True), table[idx])
+
+
+def test_visit_order_settings_are_checked() -> None:
+    cfg = GatherConfig()
+    assert (cfg.sort_method, cfg.host_window_bytes) == ("buckets", 32 << 20)
+    cfg.sort_method, cfg.host_window_bytes, cfg.host_min_inflight_bytes = "torch", 0, 1 << 20
+    with pytest.raises(ValueError, match="sort_method"):
+        cfg.sort_method = "radix"
+    for name in ("host_window_bytes", "host_min_inflight_bytes"):
+        with pytest.raises(ValueError, match=name):
+            setattr(cfg, name, -1)
+        with pytest.raises(ValueError, match=name):
+            setattr(cfg, name, "32MB")
+

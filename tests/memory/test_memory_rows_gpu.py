@@ -165,6 +165,60 @@ def test_tiered_gather(sort: bool) -> None:
     check_errors()
 
 
+@pytest.mark.parametrize("method", ["buckets", "torch"])
+def test_sorted_visit_over_many_buckets(method: str) -> None:
+    """A sorted visit of a table spanning thousands of 64 KiB buckets: every index pattern, both ways of ordering,
+    a grid shrunk to one block, the rows written back by a sorted scatter."""
+    n, width = 300_000, 128  # 512-byte rows; about one bucket per index, a few for the small calls
+    t = _table(n, width, seed=11)
+    u = as_unified(t.clone())
+    g = torch.Generator().manual_seed(12)
+    rand = torch.randint(-n, n, (100_003,), generator=g)
+    cases = {"random": rand, "int32": rand.int(), "repeats": torch.randint(0, 40, (70_000,), generator=g) * 7001,
+             "sorted": rand.sort().values, "reversed": rand.sort(descending=True).values,
+             "one row": torch.full((5000,), n - 1), "small": rand[:3]}
+    saved = (gather_config.sort_method, gather_config.host_window_bytes)
+    try:
+        gather_config.sort_method = method
+        for window in (32 << 20, 1):  # the default window, and one that shrinks the grid to its minimum
+            gather_config.host_window_bytes = window
+            for name, idx in cases.items():
+                out = _poisoned((idx.numel(), width), torch.float32)
+                gather_rows(u, idx.cuda(), out=out, sort=True)
+                assert torch.equal(out.cpu().view(torch.int32), t[idx.long()].view(torch.int32)), (name, window)
+        bad = rand.clone().cuda()
+        bad[777] = n + 5
+        got = gather_rows(u, bad, sort=True)
+        torch.cuda.synchronize()
+        assert torch.equal(got[777].cpu(), torch.zeros(width))
+        with pytest.raises(IndexError, match=f"index {n + 5} is out of bounds"):
+            check_errors()
+        dst = as_unified(torch.zeros(n, width))
+        rows = torch.randperm(n, generator=g)[:90_000].cuda()
+        scatter_rows(dst, rows, t[rows.cpu()].cuda(), sort=True)
+        torch.cuda.synchronize()
+        assert torch.equal(dst[rows].cpu(), t[rows.cpu()])
+    finally:
+        gather_config.sort_method, gather_config.host_window_bytes = saved
+    _context_alive()
+
+
+def test_tiered_gather_sorted_over_many_buckets() -> None:
+    a, b = _table(2000, 128, seed=13), _table(250_000, 128, seed=14)
+    loc = torch.randint(-1, 252_001, (120_000,), dtype=torch.int32, device="cuda")
+    out = _poisoned((120_000, 128), torch.float32)
+    before = out.cpu()
+    gather_tiered(a.cuda(), b.pin_memory(), loc, out, sort=True)
+    v = loc.long().cpu()
+    in_a, in_b = (v >= 1) & (v <= 2000), v > 2000
+    want = before
+    want[in_a] = a[v[in_a] - 1]
+    want[in_b] = b[v[in_b] - 2001]
+    want[v == 0] = 0
+    assert torch.equal(out.cpu().view(torch.int32), want.view(torch.int32))
+    check_errors()
+
+
 def test_fused_aggregation_over_every_table_form() -> None:
     """Issue 16: ops.aggregate with src_ids read a unified table out of bounds (CUDA_ERROR_ILLEGAL_ADDRESS)."""
     from datapath.ops import aggregate

@@ -355,3 +355,68 @@ DP_TIERED(8)
 DP_TIERED(4)
 DP_TIERED(2)
 DP_TIERED(1)
+
+// Visit order by buckets (a counting sort on key >> shift, about one bucket per key), the
+// sorted visit order's cheaper form: a full radix sort of 262K int64 keys takes 110 us of an
+// H100, this 28 us, against ~2.6 ms for the gather it orders.  bucket_count histograms the keys; the host turns the counts into inclusive ends
+// (a cumulative sum); bucket_place hands each key a slot below its bucket's end, so each
+// bucket's keys come out together, buckets in ascending order, in no fixed order inside.
+// Keys take the plain gather's wrap rule (negatives + n_keys); a key outside [0, n_keys)
+// goes to the last bucket and is reported by the row kernel that visits it.  Lanes of a
+// warp with the same bucket share one atomic (sorted or repeated keys would otherwise
+// serialise on one counter).
+namespace {
+
+template <typename I>
+__device__ __forceinline__ unsigned int bucket_of(I v, long long n_keys, int shift, unsigned int n_buckets) {
+    long long r = static_cast<long long>(v);
+    if (r < 0) r += n_keys;
+    if (r < 0 || r >= n_keys) return n_buckets - 1;
+    return static_cast<unsigned int>(r >> shift);
+}
+
+template <typename I, bool PLACE>
+__device__ void bucket_pass(const I* __restrict__ keys, long long m, long long n_keys, int shift,
+                            unsigned int n_buckets, unsigned int* __restrict__ slots, I* __restrict__ sorted,
+                            long long* __restrict__ order) {
+    const int lane = threadIdx.x & 31;
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    // w0 is the same for every lane of a warp, so whole warps run the loop together
+    for (long long w0 = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x - lane; w0 < m; w0 += stride) {
+        const long long i = w0 + lane;
+        const bool ok = i < m;
+        const unsigned int active = __ballot_sync(0xffffffffu, ok);
+        if (!ok) continue;
+        const I key = keys[i];
+        const unsigned int b = bucket_of(key, n_keys, shift, n_buckets);
+        const unsigned int peers = __match_any_sync(active, b);
+        const int leader = __ffs(peers) - 1;
+        const unsigned int below = peers & ((1u << lane) - 1u);
+        if (!PLACE) {
+            if (lane == leader) atomicAdd(&slots[b], static_cast<unsigned int>(__popc(peers)));
+        } else {
+            unsigned int end = 0;
+            if (lane == leader) end = atomicSub(&slots[b], static_cast<unsigned int>(__popc(peers)));
+            end = __shfl_sync(peers, end, leader);
+            const unsigned int pos = end - 1u - static_cast<unsigned int>(__popc(below));
+            sorted[pos] = key;
+            order[pos] = i;
+        }
+    }
+}
+
+}  // namespace
+
+#define DP_BUCKETS(I, ISUF)                                                                             \
+    extern "C" __global__ void bucket_count_##ISUF(const I* keys, long long m, long long n_keys, int shift, \
+                                                   unsigned int n_buckets, unsigned int* counts) {         \
+        bucket_pass<I, false>(keys, m, n_keys, shift, n_buckets, counts, nullptr, nullptr);             \
+    }                                                                                                  \
+    extern "C" __global__ void bucket_place_##ISUF(const I* keys, long long m, long long n_keys, int shift, \
+                                                   unsigned int n_buckets, unsigned int* ends, I* sorted,  \
+                                                   long long* order) {                                  \
+        bucket_pass<I, true>(keys, m, n_keys, shift, n_buckets, ends, sorted, order);                   \
+    }
+
+DP_BUCKETS(int, i32)
+DP_BUCKETS(long long, i64)

@@ -99,7 +99,7 @@ class RowPlan:
     """
 
     __slots__ = ("rows_per_block", "max_blocks", "threads", "block", "fn", "cu_fn", "args", "params", "params_ptr",
-                 "packed", "static", "lock", "device")
+                 "packed", "static", "lock", "device", "on_host")
 
     def __init__(self, name: str, all_modes: bool, row_bytes: int, row_stride: int, w: int, mode_id: int,
                  device: int, on_host: bool) -> None:
@@ -110,6 +110,7 @@ class RowPlan:
         per_sm = gather_config.blocks_per_sm if on_host else gather_config.device_blocks_per_sm
         self.max_blocks = kernels.multiprocessor_count(device) * per_sm
         self.device = device
+        self.on_host = on_host
         self.fn = _launch.function(name, all_modes)
         self.cu_fn = getattr(self.fn, "ptr", None)
         self.static = (row_stride, row_bytes, g)
@@ -128,6 +129,8 @@ class RowPlan:
         if blocks > self.max_blocks:
             blocks = self.max_blocks
         stride, row_bytes, g = self.static
+        if order_ptr and self.on_host:  # a sorted visit: keep the rows in flight near each other
+            blocks = _launch.window_blocks(blocks, self.rows_per_block, m, n_rows * stride, row_bytes)
         with self.lock:
             _PACK.pack_into(self.args, 0, table_ptr, n_rows, stride, row_bytes, idx_ptr, order_ptr, m, dev_ptr, g,
                             flag_ptr)

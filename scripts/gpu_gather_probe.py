@@ -1,0 +1,247 @@
+"""Probe: how the row kernel's grid (rows in flight) sets the speed of random rows from host memory.
+
+Random rows of a multi-GB pinned table are limited by address translation, not PCIe (B1).
+A sorted visit order helps only if the rows in flight at once lie close together: the
+grid-stride kernel's window of rows in flight spans (blocks x rows per block) sorted rows.
+This sweeps the grid (``gather_config.threads_per_block`` x ``blocks_per_sm``) for 262K
+rows of 256 B - 4 KiB from tables of 2, 4 and 16 GiB, the indices pre-sorted (the kernel
+alone) and sorted in the call, beside ``index_select`` on a CUDA view of the same memory
+(sorted indices); then the default grid with each visit order (``sort_method``) and grid
+rule (``host_window_bytes``, 0 = off).  Prints one line per case; JSON to
+``$OUT/gather_probe.json``.
+
+Seen on an H100 (2026-11-23, this probe's first form): host memory from the CUDA
+virtual-memory API (``cuMemCreate`` on a host location, 2 MiB granularity) read random
+rows no faster than cudaHostAlloc memory (512 B rows, 16 GiB table: 24.5 vs 24.6 GB/s),
+while ``index_select`` with sorted indices read them at 33 GB/s: a small window of rows in
+flight (its one-byte loads keep ~300 rows in flight) beats a wide one.
+
+    python scripts/gpu_gather_probe.py [--gib 2,4,16] [--row-bytes 256,512,1024,2048,4096] [--rows 262144]
+    python scripts/gpu_gather_probe.py --small     # small calls: host time, GPU time, the ordering's cost
+    python scripts/gpu_gather_probe.py --orders    # sorted calls: visit orders x grid rules, interleaved
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from datapath.memory import cuda_alias, gather_config, gather_rows
+from datapath.unified_tensor import as_unified
+
+GRIDS = [(256, 2), (128, 1), (64, 1), (32, 1)]
+# (sort_method, host_window_bytes): the visit order and the grid rule of sorted host gathers
+ORDERS = [("torch", 0), ("buckets", 0), ("buckets", 8 << 20), ("buckets", 32 << 20), ("buckets", 128 << 20)]
+
+
+def time_ms(fn, sets, reps: int = 9) -> float:
+    for s in sets[:2]:
+        fn(s)
+    torch.cuda.synchronize()
+    ts = []
+    for r in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s = sets[r % len(sets)]
+        a.record()
+        fn(s)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def _host_us(fn, calls: int = 400) -> float:
+    """Host microseconds per call, the GPU kept busy so that the calls only queue."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(300_000_000)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt / calls * 1e6
+
+
+def _gpu_ms(fn, sets, reps: int = 15) -> tuple[float, float]:
+    """(ms from an idle GPU, as B1 times it; ms of GPU work alone, queued behind a busy GPU), medians."""
+    idle, busy = [], []
+    for r in range(reps):
+        s = sets[r % len(sets)]
+        for lst, pre in ((idle, False), (busy, True)):
+            if pre:
+                torch.cuda._sleep(2_000_000)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(s)
+            b.record()
+            b.synchronize()
+            lst.append(a.elapsed_time(b))
+    return statistics.median(idle), statistics.median(busy)
+
+
+def small(buf: torch.Tensor) -> dict:
+    """Small calls (8K rows): where datapath's time goes beside index_select's."""
+    from datapath.memory import _launch, _plans  # noqa: PLC0415 - a diagnostic of the private launch path
+
+    out: dict = {"small": [], "order": []}
+    for rb in (512, 1024, 2048, 4096):
+        n = 4 << 20
+        if n * rb > buf.numel():
+            n = buf.numel() // rb
+        host = as_unified(buf[: n * rb].view(torch.float32).view(n, rb // 4))
+        alias = cuda_alias(buf[: n * rb].view(torch.float32).view(n, rb // 4))
+        sets = [torch.randint(0, n, (8192,), device="cuda") for _ in range(4)]
+        rec = {"row_bytes": rb, "rows": 8192, "table_rows": n}
+        for name, fn in (("datapath", lambda i: host[i]), ("naive", lambda i: torch.index_select(alias, 0, i))):
+            rec[f"{name}_idle_ms"], rec[f"{name}_busy_ms"] = _gpu_ms(fn, sets)
+            rec[f"{name}_host_us"] = _host_us(lambda: fn(sets[0]))
+        i0 = sets[0]
+        h = host._host
+        tab = _plans.known_host_table(h)
+        plan = tab.plan("gather", torch.int64, 2, 0, tab.w)
+        o = i0.new_empty((8192, rb // 4), dtype=torch.float32)
+        _, ref, _ = _plans.current_stream(0)
+        from datapath.memory.bounds import thread_flag  # noqa: PLC0415
+        flag = thread_flag()
+        rec["piece_new_empty_us"] = _host_us(lambda: i0.new_empty((8192, rb // 4), dtype=torch.float32))
+        rec["piece_launch_us"] = _host_us(lambda: plan.launch(tab.ptr, n, i0.data_ptr(), 0, 8192, o.data_ptr(),
+                                                             flag.ptr, ref))
+        rec["piece_gather_rows_us"] = _host_us(lambda: gather_rows(host, i0))
+        rec["piece_empty_kernel_us"] = _host_us(lambda: torch.cuda._sleep(1))
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
+        out["small"].append(rec)
+    for m in (65536, 262144, 1 << 20):
+        x = torch.randint(0, 4 << 20, (m,), device="cuda")
+        r = {"m": m}
+        r["torch_sort_idle_ms"], r["torch_sort_busy_ms"] = _gpu_ms(lambda s: torch.sort(s), [x])
+        r["buckets_idle_ms"], r["buckets_busy_ms"] = _gpu_ms(lambda s: _launch.bucket_order(s, 4 << 20), [x])
+        r["torch_sort_host_us"] = _host_us(lambda: torch.sort(x))
+        r["buckets_host_us"] = _host_us(lambda: _launch.bucket_order(x, 4 << 20))
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+        out["order"].append(r)
+    return out
+
+
+def orders(buf: torch.Tensor, reps: int = 21) -> list[dict]:
+    """Sorted calls of 65K and 262K rows of 256/512 B from a 4M-row table: each visit order and grid rule, the
+    ways timed in turn (rotating) so that drift hits them alike."""
+    from datapath.memory import _launch  # noqa: PLC0415 - a diagnostic of the private launch path
+
+    fine = _launch.bucket_shift
+
+    def coarse(n_keys: int, m: int) -> tuple[int, int]:  # 64 KiB of 512-byte rows a bucket
+        shift, _ = fine(n_keys, m)
+        shift = max(shift, 7)
+        return shift, ((max(n_keys, 1) - 1) >> shift) + 1
+
+    ways = {"torch/full": ("torch", 0, fine), "buckets/full": ("buckets", 0, fine),
+            "buckets/32M": ("buckets", 32 << 20, fine), "coarse/32M": ("buckets", 32 << 20, coarse),
+            "coarse/full": ("buckets", 0, coarse), "buckets/128M": ("buckets", 128 << 20, fine)}
+    recs = []
+    saved = (gather_config.sort_method, gather_config.host_window_bytes)
+    try:
+        for rb in (256, 512):
+            n = 4 << 20
+            host = as_unified(buf[: n * rb].view(n, rb))
+            for m in (65536, 262144):
+                sets = [torch.randint(0, n, (m,), device="cuda") for _ in range(4)]
+                times: dict[str, list[float]] = {w: [] for w in ways}
+                names = list(ways)
+                for r in range(reps + 2):
+                    for w in names[r % len(names):] + names[:r % len(names)]:
+                        method, window, shift_fn = ways[w]
+                        gather_config.sort_method, gather_config.host_window_bytes = method, window
+                        _launch.bucket_shift = shift_fn
+                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        a.record()
+                        gather_rows(host, sets[r % 4], sort=True)
+                        b.record()
+                        b.synchronize()
+                        if r >= 2:
+                            times[w].append(a.elapsed_time(b))
+                rec = {"row_bytes": rb, "rows": m, **{w: m * rb / statistics.median(t) / 1e6 for w, t in times.items()}}
+                print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
+                recs.append(rec)
+    finally:
+        gather_config.sort_method, gather_config.host_window_bytes = saved
+        _launch.bucket_shift = fine
+    return recs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--orders", action="store_true")
+    ap.add_argument("--gib", default="2,4,16")
+    ap.add_argument("--rows", type=int, default=262144)
+    ap.add_argument("--row-bytes", default="256,512,1024,2048,4096")
+    args = ap.parse_args()
+    torch.zeros(1, device="cuda")
+    if args.orders:
+        res = orders(torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True))
+        with open(os.path.join(os.environ.get("OUT", "."), "gather_orders_probe.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "records": res}, f, indent=1)
+        return
+    if args.small:
+        buf = torch.empty(16 << 30, dtype=torch.uint8, pin_memory=True)
+        res = small(buf)
+        with open(os.path.join(os.environ.get("OUT", "."), "gather_small_probe.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), **res}, f, indent=1)
+        return
+    gibs = [int(x) for x in args.gib.split(",")]
+    buf = torch.empty(max(gibs) << 30, dtype=torch.uint8, pin_memory=True)
+    buf.view(torch.int64)[::512].random_()
+    src = buf[: 1 << 30]
+    dst = torch.empty_like(src, device="cuda")
+    memcpy = (1 << 30) / time_ms(lambda s: dst.copy_(src, non_blocking=True), [0], reps=5) / 1e6
+    dst = None  # free the GPU copy
+    print(f"{torch.cuda.get_device_name()}: memcpy 1 GiB pinned->GPU {memcpy:.1f} GB/s", flush=True)
+    recs = []
+    default = (gather_config.threads_per_block, gather_config.blocks_per_sm)
+    for rb in [int(x) for x in args.row_bytes.split(",")]:
+        for gib in gibs:
+            n = (gib << 30) // rb
+            host = as_unified(buf[: n * rb].view(n, rb))
+            alias = cuda_alias(buf[: n * rb].view(n, rb))
+            sets = [torch.randint(0, n, (args.rows,), device="cuda") for _ in range(4)]
+            ssets = [torch.sort(s).values for s in sets]
+            nb = args.rows * rb
+            rec = {"row_bytes": rb, "gib": gib, "rows": args.rows,
+                   "index_select_sorted": nb / time_ms(lambda s: torch.index_select(alias, 0, s), ssets) / 1e6,
+                   "index_select": nb / time_ms(lambda s: torch.index_select(alias, 0, s), sets) / 1e6}
+            for threads, per_sm in GRIDS:
+                gather_config.threads_per_block, gather_config.blocks_per_sm = threads, per_sm
+                try:
+                    rec[f"pre_{threads}x{per_sm}"] = nb / time_ms(lambda s: gather_rows(host, s, sort=False),
+                                                                  ssets) / 1e6
+                    rec[f"sort_{threads}x{per_sm}"] = nb / time_ms(lambda s: gather_rows(host, s, sort=True),
+                                                                   sets) / 1e6
+                finally:
+                    gather_config.threads_per_block, gather_config.blocks_per_sm = default
+            saved = (gather_config.sort_method, gather_config.host_window_bytes)
+            for method, window in ORDERS:
+                gather_config.sort_method, gather_config.host_window_bytes = method, window
+                try:
+                    rec[f"call_{method}_{window >> 20}M"] = nb / time_ms(lambda s: gather_rows(host, s, sort=True),
+                                                                         sets) / 1e6
+                    assert torch.equal(gather_rows(host, sets[1], sort=True), alias[sets[1]])
+                finally:
+                    gather_config.sort_method, gather_config.host_window_bytes = saved
+            best = max((k for k in rec if k.startswith("pre_")), key=rec.__getitem__)
+            print(f"{rb:5d} B {gib:3d} GiB: index_select sorted {rec['index_select_sorted']:.1f} unsorted "
+                  f"{rec['index_select']:.1f} | " + " ".join(f"{k[4:]}:{rec[k]:.1f}/{rec['sort_' + k[4:]]:.1f}"
+                                                         for k in rec if k.startswith("pre_"))
+                  + f" | best {best} | " + " ".join(f"{k[5:]}:{rec[k]:.1f}" for k in rec if k.startswith("call_")),
+                  flush=True)
+            recs.append(rec)
+    with open(os.path.join(os.environ.get("OUT", "."), "gather_probe.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "memcpy_GBps": memcpy, "records": recs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
