@@ -5,7 +5,8 @@ means the step is host-bound), peak, and a torch.profiler table of one step (CUD
 so the two ways' kernels can be compared line by line.  Ways: ``recipe`` (PyTorch's regional compilation, each block's module compiled), ``regional``
 (datapath's `compile_blocks`: blocks, output head, loss),
 ``whole`` (`torch.compile(model)`), ``datapath`` (`offload(model, memory_budget=B, compile=True)`, B given
-in GB by ``--budget-gb``, default 80% of keep's measured peak).
+in GB by ``--budget-gb`` (several: comma-separated), default 80% of keep's measured peak; ``--variants``
+runs it with the forward's admission waits removed, to see what they cost).
 Run on the GPU machine:  PYTHONPATH=src:. python scripts/gpu_compile_diag.py [--model gpt2] [--ways a,b]
 """
 from __future__ import annotations
@@ -85,11 +86,34 @@ def measure(name: str, fn, steps: int, warmup: int, model: torch.nn.Module, rows
     opt.zero_grad(set_to_none=True)
 
 
+@contextlib.contextmanager
+def _admission(variant: str):
+    """The budget policy's forward admission as shipped, or without its waits (a diagnostic: the budget may break)."""
+    from datapath.offload.budget import BudgetPolicy  # noqa: PLC0415 - private: the diagnostic swaps its methods
+
+    saved = (BudgetPolicy.admit, BudgetPolicy.admit_kept)
+    if variant == "nohold-kept":
+        BudgetPolicy.admit_kept = lambda self, rec, nbytes: 0.0
+    elif variant == "nohold":
+        BudgetPolicy.admit_kept = lambda self, rec, nbytes: 0.0
+        BudgetPolicy.admit = lambda self, rec, nbytes: self.c.transfers.admit(nbytes, 2e9)
+    elif variant != "hold":
+        raise SystemExit(f"unknown variant {variant!r}")
+    try:
+        yield
+    finally:
+        BudgetPolicy.admit, BudgetPolicy.admit_kept = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2")
     ap.add_argument("--ways", default="regional,whole,datapath")
-    ap.add_argument("--budget-gb", type=float, default=None)
+    ap.add_argument("--budget-gb", default=None, help="one or more budgets, comma-separated (the datapath way)")
+    ap.add_argument("--variants", default="hold",
+                    help="the datapath way's admission, comma-separated: hold (as shipped), nohold-kept (kept "
+                         "storages never wait for stores), nohold (no storage waits for memory; stores still "
+                         "bounded by bytes in flight)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--cprofile", action="store_true", help="the datapath way: cProfile of 3 steps (host time)")
@@ -112,14 +136,20 @@ def main() -> None:
             measure(way, lambda: w.loss(whole, w.batch), args.steps, 3, model, args.rows)
             del whole
         elif way == "datapath":
-            budget = int(args.budget_gb * 1e9) if args.budget_gb else int(keep_peak * 0.8)
-            with offload(model, memory_budget=budget, compile=True) as cache:
-                measure(f"{way} budget {budget / 1e9:.2f} GB", lambda: w.loss(model, w.batch), args.steps, 8,
-                        model, args.rows, cprofile=args.cprofile)
-                plan = cache.plan.as_dict() if cache.plan is not None else None
-                st = cache.stats
-                print(f"plan {plan}\npacks {st.packs} offloaded {st.bytes_offloaded / 1e9:.2f} GB "
-                      f"store wait {st.store_wait_seconds:.3f} s", flush=True)
+            budgets = [int(float(b) * 1e9) for b in args.budget_gb.split(",")] if args.budget_gb else \
+                [int(keep_peak * 0.8)]
+            for budget in budgets:
+                for variant in args.variants.split(","):
+                    torch._dynamo.reset()
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    with _admission(variant), offload(model, memory_budget=budget, compile=True) as cache:
+                        measure(f"{way} budget {budget / 1e9:.2f} GB {variant}", lambda: w.loss(model, w.batch),
+                                args.steps, 8, model, args.rows, cprofile=args.cprofile)
+                        plan = cache.plan.as_dict() if cache.plan is not None else None
+                        st = cache.stats
+                        print(f"plan {plan}\npacks {st.packs} offloaded {st.bytes_offloaded / 1e9:.2f} GB "
+                              f"store wait {st.store_wait_seconds:.3f} s", flush=True)
         print(f"({way}: {time.perf_counter() - t0:.0f} s with compilation)", flush=True)
     with contextlib.suppress(Exception):
         torch._dynamo.reset()
