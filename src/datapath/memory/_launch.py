@@ -84,9 +84,10 @@ def bucket_shift(n_keys: int, m: int) -> tuple[int, int]:
     """(shift, buckets): key k of ``m`` keys in [0, n_keys) goes to bucket ``k >> shift``.
 
     About as many buckets as keys (a power of two, at most ``MAX_BUCKETS``), so that a bucket
-    holds a key or two and the grouped order is nearly the sorted one: coarser buckets (64 KiB
-    of table each) were measured 3-7% slower on dense calls (1M of 4M rows), where
-    neighbouring rows of the visit share pages and host DRAM rows.
+    holds a key or two and the grouped order is nearly the sorted one.  (A B1 run with coarser
+    buckets, 64 KiB of table each, gave 3-7% less than the exact sort's run before it on dense
+    calls, 1M of 4M rows, where neighbouring rows of the visit share pages; the next run, with
+    these, matched it.  On 65K-262K-row calls the two measured alike, interleaved.)
     """
     buckets = min(MAX_BUCKETS, 1 << max(0, (m - 1).bit_length()))
     rows = max(1, -(-n_keys // buckets))
@@ -98,8 +99,8 @@ def bucket_order(keys: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.T
     """(keys grouped by bucket, buckets ascending; each one's position in ``keys``, int64), on the GPU, no waiting.
 
     ``keys``: (m,) int32/int64 CUDA, row numbers of a table of ``n_keys`` rows (negatives wrap as
-    in the row kernels).  Four launches on the current stream (a
-    histogram, its cumulative sum, a placement) instead of a full radix sort.
+    in the row kernels).  Four launches on the current stream (the histogram's zeroing, the
+    histogram, its cumulative sum, the placement) instead of a full radix sort.
     """
     m = keys.numel()
     shift, n_buckets = bucket_shift(n_keys, m)
