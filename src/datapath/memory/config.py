@@ -58,7 +58,8 @@ class GatherConfig:
             sort costs tens of microseconds, which small calls cannot win back (B1).
         sort_method: how a sorted visit orders the indices: ``"buckets"`` (the default: a
             counting sort into about one bucket per index, buckets ascending: 28 us of GPU time
-            for 262K int64 indices where ``torch.sort`` takes 110 us, H100) or ``"torch"``
+            for 262K int64 indices into 64 KiB buckets where ``torch.sort`` takes 110 us, H100; a
+            bucket per index adds a 1 MiB histogram) or ``"torch"``
             (``torch.sort``, exact).
         host_window_bytes: the span of table that the rows in flight of a sorted host gather
             may cover; a call of sparse rows (large table, few rows) gets a smaller grid so
