@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import datapath  # noqa: F401  (registers the unified device)
-from benchmarks._common import RESULTS_DIR, cuda_time_ms, print_table, write_result
+from benchmarks._common import RESULTS_DIR, cuda_time_ms, host_us_per_call, print_table, write_result
 from datapath.apps import device_label, require_cuda
 from datapath.memory import cuda_alias, pinned_empty
 from datapath.unified_tensor import as_unified, check_errors, gather
@@ -87,19 +87,6 @@ def _memcpy_gbps(buf: torch.Tensor, nbytes: int) -> float:
     return nbytes / ms / 1e6
 
 
-def _host_us(fn: Any, calls: int = 300) -> float:
-    """Host time per call of ``fn`` in microseconds, the GPU kept busy so that the calls only queue."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
-
 def _ways(table: torch.Tensor, sets: list[torch.Tensor], sets_cuda: list[torch.Tensor],
           include_py: bool, ablation: bool) -> dict[str, list]:
     """For each way, one callable per index set."""
@@ -146,8 +133,8 @@ def _host_us_8k_rows(buf: torch.Tensor) -> dict[str, float]:
     table = buf[: (4 << 20) * 64].view(4 << 20, 64)
     idx = torch.randint(0, 4 << 20, (8192,), device="cuda")
     unified, alias = as_unified(table), cuda_alias(table)
-    return {"datapath": _host_us(lambda: unified[idx]),
-            "naive_zc": _host_us(lambda: torch.index_select(alias, 0, idx))}
+    return {"datapath": host_us_per_call(lambda: unified[idx]),
+            "naive_zc": host_us_per_call(lambda: torch.index_select(alias, 0, idx))}
 
 
 def run(args: argparse.Namespace) -> dict:

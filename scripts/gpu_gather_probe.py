@@ -16,7 +16,7 @@ rows no faster than cudaHostAlloc memory (512 B rows, 16 GiB table: 24.5 vs 24.6
 while ``index_select`` with sorted indices read them at 33 GB/s: a small window of rows in
 flight (its one-byte loads keep ~300 rows in flight) beats a wide one.
 
-    python scripts/gpu_gather_probe.py [--gib 2,4,16] [--row-bytes 256,512,1024,2048,4096] [--rows 262144]
+    PYTHONPATH=src:. python scripts/gpu_gather_probe.py [--gib 2,4,16] [--row-bytes 256,512,1024,2048,4096] [--rows 262144]
     python scripts/gpu_gather_probe.py --small     # small calls: host time, GPU time, the ordering's cost
     python scripts/gpu_gather_probe.py --orders    # sorted calls: visit orders x grid rules, interleaved
 """
@@ -26,10 +26,10 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 
+from benchmarks._common import host_us_per_call as _host_us_per_call
 from datapath.memory import cuda_alias, gather_config, gather_rows
 from datapath.unified_tensor import as_unified
 
@@ -54,17 +54,9 @@ def time_ms(fn, sets, reps: int = 9) -> float:
     return statistics.median(ts)
 
 
-def _host_us(fn, calls: int = 400) -> float:
-    """Host microseconds per call, the GPU kept busy so that the calls only queue."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(300_000_000)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    dt = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return dt / calls * 1e6
+def host_us_per_call(fn) -> float:
+    """Host microseconds per call (400 calls behind ~0.17 s of GPU sleep)."""
+    return _host_us_per_call(fn, calls=400, sleep_cycles=300_000_000)
 
 
 def _gpu_ms(fn, sets, reps: int = 15) -> tuple[float, float]:
@@ -99,7 +91,7 @@ def small(buf: torch.Tensor) -> dict:
         rec = {"row_bytes": rb, "rows": 8192, "table_rows": n}
         for name, fn in (("datapath", lambda i: host[i]), ("naive", lambda i: torch.index_select(alias, 0, i))):
             rec[f"{name}_idle_ms"], rec[f"{name}_busy_ms"] = _gpu_ms(fn, sets)
-            rec[f"{name}_host_us"] = _host_us(lambda: fn(sets[0]))
+            rec[f"{name}_host_us"] = host_us_per_call(lambda: fn(sets[0]))
         i0 = sets[0]
         h = host._host
         tab = _plans.known_host_table(h)
@@ -108,11 +100,11 @@ def small(buf: torch.Tensor) -> dict:
         _, ref, _ = _plans.current_stream(0)
         from datapath.memory.bounds import thread_flag  # noqa: PLC0415
         flag = thread_flag()
-        rec["piece_new_empty_us"] = _host_us(lambda: i0.new_empty((8192, rb // 4), dtype=torch.float32))
-        rec["piece_launch_us"] = _host_us(lambda: plan.launch(tab.ptr, n, i0.data_ptr(), 0, 8192, o.data_ptr(),
-                                                             flag.ptr, ref))
-        rec["piece_gather_rows_us"] = _host_us(lambda: gather_rows(host, i0))
-        rec["piece_empty_kernel_us"] = _host_us(lambda: torch.cuda._sleep(1))
+        rec["piece_new_empty_us"] = host_us_per_call(lambda: i0.new_empty((8192, rb // 4), dtype=torch.float32))
+        rec["piece_launch_us"] = host_us_per_call(
+            lambda: plan.launch(tab.ptr, n, i0.data_ptr(), 0, 8192, o.data_ptr(), flag.ptr, ref))
+        rec["piece_gather_rows_us"] = host_us_per_call(lambda: gather_rows(host, i0))
+        rec["piece_empty_kernel_us"] = host_us_per_call(lambda: torch.cuda._sleep(1))
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
         out["small"].append(rec)
     for m in (65536, 262144, 1 << 20):
@@ -120,8 +112,8 @@ def small(buf: torch.Tensor) -> dict:
         r = {"m": m}
         r["torch_sort_idle_ms"], r["torch_sort_busy_ms"] = _gpu_ms(lambda s: torch.sort(s), [x])
         r["buckets_idle_ms"], r["buckets_busy_ms"] = _gpu_ms(lambda s: _launch.bucket_order(s, 4 << 20), [x])
-        r["torch_sort_host_us"] = _host_us(lambda: torch.sort(x))
-        r["buckets_host_us"] = _host_us(lambda: _launch.bucket_order(x, 4 << 20))
+        r["torch_sort_host_us"] = host_us_per_call(lambda: torch.sort(x))
+        r["buckets_host_us"] = host_us_per_call(lambda: _launch.bucket_order(x, 4 << 20))
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
         out["order"].append(r)
     return out
