@@ -182,7 +182,8 @@ def run(args: argparse.Namespace) -> dict:
         ideal_ms = nbytes / (peak * 1e6)
         rec = {"sweep": sweep, "row_bytes": row_bytes, "rows": m, "table_rows": n,
                "bytes": nbytes, "ideal_ms": ideal_ms, "ideal_GBps": peak}
-        reps = 3 if nbytes > (1 << 30) else 9
+        # small calls are decided by a few microseconds: more repetitions for a steadier median
+        reps = 3 if nbytes > (1 << 30) else 9 if nbytes > (64 << 20) else 25
         ways = _ways(table, sets, sets_cuda, include_py, ablation=sweep == "align")
         slow = {k: ways.pop(k) for k in ("py", "py_pinned") if k in ways}  # 10x slower: timed apart, fewer times
         _warm_gpu()

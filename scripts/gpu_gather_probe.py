@@ -19,6 +19,7 @@ flight (its one-byte loads keep ~300 rows in flight) beats a wide one.
     PYTHONPATH=src:. python scripts/gpu_gather_probe.py [--gib 2,4,16] [--row-bytes 256,512,1024,2048,4096] [--rows 262144]
     python scripts/gpu_gather_probe.py --small     # small calls: host time, GPU time, the ordering's cost
     python scripts/gpu_gather_probe.py --orders    # sorted calls: visit orders x grid rules, interleaved
+    python scripts/gpu_gather_probe.py --fused     # the one-launch ordering vs four launches; small-call grids
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def _gpu_ms(fn, sets, reps: int = 15) -> tuple[float, float]:
 
 def small(buf: torch.Tensor) -> dict:
     """Small calls (8K rows): where datapath's time goes beside index_select's."""
-    from datapath.memory import _launch, _plans  # noqa: PLC0415 - a diagnostic of the private launch path
+    from datapath.memory import _order, _plans  # noqa: PLC0415 - a diagnostic of the private launch path
 
     out: dict = {"small": [], "order": []}
     for rb in (512, 1024, 2048, 4096):
@@ -111,9 +112,9 @@ def small(buf: torch.Tensor) -> dict:
         x = torch.randint(0, 4 << 20, (m,), device="cuda")
         r = {"m": m}
         r["torch_sort_idle_ms"], r["torch_sort_busy_ms"] = _gpu_ms(lambda s: torch.sort(s), [x])
-        r["buckets_idle_ms"], r["buckets_busy_ms"] = _gpu_ms(lambda s: _launch.bucket_order(s, 4 << 20), [x])
+        r["buckets_idle_ms"], r["buckets_busy_ms"] = _gpu_ms(lambda s: _order.bucket_order(s, 4 << 20), [x])
         r["torch_sort_host_us"] = host_us_per_call(lambda: torch.sort(x))
-        r["buckets_host_us"] = host_us_per_call(lambda: _launch.bucket_order(x, 4 << 20))
+        r["buckets_host_us"] = host_us_per_call(lambda: _order.bucket_order(x, 4 << 20))
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
         out["order"].append(r)
     return out
@@ -122,9 +123,9 @@ def small(buf: torch.Tensor) -> dict:
 def orders(buf: torch.Tensor, reps: int = 21) -> list[dict]:
     """Sorted calls of 65K and 262K rows of 256/512 B from a 4M-row table: each visit order and grid rule, the
     ways timed in turn (rotating) so that drift hits them alike."""
-    from datapath.memory import _launch  # noqa: PLC0415 - a diagnostic of the private launch path
+    from datapath.memory import _order  # noqa: PLC0415 - a diagnostic of the private launch path
 
-    fine = _launch.bucket_shift
+    fine = _order.bucket_shift
 
     def coarse(n_keys: int, m: int) -> tuple[int, int]:  # 64 KiB of 512-byte rows a bucket
         shift, _ = fine(n_keys, m)
@@ -148,7 +149,7 @@ def orders(buf: torch.Tensor, reps: int = 21) -> list[dict]:
                     for w in names[r % len(names):] + names[:r % len(names)]:
                         method, window, shift_fn = ways[w]
                         gather_config.sort_method, gather_config.host_window_bytes = method, window
-                        _launch.bucket_shift = shift_fn
+                        _order.bucket_shift = shift_fn
                         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         a.record()
                         gather_rows(host, sets[r % 4], sort=True)
@@ -161,14 +162,118 @@ def orders(buf: torch.Tensor, reps: int = 21) -> list[dict]:
                 recs.append(rec)
     finally:
         gather_config.sort_method, gather_config.host_window_bytes = saved
-        _launch.bucket_shift = fine
+        _order.bucket_shift = fine
     return recs
+
+
+def _interleaved(ways: dict, sets: list, reps: int) -> dict[str, float]:
+    """Median ms per way from an idle GPU (as B1 times a call), the ways timed in turn (rotating order)."""
+    names = list(ways)
+    times: dict[str, list[float]] = {w: [] for w in names}
+    for r in range(reps + 2):
+        for w in names[r % len(names):] + names[:r % len(names)]:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            ways[w](sets[r % len(sets)])
+            b.record()
+            b.synchronize()
+            if r >= 2:
+                times[w].append(a.elapsed_time(b))
+    return {w: statistics.median(t) for w, t in times.items()}
+
+
+def _warm(ms: float = 30.0) -> None:
+    import time  # noqa: PLC0415
+
+    a = torch.randn(4096, 4096, device="cuda")
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < ms:
+        a @ a
+        torch.cuda.synchronize()
+
+
+def fused(buf: torch.Tensor, reps: int = 21) -> dict:
+    """The ordering in one cooperative launch vs four launches vs torch.sort: alone (idle / busy GPU, checked),
+    and in whole sorted calls beside the kernel on pre-sorted rows; then small calls under several grids."""
+    from datapath.memory import _order  # noqa: PLC0415 - a diagnostic of the private launch path
+
+    res: dict = {"order": [], "calls": [], "grid": []}
+    n_keys = 4 << 20
+    for m in (8192, 65536, 262144, 1 << 20):
+        x = torch.randint(-n_keys, n_keys, (m,), device="cuda")
+        for dt in (torch.int64, torch.int32):
+            k = x.to(dt)
+            shift, _ = _order.bucket_shift(n_keys, m)
+            g, o = _order.bucket_order_fused(k, n_keys)
+            wrapped = torch.where(k < 0, k + n_keys, k).long()
+            ok = torch.equal(k[o], g) and torch.equal(torch.sort(o).values, torch.arange(m, device="cuda")) \
+                and bool(((wrapped[o] >> shift).diff() >= 0).all())
+            assert ok, f"fused order wrong at m={m} {dt}"
+        r = {"m": m}
+        for name, fn in (("torch", lambda s: torch.sort(s)), ("unfused", lambda s: _order.bucket_order(s, n_keys)),
+                         ("fused", lambda s: _order.bucket_order_fused(s, n_keys))):
+            r[f"{name}_idle_ms"], r[f"{name}_busy_ms"] = _gpu_ms(fn, [x])
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+        res["order"].append(r)
+    saved = (gather_config.sort_method, gather_config.blocks_per_sm)
+    try:
+        for rb, m in ((512, 262144), (1024, 262144), (256, 262144), (512, 65536), (2048, 262144)):
+            n = min(4 << 20, buf.numel() // rb)
+            view = buf[: n * rb].view(torch.float32).view(n, rb // 4)
+            host, alias = as_unified(view), cuda_alias(view)
+            sets = [torch.randint(0, n, (m,), device="cuda") for _ in range(4)]
+            presorted = [torch.sort(s).values for s in sets]
+
+            def call(method: str):
+                def fn(s: torch.Tensor) -> torch.Tensor:
+                    gather_config.sort_method = method
+                    return gather_rows(host, s, sort=True)
+                return fn
+
+            ways = {"torch": call("torch"), "unfused": call("buckets_unfused"), "fused": call("buckets"),
+                    "naive": lambda s: torch.index_select(alias, 0, s)}
+            _warm()
+            ms = _interleaved(ways, sets, reps)
+            pre = {"presorted": lambda s: gather_rows(host, s, sort=False),
+                   "naive_presorted": lambda s: torch.index_select(alias, 0, s)}
+            ms.update(_interleaved(pre, presorted, reps))
+            gather_config.sort_method = "buckets"
+            assert torch.equal(gather_rows(host, sets[1], sort=True), alias[sets[1]])
+            rec = {"row_bytes": rb, "rows": m, "table_gib": n * rb / 2**30,
+                   **{f"{w}_GBps": m * rb / t / 1e6 for w, t in ms.items()}}
+            print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
+            res["calls"].append(rec)
+        gather_config.sort_method = saved[0]
+        for rb in (512, 1024, 2048, 4096, 8192, 16384):
+            n = min(4 << 20, buf.numel() // rb)
+            view = buf[: n * rb].view(torch.float32).view(n, rb // 4)
+            host, alias = as_unified(view), cuda_alias(view)
+            for m in (8192, 65536):
+                sets = [torch.randint(0, n, (m,), device="cuda") for _ in range(4)]
+
+                def grid(per_sm: int):
+                    def fn(s: torch.Tensor) -> torch.Tensor:
+                        gather_config.blocks_per_sm = per_sm
+                        return host[s]
+                    return fn
+
+                ways = {"naive": lambda s: torch.index_select(alias, 0, s), "bps2": grid(2), "bps4": grid(4),
+                        "bps8": grid(8), "bps16": grid(16)}
+                _warm()
+                ms = _interleaved(ways, sets, reps)
+                rec = {"row_bytes": rb, "rows": m, **{f"{w}_GBps": m * rb / t / 1e6 for w, t in ms.items()}}
+                print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
+                res["grid"].append(rec)
+    finally:
+        gather_config.sort_method, gather_config.blocks_per_sm = saved
+    return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--orders", action="store_true")
+    ap.add_argument("--fused", action="store_true")
     ap.add_argument("--gib", default="2,4,16")
     ap.add_argument("--rows", type=int, default=262144)
     ap.add_argument("--row-bytes", default="256,512,1024,2048,4096")
@@ -178,6 +283,12 @@ def main() -> None:
         res = orders(torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True))
         with open(os.path.join(os.environ.get("OUT", "."), "gather_orders_probe.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "records": res}, f, indent=1)
+        return
+    if args.fused:
+        buf = torch.empty(16 << 30, dtype=torch.uint8, pin_memory=True)
+        res = fused(buf)
+        with open(os.path.join(os.environ.get("OUT", "."), "gather_fused_probe.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), **res}, f, indent=1)
         return
     if args.small:
         buf = torch.empty(16 << 30, dtype=torch.uint8, pin_memory=True)

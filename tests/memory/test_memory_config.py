@@ -45,6 +45,7 @@ def test_arguments_come_first() -> None:
 def test_visit_order_settings_are_checked() -> None:
     cfg = GatherConfig()
     assert (cfg.sort_method, cfg.host_window_bytes) == ("buckets", 32 << 20)
+    cfg.sort_method = "buckets_unfused"
     cfg.sort_method, cfg.host_window_bytes, cfg.host_min_inflight_bytes = "torch", 0, 1 << 20
     with pytest.raises(ValueError, match="sort_method"):
         cfg.sort_method = "radix"

@@ -165,7 +165,7 @@ def test_tiered_gather(sort: bool) -> None:
     check_errors()
 
 
-@pytest.mark.parametrize("method", ["buckets", "torch"])
+@pytest.mark.parametrize("method", ["buckets", "buckets_unfused", "torch"])
 def test_sorted_visit_over_many_buckets(method: str) -> None:
     """A sorted visit of a table spanning thousands of 64 KiB buckets: every index pattern, both ways of ordering,
     a grid shrunk to one block, the rows written back by a sorted scatter."""
@@ -201,6 +201,31 @@ def test_sorted_visit_over_many_buckets(method: str) -> None:
     finally:
         gather_config.sort_method, gather_config.host_window_bytes = saved
     _context_alive()
+
+
+def test_sorted_visit_at_the_bucket_limit_and_on_concurrent_streams() -> None:
+    """More keys than the ordering's bucket limit (2^20 buckets of several rows), int32 and int64; then sorted
+    gathers queued on two streams at once (each stream's ordering has its own grid barrier)."""
+    n, width = 3_000_000, 4  # 16-byte rows: a table of more rows than buckets
+    t = _table(n, width, seed=21)
+    u = as_unified(t.clone())
+    g = torch.Generator().manual_seed(22)
+    big = torch.randint(-n, n, (2_500_000,), generator=g)
+    for idx in (big, big.int()):
+        got = gather_rows(u, idx.cuda(), sort=True)
+        assert torch.equal(got.cpu().view(torch.int32), t[idx.long()].view(torch.int32))
+    sets = [torch.randint(0, n, (300_000 + 7 * k,), generator=g) for k in range(6)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    cuda_sets = [s.cuda() for s in sets]
+    torch.cuda.synchronize()
+    outs = []
+    for k, idx in enumerate(cuda_sets):
+        with torch.cuda.stream(streams[k % 2]):
+            outs.append(gather_rows(u, idx, sort=True))
+    torch.cuda.synchronize()
+    for idx, got in zip(sets, outs):
+        assert torch.equal(got.cpu().view(torch.int32), t[idx].view(torch.int32))
+    check_errors()
 
 
 def test_tiered_gather_sorted_over_many_buckets() -> None:

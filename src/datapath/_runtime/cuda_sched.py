@@ -13,6 +13,8 @@ import logging
 
 import torch
 
+from datapath._runtime.kernels import libcuda
+
 log = logging.getLogger("datapath.runtime.cuda_sched")
 
 _CU_CTX_SCHED_BLOCKING_SYNC = 0x04
@@ -20,9 +22,8 @@ _CU_CTX_SCHED_BLOCKING_SYNC = 0x04
 
 def use_blocking_sync(device: int = 0) -> bool:
     """Ask CUDA to block (sleep) rather than spin in host synchronizations. True when set."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+    cuda = libcuda()
+    if cuda is None:
         return False
     if cuda.cuInit(0) != 0:
         return False

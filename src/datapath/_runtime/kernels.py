@@ -10,6 +10,7 @@ with the surrounding PyTorch work.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.resources
 import warnings
@@ -135,3 +136,12 @@ def multiprocessor_count(device: int | None = None) -> int:
     """Number of SMs of ``device`` (current device by default)."""
     dev = torch.cuda.current_device() if device is None else device
     return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def libcuda() -> ctypes.CDLL | None:
+    """The CUDA driver library through ctypes, loaded once (None where it cannot be loaded)."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None

@@ -1,4 +1,4 @@
-"""Launching the row kernels of ``kernels/gather.cu``: word width, lanes per row, grid, visit order.
+"""Launching the row kernels of ``kernels/gather.cu``: word width, lanes per row, grid.
 
 Private to `datapath.memory`; `datapath.memory.rows` decides what to launch, and
 `datapath.memory._plans` caches the plain kernels' launches per row geometry.
@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from datapath._runtime import kernels
+from datapath.memory import _order
 from datapath.memory.config import gather_config
 
 _WIDTHS = (16, 8, 4, 2, 1)
@@ -76,62 +77,6 @@ def _grid(m: int, g: int, rows_per_group: int, device: int, on_host: bool) -> in
     return max(1, min(-(-m // (groups_per_block * rows_per_group)), max_blocks))
 
 
-# At most this many buckets a call (a 4 MiB histogram).
-MAX_BUCKETS = 1 << 20
-
-
-def bucket_shift(n_keys: int, m: int) -> tuple[int, int]:
-    """(shift, buckets): key k of ``m`` keys in [0, n_keys) goes to bucket ``k >> shift``.
-
-    About as many buckets as keys (a power of two, at most ``MAX_BUCKETS``), so that a bucket
-    holds a key or two and the grouped order is nearly the sorted one.  (A B1 run with coarser
-    buckets, 64 KiB of table each, gave 3-7% less than the exact sort's run before it on dense
-    calls, 1M of 4M rows, where neighbouring rows of the visit share pages; the next run, with
-    these, matched it.  On 65K-262K-row calls the two measured alike, interleaved.)
-    """
-    buckets = min(MAX_BUCKETS, 1 << max(0, (m - 1).bit_length()))
-    rows = max(1, -(-n_keys // buckets))
-    shift = (rows - 1).bit_length()
-    return shift, ((max(n_keys, 1) - 1) >> shift) + 1
-
-
-def bucket_order(keys: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keys grouped by bucket, buckets ascending; each one's position in ``keys``, int64), on the GPU, no waiting.
-
-    ``keys``: (m,) int32/int64 CUDA, row numbers of a table of ``n_keys`` rows (negatives wrap as
-    in the row kernels).  Four launches on the current stream (the histogram's zeroing, the
-    histogram, its cumulative sum, the placement) instead of a full radix sort.
-    """
-    m = keys.numel()
-    shift, n_buckets = bucket_shift(n_keys, m)
-    suffix = "i32" if keys.dtype == torch.int32 else "i64"
-    dev = keys.device
-    stream = _Stream(torch.cuda.current_stream(dev).cuda_stream)
-    grid = (max(1, min(-(-m // 256), 4 * kernels.multiprocessor_count(dev.index))),)
-    common = (kernels.ptr(keys), np.int64(m), np.int64(n_keys), np.int32(shift), np.uint32(n_buckets))
-    counts = torch.zeros(n_buckets, dtype=torch.int32, device=dev)
-    function(f"bucket_count_{suffix}", False)(grid, (256,), (*common, kernels.ptr(counts)), 0, stream)
-    ends = torch.cumsum(counts, 0, dtype=torch.int32)
-    grouped = torch.empty_like(keys)
-    order = torch.empty(m, dtype=torch.int64, device=dev)
-    function(f"bucket_place_{suffix}", False)(
-        grid, (256,), (*common, kernels.ptr(ends), kernels.ptr(grouped), kernels.ptr(order)), 0, stream)
-    return grouped, order
-
-
-def visit_order(keys: torch.Tensor, sort: bool, n_keys: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(keys in the order the kernel visits them, their output positions or None).
-
-    Sorted visits group the keys by bucket (`bucket_order`), or sort them exactly with
-    ``torch.sort`` when ``gather_config.sort_method`` is ``"torch"``.
-    """
-    if not sort:
-        return keys, None
-    if gather_config.sort_method == "torch" or not keys.is_cuda:
-        return torch.sort(keys)
-    return bucket_order(keys, n_keys)
-
-
 def window_blocks(blocks: int, rows_per_block: int, m: int, table_bytes: int, row_bytes: int) -> int:
     """The grid of a sorted gather of ``m`` rows from a host table: at most ``blocks``, fewer where rows are sparse.
 
@@ -169,7 +114,7 @@ def launch_tiered(a: torch.Tensor, b: torch.Tensor, loc: torch.Tensor, out: torc
     dev = loc.device.index
     on_host = b_on_host and b.shape[0] > 0
     blocks = _grid(m, g, per_group, dev, on_host)
-    keys, order = visit_order(loc, sort, a.shape[0] + b.shape[0] + 1)
+    keys, order = _order.visit_order(loc, sort, a.shape[0] + b.shape[0] + 1)
     if order is not None and on_host:
         blocks = window_blocks(blocks, gather_config.threads_per_block // g * per_group, m, b.shape[0] * lb[1],
                                row_bytes)

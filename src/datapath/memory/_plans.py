@@ -50,21 +50,19 @@ def _cpointer() -> Any:
     return CPointer
 
 
-_libcuda: list[Any] = []
+_launch_fn: list[Any] = []
 
 
 def _cu_launch() -> Any:
     """``cuLaunchKernel`` from libcuda (None where it cannot be loaded)."""
-    if not _libcuda:
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            fn = lib.cuLaunchKernel
+    if not _launch_fn:
+        lib = kernels.libcuda()
+        fn = getattr(lib, "cuLaunchKernel", None) if lib is not None else None
+        if fn is not None:
             fn.argtypes = [ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             fn.restype = ctypes.c_int
-            _libcuda.append(fn)
-        except (OSError, AttributeError):
-            _libcuda.append(None)
-    return _libcuda[0]
+        _launch_fn.append(fn)
+    return _launch_fn[0]
 
 
 class _StreamRef:

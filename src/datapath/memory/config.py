@@ -26,6 +26,9 @@ GatherMode = Literal["circular", "shift_mask", "unaligned"]
 GATHER_MODES: dict[str, int] = {"unaligned": 0, "shift_mask": 1, "circular": 2}
 
 
+SORT_METHODS = ("buckets", "buckets_unfused", "torch")
+
+
 @dataclass
 class GatherConfig:
     """Settings of the row gather/scatter kernels (`datapath.memory.gather_rows`).
@@ -57,10 +60,11 @@ class GatherConfig:
             far below PCIe bandwidth; sorted, neighbouring warps share translations.  The
             sort costs tens of microseconds, which small calls cannot win back (B1).
         sort_method: how a sorted visit orders the indices: ``"buckets"`` (the default: a
-            counting sort into about one bucket per index, buckets ascending: 28 us of GPU time
-            for 262K int64 indices into 64 KiB buckets where ``torch.sort`` takes 110 us, H100; a
-            bucket per index adds a 1 MiB histogram) or ``"torch"``
-            (``torch.sort``, exact).
+            counting sort into about one bucket per index, buckets ascending, in one cooperative
+            launch; 28 us of GPU time for 262K int64 indices where ``torch.sort`` takes 110 us,
+            H100), ``"buckets_unfused"`` (the same in four launches, ~100 us of host time that an
+            idle GPU waits for; used by ``"buckets"`` where the driver refuses a cooperative
+            launch) or ``"torch"`` (``torch.sort``, exact).
         host_window_bytes: the span of table that the rows in flight of a sorted host gather
             may cover; a call of sparse rows (large table, few rows) gets a smaller grid so
             that they stay within it (0: the full grid always).
@@ -77,7 +81,7 @@ class GatherConfig:
     sort_max_row_bytes: int = 2048
     sort_min_rows_long: int = 524288
     sort_min_table_bytes: int = 256 << 20
-    sort_method: Literal["buckets", "torch"] = "buckets"
+    sort_method: Literal["buckets", "buckets_unfused", "torch"] = "buckets"
     host_window_bytes: int = 32 << 20
     host_min_inflight_bytes: int = 512 << 10
 
@@ -88,8 +92,8 @@ class GatherConfig:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
         if name == "threads_per_block" and (not isinstance(value, int) or value % 32 or not 32 <= value <= 1024):
             raise ValueError(f"threads_per_block must be a multiple of 32 in [32, 1024], got {value!r}")
-        if name == "sort_method" and value not in ("buckets", "torch"):
-            raise ValueError(f"sort_method must be 'buckets' or 'torch', got {value!r}")
+        if name == "sort_method" and value not in SORT_METHODS:
+            raise ValueError(f"sort_method must be one of {SORT_METHODS}, got {value!r}")
         if name in ("host_window_bytes", "host_min_inflight_bytes") and (not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a non-negative int of bytes, got {value!r}")
         if name == "sort_indices" and value not in (True, False, "auto"):

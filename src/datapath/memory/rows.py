@@ -26,7 +26,7 @@ import torch
 from datapath._runtime.errors import DatapathError
 from datapath._runtime.pinned import cuda_alias, in_flight
 from datapath._runtime.pinned import pending_host_reads as _pending_runtime
-from datapath.memory import _launch, _plans
+from datapath.memory import _launch, _order, _plans
 from datapath.memory.bounds import ErrorFlag, deferred_flag, raise_deferred, thread_flag
 from datapath.memory.config import GATHER_MODES, gather_config
 from datapath.memory.placement import (
@@ -150,7 +150,7 @@ def _gather_known_unified(table: torch.Tensor, idx: torch.Tensor, error_flag: Er
     # the auto rule sorts no call below both row thresholds: the common small call skips asking
     if (sort is not None or cfg.sort_indices != "auto" or m >= cfg.sort_min_rows or m >= cfg.sort_min_rows_long) \
             and cfg.sorts(m, rec.row_bytes, rec.table_bytes, sort, True):
-        keys, order = _launch.visit_order(idx, True, rec.n_rows)
+        keys, order = _order.visit_order(idx, True, rec.n_rows)
         idx_ptr, order_ptr = keys.data_ptr(), order.data_ptr()
     else:
         idx_ptr, order_ptr = idx.data_ptr(), 0
@@ -295,7 +295,7 @@ def _launch_rows(direction: str, data: torch.Tensor, flat: torch.Tensor, dev_row
         flag, wait = _flag_for(error_flag, sync)
         m = flat.numel()
         if gather_config.sorts(m, row_bytes, table_bytes, sort, on_host):
-            keys, order = _launch.visit_order(flat, True, n_rows)
+            keys, order = _order.visit_order(flat, True, n_rows)
             idx_ptr, order_ptr = keys.data_ptr(), order.data_ptr()
         else:
             idx_ptr, order_ptr = flat.data_ptr(), 0
