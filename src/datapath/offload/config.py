@@ -41,6 +41,9 @@ class SelectOptions:
     are candidates too (normally kept; lets CPU-only runs exercise every path).
     ``recompute_cheap``: multi-kernel activations and Hugging Face RMSNorms save only their
     input and run again in backward (`datapath.offload.cheap_recompute`): fewer bytes to move.
+    ``recompute_elementwise``: a saved output of GELU, SiLU or an elementwise product whose
+    inputs are saved anyway is not kept: the op runs again in backward
+    (`datapath.offload.op_recompute`; bit-identical).
     ``compile``: True or a dict of `torch.compile` options: compile each block's forward
     (regional compilation, `datapath.offload.regional_compile`); the plan works on what the
     compiled blocks still save, and the units are the blocks.
@@ -50,6 +53,7 @@ class SelectOptions:
     keep_last_modules: int = 1
     offload_cpu_tensors: bool = False
     recompute_cheap: bool = True
+    recompute_elementwise: bool = True
     compile: Any = False
 
     def __post_init__(self) -> None:

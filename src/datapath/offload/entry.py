@@ -72,7 +72,7 @@ class Releaser(Protocol):
 class Handle:
     """What autograd keeps instead of an offloaded tensor: the entry and the view to rebuild."""
 
-    __slots__ = ("owner", "entry", "spec", "tref", "version")
+    __slots__ = ("owner", "entry", "spec", "tref", "version", "__weakref__")
 
     def __init__(self, owner: Releaser, entry: Entry, t: torch.Tensor) -> None:
         self.owner = owner

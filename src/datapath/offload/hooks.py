@@ -6,7 +6,9 @@ buffers and views of them, storages under ``min_bytes``, tensors saved during
 backward (reentrant checkpoint recomputation, double backward) and what the
 policy keeps.  Any other tensor is replaced by a `Handle` naming its *storage*
 and its view: one store per storage whatever number of views of it autograd
-saves; every view is rebuilt on unpack (bit-identical).  The unpack hook waits
+saves; every view is rebuilt on unpack (bit-identical).  The output of an elementwise
+op whose inputs were saved is replaced by a `Recipe` and recomputed on unpack
+(`datapath.offload.op_recompute`).  The unpack hook waits
 for the storage's load (or takes it from memory when its store has not finished)
 and rebuilds the view on the consumer's stream.
 """
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from datapath.offload.entry import Entry, Handle
+from datapath.offload.op_recompute import OpRecipes, Recipe
 from datapath.offload.scopes import in_backward
 from datapath.offload.views import is_plain_strided, rebuild, storage_bytes
 
@@ -30,6 +33,7 @@ class SavedTensorHooks:
 
     def __init__(self, cache: "TensorCache") -> None:
         self.c = cache
+        self.ops = OpRecipes() if cache.config.select.recompute_elementwise else None
         self.attr = f"_datapath_sid_{uuid.uuid4().hex[:10]}"  # storage -> entry id (negative: kept by record)
         self._ids = iter(range(1, 1 << 62))
         self._pack = torch.compiler.disable(self.pack)
@@ -43,6 +47,22 @@ class SavedTensorHooks:
 
     # ------------------------------------------------------------------ pack
     def pack(self, t: torch.Tensor) -> Any:
+        ops = self.ops
+        if ops is None or in_backward():
+            return self._pack_one(t)
+        recipe = ops.recipe(t)
+        if recipe is not None:  # an elementwise op's output, its inputs saved: recomputed in backward
+            with self.c.lock:
+                self.c.stats.packs += 1
+                self.c.stats.packs_recomputed += 1
+                self.c.stats.bytes_recomputed_ops += recipe.nbytes
+            ops.remember(t, recipe)
+            return recipe
+        packed = self._pack_one(t)
+        ops.remember(t, packed)
+        return packed
+
+    def _pack_one(self, t: torch.Tensor) -> Any:
         c = self.c
         st = c.stats
         if c.scopes.quiet and not c.transfers.inflight_bytes and is_plain_strided(t):
@@ -126,6 +146,8 @@ class SavedTensorHooks:
     def unpack(self, obj: Any) -> torch.Tensor:
         if isinstance(obj, torch.Tensor):
             return obj
+        if isinstance(obj, Recipe):
+            return obj.run(self.unpack)
         h: Handle = obj
         t = h.tref()
         if t is not None and t._version != h.version:

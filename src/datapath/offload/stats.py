@@ -17,6 +17,7 @@ class OffloadStats:
     microbatch_hints: int = 0      # set_microbatch calls (pipeline schedule hints)
     packs: int = 0                 # saved tensors offered by autograd
     packs_quiet: int = 0           # ... of them kept at once: a planned step past the segments it offloads
+    packs_recomputed: int = 0      # ... of them elementwise outputs, recomputed in backward (op_recompute)
     unpacks: int = 0               # saved tensors handed back to autograd
     storages_offloaded: int = 0    # storages queued for the target
     bytes_queued: int = 0          # their bytes (what was chosen for offloading, whatever timing did next)
@@ -37,6 +38,7 @@ class OffloadStats:
     bytes_kept_budget: int = 0     # the host budget or disk budget was full
     bytes_kept_error: int = 0      # the store failed and on_error="keep" kept the tensor
     bytes_kept_other: int = 0      # tensor subclasses, sparse, quantized, meta tensors
+    bytes_recomputed_ops: int = 0  # elementwise outputs recomputed from saved inputs in backward (not saved)
     store_errors: int = 0
     load_errors: int = 0
     write_seconds: float = 0.0     # busy time of the store path
