@@ -304,10 +304,12 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
                     label += " regional" if r.get("regional") else f" {r.get('activation_memory_budget')}"
                 ax.annotate(label, (r["peak_gb"], r["step_ms"]), fontsize=8, xytext=(4, 4),
                             textcoords="offset points")
-        bud = sorted((r for r in rs if r["method"] == "datapath-budget"), key=lambda r: r["peak_gb"])
-        if bud:
-            ax.plot([r["peak_gb"] for r in bud], [r["step_ms"] for r in bud], "o-", color="black",
-                    label="datapath-budget")
+        for compiled, style in ((True, "o-"), (False, "s--")):  # one line per mode (compile=True / eager)
+            bud = sorted((r for r in rs if r["method"] == "datapath-budget" and bool(r.get("compiled")) == compiled),
+                         key=lambda r: r["peak_gb"])
+            if bud:
+                ax.plot([r["peak_gb"] for r in bud], [r["step_ms"] for r in bud], style, color="black",
+                        label="datapath-budget" + (" (compiled)" if compiled else " (eager)"))
             for r in bud:
                 ax.axvline(r["budget_gb"], color="gray", linestyle=":", linewidth=0.7)
         ax.set_title(f"{m} (dotted: budgets)")
