@@ -43,7 +43,8 @@ class SelectOptions:
     input and run again in backward (`datapath.offload.cheap_recompute`): fewer bytes to move.
     ``recompute_elementwise``: a saved output of GELU, SiLU or an elementwise product whose
     inputs are saved anyway is not kept: the op runs again in backward
-    (`datapath.offload.op_recompute`; bit-identical).
+    (`datapath.offload.op_recompute`; bit-identical).  Off under ``compile``: a compiled
+    block's partitioner recomputes elementwise ops itself.
     ``compile``: True or a dict of `torch.compile` options: compile each block's forward
     (regional compilation, `datapath.offload.regional_compile`); the plan works on what the
     compiled blocks still save, and the units are the blocks.

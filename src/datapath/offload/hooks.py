@@ -33,7 +33,9 @@ class SavedTensorHooks:
 
     def __init__(self, cache: "TensorCache") -> None:
         self.c = cache
-        self.ops = OpRecipes() if cache.config.select.recompute_elementwise else None
+        sel = cache.config.select
+        # compiled blocks save what their graph's partitioner chose (it recomputes elementwise ops itself)
+        self.ops = OpRecipes() if sel.recompute_elementwise and sel.compile_options is None else None
         self.attr = f"_datapath_sid_{uuid.uuid4().hex[:10]}"  # storage -> entry id (negative: kept by record)
         self._ids = iter(range(1, 1 << 62))
         self._pack = torch.compiler.disable(self.pack)
