@@ -139,3 +139,12 @@ def host_us_per_call(fn: Callable[[], Any], calls: int = 300, sleep_cycles: int 
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
 
+
+
+def warm_gpu(ms: float = 30.0) -> None:
+    """Keep the GPU busy for ``ms`` so that its clocks are up before a measurement (they drop when idle)."""
+    a = torch.randn(4096, 4096, device="cuda")
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < ms:
+        a @ a
+        torch.cuda.synchronize()

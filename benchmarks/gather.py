@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import datapath  # noqa: F401  (registers the unified device)
-from benchmarks._common import RESULTS_DIR, cuda_time_ms, host_us_per_call, print_table, write_result
+from benchmarks._common import RESULTS_DIR, cuda_time_ms, host_us_per_call, print_table, warm_gpu, write_result
 from datapath.apps import device_label, require_cuda
 from datapath.memory import cuda_alias, pinned_empty
 from datapath.unified_tensor import as_unified, check_errors, gather
@@ -49,15 +49,6 @@ def _fill(buf: torch.Tensor) -> None:
         flat[start:start + n].copy_(block[:n], non_blocking=True)
         block = block.roll(4099)  # different bytes in every block
     torch.cuda.synchronize()
-
-
-def _warm_gpu(ms: float = 30.0) -> None:
-    """Keep the GPU busy for ``ms`` so that its clocks are up before a measurement (they drop when idle)."""
-    a = torch.randn(4096, 4096, device="cuda")
-    t0 = time.perf_counter()
-    while (time.perf_counter() - t0) * 1e3 < ms:
-        a @ a
-        torch.cuda.synchronize()
 
 
 def _interleaved_ms(fns: dict[str, list], next_set: Any, reps: int, warm: int) -> dict[str, float]:
@@ -186,7 +177,7 @@ def run(args: argparse.Namespace) -> dict:
         reps = 3 if nbytes > (1 << 30) else 9 if nbytes > (64 << 20) else 25
         ways = _ways(table, sets, sets_cuda, include_py, ablation=sweep == "align")
         slow = {k: ways.pop(k) for k in ("py", "py_pinned") if k in ways}  # 10x slower: timed apart, fewer times
-        _warm_gpu()
+        warm_gpu()
         measured = _interleaved_ms(ways, next_set, reps, warm=2)
         for name, fns in slow.items():
             measured[name] = cuda_time_ms(lambda: fns[next_set()](), warmup=1, repeat=3)

@@ -31,6 +31,7 @@ import statistics
 import torch
 
 from benchmarks._common import host_us_per_call as _host_us_per_call
+from benchmarks._common import warm_gpu
 from datapath.memory import cuda_alias, gather_config, gather_rows
 from datapath.unified_tensor import as_unified
 
@@ -182,16 +183,6 @@ def _interleaved(ways: dict, sets: list, reps: int) -> dict[str, float]:
     return {w: statistics.median(t) for w, t in times.items()}
 
 
-def _warm(ms: float = 30.0) -> None:
-    import time  # noqa: PLC0415
-
-    a = torch.randn(4096, 4096, device="cuda")
-    t0 = time.perf_counter()
-    while (time.perf_counter() - t0) * 1e3 < ms:
-        a @ a
-        torch.cuda.synchronize()
-
-
 def fused(buf: torch.Tensor, reps: int = 21) -> dict:
     """The ordering in one cooperative launch vs four launches vs torch.sort: alone (idle / busy GPU, checked),
     and in whole sorted calls beside the kernel on pre-sorted rows; then small calls under several grids."""
@@ -232,7 +223,7 @@ def fused(buf: torch.Tensor, reps: int = 21) -> dict:
 
             ways = {"torch": call("torch"), "unfused": call("buckets_unfused"), "fused": call("buckets"),
                     "naive": lambda s: torch.index_select(alias, 0, s)}
-            _warm()
+            warm_gpu()
             ms = _interleaved(ways, sets, reps)
             pre = {"presorted": lambda s: gather_rows(host, s, sort=False),
                    "naive_presorted": lambda s: torch.index_select(alias, 0, s)}
@@ -259,7 +250,7 @@ def fused(buf: torch.Tensor, reps: int = 21) -> dict:
 
                 ways = {"naive": lambda s: torch.index_select(alias, 0, s), "bps2": grid(2), "bps4": grid(4),
                         "bps8": grid(8), "bps16": grid(16)}
-                _warm()
+                warm_gpu()
                 ms = _interleaved(ways, sets, reps)
                 rec = {"row_bytes": rb, "rows": m, **{f"{w}_GBps": m * rb / t / 1e6 for w, t in ms.items()}}
                 print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)

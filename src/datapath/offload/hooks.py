@@ -22,7 +22,7 @@ import torch
 from datapath.offload.entry import Entry, Handle
 from datapath.offload.op_recompute import OpRecipes, Recipe
 from datapath.offload.scopes import in_backward
-from datapath.offload.views import is_plain_strided, rebuild, storage_bytes
+from datapath.offload.views import check_version, is_plain_strided, rebuild, storage_bytes
 
 if TYPE_CHECKING:
     from datapath.offload.cache import TensorCache
@@ -151,12 +151,7 @@ class SavedTensorHooks:
         if isinstance(obj, Recipe):
             return obj.run(self.unpack)
         h: Handle = obj
-        t = h.tref()
-        if t is not None and t._version != h.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: a saved tensor of shape {list(h.spec.shape)} is at version {t._version}; "
-                f"expected version {h.version} instead (datapath.offload checks this in autograd's place).")
+        check_version(h.tref(), h.version, h.spec)
         e = h.entry
         c = self.c
         with c.lock:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from datapath.offload.views import ViewSpec, rebuild
+from datapath.offload.views import ViewSpec, check_version, rebuild
 
 
 def _gelu(node: Any) -> Callable[[list[torch.Tensor]], torch.Tensor]:
@@ -60,12 +60,7 @@ class Recipe:
 
     def run(self, unpack: Callable[[Any], torch.Tensor]) -> torch.Tensor:
         """The saved tensor again: the inputs unpacked (``unpack``), the op run, the view rebuilt."""
-        t = self.tref()
-        if t is not None and t._version != self.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: a saved tensor of shape {list(self.spec.shape)} is at version {t._version}; "
-                f"expected version {self.version} instead (datapath.offload checks this in autograd's place).")
+        check_version(self.tref(), self.version, self.spec)
         xs = []
         for x, v in zip(self.inputs, self.versions):
             if v is not None and x._version != v:

@@ -52,3 +52,12 @@ def rebuild(data: torch.Tensor, spec: ViewSpec) -> torch.Tensor:
     if spec.conj:
         out = out.conj()
     return out
+
+
+def check_version(t: torch.Tensor | None, version: int, spec: ViewSpec) -> None:
+    """Raise autograd's in-place error when the saved tensor ``t`` (if still alive) moved past ``version``."""
+    if t is not None and t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: a saved tensor of shape {list(spec.shape)} is at version {t._version}; "
+            f"expected version {version} instead (datapath.offload checks this in autograd's place).")
