@@ -101,7 +101,33 @@ def main() -> None:
     if full:
         ours, theirs = layers["GIN"]
         table("GIN ours", step(lambda x: ours(g, x), x, gy), rows=16)
-    spmm_host(("ppi", "citeseer") if full else ("ppi",), (16, 64, 128) if full else (16, 64))
+    spmm_host(("ppi", "citeseer", "soc-BlogCatalog", "artist") if full else ("ppi",), (16, 64, 128) if full else (16, 64))
+    if full:
+        python_profile("ppi", 128)
+
+
+def python_profile(name: str, f: int) -> None:
+    """cProfile of 200 aggregate forward+backward steps (the host's Python, by function)."""
+    import cProfile  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    g, _ = seed_graph(name, device="cuda")
+    x = torch.randn(g.num_src_nodes, f, device="cuda").requires_grad_()
+    gy = torch.randn(g.num_dst_nodes, f, device="cuda")
+    fb = step(lambda x: aggregate(g, x), x, gy)
+    for _ in range(10):
+        fb()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        fb()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+    print(f"\n== cProfile {name} F={f} float32, 200 forward+backward steps\n" + s.getvalue()[:7000], flush=True)
 
 
 def host_us(fn, calls: int = 40) -> float:
