@@ -4,8 +4,13 @@ Runs datapath's compiled regions without offloading (the reference), then ``offl
 memory_budget=B, compile=True)``, timing every step (and the host time until ``backward`` returned,
 before the synchronisation) and profiling a few planned steps with cProfile.  Variants after the
 timed steps: garbage collection off; the saved-tensor hooks left out (only the module hooks).
+``--sequence``: B4's order instead (keep, the reference, then two budget runs one after the other,
+the caching allocator emptied between methods), each step's time with the allocator's device
+mallocs / frees / retries in it (does the history of the profiling steps leave a pool that the
+planned steps keep re-forming?).
 
     python scripts/gpu_offload_step_probe.py --model gpt2 --budget 12.96e9 --steps 20
+    python scripts/gpu_offload_step_probe.py --model gpt2 --sequence 12.96e9,10.75e9
 """
 from __future__ import annotations
 
@@ -30,8 +35,9 @@ from datapath.offload import compile_blocks, offload, uncompile_blocks  # noqa: 
 def steps(w, n: int, ctx=None, label: str = "", prof: cProfile.Profile | None = None) -> list[float]:
     model = w.model
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    out, issue = [], []
+    out, issue, allocs = [], [], []
     for _ in range(n):
+        m0 = torch.cuda.memory_stats()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
@@ -49,7 +55,11 @@ def steps(w, n: int, ctx=None, label: str = "", prof: cProfile.Profile | None = 
         t2 = time.perf_counter()
         out.append((t2 - t0) * 1e3)
         issue.append((t1 - t0) * 1e3)
+        m1 = torch.cuda.memory_stats()
+        allocs.append("/".join(str(m1.get(k, 0) - m0.get(k, 0)) for k in
+                               ("num_device_alloc", "num_device_free", "num_alloc_retries")))
     print(f"{label:44s} step ms {[round(x, 1) for x in out]}\n{'':44s} host ms {[round(x, 1) for x in issue]}"
+          f"\n{'':44s} mallocs/frees/retries {allocs}"
           f"\n{'':44s} median {statistics.median(out):.1f} ms (host {statistics.median(issue):.1f}), peak "
           f"{torch.cuda.max_memory_allocated() / 1e9:.2f} GB", flush=True)
     return out
@@ -60,8 +70,11 @@ def main() -> int:
     ap.add_argument("--model", default="gpt2")
     ap.add_argument("--budget", type=float, default=12.96e9)
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--sequence", default="", help="comma-separated budgets run one after another, as B4 does")
     args = ap.parse_args()
     w = build(args.model, torch.device("cuda"), False)
+    if args.sequence:
+        return sequence(w, [float(b) for b in args.sequence.split(",")], args.steps)
     torch.cuda.synchronize()
     compile_blocks(w.model)
     steps(w, 3, label="reference warm-up")
@@ -91,6 +104,31 @@ def main() -> int:
     compile_blocks(w.model)
     steps(w, args.steps, label="reference again")
     uncompile_blocks(w.model)
+    return 0
+
+
+def _between() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def sequence(w, budgets: list[float], n: int) -> int:
+    steps(w, 4, label="keep (eager) warm-up")
+    steps(w, 6, label="keep (eager)")
+    _between()
+    compile_blocks(w.model)
+    steps(w, 3, label="reference warm-up")
+    steps(w, n, label="reference: compiled regions, no offload")
+    uncompile_blocks(w.model)
+    _between()
+    for b in budgets:
+        with offload(w.model, memory_budget=int(b), compile=True) as cache:
+            steps(w, 10, label=f"budget {b / 1e9:.2f} GB warm-up")
+            print("plan:", cache.plan.as_dict() if cache.plan is not None else None, flush=True)
+            steps(w, n, label=f"budget {b / 1e9:.2f} GB planned")
+            torch.cuda.empty_cache()
+            steps(w, n, label=f"budget {b / 1e9:.2f} GB planned, after empty_cache")
+        _between()
     return 0
 
 
