@@ -9,6 +9,10 @@ Parts:
               cusparse        torch.sparse.mm with a CSR matrix, autograd as a user writes it
               cusparse_pret   torch.sparse.mm forward, backward with a prebuilt transposed CSR (the bar)
               index_add       x.index_select + index_add_ (the PyG way; float32 only)
+            and the largest error of datapath's and cuSPARSE's output, relative to the largest output of
+            cuSPARSE in float64 (``*_max_err``: cuSPARSE accumulates float16/bfloat16 in that precision,
+            datapath in float32, so on long rows their accuracy differs, and the plan keeps cuSPARSE for
+            half precision only on graphs of short rows).
             With --candidates every kernel is also timed on its own (forward, and over the transpose).
   fixed     the cost of one call on a small graph (citeseer shape, F=16): CUDA-event time of a single
             call and host microseconds per call, datapath vs torch.sparse.mm.
@@ -117,6 +121,7 @@ def bench_spmm(graphs: dict[str, CSRGraph], widths: tuple[int, ...], dtypes: dic
     for name, g in graphs.items():
         e = g.indices.numel()
         src, dst = edge_index(g)
+        a64 = csr_tensors(g, torch.float64)[0]  # the accuracy reference: cuSPARSE in float64
         for dname, dt in dtypes.items():
             a, at = csr_tensors(g, dt)
             for f in widths:
@@ -134,6 +139,12 @@ def bench_spmm(graphs: dict[str, CSRGraph], widths: tuple[int, ...], dtypes: dic
                     ways["index_add"] = lambda x: torch.zeros(g.num_dst_nodes, x.shape[1], device="cuda").index_add_(
                         0, dst, x.index_select(0, src))
                 res = time_ways(ways, x, gy, repeat)
+                with torch.no_grad():  # max error relative to max |out| of float64, ours and cuSPARSE's in this dtype
+                    ref = torch.sparse.mm(a64, x.detach().double())
+                    scale = float(ref.abs().max().clamp(min=1e-30))
+                    errs = {w: float((fn(x.detach()).double() - ref).abs().max()) / scale
+                            for w, fn in (("datapath", ways["datapath"]), ("cusparse", ways["cusparse"]))}
+                    del ref
                 from datapath.ops import as_csr  # noqa: PLC0415 - the backward's plan, for the record
 
                 key = ("plan", f, dt, "sum", False, 1)
@@ -145,7 +156,8 @@ def bench_spmm(graphs: dict[str, CSRGraph], widths: tuple[int, ...], dtypes: dic
                        "kernel_fwd": plan.kernel, "kernel_bwd": bwd.kernel if bwd is not None else None,
                        "plan": str(plan), "probe_ms": t_probe, "probe_candidates_ms": probed,
                        **{f"{w}_fwd_ms": v[0] for w, v in res.items()},
-                       **{f"{w}_fb_ms": v[1] for w, v in res.items()}}
+                       **{f"{w}_fb_ms": v[1] for w, v in res.items()},
+                       **{f"{w}_max_err": v for w, v in errs.items()}}
                 row["speedup_fwd_vs_cusparse"] = row["cusparse_fwd_ms"] / row["datapath_fwd_ms"]
                 row["speedup_fb_vs_cusparse_pret"] = row["cusparse_pret_fb_ms"] / row["datapath_fb_ms"]
                 row["speedup_fb_vs_cusparse_autograd"] = row["cusparse_fb_ms"] / row["datapath_fb_ms"]
@@ -376,6 +388,11 @@ def summarize(out: dict) -> dict:
     s["geomean_fb_vs_cusparse_pret_float32"] = geomean([r["speedup_fb_vs_cusparse_pret"] for r in f32])
     s["geomean_half_fwd_vs_cusparse_same_dtype"] = geomean([r["speedup_fwd_vs_cusparse"] for r in half])
     s["half_records_on_tensor_cores"] = sum(r["kernel_fwd"] == "tensor_core" for r in half)
+    if half and "datapath_max_err" in half[0]:  # cuSPARSE accumulates half in half, ours in float32
+        s["half_max_err_datapath"] = max(r["datapath_max_err"] for r in half)
+        s["half_max_err_cusparse"] = max(r["cusparse_max_err"] for r in half)
+        s["half_geomean_err_cusparse_over_datapath"] = geomean(
+            [r["cusparse_max_err"] / r["datapath_max_err"] for r in half if r["datapath_max_err"] > 0])
     s["half_records"] = len(half)
     for r in fused:
         s[f"fused_{r['shape']}_cold"] = r["speedup_cold_fused_vs_gather"]

@@ -318,7 +318,31 @@ def _bound(view: CSRView, plan: AggregationPlan, feat: int, dtype: torch.dtype, 
     if run is not None:
         return run
     vref = weakref.ref(view)  # kept in the view's own cache: no reference cycle
+    if plan.kernel == "groups" and view.num_dst > 0 and feat > 0:
+        return _bound_pull(view, vref, plan, feat, dtype, nbr, row)
     return lambda x: sum_forward(vref(), x, None, nbr, row, plan)
+
+
+def _bound_pull(view: CSRView, vref: Any, plan: AggregationPlan, feat: int, dtype: torch.dtype,
+                nbr: torch.Tensor | None, row: torch.Tensor | None) -> Any:
+    """``run(x)`` of the neighbor-group pull for aligned rows, its launch resolved here: a call allocates the
+    output and launches (a short call on a small graph is bound by this host work).  Where every row is one
+    group (no row longer than ``ngs``), each row is written once by its own team: no zero-fill."""
+    vec, dw = _vec_dw(plan, feat, feat, dtype.itemsize)  # the widths an aligned x gets from `_pull`
+    launch_, ok = _pull_launch(view, dtype, feat, 1, plan, vec, dw)
+    acc = acc_dtype(dtype)
+    n, align, dev = view.num_dst, vec * dtype.itemsize, view.device
+    zero = view.max_degree is None or view.max_degree > plan.ngs
+    alloc = torch.zeros if zero else torch.empty
+    cast = acc != dtype
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.data_ptr() % align or not ok:
+            return sum_forward(vref(), x, None, nbr, row, plan)
+        out = alloc((n, feat), dtype=acc, device=dev)
+        launch_(dev.index, x, None, None, nbr, row, out)
+        return out.to(dtype) if cast else out
+    return run
 
 
 def _forward_runner(csr: CSRView, spec: AggSpec, plan: AggregationPlan, feat: int, dtype: torch.dtype) -> Any:

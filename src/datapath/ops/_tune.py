@@ -3,9 +3,11 @@
 `choose` returns the plan kept with a view for (width, dtype, variant, weighted, heads), making
 it on first use: the model's plan, or, for a graph whose values the ops checked themselves
 (not ``trusted``; whole graphs, not sampled blocks) with enough edges, the fastest candidate
-of a probe on the call's own input.  cuSPARSE (``torch.sparse.mm``) is always a candidate, and
-the probe keeps it unless one of our kernels is faster by more than `TIE` (so a plan loses to
-the library by noise at most).  The probe (`probe`): two warm-up calls per candidate, then
+of a probe on the call's own input.  cuSPARSE (``torch.sparse.mm``) is a candidate (except in
+float16 / bfloat16 on graphs with rows longer than `HALF_LIBRARY_MAX_DEGREE`, where it would
+lose precision that our kernels keep), and the probe keeps it unless one of our kernels is
+faster by more than `TIE` (so a plan loses to the library by noise at most).  The probe
+(`probe`): two warm-up calls per candidate, then
 `PROBE_ROUNDS` rounds over the candidates (their order rotated each round), each a batch of
 back-to-back calls (about `PROBE_BATCH_MS` of work, after a synchronisation and one untimed call,
 between CUDA events: the time per call a training loop sees, launch cost included); a candidate's time is
@@ -50,8 +52,19 @@ def model_plan(view: CSRView, feat: int, dtype: torch.dtype, heads: int) -> Aggr
     return p if heads == 1 else p.replace(kernel="groups")
 
 
-def candidates(view: CSRView, feat: int, dtype: torch.dtype, heads: int) -> list[AggregationPlan]:
-    """Every kernel (and the row split's alternative cut) that can run this aggregation."""
+HALF_LIBRARY_MAX_DEGREE = 16
+"""cuSPARSE (``torch.sparse.mm``) accumulates float16/bfloat16 in the operands' precision: its error grows with
+the row length (measured on an H100, 64 columns, against float64: bfloat16 2.5x our kernels' at 64 edges a row,
+9x at 4096 (2.9e-2 of max |out|), 20x at 20,000; float16 2.9x at 64, 15x at 4096), where our kernels accumulate
+in float32 (their error is the output's rounding at any length).  So for those dtypes the probe offers it only on
+graphs whose longest row is at most this many edges (where both round alike); a caller who names it in
+``kernels=`` gets it anyway."""
+
+
+def candidates(view: CSRView, feat: int, dtype: torch.dtype, heads: int, library: bool | None = None
+               ) -> list[AggregationPlan]:
+    """Every kernel (and the row split's alternative cut) that can run this aggregation; cuSPARSE where it
+    accumulates as precisely as ours (``library``: True / False to force it in or out)."""
     from datapath.ops._spmm import tensor_core_ok  # noqa: PLC0415
 
     base = model_plan(view, feat, dtype, heads)
@@ -62,7 +75,12 @@ def candidates(view: CSRView, feat: int, dtype: torch.dtype, heads: int) -> list
         out.append(base.replace(cf=4))
     if view.max_degree is None or view.max_degree > base.cut:
         out.append(base.replace(cut=4 * base.cut))
-    out += [base.replace(kernel="groups"), base.replace(kernel="cusparse")]
+    out.append(base.replace(kernel="groups"))
+    if library is None:
+        library = dtype not in (torch.float16, torch.bfloat16) or (
+            view.max_degree is not None and view.max_degree <= HALF_LIBRARY_MAX_DEGREE)
+    if library:
+        out.append(base.replace(kernel="cusparse"))
     if tensor_core_ok(dtype) and feat >= 8:
         out.append(base.replace(kernel="tensor_core"))
     return out
@@ -144,7 +162,8 @@ def choose(view: CSRView, feat: int, dtype: torch.dtype, variant: str, weighted:
     if run is not None and heads == 1 and allow_probe:
         if view.max_degree is None:  # known degrees spare the row split its tail launch; a sync is fine here
             view.max_degree = int(view.in_degrees().max()) if view.num_dst else 0
-        cands = candidates(view, feat, dtype, heads)
+        cands = candidates(view, feat, dtype, heads, library=True if kernels is not None and "cusparse" in kernels
+                           else None)
         if kernels is not None:
             cands = [c for c in cands if c.kernel in kernels]
             if not cands:

@@ -103,7 +103,9 @@ def aggregate(graph: Any, x: torch.Tensor, reduce: str = "sum", edge_weight: tor
 
     Returns:
         (num_dst, F) or (num_dst, H, D), x's dtype, on x's (or src_ids') device; accumulates in float32
-        (float64 for float64).  Empty inputs (no rows, no columns) give an empty or zero result.
+        (float64 for float64) -- unless a ``plan`` forces ``kernel="cusparse"`` on float16/bfloat16 rows,
+        which cuSPARSE accumulates in their own precision (the graph's own plan never does that on rows
+        longer than 16 edges).  Empty inputs (no rows, no columns) give an empty or zero result.
     """
     if reduce not in REDUCTIONS or norm is not None:
         _check_reduce(reduce, norm)
