@@ -73,6 +73,23 @@ def test_without_flash_attention_adds_5as2b() -> None:
     assert activation_breakdown(no_drop)["per_encoder_layer"] == 32 * s * b * h + 2 * a * s * s * b + 16 * s * b
 
 
+@pytest.mark.parametrize("seed", [3, 4])
+def test_recomputed_gelu_outputs_are_not_counted(seed: int) -> None:
+    """With ``recompute_elementwise`` (datapath's offloader default) the fc2 input, the GELU output, is not stored:
+    each layer counts p*s*b*ffn/t bytes less (8sbh/t of Korthikanti's 34sbh in 16-bit with ffn = 4h)."""
+    rng = random.Random(seed)
+    shape = _random_shape(rng, vocab=rng.choice([0, 1000]))
+    s, b, h = shape.seq, shape.micro_batch, shape.hidden
+    for par in (Parallelism(), Parallelism(tp=2), Parallelism(tp=2, sequence_parallel=True, pp=2)):
+        if shape.heads % par.tp:
+            continue
+        full = activation_breakdown(shape, par)
+        less = activation_breakdown(shape.replace(recompute_elementwise=True), par)
+        assert full["per_encoder_layer"] - less["per_encoder_layer"] == pytest.approx(8 * s * b * h / par.tp)
+        assert full["total"] - less["total"] == pytest.approx(8 * s * b * h / par.tp * shape.layers / par.pp)
+        assert less["head"] == full["head"] and less["embedding"] == full["embedding"]
+
+
 def test_t5_counts_decoder_cross_attention() -> None:
     s, b, h, a = 128, 2, 256, 2
     t5 = TransformerShape(layers=4, hidden=h, heads=a, seq=s, micro_batch=b, family="t5")

@@ -65,6 +65,13 @@ def test_cli_ssd_plan_table_and_json(tmp_path, capsys) -> None:
     bws = [p["write_bandwidth_gbps"] for p in doc["sweep"]["plans"]]
     assert bws[0] > bws[1]
     assert png.stat().st_size > 1000
+    # what datapath's offloader writes by default: the GELU outputs (8sbh/2 a layer at TP=2) recomputed, not written
+    rc = main(["ssd-plan", "--preset", "bert-h8192-l4", "--micro-batch", "16", "--tp", "2", "--recompute-elementwise",
+               "--gpu", "a100", "--efficiency", "0.5", "--json", str(out)])
+    assert rc == 0
+    less = json.loads(out.read_text())["plan"]
+    assert less["activation_bytes_per_step"] == pytest.approx(4 * (18 * s * b * h + 16 * s * b + 2 * 64 * s * b))
+    assert less["write_bandwidth_gbps"] == pytest.approx(doc["plan"]["write_bandwidth_gbps"] * 18 / 22, rel=0.01)
 
 
 def test_cli_paper_table(capsys) -> None:

@@ -132,6 +132,7 @@ def _cmd_ssd_plan(args: argparse.Namespace) -> int:
             layers=cfg.layers, hidden=cfg.hidden, heads=cfg.n_heads, seq=cfg.seq, micro_batch=args.micro_batch,
             family=cfg.family, ffn_hidden=cfg.ffn_mult * cfg.hidden, vocab=cfg.n_vocab if args.include_head else 0,
             dtype_bytes=args.dtype_bytes, dropout=not args.no_dropout, flash_attention=not args.no_flash,
+            recompute_elementwise=args.recompute_elementwise,
         )
         par = Parallelism(tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel,
                           microbatches=args.microbatches)
@@ -248,6 +249,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     q.add_argument("--dtype-bytes", type=int, default=2)
     q.add_argument("--no-dropout", action="store_true")
     q.add_argument("--no-flash", action="store_true", help="attention scores are materialised (no FlashAttention)")
+    q.add_argument("--recompute-elementwise", action="store_true",
+                   help="count what datapath's offloader writes by default: GELU outputs are recomputed in backward "
+                        "from their stored inputs, not written (SSDTrain's count writes them)")
     q.add_argument("--include-head", action="store_true",
                    help="count the embedding and LM head too (default: transformer layers, as SSDTrain)")
     q.add_argument("--gpu", default="a100", help=f"GPU preset: {', '.join(GPUS)}")

@@ -72,11 +72,12 @@ class TransformerConfig:
         return self.name or f"{self.family}-h{self.hidden}-l{self.layers}-s{self.seq}"
 
     def shape(self, micro_batch: int, dtype: torch.dtype = torch.bfloat16,
-              device: torch.device | str = "cuda") -> TransformerShape:
+              device: torch.device | str = "cuda", recompute_elementwise: bool = False) -> TransformerShape:
         """The `ssd_plan.TransformerShape` of this stack at ``micro_batch`` (embedding and head included).
 
         ``device`` sets the dropout-mask element size: CUDA's fused dropout keeps a
-        bool mask, the CPU one a mask of the activation dtype.
+        bool mask, the CPU one a mask of the activation dtype.  ``recompute_elementwise``:
+        count what datapath's offloader stores (GELU outputs recomputed), not what autograd saves.
         """
         p = torch.empty((), dtype=dtype).element_size()
         return TransformerShape(
@@ -84,6 +85,7 @@ class TransformerConfig:
             micro_batch=micro_batch, family=self.family, ffn_hidden=self.ffn_mult * self.hidden,
             vocab=self.n_vocab, dtype_bytes=p, dropout=self.dropout > 0, flash_attention=True,
             mask_bytes=1 if torch.device(device).type == "cuda" else p,
+            recompute_elementwise=recompute_elementwise,
         )
 
     def flops_per_step(self, micro_batch: int) -> float:
@@ -271,7 +273,9 @@ class Workload:
       None to measure (3 x forward FLOPs counted by `torch.utils.flop_counter`);
     - ``layer_lists``: the `nn.ModuleList`s whose members layerwise recomputation
       wraps (None: the largest ModuleList in the model);
-    - ``activation_estimate(micro_batch)`` -> bytes, optional (the ssd-plan estimate).
+    - ``activation_estimate(micro_batch)`` -> bytes, optional (the ssd-plan estimate of what autograd saves).
+    - ``stored_estimate(micro_batch, recompute_elementwise)`` -> bytes, optional: what an offloader storing
+      everything stores (less the GELU outputs it recomputes when ``recompute_elementwise``).
     """
 
     model: nn.Module
@@ -280,6 +284,7 @@ class Workload:
     flops_per_step: Callable[[int], float] | None = None
     layer_lists: Sequence[nn.ModuleList] | None = None
     activation_estimate: Callable[[int], float] | None = None
+    stored_estimate: Callable[[int, bool], float] | None = None
     name: str = "custom"
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -318,6 +323,7 @@ def build_workload(cfg: TransformerConfig, device: torch.device | str = "cpu",
         flops_per_step=cfg.flops_per_step,
         layer_lists=lists,
         activation_estimate=lambda mb: float(activation_breakdown(cfg.shape(mb, dtype, device))["total"]),
+        stored_estimate=lambda mb, rec: float(activation_breakdown(cfg.shape(mb, dtype, device, rec))["total"]),
         name=cfg.label,
         info={**dataclasses.asdict(cfg), "heads": cfg.n_heads, "vocab": cfg.n_vocab,
               "dtype": str(dtype).replace("torch.", ""),

@@ -423,6 +423,9 @@ def sweep(model: Workload | TransformerConfig | str | Callable[..., Any],
                     point.throughput_flops = point.flops_per_step / point.step_time_s
                 if workload.activation_estimate is not None:
                     point.activation_estimate_bytes = workload.activation_estimate(mb)
+                if workload.stored_estimate is not None and strat.offload is not None:
+                    rec = {**(offload_options or {}), **strat.offload}.get("recompute_elementwise", True)
+                    point.stored_estimate_bytes = workload.stored_estimate(mb, bool(rec))
                 points.append(point)
                 if progress is not None:
                     progress(point)

@@ -24,7 +24,8 @@ class RokPoint:
     flops_per_step: float | None = None
     throughput_flops: float | None = None
     samples_per_s: float | None = None
-    activation_estimate_bytes: float | None = None
+    activation_estimate_bytes: float | None = None  # what autograd saves (ssd-plan's count)
+    stored_estimate_bytes: float | None = None  # offload strategies: what the offloader stores (ssd-plan's count)
     bytes_offloaded_per_step: float | None = None
     offload_stats: dict[str, Any] | None = None  # the offloader's counters at the end of the point
     offload_stats_per_step: dict[str, float] | None = None  # counter increments per measured step

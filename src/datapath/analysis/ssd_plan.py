@@ -51,6 +51,10 @@ class TransformerShape:
     ``layers // 2`` of them (with cross-attention) and the encoder the rest, as
     in SSDTrain's T5 runs. ``vocab = 0`` leaves the embedding and the LM head
     out of every count (SSDTrain's estimate covers the transformer layers only).
+    ``recompute_elementwise``: count what datapath's offloader stores by default
+    rather than what autograd saves -- the GELU output (fc2's input) is recomputed
+    in backward from the GELU input, which is stored anyway
+    (`datapath.offload.op_recompute`), so it is neither kept nor written.
     """
 
     layers: int
@@ -65,6 +69,7 @@ class TransformerShape:
     dropout: bool = True
     flash_attention: bool = True
     mask_bytes: int = 1  # dropout mask element: 1 (bool, CUDA's fused dropout); dtype_bytes on CPU
+    recompute_elementwise: bool = False  # GELU outputs recomputed, not stored (datapath's offloader default)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq", "micro_batch", "dtype_bytes", "mask_bytes"):
@@ -215,7 +220,8 @@ def _layer_terms(shape: TransformerShape, par: Parallelism, *, cross: bool) -> d
         "qkv": 3 * p * sbh * sh,
         "attention_core": attention_core(s),
         "attention_out": p * sbh * sh,
-        "mlp_inner": 2 * p * s * b * f * sh,  # GELU input and fc2 input
+        # GELU input and fc2 input (the GELU output: recomputed from its input instead, with recompute_elementwise)
+        "mlp_inner": (1 if shape.recompute_elementwise else 2) * p * s * b * f * sh,
         "dropout_masks": (2 * m * sbh * rep) if shape.dropout else 0.0,
     }
     if cross:
