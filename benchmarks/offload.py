@@ -19,6 +19,13 @@ gradients compared bit for bit (a per-parameter hash) with keep's (compiled data
 compiled regions' (`compile_blocks`: blocks, output head, loss) without offloading; compiled kernels
 differ from eager ones).
 
+With ``--isolate`` each method runs in a process of its own, one after another: a fresh CUDA
+context, caching allocator and compile state, no thread, hook or pinned pool of an earlier method
+left behind; what later methods need from earlier ones (keep's gradient hash and peak,
+checkpoint's peak, the compiled reference's hash) is passed on between the processes.  It costs a
+start and a compile per method (GPT-2: 567 s on an H100 without reaching the whole-model compile
+peers, against ~240 s for everything in one process), so it is not the default.
+
 Writes benchmarks/results/offload.json (a list of records {model, method, budget_gb, step_ms,
 peak_gb, grads_identical, device, ...}) and offload.png (step time against peak per model).
 Run: PYTHONPATH=src:. python benchmarks/offload.py [--models llama,gpt2,gpt-h8192] [--cpu-smoke]
@@ -58,17 +65,18 @@ FRACTIONS = (0.25, 0.5, 0.75, 1.0)   # of the way from keep's peak down to check
 COMPILE_BUDGETS = "1.0,0.5"          # torch._functorch.config.activation_memory_budget values measured
 
 
-def grad_hash(model: nn.Module) -> list[tuple[int, int]]:
-    """Per parameter (sum of the gradient's bits, position-weighted sum): equal iff bit-identical, in practice."""
+def grad_hash(model: nn.Module) -> list[list[int]]:
+    """Per parameter [sum of the gradient's bits, position-weighted sum]: equal iff bit-identical, in practice
+    (lists: the same after a JSON round trip between the processes of a run)."""
     out = []
     for p in model.parameters():
         if p.grad is None:
-            out.append((0, 0))
+            out.append([0, 0])
             continue
         bits = p.grad.detach().reshape(-1).view(torch.int16 if p.grad.element_size() == 2 else torch.int32)
         bits = bits.to(torch.int64)
         w = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 8191 + 1
-        out.append((int(bits.sum()), int((bits * w).sum())))
+        out.append([int(bits.sum()), int((bits * w).sum())])
     return out
 
 
@@ -195,14 +203,50 @@ def run_method(w: Workload, method: str, args: argparse.Namespace, budget: int |
             else h == ref_hash, "hash": h, **extra}
 
 
-def run_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def stages(args: argparse.Namespace, cuda: bool) -> list[dict[str, Any]]:
+    """The methods of a model's run, in order; each a stage (with ``--isolate``, a process of its own)."""
+    methods = [m for m in args.methods.split(",") if m]
+    out: list[dict[str, Any]] = [{"kind": "keep"}]
+    if "checkpoint" in methods:
+        out.append({"kind": "method", "method": "checkpoint"})
+    out += [{"kind": "method", "method": m} for m in ("save_on_cpu", "torchtune", "datapath-all") if m in methods]
+    ways = {"compiled": [True], "eager": [False], "both": [True, False]}[args.datapath_compile] if cuda else [False]
+    if "datapath-budget" in methods and "checkpoint" in methods:
+        for compiled in ways:
+            if compiled:
+                # a peer: PyTorch's regional compilation (each block compiled); and the gradients' reference:
+                # datapath's compiled regions (blocks, head, loss) without offloading (timed, printed, no record)
+                out.append({"kind": "method", "method": "compile_regional", "name": "compile_budget",
+                            "kw": {"activation_memory_budget": 1.0, "regional": True}})
+                out.append({"kind": "compiled_ref"})
+            out += [{"kind": "budget", "fraction": f, "compiled": compiled} for f in FRACTIONS]
+    if "compile_budget" in methods and cuda:
+        out += [{"kind": "whole", "budget": float(b)} for b in args.compile_budgets.split(",") if b]
+    return out
+
+
+def stage_label(spec: dict[str, Any]) -> str:
+    kind = spec["kind"]
+    if kind == "method":
+        return spec["method"]
+    if kind == "budget":
+        return f"datapath-budget {spec['fraction']:g}" + (" compiled" if spec["compiled"] else " eager")
+    if kind == "whole":
+        return f"compile_budget {spec['budget']:g}"
+    return kind
+
+
+def run_model(name: str, args: argparse.Namespace, only: list[int] | None = None,
+              ctx: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Run the stages of model ``name`` in this process (``only``: those indices; ``ctx``: what earlier stages
+    measured -- keep's gradient hash and peak, checkpoint's peak, the compiled reference's hash -- updated here)."""
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_smoke else "cpu")
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    cuda = device.type == "cuda"
     w = build(name, device, args.cpu_smoke)
     tt_cls, tt_why = torchtune_offload()
     records: list[dict[str, Any]] = []
-    ref_hash: list | None = None
-    methods = [m for m in args.methods.split(",") if m]
+    ctx = {} if ctx is None else ctx
     t_start = time.perf_counter()
 
     def rec(method: str, budget: float | None, **kw: Any) -> dict[str, Any]:
@@ -217,73 +261,129 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         return r
 
     def attempt(method: str, budget: float | None = None, step_fn: Any = None, compiled: bool = False,
-                ref: list | None = None, name: str | None = None, **kw: Any) -> dict[str, Any] | None:
-        name = name or method
+                ref: list | None = None, label: str | None = None, **kw: Any) -> dict[str, Any] | None:
+        label = label or method
         if method == "datapath-budget":
             kw["compiled"] = compiled
-        if time.perf_counter() - t_start > args.time_budget:
-            rec(name, budget, status="skipped", reason="time budget of the run", **kw)
+        if only is None and time.perf_counter() - t_start > args.time_budget:
+            rec(label, budget, status="skipped", reason="time budget of the run", **kw)
             return None
         try:
             out = run_method(w, method, args, None if budget is None else int(budget), tt_cls,
-                             ref_hash if ref is None else ref, step_fn, compiled=compiled)
+                             ctx.get("ref_hash") if ref is None else ref, step_fn, compiled=compiled)
         except Exception as exc:  # noqa: BLE001 - one broken method must not lose the others
             traceback.print_exc()
             gc.collect()
-            if device.type == "cuda":
+            if cuda:
                 torch.cuda.empty_cache()
-            rec(name, budget, status="error", reason=f"{type(exc).__name__}: {exc}"[:400], **kw)
+            rec(label, budget, status="error", reason=f"{type(exc).__name__}: {exc}"[:400], **kw)
             return None
-        hashes[method] = out.pop("hash")
-        return rec(name, budget, status="ok", **out, **kw)
+        h = out.pop("hash")
+        r = rec(label, budget, status="ok", **out, **kw)
+        r["_hash"] = h
+        return r
 
-    hashes: dict[str, Any] = {}
-    keep = attempt("keep")
-    if keep is None:
-        return records
-    ref_hash = run_method(w, "keep", args, None, None, None, check_only=True)["hash"]  # keep again: deterministic?
-    keep["grads_identical"] = ref_hash == hashes["keep"]  # keep against itself (deterministic kernels)
-    ckpt = attempt("checkpoint") if "checkpoint" in methods else None
-    for m in ("save_on_cpu", "torchtune", "datapath-all"):
-        if m not in methods:
+    specs = stages(args, cuda)
+    for i, spec in enumerate(specs):
+        if only is not None and i not in only:
             continue
-        if m == "torchtune" and (tt_cls is None or device.type != "cuda"):
-            rec(m, None, status="skipped", reason=tt_why or "needs CUDA")
-            continue
-        attempt(m)
-    cuda = device.type == "cuda"
-    ways = {"compiled": [True], "eager": [False], "both": [True, False]}[args.datapath_compile] if cuda else [False]
-    if "datapath-budget" in methods and ckpt is not None:
-        hi, lo = keep["peak_gb"] * 1e9, ckpt["peak_gb"] * 1e9
-        for compiled in ways:
-            ref = None
-            if compiled:
-                # a peer: PyTorch's regional compilation (each block compiled); and the gradients' reference:
-                # datapath's compiled regions (blocks, head, loss) without offloading (timed, printed, no record)
-                attempt("compile_regional", name="compile_budget", activation_memory_budget=1.0, regional=True)
-                try:  # timed too: its graphs must be traced outside the check step's math attention
-                    out = run_method(w, "compile_datapath", args, None, None, None)
-                    ref = out["hash"]
-                    print(f"  {name} datapath's compiled regions without offloading (the reference, not a peer): "
-                          f"{out['step_ms']:.1f} ms, peak {out['peak_gb']:.2f} GB", flush=True)
-                except Exception:  # noqa: BLE001 - without a reference the compiled records say so
-                    traceback.print_exc()
-                    ref = None
-                if ref is None:
-                    continue
-            for f in FRACTIONS:
-                    attempt("datapath-budget", hi - f * (hi - lo), compiled=compiled, ref=ref, fraction=f)
-    if "compile_budget" in methods and cuda:
-        import torch._functorch.config as fconfig  # noqa: PLC0415
+        kind = spec["kind"]
+        if kind != "keep" and "ref_hash" not in ctx:
+            continue  # keep failed: nothing to compare with
+        if kind == "keep":
+            keep = attempt("keep")
+            if keep is None:
+                break
+            ref_hash = run_method(w, "keep", args, None, None, None, check_only=True)["hash"]  # deterministic?
+            keep["grads_identical"] = ref_hash == keep.pop("_hash")  # keep against itself
+            ctx.update(ref_hash=ref_hash, keep_peak=keep["peak_gb"])
+        elif kind == "method":
+            m = spec["method"]
+            if m == "torchtune" and (tt_cls is None or not cuda):
+                rec(m, None, status="skipped", reason=tt_why or "needs CUDA")
+                continue
+            r = attempt(m, label=spec.get("name"), **spec.get("kw", {}))
+            if r is not None and m == "checkpoint":
+                ctx["ckpt_peak"] = r["peak_gb"]
+        elif kind == "compiled_ref":
+            try:  # timed too: its graphs must be traced outside the check step's math attention
+                out = run_method(w, "compile_datapath", args, None, None, None)
+                ctx["compiled_ref"] = out["hash"]
+                print(f"  {name} datapath's compiled regions without offloading (the reference, not a peer): "
+                      f"{out['step_ms']:.1f} ms, peak {out['peak_gb']:.2f} GB", flush=True)
+            except Exception:  # noqa: BLE001 - without a reference the compiled budget records are not run
+                traceback.print_exc()
+                ctx.pop("compiled_ref", None)
+        elif kind == "budget":
+            if "ckpt_peak" not in ctx or (spec["compiled"] and "compiled_ref" not in ctx):
+                continue
+            hi, lo = ctx["keep_peak"] * 1e9, ctx["ckpt_peak"] * 1e9
+            f = spec["fraction"]
+            attempt("datapath-budget", hi - f * (hi - lo), compiled=spec["compiled"],
+                    ref=ctx["compiled_ref"] if spec["compiled"] else None, fraction=f)
+        elif kind == "whole":
+            import torch._functorch.config as fconfig  # noqa: PLC0415
 
-        for b in (float(x) for x in args.compile_budgets.split(",") if x):
             torch._dynamo.reset()  # the partitioner reads the budget when it compiles: compile anew
-            fconfig.activation_memory_budget = b
+            fconfig.activation_memory_budget = spec["budget"]
             whole = torch.compile(w.model)
-            attempt("compile_budget", None, step_fn=lambda: w.loss(whole, w.batch), activation_memory_budget=b,
-                    regional=False)
+            attempt("compile_budget", None, step_fn=lambda: w.loss(whole, w.batch),
+                    activation_memory_budget=spec["budget"], regional=False)
             del whole
+    for r in records:
+        r.pop("_hash", None)
+    if args.out:
+        Path(args.out).write_text(json.dumps(records))
     return records
+
+
+def run_model_isolated(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each stage of model ``name`` in a process of its own (a fresh CUDA context, allocator, compile cache in
+    memory, no thread or hook of another method left behind), in order; what a stage measured that later ones
+    need (keep's gradient hash and peak, checkpoint's peak, the compiled reference's hash) is passed on."""
+    cuda = torch.cuda.is_available() and not args.cpu_smoke
+    specs = stages(args, cuda)
+    records: list[dict[str, Any]] = []
+    ctx: dict[str, Any] = {}
+    t_start = time.perf_counter()
+    part, ctx_path = Path(args.out).with_suffix(".stage.json"), Path(args.out).with_suffix(".ctx.json")
+    for i, spec in enumerate(specs):
+        if time.perf_counter() - t_start > args.time_budget:
+            if spec["kind"] != "compiled_ref":
+                records.append({"model": name, "method": stage_label(spec), "status": "skipped",
+                                "reason": "time budget of the run", "budget_gb": None, "step_ms": None,
+                                "peak_gb": None, "grads_identical": None})
+            continue
+        ctx_path.write_text(json.dumps(ctx))
+        cmd = [sys.executable, __file__, "--one", name, "--stage", str(i), "--ctx", str(ctx_path), "--out", str(part),
+               *child_args(args)]
+        rc = subprocess.run(cmd).returncode
+        if part.exists():
+            records += json.loads(part.read_text())
+            part.unlink()
+        ctx = json.loads(ctx_path.read_text())
+        if rc != 0:
+            records.append({"model": name, "method": stage_label(spec), "status": "error",
+                            "reason": f"stage process exited {rc}", "budget_gb": None, "step_ms": None,
+                            "peak_gb": None, "grads_identical": None})
+        Path(args.out).write_text(json.dumps(records))
+    ctx_path.unlink(missing_ok=True)
+    dev = next((r["device"] for r in records if r.get("device")), None)
+    for r in records:  # the stages that never ran (skipped, died) name the device the others ran on
+        r.setdefault("device", dev)
+    return records
+
+
+def child_args(args: argparse.Namespace) -> list[str]:
+    """The options a child process of this run gets (besides what it runs)."""
+    out = ["--methods", args.methods, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--time-budget", str(args.time_budget), "--compile-budgets", args.compile_budgets,
+           "--datapath-compile", args.datapath_compile]
+    if args.cpu_smoke:
+        out.append("--cpu-smoke")
+    if args.isolate:
+        out.append("--isolate")
+    return out
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
@@ -368,15 +468,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="merge offload.json files of runs of different models (a model's records all come from "
                          "the last file that has it) into benchmarks/results/, with each file's meta beside it")
+    ap.add_argument("--isolate", action="store_true",
+                    help="each method in a process of its own (default: a model's methods in one process)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--stage", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--ctx", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.one:  # a child: one model, records to --out
+    if args.one:  # a child: one model (or one stage of it), records to --out
         import logging  # noqa: PLC0415
 
         logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
         logging.getLogger("datapath.offload.budget").setLevel(logging.INFO)  # each plan and correction, in the log
-        records = run_model(args.one, args)
+        if args.stage is not None:
+            ctx = json.loads(Path(args.ctx).read_text())
+            records = run_model(args.one, args, only=[args.stage], ctx=ctx)
+            Path(args.ctx).write_text(json.dumps(ctx))
+        elif args.isolate:
+            records = run_model_isolated(args.one, args)
+        else:
+            records = run_model(args.one, args)
         Path(args.out).write_text(json.dumps(records))
         return 0
     if args.merge:
@@ -388,11 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = RESULTS_DIR / ".offload-part.json"
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
-        cmd = [sys.executable, __file__, "--one", name, "--out", str(tmp), "--methods", args.methods,
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--time-budget", str(args.time_budget),
-               "--compile-budgets", args.compile_budgets, "--datapath-compile", args.datapath_compile]
-        if args.cpu_smoke:
-            cmd.append("--cpu-smoke")
+        cmd = [sys.executable, __file__, "--one", name, "--out", str(tmp), *child_args(args)]
         print(f"== {name}", flush=True)
         path = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         # cuBLAS is deterministic only with a fixed workspace: the compiled methods' gradient check needs it

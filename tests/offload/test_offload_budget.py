@@ -67,6 +67,42 @@ def test_budget_above_keep_offloads_nothing() -> None:
         assert n > 0 and q + r >= n - 3 and q > 0, (n, q, r)
 
 
+def _hooks_on_stack() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def test_plan_storing_nothing_runs_without_saved_tensor_hooks() -> None:
+    """A planned step that stores nothing (and makes no elementwise recipe) runs its forward without the pack hook:
+    no Python call per saved tensor, the same gradients; the hooks are back on the stack for every step that
+    needs them and gone after the block.  With a hook pair of the user's on top (the only pair that acts), ours are
+    neither taken off nor put back under it."""
+    torch.manual_seed(1)
+    model = GPT(vocab=64, h=64, heads=4, layers=3, dropout=0.1, tied=False)
+    batches = [torch.randint(0, 64, (8, 64)) for _ in range(6)]
+    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
+    budget = int(_keep_peak(model, batches[0]) * 1.5)
+    with offload(model, memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True,
+                 recompute_elementwise=False) as cache:
+        got = run_steps(model, batches, _lm_loss)
+        assert cache.plan is not None and cache.plan.offload_bytes == 0
+        unhooked, packs = cache.stats.records_unhooked, cache.stats.packs
+        assert unhooked >= 2  # the steps after the profiled ones
+        seen: list[int] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(1) or t, lambda t: t):
+            run_steps(model, batches[:1], _lm_loss)  # the user's hooks on top: ours stay where they are
+        assert seen and cache.stats.records_unhooked == unhooked
+        run_steps(model, batches[:2], _lm_loss)
+        assert cache.stats.records_unhooked == unhooked + 2 and cache.stats.packs == packs
+        assert not _hooks_on_stack()  # the last step's forward took them off (the next one would put them back)
+        with cache:  # the same cache entered again inside: every push still matched by one pop
+            run_steps(model, batches[:2], _lm_loss)
+    assert not _hooks_on_stack()  # leaving the block took nothing else off
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert _hooks_on_stack()
+    assert not _hooks_on_stack()
+    assert_identical(ref, got)
+
+
 def _profile(layers: int, bandwidth: float) -> BudgetProfile:
     """A synthetic profile: per layer a unit (8 MB saved, 10 ms) and the code after it (nothing saved)."""
     segs = [SegmentCost(False, -1, 0.0, 100, None)]

@@ -289,6 +289,11 @@ class BudgetPolicy(Policy):
     def paces(self, rec: Record) -> bool:
         return not rec.timing and (rec.plan is None or rec.plan.offload_bytes > 0)
 
+    def stores_nothing(self, rec: Record) -> bool:
+        plan = rec.plan
+        return (plan is not None and not rec.profiling and not rec.timing and not self._drain
+                and plan.offload_bytes == 0 and plan.cut_segment == 0 and plan.cut_bytes == 0)
+
     def forward_lead(self, rec: Record, segment: int, lead: int) -> int:
         plan = rec.plan
         if plan is None:

@@ -383,7 +383,7 @@ class TensorCache:
                       f"max_disk_bytes/host_budget_bytes, or offload elsewhere.", OffloadWarning, stacklevel=4)
 
     # ---------------------------------------------------------- autograd hooks
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+    def hooks(self) -> Any:
         """The ``saved_tensors_hooks`` context that routes saved tensors through this cache."""
         return self.saved.context()
 

@@ -82,6 +82,11 @@ class Policy:
         """Whether the CPU is paced to the GPU during ``rec``."""
         return True
 
+    def stores_nothing(self, rec: Record) -> bool:
+        """Whether ``rec`` neither stores nor measures what it saves (its forward can run without the
+        saved-tensor hooks: every saved tensor would be kept as it is)."""
+        return False
+
     def forward_lead(self, rec: Record, segment: int, lead: int) -> int:
         """Units the CPU may run ahead of the GPU when the forward enters a unit at ``segment``: ``lead``,
         and 0 in the last eighth of the forward, where the peak forms (a unit is launched only once the GPU

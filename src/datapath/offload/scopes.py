@@ -314,6 +314,12 @@ class ScopeTracker:
             if rec is None or rec.microbatch is None or rec.segments or rec.backward_started:
                 rec = self.start_record()
             self.current_segment(rec)  # the code before the first unit: always segment 0
+            hooks = c.saved
+            hooks.resume()
+            # a step whose plan stores nothing (and no elementwise recipe to make): no pack call per saved tensor
+            if (hooks.ops is None and not c.transfers.inflight_bytes and c.policy.stores_nothing(rec)
+                    and hooks.suspend()):
+                c.stats.records_unhooked += 1
 
     def _on_root_exit(self, module: nn.Module, args: Any, output: Any) -> None:
         """Pacing: what follows the forward (loss, the first backward ops) is launched once the GPU has

@@ -14,6 +14,7 @@ class OffloadStats:
     """
 
     records: int = 0               # forward passes seen (one per micro-batch)
+    records_unhooked: int = 0      # ... of them run without the saved-tensor hooks (a plan that stores nothing)
     microbatch_hints: int = 0      # set_microbatch calls (pipeline schedule hints)
     packs: int = 0                 # saved tensors offered by autograd
     packs_quiet: int = 0           # ... of them kept at once: a planned step past the segments it offloads
