@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 import datapath  # noqa: F401  (registers the unified device)
+from benchmarks._common import cuda_time_ms
 from datapath.unified_tensor import as_unified
 
 
@@ -66,17 +67,7 @@ def main() -> int:
     torch.cuda.set_stream(s)
 
     def ev_ms(f) -> float:
-        f()
-        torch.cuda.synchronize()
-        out = []
-        for _ in range(args.repeat):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            f()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b))
-        return statistics.median(out)
+        return cuda_time_ms(f, warmup=1, repeat=args.repeat)
 
     memcpy_ms = ev_ms(lambda: big.copy_(buf[: 1 << 30], non_blocking=True))
     memcpy_gbps = (1 << 30) / memcpy_ms / 1e6

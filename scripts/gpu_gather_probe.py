@@ -270,22 +270,16 @@ def main() -> None:
     ap.add_argument("--row-bytes", default="256,512,1024,2048,4096")
     args = ap.parse_args()
     torch.zeros(1, device="cuda")
+    def dump(name: str, doc: dict) -> None:
+        with open(os.path.join(os.environ.get("OUT", "."), f"gather_{name}_probe.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), **doc}, f, indent=1)
+
     if args.orders:
-        res = orders(torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True))
-        with open(os.path.join(os.environ.get("OUT", "."), "gather_orders_probe.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "records": res}, f, indent=1)
+        dump("orders", {"records": orders(torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True))})
         return
-    if args.fused:
+    if args.fused or args.small:
         buf = torch.empty(16 << 30, dtype=torch.uint8, pin_memory=True)
-        res = fused(buf)
-        with open(os.path.join(os.environ.get("OUT", "."), "gather_fused_probe.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), **res}, f, indent=1)
-        return
-    if args.small:
-        buf = torch.empty(16 << 30, dtype=torch.uint8, pin_memory=True)
-        res = small(buf)
-        with open(os.path.join(os.environ.get("OUT", "."), "gather_small_probe.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), **res}, f, indent=1)
+        dump("fused" if args.fused else "small", fused(buf) if args.fused else small(buf))
         return
     gibs = [int(x) for x in args.gib.split(",")]
     buf = torch.empty(max(gibs) << 30, dtype=torch.uint8, pin_memory=True)
