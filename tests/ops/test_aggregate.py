@@ -392,6 +392,13 @@ def test_plan_api() -> None:
         plan_aggregation(g, 64, kernel="magic")
     with pytest.raises(ValueError, match="unroll"):
         plan_aggregation(g, 64, unroll=3)
+    assert plan_aggregation(g, 64, row_order="degree").row_order == "degree"
+    with pytest.raises(ValueError, match="row_order"):
+        plan_aggregation(g, 64, row_order="random")
+    with pytest.raises(ValueError, match="sweep"):
+        plan_aggregation(g, 64, sweep="diagonal")
+    with pytest.raises(ValueError, match="rows_per_team"):
+        plan_aggregation(g, 64, rows_per_team=0)
     with pytest.raises(ValueError, match="probe"):
         plan_aggregation(g, 64, probe=True)  # the probe times CUDA kernels; the graph is on the CPU
     x = torch.randn(g.num_src_nodes, 64)

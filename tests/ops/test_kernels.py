@@ -80,7 +80,31 @@ def test_row_split_long_rows(dtype: torch.dtype, trusted: bool, cut: int) -> Non
     _run(g, "rows", dtype, "gcn_weighted", 40, TOL[dtype], cut=cut)
     _run(g, "rows", dtype, "mean", 128, TOL[dtype], cut=cut, cf=2)
     _run(g, "rows", dtype, "sum", 602, TOL[dtype], cut=cut, cf=4)
-    _run(g, "rows", dtype, "mean", 64, TOL[dtype], cut=cut, vec=2, dw=32)  # the probe's one-row-per-warp variant
+    _run(g, "rows", dtype, "mean", 64, TOL[dtype], cut=cut, vec=2, dw=32)  # one row per warp
+    _run(g, "rows", dtype, "gcn_weighted", 64, TOL[dtype], cut=cut, row_order="degree")  # rows by length
+    _run(g, "rows", dtype, "sum", 602, TOL[dtype], cut=cut, cf=4, row_order="degree", sweep="columns")
+    _run(g, "rows", dtype, "gcn_weighted", 130, TOL[dtype], cut=cut, sweep="columns")  # a part-filled last chunk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("rows_per_team", [2, 8, 32])
+def test_several_rows_per_team(dtype: torch.dtype, rows_per_team: int) -> None:
+    """A team walking several rows' edges as one run: rows without edges (first, last, runs of them across
+    team boundaries) come out zero, long rows are summed whole, every variant and a part-filled column chunk."""
+    gen = torch.Generator().manual_seed(rows_per_team)
+    deg = torch.randint(0, 4, (700,), generator=gen) * (torch.rand(700, generator=gen) < 0.6)
+    deg[:5] = 0
+    deg[-7:] = 0
+    deg[100:180] = 0  # empty rows spanning several teams
+    deg[300] = 900  # one long row
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), deg.cumsum(0)])
+    indices = torch.randint(0, 500, (int(indptr[-1]),), generator=gen)
+    g = CSRGraph(indptr.cuda(), indices.cuda(), 500, 700)
+    for variant, width, kw in (("sum", 3, {}), ("gcn_weighted", 64, {}), ("mean", 130, {"sweep": "columns"}),
+                               ("sum", 602, {"cf": 4})):
+        _run(g, "rows", dtype, variant, width, TOL[dtype], rows_per_team=rows_per_team, **kw)
+    with pytest.raises(ValueError, match="row_order"):
+        plan_aggregation(g, 64, dtype, kernel="rows", rows_per_team=4, row_order="degree")
 
 
 def test_tensor_core_tf32() -> None:

@@ -11,6 +11,16 @@
 // index, one source-map entry and one coefficient per lane, coalesced) and hands them round with
 // shuffles, so each neighbour costs every lane one vector load of x and no index load.
 //
+// Row order: agg_rows's teams take rows in the order `order` lists them (nullptr: as stored).  The
+// plan's "degree" order (rows by descending length) gives the teams of one warp rows of like length,
+// so a warp of several teams (dw < 32) does not idle lanes waiting for its longest row, and long
+// rows start first.
+//
+// Sweep: agg_rows's teams take (row, column chunk) pairs row by row (`by_columns` 0: a row's chunks
+// together) or chunk by chunk (1: every row's first column chunk, then every row's second...), so that
+// the blocks running at one time read one column strip of x: on a table larger than L2 whose strips
+// fit it, each neighbour's strip is read from DRAM once instead of once per row that needs it.
+//
 // Long rows: agg_rows covers the first `cut` edges of every row and stores its result (no
 // zeroing, no atomics); agg_rows_tail covers the rest of the rows longer than `cut`, one team per
 // further piece of `cut` edges, and adds atomically into the stored rows (launched after
@@ -105,14 +115,24 @@ __device__ __forceinline__ void team_columns(int chunk, int dw, int lane, int co
 // The first `cut` edges of every row: out[r] = row_scale[r] * partial sum (plain stores).
 extern "C" __global__ void agg_rows(const long long* __restrict__ indptr, const I* __restrict__ indices,
                                     const long long* __restrict__ perm, long long n_rows, int chunks,
-                                    long long cut, const T* __restrict__ x,
+                                    long long cut, const long long* __restrict__ order, int by_columns,
+                                    const T* __restrict__ x,
                                     const long long* __restrict__ src_map, const A* __restrict__ w,
                                     const A* __restrict__ nbr_scale, const A* __restrict__ row_scale,
                                     void* __restrict__ out, int F, int dw) {
     const long long team = static_cast<long long>(blockIdx.x) * (blockDim.x / dw) + threadIdx.x / dw;
-    const long long row = team / chunks;
-    if (row >= n_rows) return;  // the whole team leaves together
-    const int chunk = static_cast<int>(team % chunks);
+    long long slot;
+    int chunk;
+    if (by_columns) {
+        if (team >= n_rows * chunks) return;  // the whole team leaves together
+        slot = team % n_rows;
+        chunk = static_cast<int>(team / n_rows);
+    } else {
+        slot = team / chunks;
+        if (slot >= n_rows) return;
+        chunk = static_cast<int>(team % chunks);
+    }
+    const long long row = order != nullptr ? order[slot] : slot;
     const int lane = threadIdx.x % dw;
     const unsigned mask = team_mask(dw);
     int col[CF];
@@ -177,4 +197,108 @@ extern "C" __global__ void agg_rows_tail(const long long* __restrict__ indptr, c
         for (int i = 0; i < VEC; ++i) acc[q][i] *= rs;
         atomic_add_vec(out + row * F + col[q], acc[q]);
     }
+}
+
+// Several short rows per team: the `rows_per_team` consecutive rows of a slot walked as one run of
+// CSR positions (indices, coefficients and each position's row, from `edge_row`, loaded `dw` at a
+// time, coalesced; UNROLL loads of x in flight across row ends), each row stored when the run
+// leaves it, rows without edges stored as zeros.  No cut: a team takes every edge of its rows (the
+// plan offers this only on graphs without long rows).  The row order is the stored one; `by_columns`
+// as for agg_rows.
+extern "C" __global__ void agg_rows_multi(const long long* __restrict__ indptr, const I* __restrict__ indices,
+                                          const long long* __restrict__ perm, long long n_rows, int chunks,
+                                          int rows_per_team, const int* __restrict__ edge_row, int by_columns,
+                                          const T* __restrict__ x, const long long* __restrict__ src_map,
+                                          const A* __restrict__ w, const A* __restrict__ nbr_scale,
+                                          const A* __restrict__ row_scale, T* __restrict__ out, int F, int dw) {
+    const long long team = static_cast<long long>(blockIdx.x) * (blockDim.x / dw) + threadIdx.x / dw;
+    const long long n_slots = (n_rows + rows_per_team - 1) / rows_per_team;
+    long long slot;
+    int chunk;
+    if (by_columns) {
+        if (team >= n_slots * chunks) return;  // the whole team leaves together
+        slot = team % n_slots;
+        chunk = static_cast<int>(team / n_slots);
+    } else {
+        slot = team / chunks;
+        if (slot >= n_slots) return;
+        chunk = static_cast<int>(team % chunks);
+    }
+    const long long first = slot * rows_per_team;
+    const long long last = min(first + rows_per_team, n_rows);  // rows [first, last)
+    const int lane = threadIdx.x % dw;
+    const unsigned mask = team_mask(dw);
+    int col[CF];
+    team_columns(chunk, dw, lane, col);
+    A acc[CF][VEC];
+#pragma unroll
+    for (int q = 0; q < CF; ++q)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[q][i] = 0;
+    long long cur = first;
+    // store row `cur` (scaled), zero the rows up to `upto` (exclusive) that have no edges, restart at `upto`
+    auto flush = [&](long long upto) {
+        const A rs = row_scale != nullptr ? row_scale[cur] : A(1);
+#pragma unroll
+        for (int q = 0; q < CF; ++q) {
+            if (col[q] >= F) continue;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[q][i] *= rs;
+            store_vec(out + cur * F + col[q], acc[q]);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[q][i] = 0;
+        }
+        for (long long r = cur + 1; r < upto; ++r)
+#pragma unroll
+            for (int q = 0; q < CF; ++q)
+                if (col[q] < F) store_vec(out + r * F + col[q], acc[q]);
+        cur = upto;
+    };
+    const long long beg = indptr[first];
+    const long long end = indptr[last];
+    for (long long k0 = beg; k0 < end; k0 += dw) {
+        const int nb = static_cast<int>(min(static_cast<long long>(dw), end - k0));
+        long long s_l = 0;
+        A c_l = 0;
+        int r_l = 0;
+        if (lane < nb) {
+            const long long k = k0 + lane;
+            const long long s = static_cast<long long>(indices[k]);
+            c_l = 1;
+            if (w != nullptr) c_l = w[perm != nullptr ? perm[k] : k];
+            if (nbr_scale != nullptr) c_l *= nbr_scale[s];
+            s_l = src_map != nullptr ? src_map[s] : s;
+            r_l = edge_row[k];
+        }
+        for (int j = 0; j < nb; j += UNROLL) {
+            long long s[UNROLL];
+            A c[UNROLL];
+            int r[UNROLL];
+            Pack v[UNROLL][CF];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int src_lane = min(j + u, nb - 1);
+                s[u] = __shfl_sync(mask, s_l, src_lane, dw);
+                c[u] = __shfl_sync(mask, c_l, src_lane, dw);
+                r[u] = __shfl_sync(mask, r_l, src_lane, dw);
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+                for (int q = 0; q < CF; ++q)
+                    if (j + u < nb && col[q] < F)
+                        v[u][q].w = __ldg(reinterpret_cast<const W*>(x + s[u] * F + col[q]));
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                if (j + u >= nb) break;
+                if (r[u] != cur) flush(r[u]);  // the run left row `cur` (the same branch for the whole team)
+#pragma unroll
+                for (int q = 0; q < CF; ++q)
+                    if (col[q] < F)
+#pragma unroll
+                        for (int i = 0; i < VEC; ++i) acc[q][i] += c[u] * to_acc(v[u][q].v[i]);
+            }
+        }
+    }
+    flush(last);  // the run's last row, then any rows without edges after it
 }

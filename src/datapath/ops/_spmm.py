@@ -32,6 +32,19 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _row_order(view: CSRView) -> torch.Tensor:
+    """(num_dst,) int64 rows by descending length (a GPU sort once per view, kept with it; no host sync)."""
+    return view.cached("rows_by_degree", lambda: torch.argsort(view.in_degrees(), descending=True))
+
+
+def _edge_row(view: CSRView) -> torch.Tensor:
+    """(num_edges,) int32 row of each CSR position (built once per view, kept with it; no host sync)."""
+    def make() -> torch.Tensor:
+        rows = torch.arange(view.num_dst, dtype=torch.int32, device=view.device)
+        return torch.repeat_interleave(rows, view.in_degrees(), output_size=view.num_edges)
+    return view.cached("edge_row", make)
+
+
 def _tail_cum(view: CSRView, cut: int) -> torch.Tensor:
     """(num_dst,) inclusive prefix sum of the extra pieces (beyond the first ``cut`` edges) of each row."""
     def make() -> torch.Tensor:
@@ -46,10 +59,11 @@ class _RowsLaunch:
     __slots__ = ("head", "tail", "wide_acc")
 
     def __init__(self, view: CSRView, dtype: torch.dtype, f: int, vec: int, dw: int, cf: int, cut: int,
-                 unroll: int) -> None:
+                 unroll: int, row_order: str, sweep: str, rows_per_team: int) -> None:
         n = view.num_dst
         chunks = -(-f // (dw * vec * cf))
-        tail = view.max_degree is None or view.max_degree > cut
+        multi = rows_per_team > 1  # several rows a team, every edge of them: no tail pieces
+        tail = not multi and (view.max_degree is None or view.max_degree > cut)
         pieces = view.num_edges // cut if tail else 0
         self.wide_acc = pieces > 0 and dtype not in (torch.float32, torch.float64)
         extra = [f"-DDP_CF={cf}", f"-DDP_UNROLL={unroll or ROWS_UNROLL[cf]}"] + (
@@ -59,9 +73,20 @@ class _RowsLaunch:
         prefix = (ptr(view.indptr), ptr(view.indices), ptr(view.edge_perm), np.int64(n), np.int32(chunks),
                   np.int64(cut))
         call = (None,) * 6 + (np.int32(f), np.int32(dw))  # x, src_map, w, nbr_scale, row_scale, out; F, dw
-        self.head = _launch.PackedLaunch(_launch.function("spmm_rows.cu", "agg_rows", opts),
-                                         (-(-(n * chunks) // teams_per_block),), ROWS_THREADS, prefix + call,
-                                         range(6, 12))
+        by_columns = np.int32(sweep == "columns")
+        if multi:
+            if n >= 2**31:
+                raise ValueError(f"rows_per_team > 1 takes graphs of fewer than 2**31 rows, not {n}")
+            slots = -(-n // rows_per_team)
+            self.head = _launch.PackedLaunch(
+                _launch.function("spmm_rows.cu", "agg_rows_multi", opts), (-(-(slots * chunks) // teams_per_block),),
+                ROWS_THREADS, prefix[:5] + (np.int32(rows_per_team), ptr(_edge_row(view)), by_columns) + call,
+                range(8, 14))
+        else:
+            order = _row_order(view) if row_order == "degree" else None
+            self.head = _launch.PackedLaunch(_launch.function("spmm_rows.cu", "agg_rows", opts),
+                                             (-(-(n * chunks) // teams_per_block),), ROWS_THREADS,
+                                             prefix + (ptr(order), by_columns) + call, range(8, 14))
         self.tail = None
         if pieces > 0:
             self.tail = _launch.PackedLaunch(_launch.function("spmm_rows.cu", "agg_rows_tail", opts),
@@ -102,10 +127,12 @@ def rows(view: CSRView, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torc
 def rows_launch(view: CSRView, dtype: torch.dtype, f: int, vec: int, dw: int, cf: int,
                 plan: AggregationPlan) -> _RowsLaunch:
     """The row-split launch for this view and layout (compiled and kept with the view on first use)."""
-    key = ("rows_launch", dtype, f, vec, dw, cf, plan.cut, plan.unroll)
+    key = ("rows_launch", dtype, f, vec, dw, cf, plan.cut, plan.unroll, plan.row_order, plan.sweep,
+           plan.rows_per_team)
     launch_ = view.cache.get(key)
     if launch_ is None:
-        launch_ = view.cache[key] = _RowsLaunch(view, dtype, f, vec, dw, cf, plan.cut, plan.unroll)
+        launch_ = view.cache[key] = _RowsLaunch(view, dtype, f, vec, dw, cf, plan.cut, plan.unroll, plan.row_order,
+                                                plan.sweep, plan.rows_per_team)
     return launch_
 
 

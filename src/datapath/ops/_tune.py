@@ -19,6 +19,7 @@ everywhere.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 from collections.abc import Callable
@@ -43,6 +44,10 @@ TIE = 0.03
 """A kernel of ours replaces cuSPARSE only when its median time is under ``(1 - TIE)`` times cuSPARSE's."""
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def plan_key(feat: int, dtype: torch.dtype, variant: str, weighted: bool, heads: int) -> tuple:
     return ("plan", feat, dtype, variant, weighted, heads)
 
@@ -63,18 +68,31 @@ graphs whose longest row is at most this many edges (where both round alike); a 
 
 def candidates(view: CSRView, feat: int, dtype: torch.dtype, heads: int, library: bool | None = None
                ) -> list[AggregationPlan]:
-    """Every kernel (and the row split's alternative cut) that can run this aggregation; cuSPARSE where it
-    accumulates as precisely as ours (``library``: True / False to force it in or out)."""
+    """Every kernel that can run this aggregation: the row split as the model plans it and with rows taken by
+    descending length (that one also with a deeper unroll, four vectors per lane on wide rows, a column strip at a
+    time on rows of several column chunks and a longer cut on long rows), and, where rows are shorter than a
+    team on average, several rows per team; cuSPARSE where it accumulates as precisely as ours (``library``: True / False to force it in or
+    out)."""
     from datapath.ops._spmm import tensor_core_ok  # noqa: PLC0415
 
     base = model_plan(view, feat, dtype, heads)
     if heads != 1:
         return [base]
-    out = [base, base.replace(unroll=8 // base.cf)]
+    by_len = base.replace(row_order="degree")  # measured faster on most of B3's graphs: the variants take it
+    out = [base, by_len, by_len.replace(unroll=8 // base.cf)]
     if feat // base.vec > 64:  # wide rows: four vectors per lane, fewer teams per row
-        out.append(base.replace(cf=4))
+        out.append(by_len.replace(cf=4))
+    if base.chunks > 1:  # several column chunks a row: a column strip of the table at a time (L2 reuse)
+        out += [by_len.replace(sweep="columns"), by_len.replace(sweep="columns", unroll=8 // base.cf)]
     if view.max_degree is None or view.max_degree > base.cut:
-        out.append(base.replace(cut=4 * base.cut))
+        out.append(by_len.replace(cut=4 * base.cut))
+    if view.num_dst < 2**31:  # short rows on average: several rows a team, loads in flight across row ends
+        avg = view.num_edges / max(1, view.num_dst)
+        per_team = min(32, _next_pow2(math.ceil(base.dw / max(avg, 1.0))))  # a team's lanes of edges at least
+        if per_team > 1:
+            more = base.replace(rows_per_team=min(32, 4 * per_team))  # measured faster on wide rows
+            out += [base.replace(rows_per_team=per_team)] if per_team < more.rows_per_team else []
+            out += [more] + ([more.replace(sweep="columns")] if base.chunks > 1 else [])
     out.append(base.replace(kernel="groups"))
     if library is None:
         library = dtype not in (torch.float16, torch.bfloat16) or (
@@ -147,7 +165,10 @@ def probe(cands: list[AggregationPlan], run: Callable[[AggregationPlan], Any]
 
 
 def _label(p: AggregationPlan) -> str:
-    return p.kernel if p.kernel != "rows" else f"rows/cut{p.cut}/cf{p.cf}/u{p.unroll}"
+    if p.kernel != "rows":
+        return p.kernel
+    return (f"rows/v{p.vec}/dw{p.dw}/cut{p.cut}/cf{p.cf}/u{p.unroll}" + ("/deg" if p.row_order == "degree" else "")
+            + ("/cols" if p.sweep == "columns" else "") + (f"/r{p.rows_per_team}" if p.rows_per_team > 1 else ""))
 
 
 def choose(view: CSRView, feat: int, dtype: torch.dtype, variant: str, weighted: bool, heads: int,

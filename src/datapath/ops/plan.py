@@ -6,7 +6,10 @@ Four implementations of the sum/mean/GCN aggregation run on CUDA:
     row split with coalesced row caching (GE-SpMM): a team of ``dw`` lanes per (row,
     column chunk) walks the row's edges, each lane ``cf`` vectors of ``vec`` columns wide;
     rows longer than ``cut`` edges get extra teams that add atomically.  Results are stored
-    directly (no zeroing pass, no atomics on ordinary rows).
+    directly (no zeroing pass, no atomics on ordinary rows).  Teams may take rows by
+    descending length (``row_order``: a warp's teams then finish together), a column strip
+    of every row at a time (``sweep``: L2 reuse on tables larger than L2), or several short
+    rows each (``rows_per_team``: loads in flight across row ends).
 ``"groups"``
     GNNAdvisor: neighbor groups of at most ``ngs`` edges, ``dw`` dimension workers per group,
     partial sums of a row combined in shared memory (its analytical model, eq. 5-6, below).
@@ -47,6 +50,8 @@ WPT_TARGET = 64
 KERNELS = ("rows", "groups", "tensor_core", "cusparse")
 BACKWARD_MODES = ("transpose", "atomic")
 FUSED_MODES = ("auto", "push", "pull")
+ROW_ORDERS = ("natural", "degree")
+SWEEPS = ("rows", "columns")
 ROW_CUT = 128
 """Edges one ``rows`` team aggregates before the rest of a long row goes to extra teams."""
 
@@ -73,6 +78,15 @@ class AggregationPlan:
         cut: ``rows``: edges per team before a long row is split.
         nt: ``tensor_core``: 8-column tiles per warp (1, 2 or 4).
         unroll: ``rows``: neighbours per unrolled step (0: ``4 / cf``, four vector loads in flight).
+        row_order: ``rows``: the order teams take rows in: ``"natural"`` (as stored) or ``"degree"``
+            (by descending length, sorted once per graph: the teams sharing a warp get rows of like
+            length, and long rows start first).
+        sweep: ``rows`` with several column chunks per row: ``"rows"`` (a row's chunks together) or
+            ``"columns"`` (every row's first chunk, then every row's second...: the blocks running at
+            once read one column strip of the table, which L2 may hold where the whole table does not).
+        rows_per_team: ``rows``: consecutive rows a team takes (> 1: their edges walked as one run,
+            loads in flight across row ends, for graphs of short rows; every edge of a row, no
+            ``cut``; stored row order only).
         probed_ms: forward time measured by the probe that chose this plan (None: the model's pick).
     """
 
@@ -91,6 +105,9 @@ class AggregationPlan:
     cut: int = ROW_CUT
     nt: int = 2
     unroll: int = 0
+    row_order: str = "natural"
+    sweep: str = "rows"
+    rows_per_team: int = 1
     probed_ms: float | None = None
 
     @property
@@ -142,6 +159,15 @@ class AggregationPlan:
             raise ValueError(f"nt must be 1, 2 or 4, got {self.nt}")
         if self.unroll not in (0, 1, 2, 4, 8):
             raise ValueError(f"unroll must be 0 (default), 1, 2, 4 or 8, got {self.unroll}")
+        if self.row_order not in ROW_ORDERS:
+            raise ValueError(f"row_order must be one of {ROW_ORDERS}, got {self.row_order!r}")
+        if self.sweep not in SWEEPS:
+            raise ValueError(f"sweep must be one of {SWEEPS}, got {self.sweep!r}")
+        if not 1 <= self.rows_per_team <= 64:
+            raise ValueError(f"rows_per_team must lie in [1, 64], got {self.rows_per_team}")
+        if self.rows_per_team > 1 and self.row_order != "natural":
+            raise ValueError("rows_per_team > 1 walks consecutive rows: it takes row_order='natural', not "
+                             f"{self.row_order!r}")
 
 
 def _next_pow2(n: int) -> int:
@@ -183,8 +209,8 @@ def plan_aggregation(graph: Any, feat_dim: int, dtype: torch.dtype = torch.float
     """The plan `aggregate` uses for ``graph`` at width ``feat_dim``.
 
     Without ``probe``: the model's plan (pure arithmetic, no GPU work) with keyword
-    overrides (``kernel=``, ``ngs=``, ``dw=``, ``vec=``, ``cf=``, ``cut=``, ``nt=``,
-    ``threads_per_block=``, ``backward=``, ``fused=``) applied; pass it as
+    overrides (``kernel=``, ``ngs=``, ``dw=``, ``vec=``, ``cf=``, ``cut=``, ``nt=``, ``unroll=``,
+    ``row_order=``, ``sweep=``, ``rows_per_team=``, ``threads_per_block=``, ``backward=``, ``fused=``) applied; pass it as
     ``aggregate(..., plan=plan)`` to force it.
 
     With ``probe=True`` (a CUDA graph): every applicable kernel is timed on random rows of
