@@ -54,7 +54,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-if ls .whl/*.whl >/dev/null 2>&1; then  # kvikio, torchtune (+ torchao), megatron-core: no network there
+if ls .whl/*.whl >/dev/null 2>&1; then  # kvikio (+ libkvikio, rapids-logger, cuda-pathfinder), torchtune (+ torchao),
+  # megatron-core: no network there
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
