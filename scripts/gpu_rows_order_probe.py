@@ -3,9 +3,9 @@
 For each seed-shaped graph, width and dtype, the forward time (CUDA events, `benchmarks._common.cuda_time_ms`) of
 plans forced through the public API: the model's ``rows`` plan; the same with ``row_order="degree"`` (and with
 ``sweep="columns"``, also at ``cf=1``, where a row has several column chunks); a warp per row (narrower vectors,
-32 lanes) in both orders; 4 and 16 rows per team; ``groups``, ``tensor_core`` (half) and ``cusparse``.  The graphs are symmetric: the
-gradient's transposed CSR has the same rows.  Prints one line per case and writes ``$OUT/rows_order_probe.json``
-(or ./rows_order_probe.json).
+32 lanes) in both orders; 4 and 16 rows per team; ``groups``, ``tensor_core`` (half) and ``cusparse``.  The graphs
+are symmetric: the gradient's transposed CSR has the same rows.  Prints one line per case and writes
+``$OUT/rows_order_probe.json`` (or ./rows_order_probe.json).
 Run on the GPU machine:  PYTHONPATH=src:. python scripts/gpu_rows_order_probe.py [--graphs ppi,artist] [--widths 64,128]
 """
 from __future__ import annotations

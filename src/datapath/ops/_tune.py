@@ -29,7 +29,7 @@ import torch
 
 from datapath._runtime.errors import KernelLoadError
 from datapath.ops._graph import CSRView, as_csr
-from datapath.ops.plan import AggregationPlan, plan_for
+from datapath.ops.plan import AggregationPlan, _next_pow2, plan_for
 
 log = logging.getLogger("datapath.ops.tune")
 
@@ -42,10 +42,6 @@ PROBE_BATCH_MS = 0.5
 PROBE_MAX_CALLS = 32
 TIE = 0.03
 """A kernel of ours replaces cuSPARSE only when its median time is under ``(1 - TIE)`` times cuSPARSE's."""
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def plan_key(feat: int, dtype: torch.dtype, variant: str, weighted: bool, heads: int) -> tuple:
@@ -70,9 +66,9 @@ def candidates(view: CSRView, feat: int, dtype: torch.dtype, heads: int, library
                ) -> list[AggregationPlan]:
     """Every kernel that can run this aggregation: the row split as the model plans it and with rows taken by
     descending length (that one also with a deeper unroll, four vectors per lane on wide rows, a column strip at a
-    time on rows of several column chunks and a longer cut on long rows), and, where rows are shorter than a
-    team on average, several rows per team; cuSPARSE where it accumulates as precisely as ours (``library``: True / False to force it in or
-    out)."""
+    time on rows of several column chunks and a longer cut on long rows), and, where rows are shorter than a team
+    on average, several rows per team; cuSPARSE where it accumulates as precisely as ours (``library``: True /
+    False to force it in or out)."""
     from datapath.ops._spmm import tensor_core_ok  # noqa: PLC0415
 
     base = model_plan(view, feat, dtype, heads)

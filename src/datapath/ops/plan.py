@@ -210,8 +210,8 @@ def plan_aggregation(graph: Any, feat_dim: int, dtype: torch.dtype = torch.float
 
     Without ``probe``: the model's plan (pure arithmetic, no GPU work) with keyword
     overrides (``kernel=``, ``ngs=``, ``dw=``, ``vec=``, ``cf=``, ``cut=``, ``nt=``, ``unroll=``,
-    ``row_order=``, ``sweep=``, ``rows_per_team=``, ``threads_per_block=``, ``backward=``, ``fused=``) applied; pass it as
-    ``aggregate(..., plan=plan)`` to force it.
+    ``row_order=``, ``sweep=``, ``rows_per_team=``, ``threads_per_block=``, ``backward=``,
+    ``fused=``) applied; pass it as ``aggregate(..., plan=plan)`` to force it.
 
     With ``probe=True`` (a CUDA graph): every applicable kernel is timed on random rows of
     ``dtype`` and the fastest becomes ``graph``'s plan for this width, dtype, ``reduce``,
