@@ -28,7 +28,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def variants(g, f: int, dt: torch.dtype) -> dict[str, object]:
-    base = plan_aggregation(g, f, dt)
+    base = plan_aggregation(g, f, dt).replace(rows_per_team=1)
     out: dict[str, object] = {"rows": base, "rows_deg": base.replace(row_order="degree")}
     vec = base.vec  # one row per warp: narrower vectors, 32 lanes (at least 32 vectors per row)
     while vec > 1 and f // vec < 32:

@@ -32,6 +32,9 @@ def _check_blocks(graph: Graph, seeds: torch.Tensor, blocks, fanouts, replace=Fa
         assert src.unique().numel() == src.numel(), "source nodes must be distinct"
         bptr, bidx = block.indptr.cpu(), block.indices.cpu()
         assert bptr[0] == 0 and bptr[-1] == bidx.numel() and bptr.numel() == block.num_dst_nodes + 1
+        # the block's row-length bound (the ops plan by it unchecked): the fanout, and it holds
+        assert block.trusted and block.max_degree is not None and (k == -1 or block.max_degree == k)
+        assert block.num_edges == 0 or int((bptr[1:] - bptr[:-1]).max()) <= block.max_degree
         assert bidx.numel() == 0 or (bidx.min() >= 0 and bidx.max() < block.num_src_nodes)
         if layer > 0:
             assert torch.equal(blocks[layer - 1].dst_nodes.cpu(), src), "blocks must chain"
@@ -192,7 +195,8 @@ def test_gpu_equals_cpu(cuda_device, ptr_dtype, idx_dtype, where, replace) -> No
     cpu = s.sample(graph, seeds, step=4)
     gpu = s.sample(graph.to(where), seeds.to(cuda_device), step=4)
     for a, b in zip(cpu, gpu):
-        assert b.device.type == "cuda" and b.num_dst_nodes == a.num_dst_nodes
+        assert b.device.type == "cuda" and b.num_dst_nodes == a.num_dst_nodes and b.max_degree == a.max_degree
+        assert b.to("cpu").max_degree == b.max_degree
         for name in ("indptr", "indices", "src_nodes", "edge_ids"):
             assert torch.equal(getattr(a, name), getattr(b, name).cpu()), name
     _check_blocks(graph, seeds, cpu, s.fanouts, replace)

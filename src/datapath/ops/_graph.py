@@ -15,7 +15,8 @@ be weakly referenced: it is validated on every call.
 
 A graph whose contents are valid by construction may say so with ``trusted = True``
 (the samplers' blocks do): its shapes, dtypes and devices are still checked, its values
-are not (that check costs a host synchronisation).  Any other graph is checked once:
+are not (that check costs a host synchronisation); a ``max_degree`` attribute it carries
+(the samplers' fanout) is taken as the bound on its row length, unchecked.  Any other graph is checked once:
 ``indptr`` starts at 0, never decreases and ends at E, every index lies in
 ``[0, num_src_nodes)``; the largest row length is noted on the way (the kernels use it).
 """
@@ -286,7 +287,11 @@ def as_csr(graph: Any) -> CSRView:
         )
     _check_layout(indptr, indices, num_src, num_dst)
     trusted = bool(getattr(graph, "trusted", False))
-    max_degree = None if trusted else _check_values(indptr, indices, num_src, num_dst)
+    if trusted:  # its maker vouches for its values, and for its bound on the row length if it gives one
+        hint = getattr(graph, "max_degree", None)
+        max_degree = int(hint) if isinstance(hint, int) and not isinstance(hint, bool) and hint >= 0 else None
+    else:
+        max_degree = _check_values(indptr, indices, num_src, num_dst)
     if indptr.dtype != torch.int64:
         indptr = indptr.long()
     view = CSRView(indptr, indices, num_src, num_dst, trusted=trusted, max_degree=max_degree)

@@ -230,6 +230,10 @@ def plan_aggregation(graph: Any, feat_dim: int, dtype: torch.dtype = torch.float
             raise ValueError(f"kernels lists kernels for probe=True to time, some of {KERNELS}; got {kernels!r} "
                              f"with probe={probe}")
     if not probe:
+        if not overrides:  # the model's plan for this graph (it may know the graph's longest row)
+            from datapath.ops._tune import model_plan  # noqa: PLC0415
+
+            return model_plan(csr, feat_dim, dtype, 1)
         return plan_for(csr.num_edges, csr.num_dst, feat_dim, elem, **overrides)
     if overrides:
         raise ValueError("plan_aggregation: pass either probe=True or overrides, not both")

@@ -17,18 +17,24 @@ class Block:
         trusted: True when the CSR is valid by construction (blocks made by
             `NeighborSampler`); `datapath.ops` then skips its index-range check,
             which costs a host synchronisation per block.
+        max_degree: optional bound on any destination's edge count (the sampler's fanout of
+            the hop).  With ``trusted``, `datapath.ops` plans its kernels by it (no launch for
+            long rows where there are none; several short rows per team), so it must hold:
+            a row longer than it would be summed in part.
 
     Follows the `datapath.graph.CSR` protocol.
     """
 
     def __init__(self, indptr: torch.Tensor, indices: torch.Tensor, src_nodes: torch.Tensor,
-                 num_dst_nodes: int, edge_ids: torch.Tensor | None = None, trusted: bool = False) -> None:
+                 num_dst_nodes: int, edge_ids: torch.Tensor | None = None, trusted: bool = False,
+                 max_degree: int | None = None) -> None:
         self.indptr = indptr
         self.indices = indices
         self.src_nodes = src_nodes
         self.num_dst_nodes = int(num_dst_nodes)
         self.edge_ids = edge_ids
         self.trusted = trusted
+        self.max_degree = None if max_degree is None else int(max_degree)
 
     @property
     def num_src_nodes(self) -> int:
@@ -71,7 +77,7 @@ class Block:
         """This block with its tensors on ``device``."""
         mv = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         return Block(mv(self.indptr), mv(self.indices), mv(self.src_nodes), self.num_dst_nodes, mv(self.edge_ids),
-                     trusted=self.trusted)
+                     trusted=self.trusted, max_degree=self.max_degree)
 
     def tensors(self) -> list[torch.Tensor]:
         """The block's tensors (for ``record_stream``)."""

@@ -143,7 +143,7 @@ class NeighborSampler:
             if self.return_edge_ids:
                 e_ids = torch.from_numpy(eids[nbr_pos].astype(np.int64) if eids is not None else nbr_pos)
             block = Block(torch.from_numpy(ptr), torch.from_numpy(local[dst.size:]), torch.from_numpy(unique),
-                          dst.size, e_ids, trusted=True)
+                          dst.size, e_ids, trusted=True, max_degree=k)
             blocks.append(block)
             dst = block.src_nodes.numpy()
         blocks.reverse()
@@ -164,7 +164,7 @@ class NeighborSampler:
         dst = seeds
         cap = seeds.numel()
         n_dev = torch.full((1,), cap, dtype=torch.int64, device=dev)
-        pending = []  # (indptr_full, indices_buf, unique, eid_buf) per hop; sizes in `sizes`
+        pending = []  # (indptr_full, indices_buf, unique, eid_buf, fanout) per hop; sizes in `sizes`
         sizes: list[torch.Tensor] = []
         for hop in range(len(self.fanouts)):
             k = self._fanout(graph, hop)
@@ -195,7 +195,7 @@ class NeighborSampler:
                 eid_buf = torch.empty(cap * k + 1, dtype=torch.int64, device=dev)
                 eid_buf.scatter_(0, slot, out_eid)
             sizes += [n_dev, count, indptr_full.index_select(0, n_dev)]
-            pending.append((indptr_full, idx_buf, unique, eid_buf))
+            pending.append((indptr_full, idx_buf, unique, eid_buf, k))
             dst, cap, n_dev = unique, unique.numel(), count
         return PendingSample(sizes=torch.cat(sizes), pending=pending)
 
@@ -221,10 +221,10 @@ class PendingSample:
         if self._blocks is None:
             host_sizes = fetch_to_host(self._sizes)  # the sample's one wait, GIL released
             blocks = []
-            for hop, (indptr_full, idx_buf, unique, eid_buf) in enumerate(self._pending):
+            for hop, (indptr_full, idx_buf, unique, eid_buf, fanout) in enumerate(self._pending):
                 n_dst, n_src, e = host_sizes[3 * hop: 3 * hop + 3]
                 blocks.append(Block(indptr_full[: n_dst + 1], idx_buf[:e], unique[:n_src], n_dst,
-                                    None if eid_buf is None else eid_buf[:e], trusted=True))
+                                    None if eid_buf is None else eid_buf[:e], trusted=True, max_degree=fanout))
             blocks.reverse()
             self._blocks, self._sizes, self._pending = blocks, None, None
         return self._blocks
