@@ -5,7 +5,7 @@ times, per block and width, ``aggregate(block, x)`` (mean; CUDA events, `benchma
 block is trusted: no probe) with the model's plan, with one row per team, ``rows_per_team`` 2..16, rows by
 length, and on the same block without its fanout bound (``no_bound``: no ``max_degree``, so the row split also
 launches for long rows and, in half precision, sums into a float32 buffer); and the gradient's transposed
-direction.  Prints one line per case and writes ``$OUT/block_rows_probe.json``.
+direction with its plan and with 8 and 32 rows per team.  Prints one line per case and writes ``$OUT/block_rows_probe.json``.
 Run on the GPU machine:  PYTHONPATH=src:. python scripts/gpu_block_rows_probe.py
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from benchmarks._common import cuda_time_ms
 from datapath.graph import generate
-from datapath.ops import aggregate, plan_aggregation, transposed_aggregator
+from datapath.ops import aggregate, as_csr, plan_aggregation, transposed_aggregator
 from datapath.sampling import Block, NeighborSampler
 
 
@@ -55,6 +55,14 @@ def main() -> None:
             y = torch.randn(n, f, device="cuda").to(dt)
             run_t = transposed_aggregator(b, f, dt, "mean")
             rec["T:model"] = cuda_time_ms(lambda: run_t(y), warmup=3, repeat=30)
+            view_t = as_csr(b).transposed()  # the gradient's CSR: a row per source node, length unknown
+            base_t = plan_aggregation(view_t, f, dt).replace(rows_per_team=1)
+            with torch.no_grad():
+                ref_t = aggregate(view_t, y, plan=base_t).float()
+                for r in (8, 32):
+                    p = base_t.replace(rows_per_team=r)
+                    assert torch.allclose(aggregate(view_t, y, plan=p).float(), ref_t, atol=1e-2, rtol=1e-2)
+                    rec[f"T:r{r}"] = cuda_time_ms(lambda p=p: aggregate(view_t, y, plan=p), warmup=3, repeat=30)
             rows.append(rec)
             print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()
                            if k != "device"), flush=True)

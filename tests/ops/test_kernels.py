@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from datapath.graph import CSRGraph
-from datapath.ops import KERNELS, aggregate, cached_keys, plan_aggregation
+from datapath.ops import KERNELS, aggregate, as_csr, cached_keys, plan_aggregation
 from datapath.testing import power_law_csr, reference_aggregate
 
 pytestmark = pytest.mark.gpu
@@ -115,13 +115,17 @@ def test_sampled_blocks_plan_several_rows_per_team(dtype: torch.dtype) -> None:
     from datapath.sampling import NeighborSampler
 
     gen = torch.Generator().manual_seed(3)
-    src, dst = torch.randint(0, 4000, (2, 60_000), generator=gen)
-    graph = Graph.from_edge_index(torch.stack([src, dst]), 4000).to("cuda")
-    blocks = NeighborSampler([10, 4]).sample(graph, torch.randperm(4000, device="cuda")[:300])
+    src, dst = torch.randint(0, 40_000, (2, 400_000), generator=gen)
+    graph = Graph.from_edge_index(torch.stack([src, dst]), 40_000).to("cuda")
+    blocks = NeighborSampler([10, 4]).sample(graph, torch.randperm(40_000, device="cuda")[:300])
     first = blocks[0]  # the input layer: fanout 4
     assert first.max_degree == 4
     plan = plan_aggregation(first, 128, dtype)
     assert plan.kernel == "rows" and plan.rows_per_team > 1
+    # the gradient's CSR: about one edge per source row (12K edges from 11K sources), its longest unknown
+    view_t = as_csr(first).transposed()
+    assert view_t.max_degree is None and view_t.num_edges <= 1.5 * view_t.num_dst
+    assert plan_aggregation(view_t, 128, dtype).rows_per_team > 1
     for b in blocks:
         x = torch.randn(b.num_src_nodes, 128, device="cuda").to(dtype).requires_grad_()
         out = aggregate(b, x, "mean")

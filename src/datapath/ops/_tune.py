@@ -49,16 +49,18 @@ def plan_key(feat: int, dtype: torch.dtype, variant: str, weighted: bool, heads:
 
 
 def model_plan(view: CSRView, feat: int, dtype: torch.dtype, heads: int) -> AggregationPlan:
-    """`plan_for`'s plan, with several rows per team where every row is known to be short (at most two teams'
-    lanes of edges: no long row holds a team up) and rows average at most a quarter of a team's lanes of edges
-    (a sampled block's input layer at fanout 5: 1.02-1.14x faster forward on products-shaped blocks; at fanouts
-    10 and 15 one row per team was faster: `scripts/gpu_block_rows_probe.py`)."""
+    """`plan_for`'s plan, with several rows per team (at most 8) where rows average at most a quarter of a team's
+    lanes of edges and every row is known to be short (at most two teams' lanes: no long row holds a team up), or
+    where rows average at most an eighth of a team's lanes whatever their longest.  Measured on products-shaped
+    GraphSAGE blocks (`scripts/gpu_block_rows_probe.py`): the input layer at fanout 5 1.02-1.14x faster forward
+    (at fanouts 10 and 15 one row per team was faster); the gradient's transposed CSRs (about one edge per source
+    row, hubs unbounded) 1.5-2.1x in float32 and 3.7-4x in bfloat16 at 8 rows per team (32 were slower)."""
     p = plan_for(view.num_edges, view.num_dst, feat, dtype.itemsize)
     if heads != 1:
         return p.replace(kernel="groups")
     avg = view.num_edges / max(1, view.num_dst)
-    if (view.max_degree is not None and view.max_degree <= 2 * p.dw and avg <= p.dw / 4 and view.num_dst < 2**31
-            and view.num_edges > 0):
+    short = view.max_degree is not None and view.max_degree <= 2 * p.dw and avg <= p.dw / 4
+    if (short or avg <= p.dw / 8) and view.num_dst < 2**31 and view.num_edges > 0:
         p = p.replace(rows_per_team=min(8, _next_pow2(math.ceil(p.dw / max(avg, 1.0)))))
     return p
 
