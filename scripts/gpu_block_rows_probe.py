@@ -5,7 +5,8 @@ times, per block and width, ``aggregate(block, x)`` (mean; CUDA events, `benchma
 block is trusted: no probe) with the model's plan, with one row per team, ``rows_per_team`` 2..16, rows by
 length, and on the same block without its fanout bound (``no_bound``: no ``max_degree``, so the row split also
 launches for long rows and, in half precision, sums into a float32 buffer); and the gradient's transposed
-direction with its plan and with 8 and 32 rows per team.  Prints one line per case and writes ``$OUT/block_rows_probe.json``.
+direction with its plan and with 8 and 32 rows per team.  Prints one line per case and writes
+``$OUT/block_rows_probe.json``.
 Run on the GPU machine:  PYTHONPATH=src:. python scripts/gpu_block_rows_probe.py
 """
 from __future__ import annotations

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 from datapath.apps.errors import DistributedError
 from datapath.apps.launch import (
-    DistContext, all_gather_objects, in_launched_job, init_distributed, launch, rank_error, shutdown_distributed,
+    DistContext, _leave_together, all_gather_objects, in_launched_job, init_distributed, launch, rank_error,
+    shutdown_distributed,
 )
 from datapath.apps.shared_data import memory_footprint, segment_bytes, shared_dataset
 from datapath.apps.store_placement import CACHE_POLICIES, place_sharded, place_with_store, uses_store
@@ -398,11 +399,14 @@ def run_training(cfg: TrainConfig, nprocs: int | None = None) -> list[dict[str, 
             raise DistributedError(f"--gpus {nprocs} but this process is one of WORLD_SIZE={world} (torchrun); "
                                    f"leave --gpus out or make them agree")
         try:
-            return [train(cfg)]
+            result = train(cfg)
         except Exception as exc:
             if world == 1:
                 raise
             raise rank_error(int(os.environ.get("RANK", "0")), world, exc) from exc  # one line naming the rank
+        else:  # leave together: a rank tearing its Gloo pairs down under a peer's last collective aborts the peer
+            _leave_together()
+            return [result]
         finally:
             shutdown_distributed()
     if nprocs is None:
