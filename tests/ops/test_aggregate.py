@@ -336,6 +336,29 @@ def test_sampled_blocks_are_trusted_and_correct() -> None:
         torch.testing.assert_close(aggregate(b, x, reduce="sum"), ref)
 
 
+def test_the_model_plans_several_rows_per_team_only_for_short_rows() -> None:
+    """The CUDA plan the model makes (pure arithmetic, so checked here on the CPU): several rows per team on a
+    block whose fanout bounds short rows and on its transposed CSR (about an edge per row, longest unknown); one
+    row per team on the same block without the bound, and on a block of longer rows."""
+    from datapath.graph import Graph
+    from datapath.ops import as_csr
+    from datapath.sampling import Block, NeighborSampler
+
+    g = torch.Generator().manual_seed(5)
+    graph = Graph.from_edge_index(torch.randint(0, 40_000, (2, 400_000), generator=g), 40_000)
+    first, last = NeighborSampler([12, 4], seed=2).sample(graph, torch.arange(0, 40_000, 131))
+    assert first.max_degree == 4 and last.max_degree == 12
+    assert plan_aggregation(first, 64).rows_per_team > 1  # float32 F=64: a team of 16 lanes; rows <= 4 edges
+    view_t = as_csr(first).transposed()
+    assert view_t.max_degree is None and view_t.num_edges <= 1.5 * view_t.num_dst
+    assert plan_aggregation(view_t, 64).rows_per_team == 8
+    unbounded = Block(first.indptr, first.indices, first.src_nodes, first.num_dst_nodes, trusted=True)
+    assert plan_aggregation(unbounded, 64).rows_per_team == 1  # ~4 edges a row: too many without a bound
+    assert plan_aggregation(last, 64).rows_per_team == 1  # ~12 edges a row
+    with pytest.raises(ValueError, match="row_order"):  # several rows a team walk them in stored order
+        plan_aggregation(first, 64).replace(row_order="degree")
+
+
 def test_bad_input_names_the_argument_before_any_kernel_runs() -> None:
     g = make_graph("cpu")
     x = torch.randn(g.num_src_nodes, 4)
