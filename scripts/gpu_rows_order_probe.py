@@ -2,10 +2,11 @@
 
 For each seed-shaped graph, width and dtype, the forward time (CUDA events, `benchmarks._common.cuda_time_ms`) of
 plans forced through the public API: the model's ``rows`` plan; the same with ``row_order="degree"`` (and with
-``sweep="columns"``, also at ``cf=1``, where a row has several column chunks); a warp per row (narrower vectors,
-32 lanes) in both orders; half the lanes a row with two vectors each (rows by length); 4 and 16 rows per team;
-``groups``, ``tensor_core`` (half) and ``cusparse``.  The graphs are symmetric: the gradient's transposed CSR has
-the same rows.  Prints one line per case and writes ``$OUT/rows_order_probe.json`` (or ./rows_order_probe.json).
+``sweep="columns"``, also at ``cf=1``, where a row has several column chunks, and with two chunks of half the
+lanes where it has one); a warp per row (narrower vectors, 32 lanes) in both orders; half the lanes a row with
+two vectors each (rows by length); 4 and 16 rows per team; ``groups``, ``tensor_core`` (half) and ``cusparse``.
+The graphs are symmetric: the gradient's transposed CSR has the same rows.  Prints one line per case and writes
+``$OUT/rows_order_probe.json`` (or ./rows_order_probe.json).
 Run on the GPU machine:  PYTHONPATH=src:. python scripts/gpu_rows_order_probe.py [--graphs ppi,artist] [--widths 64,128]
 """
 from __future__ import annotations
@@ -40,6 +41,8 @@ def variants(g, f: int, dt: torch.dtype) -> dict[str, object]:
     if base.chunks > 1:
         out["deg_cols"] = base.replace(row_order="degree", sweep="columns")
         out["deg_cols_cf1"] = base.replace(row_order="degree", sweep="columns", cf=1)
+    if base.chunks == 1 and base.dw >= 4:  # two column chunks of half the lanes, a strip at a time
+        out["deg_cols_2chunks"] = base.replace(row_order="degree", dw=base.dw // 2, sweep="columns")
     if base.cf == 1 and base.dw >= 4:  # half the lanes per row, two vectors each (more rows per warp)
         out["deg_cf2"] = base.replace(row_order="degree", dw=base.dw // 2, cf=2)
         out["deg_cf2_u8"] = base.replace(row_order="degree", dw=base.dw // 2, cf=2, unroll=4)
@@ -77,8 +80,8 @@ def main() -> None:
                             rec[label] = None
                             print(f"  {label}: {str(exc).splitlines()[0][:80]}")
                 ours = [v for k, v in rec.items() if k in (
-                    "rows", "rows_deg", "warp", "warp_deg", "deg_cols", "deg_cols_cf1", "deg_cf2", "deg_cf2_u8",
-                    "multi4", "multi16", "groups", "tensor_core") and v]
+                    "rows", "rows_deg", "warp", "warp_deg", "deg_cols", "deg_cols_cf1", "deg_cols_2chunks", "deg_cf2",
+                    "deg_cf2_u8", "multi4", "multi16", "groups", "tensor_core") and v]
                 rec["best_ours_over_cusparse"] = rec["cusparse"] / min(ours) if rec.get("cusparse") else None
                 rec["old_best_over_cusparse"] = rec["cusparse"] / min(
                     v for k, v in rec.items() if k in ("rows", "groups", "tensor_core") and v)
