@@ -105,6 +105,24 @@ __device__ __forceinline__ void team_sum(long long beg, long long end, const I* 
     }
 }
 
+// This thread's team's (slot, column chunk) among n_slots * chunks, by `by_columns` order (see the header);
+// false for a team past the last (the whole team leaves together).
+__device__ __forceinline__ bool team_slot(int dw, long long n_slots, int chunks, int by_columns, long long& slot,
+                                          int& chunk) {
+    const long long team = static_cast<long long>(blockIdx.x) * (blockDim.x / dw) + threadIdx.x / dw;
+    if (team >= n_slots * chunks) return false;
+    slot = by_columns ? team % n_slots : team / chunks;
+    chunk = static_cast<int>(by_columns ? team / n_slots : team % chunks);
+    return true;
+}
+
+__device__ __forceinline__ void zero_acc(A acc[CF][VEC]) {
+#pragma unroll
+    for (int q = 0; q < CF; ++q)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[q][i] = 0;
+}
+
 __device__ __forceinline__ void team_columns(int chunk, int dw, int lane, int col[CF]) {
 #pragma unroll
     for (int q = 0; q < CF; ++q) col[q] = (chunk * CF * dw + q * dw + lane) * VEC;
@@ -120,28 +138,16 @@ extern "C" __global__ void agg_rows(const long long* __restrict__ indptr, const 
                                     const long long* __restrict__ src_map, const A* __restrict__ w,
                                     const A* __restrict__ nbr_scale, const A* __restrict__ row_scale,
                                     void* __restrict__ out, int F, int dw) {
-    const long long team = static_cast<long long>(blockIdx.x) * (blockDim.x / dw) + threadIdx.x / dw;
     long long slot;
     int chunk;
-    if (by_columns) {
-        if (team >= n_rows * chunks) return;  // the whole team leaves together
-        slot = team % n_rows;
-        chunk = static_cast<int>(team / n_rows);
-    } else {
-        slot = team / chunks;
-        if (slot >= n_rows) return;
-        chunk = static_cast<int>(team % chunks);
-    }
+    if (!team_slot(dw, n_rows, chunks, by_columns, slot, chunk)) return;
     const long long row = order != nullptr ? order[slot] : slot;
     const int lane = threadIdx.x % dw;
     const unsigned mask = team_mask(dw);
     int col[CF];
     team_columns(chunk, dw, lane, col);
     A acc[CF][VEC];
-#pragma unroll
-    for (int q = 0; q < CF; ++q)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[q][i] = 0;
+    zero_acc(acc);
     const long long beg = indptr[row];
     const long long end = min(indptr[row + 1], beg + cut);
     team_sum(beg, end, indices, perm, x, src_map, w, nbr_scale, F, dw, lane, mask, col, acc);
@@ -184,10 +190,7 @@ extern "C" __global__ void agg_rows_tail(const long long* __restrict__ indptr, c
     int col[CF];
     team_columns(chunk, dw, lane, col);
     A acc[CF][VEC];
-#pragma unroll
-    for (int q = 0; q < CF; ++q)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[q][i] = 0;
+    zero_acc(acc);
     team_sum(beg, end, indices, perm, x, src_map, w, nbr_scale, F, dw, lane, mask, col, acc);
     const A rs = row_scale != nullptr ? row_scale[row] : A(1);
 #pragma unroll
@@ -202,28 +205,19 @@ extern "C" __global__ void agg_rows_tail(const long long* __restrict__ indptr, c
 // Several short rows per team: the `rows_per_team` consecutive rows of a slot walked as one run of
 // CSR positions (indices, coefficients and each position's row, from `edge_row`, loaded `dw` at a
 // time, coalesced; UNROLL loads of x in flight across row ends), each row stored when the run
-// leaves it, rows without edges stored as zeros.  No cut: a team takes every edge of its rows (the
-// plan offers this only on graphs without long rows).  The row order is the stored one; `by_columns`
-// as for agg_rows.
+// leaves it, rows without edges stored as zeros.  No cut: a team takes every edge of its rows, so a
+// long row holds its team up (the plan takes this where rows are short, or measured faster).  The row
+// order is the stored one; `by_columns` as for agg_rows.
 extern "C" __global__ void agg_rows_multi(const long long* __restrict__ indptr, const I* __restrict__ indices,
                                           const long long* __restrict__ perm, long long n_rows, int chunks,
                                           int rows_per_team, const int* __restrict__ edge_row, int by_columns,
                                           const T* __restrict__ x, const long long* __restrict__ src_map,
                                           const A* __restrict__ w, const A* __restrict__ nbr_scale,
                                           const A* __restrict__ row_scale, T* __restrict__ out, int F, int dw) {
-    const long long team = static_cast<long long>(blockIdx.x) * (blockDim.x / dw) + threadIdx.x / dw;
     const long long n_slots = (n_rows + rows_per_team - 1) / rows_per_team;
     long long slot;
     int chunk;
-    if (by_columns) {
-        if (team >= n_slots * chunks) return;  // the whole team leaves together
-        slot = team % n_slots;
-        chunk = static_cast<int>(team / n_slots);
-    } else {
-        slot = team / chunks;
-        if (slot >= n_slots) return;
-        chunk = static_cast<int>(team % chunks);
-    }
+    if (!team_slot(dw, n_slots, chunks, by_columns, slot, chunk)) return;
     const long long first = slot * rows_per_team;
     const long long last = min(first + rows_per_team, n_rows);  // rows [first, last)
     const int lane = threadIdx.x % dw;
@@ -231,10 +225,7 @@ extern "C" __global__ void agg_rows_multi(const long long* __restrict__ indptr, 
     int col[CF];
     team_columns(chunk, dw, lane, col);
     A acc[CF][VEC];
-#pragma unroll
-    for (int q = 0; q < CF; ++q)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[q][i] = 0;
+    zero_acc(acc);
     long long cur = first;
     // store row `cur` (scaled), zero the rows up to `upto` (exclusive) that have no edges, restart at `upto`
     auto flush = [&](long long upto) {

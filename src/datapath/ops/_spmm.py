@@ -23,13 +23,9 @@ from datapath.ops import _launch
 from datapath.ops._graph import CSRView
 from datapath.ops._launch import aligned_vec, launch, ptr
 from datapath.ops._sgt import Translation, translate
-from datapath.ops.plan import AggregationPlan, widest_vec
+from datapath.ops.plan import AggregationPlan, _next_pow2, widest_vec
 
 ROWS_THREADS = 256
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _row_order(view: CSRView) -> torch.Tensor:

@@ -61,8 +61,14 @@ def model_plan(view: CSRView, feat: int, dtype: torch.dtype, heads: int) -> Aggr
     avg = view.num_edges / max(1, view.num_dst)
     short = view.max_degree is not None and view.max_degree <= 2 * p.dw and avg <= p.dw / 4
     if (short or avg <= p.dw / 8) and view.num_dst < 2**31 and view.num_edges > 0:
-        p = p.replace(rows_per_team=min(8, _next_pow2(math.ceil(p.dw / max(avg, 1.0)))))
+        p = p.replace(rows_per_team=min(8, _rows_for_a_team(view, p.dw)))
     return p
+
+
+def _rows_for_a_team(view: CSRView, dw: int) -> int:
+    """Rows (a power of two, at most 32) whose edges on average fill a team's ``dw`` lanes at least."""
+    avg = view.num_edges / max(1, view.num_dst)
+    return min(32, _next_pow2(math.ceil(dw / max(avg, 1.0))))
 
 
 HALF_LIBRARY_MAX_DEGREE = 16
@@ -96,8 +102,7 @@ def candidates(view: CSRView, feat: int, dtype: torch.dtype, heads: int, library
     if view.max_degree is None or view.max_degree > base.cut:
         out.append(by_len.replace(cut=4 * base.cut))
     if view.num_dst < 2**31:  # short rows on average: several rows a team, loads in flight across row ends
-        avg = view.num_edges / max(1, view.num_dst)
-        per_team = min(32, _next_pow2(math.ceil(base.dw / max(avg, 1.0))))  # a team's lanes of edges at least
+        per_team = _rows_for_a_team(view, base.dw)
         if per_team > 1:
             more = base.replace(rows_per_team=min(32, 4 * per_team))  # measured faster on wide rows
             out += [base.replace(rows_per_team=per_team)] if per_team < more.rows_per_team else []
