@@ -86,6 +86,21 @@ def test_row_split_long_rows(dtype: torch.dtype, trusted: bool, cut: int) -> Non
     _run(g, "rows", dtype, "gcn_weighted", 130, TOL[dtype], cut=cut, sweep="columns")  # a part-filled last chunk
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_long_rows_fill_every_float32_slot(dtype: torch.dtype) -> None:
+    """16-bit rows with a tail keep only the long rows' sums in float32, in at most num_edges // (cut + 1) slots:
+    here every slot is used (each long row has exactly cut + 1 edges), between rows without edges and short rows."""
+    gen = torch.Generator().manual_seed(9)
+    deg = torch.tensor([9] * 50 + [0] * 12 + [1] * 8)[torch.randperm(70, generator=gen)]  # 458 edges: 50 slots
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), deg.cumsum(0)])
+    indices = torch.randint(0, 90, (int(indptr[-1]),), generator=gen)
+    g = CSRGraph(indptr.cuda(), indices.cuda(), 90, 70)
+    for variant, width in (("sum", 64), ("gcn_weighted", 6), ("mean", 602)):
+        _run(g, "rows", dtype, variant, width, TOL[dtype], cut=8)
+    short = CSRGraph(indptr.cuda(), indices.cuda(), 90, 70)  # the same rows, none long at the default cut
+    _run(short, "rows", dtype, "sum", 64, TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
 @pytest.mark.parametrize("rows_per_team", [2, 8, 32])
 def test_several_rows_per_team(dtype: torch.dtype, rows_per_team: int) -> None:

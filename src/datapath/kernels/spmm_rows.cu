@@ -3,7 +3,8 @@
 // Compiled per variant through NVRTC options (DP_KIND, DP_VEC, DP_IDX_64: see agg_common.cuh) and
 //   DP_CF       column vectors per lane (1 or 2: "warp merging", two independent loads per edge)
 //   DP_UNROLL   neighbours per unrolled step (default 4 / CF)
-//   DP_OUT_ACC  defined: agg_rows writes an accumulation-type (A) buffer instead of T rows
+//   DP_OUT_ACC  defined (16-bit T with long rows): the long rows' partial sums go to a compact float (A) buffer,
+//               one row per long row (`long_slot`), that agg_rows_tail adds into and agg_rows_finish converts
 //
 // A team of `dw` lanes (a power of two <= 32, so a team never straddles a warp) owns one
 // (row, column chunk); lane l covers the VEC-wide column vectors chunk*dw*VEC*CF + (j*dw + l)*VEC,
@@ -26,7 +27,10 @@
 // further piece of `cut` edges, and adds atomically into the stored rows (launched after
 // agg_rows on the same stream).  Its pieces are found from `tail_cum`, the inclusive prefix sum
 // over rows of max(0, ceil(deg / cut) - 1), by binary search, so the host never needs their
-// number: the launch covers num_edges / cut pieces, an upper bound.
+// number: the launch covers num_edges / cut pieces, an upper bound.  For 16-bit T (DP_OUT_ACC) the tail's sums
+// stay in float32: agg_rows stores a long row's first piece in `part` (row long_slot[row]) instead of `out`, the
+// tail adds there, and agg_rows_finish converts those rows into `out`; short rows go straight to `out` in T, so
+// only the long rows (at most num_edges / (cut + 1) of them) pass through float32 memory.
 
 #include "agg_common.cuh"
 
@@ -137,7 +141,8 @@ extern "C" __global__ void agg_rows(const long long* __restrict__ indptr, const 
                                     const T* __restrict__ x,
                                     const long long* __restrict__ src_map, const A* __restrict__ w,
                                     const A* __restrict__ nbr_scale, const A* __restrict__ row_scale,
-                                    void* __restrict__ out, int F, int dw) {
+                                    T* __restrict__ out, int F, int dw, const int* __restrict__ long_slot,
+                                    A* __restrict__ part) {
     long long slot;
     int chunk;
     if (!team_slot(dw, n_rows, chunks, by_columns, slot, chunk)) return;
@@ -158,10 +163,13 @@ extern "C" __global__ void agg_rows(const long long* __restrict__ indptr, const 
 #pragma unroll
         for (int i = 0; i < VEC; ++i) acc[q][i] *= rs;
 #ifdef DP_OUT_ACC
-        store_acc(reinterpret_cast<A*>(out) + row * F + col[q], acc[q]);
-#else
-        store_vec(reinterpret_cast<T*>(out) + row * F + col[q], acc[q]);
+        const int slot_l = long_slot[row];
+        if (slot_l >= 0) {
+            store_acc(part + static_cast<long long>(slot_l) * F + col[q], acc[q]);
+            continue;
+        }
 #endif
+        store_vec(out + row * F + col[q], acc[q]);
     }
 }
 
@@ -171,7 +179,8 @@ extern "C" __global__ void agg_rows_tail(const long long* __restrict__ indptr, c
                                          long long cut, const long long* __restrict__ tail_cum,
                                          const T* __restrict__ x, const long long* __restrict__ src_map,
                                          const A* __restrict__ w, const A* __restrict__ nbr_scale,
-                                         const A* __restrict__ row_scale, A* __restrict__ out, int F, int dw) {
+                                         const A* __restrict__ row_scale, A* __restrict__ out, int F, int dw,
+                                         const int* __restrict__ long_slot) {
     const long long team = static_cast<long long>(blockIdx.x) * (blockDim.x / dw) + threadIdx.x / dw;
     const long long piece = team / chunks;
     if (n_rows <= 0 || piece >= tail_cum[n_rows - 1]) return;
@@ -198,8 +207,29 @@ extern "C" __global__ void agg_rows_tail(const long long* __restrict__ indptr, c
         if (col[q] >= F) continue;
 #pragma unroll
         for (int i = 0; i < VEC; ++i) acc[q][i] *= rs;
+#ifdef DP_OUT_ACC
+        atomic_add_vec(out + static_cast<long long>(long_slot[row]) * F + col[q], acc[q]);  // out: the `part` rows
+#else
         atomic_add_vec(out + row * F + col[q], acc[q]);
+#endif
     }
+}
+
+// 16-bit T: the long rows' float32 sums (`part`, row i for row long_rows[i]; -1: an unused slot) into `out`, a
+// thread per VEC columns.
+extern "C" __global__ void agg_rows_finish(const long long* __restrict__ long_rows, long long slots,
+                                           const A* __restrict__ part, T* __restrict__ out, int F) {
+    const int nv = F / VEC;
+    const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long i = t / nv;
+    if (i >= slots) return;
+    const long long row = long_rows[i];
+    if (row < 0) return;
+    const int c = static_cast<int>(t % nv) * VEC;
+    A v[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) v[k] = part[i * F + c + k];
+    store_vec(out + row * F + c, v);
 }
 
 // Several short rows per team: the `rows_per_team` consecutive rows of a slot walked as one run of

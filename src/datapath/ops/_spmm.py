@@ -41,6 +41,22 @@ def _edge_row(view: CSRView) -> torch.Tensor:
     return view.cached("edge_row", make)
 
 
+def _long_rows(view: CSRView, cut: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The rows longer than ``cut`` edges, numbered without a host sync: ``long_slot`` (num_dst,) int32, each row's
+    number among them (-1: not long), ``long_rows`` (slots,) int64, the row of each number (-1: unused), and
+    ``slots`` = min(num_dst, num_edges // (cut + 1)), a bound on their count."""
+    def make() -> tuple[torch.Tensor, torch.Tensor, int]:
+        slots = max(1, min(view.num_dst, view.num_edges // (cut + 1)))
+        long = view.in_degrees() > cut
+        count = torch.cumsum(long, 0)  # long rows up to and including each row
+        long_slot = torch.where(long, count - 1, -1).to(torch.int32)
+        wanted = torch.arange(1, slots + 1, device=view.device)
+        long_rows = torch.searchsorted(count, wanted)  # the first row with i + 1 long rows: long row i
+        long_rows = torch.where(long_rows < view.num_dst, long_rows, -1)
+        return long_slot, long_rows, slots
+    return view.cached(("long_rows", cut), make)
+
+
 def _tail_cum(view: CSRView, cut: int) -> torch.Tensor:
     """(num_dst,) inclusive prefix sum of the extra pieces (beyond the first ``cut`` edges) of each row."""
     def make() -> torch.Tensor:
@@ -52,24 +68,32 @@ def _tail_cum(view: CSRView, cut: int) -> torch.Tensor:
 class _RowsLaunch:
     """Everything about a row-split launch that does not change between calls (kept with the view)."""
 
-    __slots__ = ("head", "tail", "wide_acc")
+    __slots__ = ("head", "tail", "finish", "wide_acc", "slots")
 
-    def __init__(self, view: CSRView, dtype: torch.dtype, f: int, vec: int, dw: int, cf: int, cut: int,
-                 unroll: int, row_order: str, sweep: str, rows_per_team: int) -> None:
-        n = view.num_dst
+    def __init__(self, view: CSRView, dtype: torch.dtype, f: int, vec: int, dw: int, cf: int,
+                 plan: AggregationPlan) -> None:
+        """``vec``, ``dw``, ``cf``: the plan's, or narrower ones for a misaligned x; the rest from ``plan``."""
+        n, cut, rows_per_team = view.num_dst, plan.cut, plan.rows_per_team
         chunks = -(-f // (dw * vec * cf))
         multi = rows_per_team > 1  # several rows a team, every edge of them: no tail pieces
         tail = not multi and (view.max_degree is None or view.max_degree > cut)
         pieces = view.num_edges // cut if tail else 0
         self.wide_acc = pieces > 0 and dtype not in (torch.float32, torch.float64)
-        extra = [f"-DDP_CF={cf}", f"-DDP_UNROLL={unroll or ROWS_UNROLL[cf]}"] + (
+        extra = [f"-DDP_CF={cf}", f"-DDP_UNROLL={plan.unroll or ROWS_UNROLL[cf]}"] + (
             ["-DDP_OUT_ACC"] if self.wide_acc else [])
         opts = _launch.options(dtype, vec, view.indices.dtype, *extra)
         teams_per_block = ROWS_THREADS // dw
         prefix = (ptr(view.indptr), ptr(view.indices), ptr(view.edge_perm), np.int64(n), np.int32(chunks),
                   np.int64(cut))
         call = (None,) * 6 + (np.int32(f), np.int32(dw))  # x, src_map, w, nbr_scale, row_scale, out; F, dw
-        by_columns = np.int32(sweep == "columns")
+        long_slot, self.finish, self.slots = None, None, 0
+        if self.wide_acc:  # 16-bit rows with a tail: the long rows' sums kept in float32 (see spmm_rows.cu)
+            long_slot, long_rows, self.slots = _long_rows(view, cut)
+            nv = f // vec
+            self.finish = _launch.PackedLaunch(_launch.function("spmm_rows.cu", "agg_rows_finish", opts),
+                                               (-(-(self.slots * nv) // ROWS_THREADS),), ROWS_THREADS,
+                                               (ptr(long_rows), np.int64(self.slots), None, None, np.int32(f)), (2, 3))
+        by_columns = np.int32(plan.sweep == "columns")
         if multi:
             if n >= 2**31:
                 raise ValueError(f"rows_per_team > 1 takes graphs of fewer than 2**31 rows, not {n}")
@@ -79,26 +103,32 @@ class _RowsLaunch:
                 ROWS_THREADS, prefix[:5] + (np.int32(rows_per_team), ptr(_edge_row(view)), by_columns) + call,
                 range(8, 14))
         else:
-            order = _row_order(view) if row_order == "degree" else None
+            order = _row_order(view) if plan.row_order == "degree" else None
             self.head = _launch.PackedLaunch(_launch.function("spmm_rows.cu", "agg_rows", opts),
                                              (-(-(n * chunks) // teams_per_block),), ROWS_THREADS,
-                                             prefix + (ptr(order), by_columns) + call, range(8, 14))
+                                             prefix + (ptr(order), by_columns) + call + (ptr(long_slot), None),
+                                             (*range(8, 14), 17))
         self.tail = None
         if pieces > 0:
             self.tail = _launch.PackedLaunch(_launch.function("spmm_rows.cu", "agg_rows_tail", opts),
                                              (-(-(pieces * chunks) // teams_per_block),), ROWS_THREADS,
-                                             prefix + (ptr(_tail_cum(view, cut)),) + call, range(7, 13))
+                                             prefix + (ptr(_tail_cum(view, cut)),) + call + (ptr(long_slot),),
+                                             range(7, 13))
 
     def run(self, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torch.Tensor | None,
             row_scale: torch.Tensor | None, src_map: torch.Tensor | None, n: int) -> torch.Tensor:
         f = x.shape[1]
-        out = torch.empty((n, f), dtype=torch.float32, device=x.device) if self.wide_acc else x.new_empty((n, f))
+        out = x.new_empty((n, f))
         dev = x.device.index
-        self.head(dev, x, src_map, w, nbr_scale, row_scale, out)
-        if self.tail is not None:
-            self.tail(dev, x, src_map, w, nbr_scale, row_scale, out)
-            if self.wide_acc:
-                return out.to(x.dtype)
+        if self.finish is None:
+            self.head(dev, x, src_map, w, nbr_scale, row_scale, out)
+            if self.tail is not None:
+                self.tail(dev, x, src_map, w, nbr_scale, row_scale, out)
+            return out
+        part = torch.empty((self.slots, f), dtype=torch.float32, device=x.device)
+        self.head(dev, x, src_map, w, nbr_scale, row_scale, out, part)
+        self.tail(dev, x, src_map, w, nbr_scale, row_scale, part)
+        self.finish(dev, part, out)
         return out
 
 
@@ -127,8 +157,7 @@ def rows_launch(view: CSRView, dtype: torch.dtype, f: int, vec: int, dw: int, cf
            plan.rows_per_team)
     launch_ = view.cache.get(key)
     if launch_ is None:
-        launch_ = view.cache[key] = _RowsLaunch(view, dtype, f, vec, dw, cf, plan.cut, plan.unroll, plan.row_order,
-                                                plan.sweep, plan.rows_per_team)
+        launch_ = view.cache[key] = _RowsLaunch(view, dtype, f, vec, dw, cf, plan)
     return launch_
 
 
