@@ -52,6 +52,19 @@ __device__ __forceinline__ unsigned team_mask(int dw) {
     return ((1u << dw) - 1u) << first;
 }
 
+// CSR position k's source row of x (map(indices[k])) and coefficient (weight * neighbour scale), for the lane
+// that loads it; a team loads `dw` positions at once and hands them round with shuffles.
+__device__ __forceinline__ void load_position(long long k, const I* __restrict__ indices,
+                                              const long long* __restrict__ perm,
+                                              const long long* __restrict__ src_map, const A* __restrict__ w,
+                                              const A* __restrict__ nbr_scale, long long& s_l, A& c_l) {
+    const long long s = static_cast<long long>(indices[k]);
+    c_l = 1;
+    if (w != nullptr) c_l = w[perm != nullptr ? perm[k] : k];
+    if (nbr_scale != nullptr) c_l *= nbr_scale[s];
+    s_l = src_map != nullptr ? src_map[s] : s;
+}
+
 // acc[q][:] += sum over k in [beg, end) of coef(k) * x[map(indices[k]), col(q) : col(q) + VEC]
 __device__ __forceinline__ void team_sum(long long beg, long long end, const I* __restrict__ indices,
                                          const long long* __restrict__ perm, const T* __restrict__ x,
@@ -62,14 +75,7 @@ __device__ __forceinline__ void team_sum(long long beg, long long end, const I* 
         const int nb = static_cast<int>(min(static_cast<long long>(dw), end - k0));
         long long s_l = 0;
         A c_l = 0;
-        if (lane < nb) {
-            const long long k = k0 + lane;
-            const long long s = static_cast<long long>(indices[k]);
-            c_l = 1;
-            if (w != nullptr) c_l = w[perm != nullptr ? perm[k] : k];
-            if (nbr_scale != nullptr) c_l *= nbr_scale[s];
-            s_l = src_map != nullptr ? src_map[s] : s;
-        }
+        if (lane < nb) load_position(k0 + lane, indices, perm, src_map, w, nbr_scale, s_l, c_l);
         int j = 0;
         for (; j + UNROLL <= nb; j += UNROLL) {
             long long s[UNROLL];
@@ -283,13 +289,8 @@ extern "C" __global__ void agg_rows_multi(const long long* __restrict__ indptr, 
         A c_l = 0;
         int r_l = 0;
         if (lane < nb) {
-            const long long k = k0 + lane;
-            const long long s = static_cast<long long>(indices[k]);
-            c_l = 1;
-            if (w != nullptr) c_l = w[perm != nullptr ? perm[k] : k];
-            if (nbr_scale != nullptr) c_l *= nbr_scale[s];
-            s_l = src_map != nullptr ? src_map[s] : s;
-            r_l = edge_row[k];
+            load_position(k0 + lane, indices, perm, src_map, w, nbr_scale, s_l, c_l);
+            r_l = edge_row[k0 + lane];
         }
         for (int j = 0; j < nb; j += UNROLL) {
             long long s[UNROLL];
