@@ -5,7 +5,8 @@ the engine's device threads on and off (``torch.autograd.set_multithreading_enab
 a torch.profiler table (CPU self time, CUDA time) of datapath's GINConv step; then the aggregation alone against
 cuSPARSE on ppi and citeseer (host us and GPU ms per call, forward and forward+backward).  Host us per step:
 `benchmarks._common.wall_us_per_call` (back-to-back steps, one sync at each end).
-Run on the GPU machine:  PYTHONPATH=src:. python scripts/gpu_kernels_diag.py [--full]
+``--fb``: only the forward+backward step's kernels, datapath vs cuSPARSE, on the graphs where B3's fwd+bwd is slow.
+Run on the GPU machine:  PYTHONPATH=src:. python scripts/gpu_kernels_diag.py [--full | --fb]
 """
 from __future__ import annotations
 
@@ -52,7 +53,53 @@ def table(label: str, fn, rows: int = 22) -> None:
     print("   top-level CPU us/step by thread: " + ", ".join(f"{t}:{v / 20:.0f}" for t, v in threads.items()))
 
 
+def fb_kernels(names: tuple[str, ...], cases: tuple[tuple[int, torch.dtype], ...]) -> None:
+    """Where a forward+backward step of the aggregation goes beyond its two kernels: per graph and width, the
+    step's ms (interleaved batches, as B3 times it) of datapath and of cuSPARSE with a prebuilt transpose, the
+    forward alone, and each way's GPU kernels in one profiled step (name, us) with the step's wall time."""
+    from benchmarks._common import interleaved_ms  # noqa: PLC0415
+    from benchmarks.aggregate import _PretransposedSpMM, csr_tensors  # noqa: PLC0415
+    from datapath.ops import plan_aggregation  # noqa: PLC0415
+
+    for name in names:
+        g, _ = seed_graph(name, device="cuda")
+        for f, dt in cases:
+            a, at = csr_tensors(g, dt)
+            x = torch.randn(g.num_src_nodes, f, device="cuda").to(dt).requires_grad_()
+            gy = torch.randn(g.num_dst_nodes, f, device="cuda").to(dt)
+            plan_aggregation(g, f, dt, probe=True)
+            ways = {"dp": lambda x, g=g: aggregate(g, x),
+                    "cs": lambda x, a=a, at=at: _PretransposedSpMM.apply(x, a, at)}
+            fbs = {w: step(fn, x, gy) for w, fn in ways.items()}
+            fws = {w: (lambda fn=fn: fn(x.detach())) for w, fn in ways.items()}
+            t_fb = interleaved_ms(fbs, 5)
+            t_f = interleaved_ms(fws, 5)
+            with torch.autograd.set_multithreading_enabled(False):
+                t_fb1 = interleaved_ms(fbs, 5)
+            print(f"\n== {name} F={f} {str(dt)[6:]}: fb ms dp {t_fb['dp']:.4f} cs {t_fb['cs']:.4f} | 1 thread dp "
+                  f"{t_fb1['dp']:.4f} cs {t_fb1['cs']:.4f} | fwd dp {t_f['dp']:.4f} cs {t_f['cs']:.4f} | wall us/step "
+                  f"dp {wall_us_per_call(fbs['dp']):.1f} cs {wall_us_per_call(fbs['cs']):.1f}", flush=True)
+            for w, fn in fbs.items():
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        fn()
+                    torch.cuda.synchronize()
+                kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+                per: dict[str, list[float]] = {}
+                for e in kern:
+                    per.setdefault(e.name[:60], []).append(e.device_time)
+                print(f"   {w}: " + "; ".join(f"{k} x{len(v) / 5:g} {sum(v) / len(v):.1f}us" for k, v in per.items()))
+            del x, gy
+
+
 def main() -> None:
+    if "--fb" in sys.argv:
+        fb_kernels(("artist", "ppi", "soc-BlogCatalog", "citeseer"),
+                   ((16, torch.float32), (16, torch.float16), (128, torch.bfloat16), (64, torch.float32)))
+        return
     full = "--full" in sys.argv  # also the 1-thread / no-GC columns and the profiler table
     print(f"python {sys.version.split()[0]} torch {torch.__version__} switchinterval {sys.getswitchinterval()}; "
           f"threads {[t.name for t in threading.enumerate()]}", flush=True)

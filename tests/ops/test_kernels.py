@@ -101,6 +101,30 @@ def test_half_long_rows_fill_every_float32_slot(dtype: torch.dtype) -> None:
     _run(short, "rows", dtype, "sum", 64, TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_row_buffers_are_reused_across_calls_and_streams(dtype: torch.dtype) -> None:
+    """The long rows' sums pass through a buffer (and counters) kept per stream that every launch leaves zero:
+    repeated calls on one graph, alternating between two streams, each match the reference."""
+    g = power_law_csr(200, 180, 6000, alpha=2.0, seed=5, device="cuda")
+    plan = plan_aggregation(g, 64, dtype, kernel="rows", cut=8)
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(g.num_src_nodes, 64, generator=gen).to(dtype).cuda() for _ in range(4)]
+    refs = [reference_aggregate(g, x.double().cpu(), "sum") for x in xs]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    for rnd in range(3):
+        outs = []
+        for i, x in enumerate(xs):
+            if i % 2:
+                with torch.cuda.stream(side):
+                    outs.append(aggregate(g, x, plan=plan))
+            else:
+                outs.append(aggregate(g, x, plan=plan))
+        torch.cuda.synchronize()
+        for i, (out, ref) in enumerate(zip(outs, refs)):
+            _check(out, ref, TOL[dtype], f"round {rnd} call {i} ({'side' if i % 2 else 'default'} stream)")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
 @pytest.mark.parametrize("rows_per_team", [2, 8, 32])
 def test_several_rows_per_team(dtype: torch.dtype, rows_per_team: int) -> None:

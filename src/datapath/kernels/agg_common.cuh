@@ -97,12 +97,6 @@ __device__ __forceinline__ void store_vec(T* p, const A in[VEC]) {
     *reinterpret_cast<W*>(p) = pk.w;
 }
 
-// Store VEC accumulators into an accumulation-type buffer (A), vectorised where the width allows.
-__device__ __forceinline__ void store_acc(A* p, const A in[VEC]) {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) p[i] = in[i];
-}
-
 __device__ __forceinline__ void atomic_add_vec(A* p, const A v[VEC]) {
 #if DP_KIND != 3 && __CUDA_ARCH__ >= 900
     if constexpr (VEC == 4) {

@@ -3,8 +3,6 @@
 // Compiled per variant through NVRTC options (DP_KIND, DP_VEC, DP_IDX_64: see agg_common.cuh) and
 //   DP_CF       column vectors per lane (1 or 2: "warp merging", two independent loads per edge)
 //   DP_UNROLL   neighbours per unrolled step (default 4 / CF)
-//   DP_OUT_ACC  defined (16-bit T with long rows): the long rows' partial sums go to a compact float (A) buffer,
-//               one row per long row (`long_slot`), that agg_rows_tail adds into and agg_rows_finish converts
 //
 // A team of `dw` lanes (a power of two <= 32, so a team never straddles a warp) owns one
 // (row, column chunk); lane l covers the VEC-wide column vectors chunk*dw*VEC*CF + (j*dw + l)*VEC,
@@ -22,15 +20,16 @@
 // the blocks running at one time read one column strip of x: on a table larger than L2 whose strips
 // fit it, each neighbour's strip is read from DRAM once instead of once per row that needs it.
 //
-// Long rows: agg_rows covers the first `cut` edges of every row and stores its result (no
-// zeroing, no atomics); agg_rows_tail covers the rest of the rows longer than `cut`, one team per
-// further piece of `cut` edges, and adds atomically into the stored rows (launched after
-// agg_rows on the same stream).  Its pieces are found from `tail_cum`, the inclusive prefix sum
-// over rows of max(0, ceil(deg / cut) - 1), by binary search, so the host never needs their
-// number: the launch covers num_edges / cut pieces, an upper bound.  For 16-bit T (DP_OUT_ACC) the tail's sums
-// stay in float32: agg_rows stores a long row's first piece in `part` (row long_slot[row]) instead of `out`, the
-// tail adds there, and agg_rows_finish converts those rows into `out`; short rows go straight to `out` in T, so
-// only the long rows (at most num_edges / (cut + 1) of them) pass through float32 memory.
+// Long rows (more than `cut` edges): every piece of `cut` edges is a team of its own, in one launch: the
+// first piece among agg_rows's row teams, the others in the tail blocks that come first in its grid (so
+// that they start first).  A piece adds its sum atomically into `part`, an A (float32 / float64) buffer
+// of one row per long row (`long_slot`), then counts itself in `count` (one counter per long row and
+// column chunk); the team that completes a row's count stores the row into `out` (in T) and puts zeros
+// back into its part row and counter, so `part` and `count` are zero again after every launch and are
+// kept between calls (one pair per stream).  Short rows are stored straight into `out`: no zeroing, no
+// atomics.  The tail's pieces are found from `tail_cum`, the inclusive prefix sum over rows of
+// max(0, ceil(deg / cut) - 1), by binary search, so the host never needs their number: the tail blocks
+// cover num_edges / cut pieces, an upper bound.
 
 #include "agg_common.cuh"
 
@@ -117,9 +116,9 @@ __device__ __forceinline__ void team_sum(long long beg, long long end, const I* 
 
 // This thread's team's (slot, column chunk) among n_slots * chunks, by `by_columns` order (see the header);
 // false for a team past the last (the whole team leaves together).
-__device__ __forceinline__ bool team_slot(int dw, long long n_slots, int chunks, int by_columns, long long& slot,
-                                          int& chunk) {
-    const long long team = static_cast<long long>(blockIdx.x) * (blockDim.x / dw) + threadIdx.x / dw;
+__device__ __forceinline__ bool team_slot(long long block, int dw, long long n_slots, int chunks, int by_columns,
+                                          long long& slot, int& chunk) {
+    const long long team = block * (blockDim.x / dw) + threadIdx.x / dw;
     if (team >= n_slots * chunks) return false;
     slot = by_columns ? team % n_slots : team / chunks;
     chunk = static_cast<int>(by_columns ? team / n_slots : team % chunks);
@@ -138,70 +137,76 @@ __device__ __forceinline__ void team_columns(int chunk, int dw, int lane, int co
     for (int q = 0; q < CF; ++q) col[q] = (chunk * CF * dw + q * dw + lane) * VEC;
 }
 
+// A piece of long row `row` (sum in acc, scaled): added into its part row and counted; the team that completes
+// the row (its ceil(deg / cut) pieces, this column chunk) stores it into out and zeroes the part row and counter.
+__device__ __forceinline__ void add_piece(long long row, long long deg, long long cut, int slot_l, int chunk,
+                                          int chunks, int F, int dw, int lane, unsigned mask, const int col[CF],
+                                          const A acc[CF][VEC], A* __restrict__ part, int* __restrict__ count,
+                                          T* __restrict__ out) {
+    A* prow = part + static_cast<long long>(slot_l) * F;
+#pragma unroll
+    for (int q = 0; q < CF; ++q)
+        if (col[q] < F) atomic_add_vec(prow + col[q], acc[q]);
+    __threadfence();  // this team's additions are visible before its count
+    __syncwarp(mask);
+    int* cnt = count + static_cast<long long>(slot_l) * chunks + chunk;
+    int seen = 0;
+    if (lane == 0) seen = atomicAdd(cnt, 1);
+    seen = __shfl_sync(mask, seen, 0, dw);
+    if (seen != static_cast<int>((deg + cut - 1) / cut) - 1) return;
+    __threadfence();  // the last piece: every other piece's additions are visible (read past L1 below)
+#pragma unroll
+    for (int q = 0; q < CF; ++q) {
+        if (col[q] >= F) continue;
+        A v[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+            v[i] = __ldcg(prow + col[q] + i);
+            prow[col[q] + i] = 0;
+        }
+        store_vec(out + row * F + col[q], v);
+    }
+    if (lane == 0) *cnt = 0;
+}
+
 }  // namespace
 
-// The first `cut` edges of every row: out[r] = row_scale[r] * partial sum (plain stores).
+// Every row's first `cut` edges (blocks from `tail_blocks` on): a short row stored into out; and the further
+// pieces of `cut` edges of the long rows (the first `tail_blocks` blocks).  See the header for long rows.
 extern "C" __global__ void agg_rows(const long long* __restrict__ indptr, const I* __restrict__ indices,
                                     const long long* __restrict__ perm, long long n_rows, int chunks,
                                     long long cut, const long long* __restrict__ order, int by_columns,
                                     const T* __restrict__ x,
                                     const long long* __restrict__ src_map, const A* __restrict__ w,
                                     const A* __restrict__ nbr_scale, const A* __restrict__ row_scale,
-                                    T* __restrict__ out, int F, int dw, const int* __restrict__ long_slot,
-                                    A* __restrict__ part) {
-    long long slot;
+                                    T* __restrict__ out, int F, int dw, long long tail_blocks,
+                                    const long long* __restrict__ tail_cum, const int* __restrict__ long_slot,
+                                    A* __restrict__ part, int* __restrict__ count) {
+    const int lane = threadIdx.x % dw;
+    const unsigned mask = team_mask(dw);
+    long long row, beg, end;
     int chunk;
-    if (!team_slot(dw, n_rows, chunks, by_columns, slot, chunk)) return;
-    const long long row = order != nullptr ? order[slot] : slot;
-    const int lane = threadIdx.x % dw;
-    const unsigned mask = team_mask(dw);
-    int col[CF];
-    team_columns(chunk, dw, lane, col);
-    A acc[CF][VEC];
-    zero_acc(acc);
-    const long long beg = indptr[row];
-    const long long end = min(indptr[row + 1], beg + cut);
-    team_sum(beg, end, indices, perm, x, src_map, w, nbr_scale, F, dw, lane, mask, col, acc);
-    const A rs = row_scale != nullptr ? row_scale[row] : A(1);
-#pragma unroll
-    for (int q = 0; q < CF; ++q) {
-        if (col[q] >= F) continue;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[q][i] *= rs;
-#ifdef DP_OUT_ACC
-        const int slot_l = long_slot[row];
-        if (slot_l >= 0) {
-            store_acc(part + static_cast<long long>(slot_l) * F + col[q], acc[q]);
-            continue;
+    if (blockIdx.x < tail_blocks) {  // a tail piece
+        const long long team = static_cast<long long>(blockIdx.x) * (blockDim.x / dw) + threadIdx.x / dw;
+        const long long piece = team / chunks;
+        if (n_rows <= 0 || piece >= tail_cum[n_rows - 1]) return;
+        long long lo = 0, hi = n_rows - 1;  // the first row whose inclusive count exceeds `piece`
+        while (lo < hi) {
+            const long long mid = (lo + hi) >> 1;
+            if (tail_cum[mid] > piece) hi = mid; else lo = mid + 1;
         }
-#endif
-        store_vec(out + row * F + col[q], acc[q]);
+        row = lo;
+        const long long first = row ? tail_cum[row - 1] : 0;
+        beg = indptr[row] + (piece - first + 1) * cut;
+        end = min(indptr[row + 1], beg + cut);
+        chunk = static_cast<int>(team % chunks);
+    } else {
+        long long slot;
+        if (!team_slot(blockIdx.x - tail_blocks, dw, n_rows, chunks, by_columns, slot, chunk)) return;
+        row = order != nullptr ? order[slot] : slot;
+        beg = indptr[row];
+        end = min(indptr[row + 1], beg + cut);
     }
-}
-
-// The edges past the first `cut` of long rows, a piece of `cut` edges per team, added atomically.
-extern "C" __global__ void agg_rows_tail(const long long* __restrict__ indptr, const I* __restrict__ indices,
-                                         const long long* __restrict__ perm, long long n_rows, int chunks,
-                                         long long cut, const long long* __restrict__ tail_cum,
-                                         const T* __restrict__ x, const long long* __restrict__ src_map,
-                                         const A* __restrict__ w, const A* __restrict__ nbr_scale,
-                                         const A* __restrict__ row_scale, A* __restrict__ out, int F, int dw,
-                                         const int* __restrict__ long_slot) {
-    const long long team = static_cast<long long>(blockIdx.x) * (blockDim.x / dw) + threadIdx.x / dw;
-    const long long piece = team / chunks;
-    if (n_rows <= 0 || piece >= tail_cum[n_rows - 1]) return;
-    long long lo = 0, hi = n_rows - 1;  // the first row whose inclusive count exceeds `piece`
-    while (lo < hi) {
-        const long long mid = (lo + hi) >> 1;
-        if (tail_cum[mid] > piece) hi = mid; else lo = mid + 1;
-    }
-    const long long row = lo;
-    const long long first = row ? tail_cum[row - 1] : 0;
-    const long long beg = indptr[row] + (piece - first + 1) * cut;
-    const long long end = min(indptr[row + 1], beg + cut);
-    const int chunk = static_cast<int>(team % chunks);
-    const int lane = threadIdx.x % dw;
-    const unsigned mask = team_mask(dw);
     int col[CF];
     team_columns(chunk, dw, lane, col);
     A acc[CF][VEC];
@@ -209,33 +214,17 @@ extern "C" __global__ void agg_rows_tail(const long long* __restrict__ indptr, c
     team_sum(beg, end, indices, perm, x, src_map, w, nbr_scale, F, dw, lane, mask, col, acc);
     const A rs = row_scale != nullptr ? row_scale[row] : A(1);
 #pragma unroll
-    for (int q = 0; q < CF; ++q) {
-        if (col[q] >= F) continue;
+    for (int q = 0; q < CF; ++q)
 #pragma unroll
         for (int i = 0; i < VEC; ++i) acc[q][i] *= rs;
-#ifdef DP_OUT_ACC
-        atomic_add_vec(out + static_cast<long long>(long_slot[row]) * F + col[q], acc[q]);  // out: the `part` rows
-#else
-        atomic_add_vec(out + row * F + col[q], acc[q]);
-#endif
+    const long long deg = indptr[row + 1] - indptr[row];
+    if (deg > cut && part != nullptr) {  // a long row (a launch without tail blocks has none: max_degree <= cut)
+        add_piece(row, deg, cut, long_slot[row], chunk, chunks, F, dw, lane, mask, col, acc, part, count, out);
+        return;
     }
-}
-
-// 16-bit T: the long rows' float32 sums (`part`, row i for row long_rows[i]; -1: an unused slot) into `out`, a
-// thread per VEC columns.
-extern "C" __global__ void agg_rows_finish(const long long* __restrict__ long_rows, long long slots,
-                                           const A* __restrict__ part, T* __restrict__ out, int F) {
-    const int nv = F / VEC;
-    const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const long long i = t / nv;
-    if (i >= slots) return;
-    const long long row = long_rows[i];
-    if (row < 0) return;
-    const int c = static_cast<int>(t % nv) * VEC;
-    A v[VEC];
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) v[k] = part[i * F + c + k];
-    store_vec(out + row * F + c, v);
+    for (int q = 0; q < CF; ++q)
+        if (col[q] < F) store_vec(out + row * F + col[q], acc[q]);
 }
 
 // Several short rows per team: the `rows_per_team` consecutive rows of a slot walked as one run of
@@ -253,7 +242,7 @@ extern "C" __global__ void agg_rows_multi(const long long* __restrict__ indptr, 
     const long long n_slots = (n_rows + rows_per_team - 1) / rows_per_team;
     long long slot;
     int chunk;
-    if (!team_slot(dw, n_slots, chunks, by_columns, slot, chunk)) return;
+    if (!team_slot(blockIdx.x, dw, n_slots, chunks, by_columns, slot, chunk)) return;
     const long long first = slot * rows_per_team;
     const long long last = min(first + rows_per_team, n_rows);  // rows [first, last)
     const int lane = threadIdx.x % dw;

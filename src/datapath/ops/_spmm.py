@@ -41,20 +41,24 @@ def _edge_row(view: CSRView) -> torch.Tensor:
     return view.cached("edge_row", make)
 
 
-def _long_rows(view: CSRView, cut: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The rows longer than ``cut`` edges, numbered without a host sync: ``long_slot`` (num_dst,) int32, each row's
-    number among them (-1: not long), ``long_rows`` (slots,) int64, the row of each number (-1: unused), and
-    ``slots`` = min(num_dst, num_edges // (cut + 1)), a bound on their count."""
-    def make() -> tuple[torch.Tensor, torch.Tensor, int]:
-        slots = max(1, min(view.num_dst, view.num_edges // (cut + 1)))
+LONG_ROWS_BOUND_BYTES = 64 << 20
+"""Largest long-row buffer sized by the bound num_edges // (cut + 1) on their count; past it they are counted
+(one host sync, once per view and cut)."""
+
+
+def _long_rows(view: CSRView, cut: int, row_bytes: int) -> tuple[torch.Tensor, int]:
+    """The rows longer than ``cut`` edges, numbered on the GPU: ``long_slot`` (num_dst,) int32, each row's number
+    among them (-1: not long), and ``slots``, at least their count: min(num_dst, num_edges // (cut + 1)) without a
+    host sync where that many rows of ``row_bytes`` take at most `LONG_ROWS_BOUND_BYTES`, else the count."""
+    def make() -> tuple[torch.Tensor, int]:
         long = view.in_degrees() > cut
         count = torch.cumsum(long, 0)  # long rows up to and including each row
-        long_slot = torch.where(long, count - 1, -1).to(torch.int32)
-        wanted = torch.arange(1, slots + 1, device=view.device)
-        long_rows = torch.searchsorted(count, wanted)  # the first row with i + 1 long rows: long row i
-        long_rows = torch.where(long_rows < view.num_dst, long_rows, -1)
-        return long_slot, long_rows, slots
-    return view.cached(("long_rows", cut), make)
+        return torch.where(long, count - 1, -1).to(torch.int32), count
+    long_slot, count = view.cached(("long_rows", cut), make)
+    slots = max(1, min(view.num_dst, view.num_edges // (cut + 1)))
+    if slots * row_bytes > LONG_ROWS_BOUND_BYTES:
+        slots = max(1, int(count[-1]))  # a large graph: its long rows counted once
+    return long_slot, slots
 
 
 def _tail_cum(view: CSRView, cut: int) -> torch.Tensor:
@@ -66,34 +70,30 @@ def _tail_cum(view: CSRView, cut: int) -> torch.Tensor:
 
 
 class _RowsLaunch:
-    """Everything about a row-split launch that does not change between calls (kept with the view)."""
+    """Everything about a row-split launch that does not change between calls (kept with the view).
 
-    __slots__ = ("head", "tail", "finish", "wide_acc", "slots")
+    Graphs with rows longer than the plan's cut get one launch all the same (see ``spmm_rows.cu``): the long rows'
+    pieces add into a float32 (float64) buffer of one row per long row, with a counter per row and column chunk,
+    that the kernel leaves zero; a pair is kept per CUDA stream (calls on one stream run one after another)."""
+
+    __slots__ = ("head", "multi", "slots", "chunks", "feat", "acc", "buffers")
 
     def __init__(self, view: CSRView, dtype: torch.dtype, f: int, vec: int, dw: int, cf: int,
                  plan: AggregationPlan) -> None:
         """``vec``, ``dw``, ``cf``: the plan's, or narrower ones for a misaligned x; the rest from ``plan``."""
         n, cut, rows_per_team = view.num_dst, plan.cut, plan.rows_per_team
-        chunks = -(-f // (dw * vec * cf))
-        multi = rows_per_team > 1  # several rows a team, every edge of them: no tail pieces
-        tail = not multi and (view.max_degree is None or view.max_degree > cut)
-        pieces = view.num_edges // cut if tail else 0
-        self.wide_acc = pieces > 0 and dtype not in (torch.float32, torch.float64)
-        extra = [f"-DDP_CF={cf}", f"-DDP_UNROLL={plan.unroll or ROWS_UNROLL[cf]}"] + (
-            ["-DDP_OUT_ACC"] if self.wide_acc else [])
-        opts = _launch.options(dtype, vec, view.indices.dtype, *extra)
+        self.chunks = chunks = -(-f // (dw * vec * cf))
+        self.feat, self.acc = f, torch.float64 if dtype == torch.float64 else torch.float32
+        self.multi = multi = rows_per_team > 1  # several rows a team, every edge of them: no tail pieces
+        tail = not multi and n > 0 and (view.max_degree is None or view.max_degree > cut)
+        opts = _launch.options(dtype, vec, view.indices.dtype, f"-DDP_CF={cf}",
+                               f"-DDP_UNROLL={plan.unroll or ROWS_UNROLL[cf]}")
         teams_per_block = ROWS_THREADS // dw
         prefix = (ptr(view.indptr), ptr(view.indices), ptr(view.edge_perm), np.int64(n), np.int32(chunks),
                   np.int64(cut))
         call = (None,) * 6 + (np.int32(f), np.int32(dw))  # x, src_map, w, nbr_scale, row_scale, out; F, dw
-        long_slot, self.finish, self.slots = None, None, 0
-        if self.wide_acc:  # 16-bit rows with a tail: the long rows' sums kept in float32 (see spmm_rows.cu)
-            long_slot, long_rows, self.slots = _long_rows(view, cut)
-            nv = f // vec
-            self.finish = _launch.PackedLaunch(_launch.function("spmm_rows.cu", "agg_rows_finish", opts),
-                                               (-(-(self.slots * nv) // ROWS_THREADS),), ROWS_THREADS,
-                                               (ptr(long_rows), np.int64(self.slots), None, None, np.int32(f)), (2, 3))
         by_columns = np.int32(plan.sweep == "columns")
+        self.slots, self.buffers = 0, {}
         if multi:
             if n >= 2**31:
                 raise ValueError(f"rows_per_team > 1 takes graphs of fewer than 2**31 rows, not {n}")
@@ -102,33 +102,36 @@ class _RowsLaunch:
                 _launch.function("spmm_rows.cu", "agg_rows_multi", opts), (-(-(slots * chunks) // teams_per_block),),
                 ROWS_THREADS, prefix[:5] + (np.int32(rows_per_team), ptr(_edge_row(view)), by_columns) + call,
                 range(8, 14))
-        else:
-            order = _row_order(view) if plan.row_order == "degree" else None
-            self.head = _launch.PackedLaunch(_launch.function("spmm_rows.cu", "agg_rows", opts),
-                                             (-(-(n * chunks) // teams_per_block),), ROWS_THREADS,
-                                             prefix + (ptr(order), by_columns) + call + (ptr(long_slot), None),
-                                             (*range(8, 14), 17))
-        self.tail = None
-        if pieces > 0:
-            self.tail = _launch.PackedLaunch(_launch.function("spmm_rows.cu", "agg_rows_tail", opts),
-                                             (-(-(pieces * chunks) // teams_per_block),), ROWS_THREADS,
-                                             prefix + (ptr(_tail_cum(view, cut)),) + call + (ptr(long_slot),),
-                                             range(7, 13))
+            return
+        order = _row_order(view) if plan.row_order == "degree" else None
+        tail_blocks, long_args = 0, (None, None)
+        if tail:
+            long_slot, self.slots = _long_rows(view, cut, f * self.acc.itemsize)
+            tail_blocks = -(-((view.num_edges // cut) * chunks) // teams_per_block)
+            long_args = (ptr(_tail_cum(view, cut)), ptr(long_slot))
+        grid = tail_blocks + -(-(n * chunks) // teams_per_block)
+        self.head = _launch.PackedLaunch(_launch.function("spmm_rows.cu", "agg_rows", opts), (grid,), ROWS_THREADS,
+                                         prefix + (ptr(order), by_columns) + call + (np.int64(tail_blocks),)
+                                         + long_args + (None, None), (*range(8, 14), 19, 20))
+
+    def _long_buffers(self, dev: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(part, count) of the current stream: zero when made, and left zero by every launch."""
+        if not self.slots:
+            return None, None
+        h = _launch.current_stream(dev.index).ptr
+        buf = self.buffers.get(h)
+        if buf is None:
+            buf = self.buffers[h] = (torch.zeros((self.slots, self.feat), dtype=self.acc, device=dev),
+                                     torch.zeros(self.slots * self.chunks, dtype=torch.int32, device=dev))
+        return buf
 
     def run(self, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torch.Tensor | None,
             row_scale: torch.Tensor | None, src_map: torch.Tensor | None, n: int) -> torch.Tensor:
-        f = x.shape[1]
-        out = x.new_empty((n, f))
-        dev = x.device.index
-        if self.finish is None:
-            self.head(dev, x, src_map, w, nbr_scale, row_scale, out)
-            if self.tail is not None:
-                self.tail(dev, x, src_map, w, nbr_scale, row_scale, out)
-            return out
-        part = torch.empty((self.slots, f), dtype=torch.float32, device=x.device)
-        self.head(dev, x, src_map, w, nbr_scale, row_scale, out, part)
-        self.tail(dev, x, src_map, w, nbr_scale, row_scale, part)
-        self.finish(dev, part, out)
+        out = x.new_empty((n, x.shape[1]))
+        if self.multi:
+            self.head(x.device.index, x, src_map, w, nbr_scale, row_scale, out)
+        else:
+            self.head(x.device.index, x, src_map, w, nbr_scale, row_scale, out, *self._long_buffers(x.device))
         return out
 
 
