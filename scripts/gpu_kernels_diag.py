@@ -5,6 +5,7 @@ the engine's device threads on and off (``torch.autograd.set_multithreading_enab
 a torch.profiler table (CPU self time, CUDA time) of datapath's GINConv step; then the aggregation alone against
 cuSPARSE on ppi and citeseer (host us and GPU ms per call, forward and forward+backward).  Host us per step:
 `benchmarks._common.wall_us_per_call` (back-to-back steps, one sync at each end).
+``--prof``: only the cProfile of citeseer's forward+backward steps (F=16).
 ``--fb``: only the forward+backward step's kernels, datapath vs cuSPARSE, on the graphs where B3's fwd+bwd is slow.
 Run on the GPU machine:  PYTHONPATH=src:. python scripts/gpu_kernels_diag.py [--full | --fb]
 """
@@ -96,6 +97,9 @@ def fb_kernels(names: tuple[str, ...], cases: tuple[tuple[int, torch.dtype], ...
 
 
 def main() -> None:
+    if "--prof" in sys.argv:  # only the host's Python per forward+backward step
+        python_profile("citeseer", 16)
+        return
     if "--fb" in sys.argv:
         fb_kernels(("artist", "ppi", "soc-BlogCatalog", "citeseer"),
                    ((16, torch.float32), (16, torch.float16), (128, torch.bfloat16), (64, torch.float32)))
@@ -167,14 +171,16 @@ def python_profile(name: str, f: int) -> None:
         fb()
     torch.cuda.synchronize()
     prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(200):
-        fb()
-    prof.disable()
+    with torch.autograd.set_multithreading_enabled(False):  # the backward on this thread, where cProfile sees it
+        prof.enable()
+        for _ in range(200):
+            fb()
+        prof.disable()
     torch.cuda.synchronize()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-    print(f"\n== cProfile {name} F={f} float32, 200 forward+backward steps\n" + s.getvalue()[:7000], flush=True)
+    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(25)
+    print(f"\n== cProfile {name} F={f} float32, 200 forward+backward steps\n" + s.getvalue()[:14000], flush=True)
 
 
 def host_us(fn, calls: int = 40) -> float:
