@@ -20,6 +20,7 @@ flight (its one-byte loads keep ~300 rows in flight) beats a wide one.
     python scripts/gpu_gather_probe.py --small     # small calls: host time, GPU time, the ordering's cost
     python scripts/gpu_gather_probe.py --orders    # sorted calls: visit orders x grid rules, interleaved
     python scripts/gpu_gather_probe.py --fused     # the one-launch ordering vs four launches; small-call grids
+    python scripts/gpu_gather_probe.py --state     # one sorted call after what: itself, an unsorted sweep, idle
 """
 from __future__ import annotations
 
@@ -260,11 +261,60 @@ def fused(buf: torch.Tensor, reps: int = 21) -> dict:
     return res
 
 
+def state(buf: torch.Tensor, reps: int = 15) -> list[dict]:
+    """GB/s of one default (sorted) gather of 262K random 512 B rows from a 2 GiB table, timed alone between
+    events, after each of: the same call (back to back), an unsorted index_select over the same table (every
+    row a new page), 50 ms of an idle GPU, 50 ms idle then 1 ms of GPU work, a CPU gather of the same rows
+    (B1's ``py_pinned`` way); and the naive index_select after the same preludes."""
+    import time  # noqa: PLC0415
+
+    rb, n, m = 512, (2 << 30) // 512, 262144
+    host = as_unified(buf[: n * rb].view(n, rb))
+    alias = cuda_alias(buf[: n * rb].view(n, rb))
+    cpu = buf[: n * rb].view(n, rb)
+    sets = [torch.randint(0, n, (m,), device="cuda") for _ in range(6)]
+    csets = [s.cpu() for s in sets]
+    out_pinned = torch.empty((m, rb), dtype=torch.uint8, pin_memory=True)
+    a = torch.randn(2048, 2048, device="cuda")
+
+    def busy() -> None:
+        for _ in range(4):
+            a @ a
+
+    preludes = {
+        "itself": lambda k: gather_rows(host, sets[(k + 1) % 6]),
+        "unsorted_sweep": lambda k: torch.index_select(alias, 0, sets[(k + 2) % 6]),
+        "idle_50ms": lambda k: time.sleep(0.05),
+        "idle_then_busy": lambda k: (time.sleep(0.05), busy()),
+        "cpu_gather": lambda k: torch.index_select(cpu, 0, csets[(k + 3) % 6], out=out_pinned).to(
+            "cuda", non_blocking=True),
+    }
+    ways = {"datapath": lambda k: gather_rows(host, sets[k % 6]),
+            "naive_zc": lambda k: torch.index_select(alias, 0, sets[k % 6])}
+    recs = []
+    for wname, way in ways.items():
+        for pname, pre in preludes.items():
+            ts = []
+            for k in range(reps):
+                pre(k)
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                way(k)
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1))
+            gbps = m * rb / statistics.median(ts) / 1e6
+            recs.append({"way": wname, "after": pname, "GBps": gbps})
+            print(f"  {wname:>9} after {pname:>15}: {gbps:.1f} GB/s", flush=True)
+    return recs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--orders", action="store_true")
     ap.add_argument("--fused", action="store_true")
+    ap.add_argument("--state", action="store_true")
     ap.add_argument("--gib", default="2,4,16")
     ap.add_argument("--rows", type=int, default=262144)
     ap.add_argument("--row-bytes", default="256,512,1024,2048,4096")
@@ -274,6 +324,11 @@ def main() -> None:
         with open(os.path.join(os.environ.get("OUT", "."), f"gather_{name}_probe.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), **doc}, f, indent=1)
 
+    if args.state:
+        buf = torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True)
+        buf.view(torch.int64)[::512].random_()
+        dump("state", {"records": state(buf)})
+        return
     if args.orders:
         dump("orders", {"records": orders(torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True))})
         return

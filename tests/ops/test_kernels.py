@@ -104,25 +104,27 @@ def test_half_long_rows_fill_every_float32_slot(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_row_buffers_are_reused_across_calls_and_streams(dtype: torch.dtype) -> None:
     """The long rows' sums pass through a buffer (and counters) kept per stream that every launch leaves zero:
-    repeated calls on one graph, alternating between two streams, each match the reference."""
+    repeated calls on one graph, on the default stream and on more side streams than buffers are kept for (the
+    oldest freed), each match the reference."""
     g = power_law_csr(200, 180, 6000, alpha=2.0, seed=5, device="cuda")
     plan = plan_aggregation(g, 64, dtype, kernel="rows", cut=8)
     gen = torch.Generator().manual_seed(5)
     xs = [torch.randn(g.num_src_nodes, 64, generator=gen).to(dtype).cuda() for _ in range(4)]
     refs = [reference_aggregate(g, x.double().cpu(), "sum") for x in xs]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    for rnd in range(3):
-        outs = []
-        for i, x in enumerate(xs):
-            if i % 2:
-                with torch.cuda.stream(side):
-                    outs.append(aggregate(g, x, plan=plan))
-            else:
-                outs.append(aggregate(g, x, plan=plan))
-        torch.cuda.synchronize()
-        for i, (out, ref) in enumerate(zip(outs, refs)):
-            _check(out, ref, TOL[dtype], f"round {rnd} call {i} ({'side' if i % 2 else 'default'} stream)")
+    sides = [torch.cuda.Stream() for _ in range(11)]
+    for s in sides:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for k in range(36):
+        i = k % len(xs)
+        if k % 3 == 0:
+            outs.append((k, i, aggregate(g, xs[i], plan=plan)))
+        else:
+            with torch.cuda.stream(sides[k % len(sides)]):
+                outs.append((k, i, aggregate(g, xs[i], plan=plan)))
+    torch.cuda.synchronize()
+    for k, i, out in outs:
+        _check(out, refs[i], TOL[dtype], f"call {k} ({'default' if k % 3 == 0 else 'side'} stream)")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])

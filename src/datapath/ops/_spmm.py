@@ -69,6 +69,10 @@ def _tail_cum(view: CSRView, cut: int) -> torch.Tensor:
     return view.cached(("tail_cum", cut), make)
 
 
+LONG_ROWS_STREAMS = 8
+"""Streams a launch keeps a long-row buffer for (a ninth frees the oldest stream's)."""
+
+
 class _RowsLaunch:
     """Everything about a row-split launch that does not change between calls (kept with the view).
 
@@ -121,6 +125,8 @@ class _RowsLaunch:
         h = _launch.current_stream(dev.index).ptr
         buf = self.buffers.get(h)
         if buf is None:
+            if len(self.buffers) >= LONG_ROWS_STREAMS:  # the oldest stream's pair freed: the caching allocator
+                self.buffers.pop(next(iter(self.buffers)))  # reuses it only on that stream, after its launches
             buf = self.buffers[h] = (torch.zeros((self.slots, self.feat), dtype=self.acc, device=dev),
                                      torch.zeros(self.slots * self.chunks, dtype=torch.int32, device=dev))
         return buf
