@@ -137,7 +137,7 @@ class CSRView:
         aggregation with respect to its input is an aggregation over this view.  Built without
         a host synchronisation, except for a graph the ops checked themselves (not ``trusted``: it
         waited for its check already), whose longest source row is read too (the row-split kernel
-        then needs no launch for long rows when there are none).
+        then needs no tail blocks or long-row buffer when there are none).
         """
         def make() -> CSRView:
             perm = torch.sort(self.indices64(), stable=True).indices

@@ -202,7 +202,7 @@ def choose(view: CSRView, feat: int, dtype: torch.dtype, variant: str, weighted:
     if p is not None:
         return p
     if run is not None and heads == 1 and allow_probe:
-        if view.max_degree is None:  # known degrees spare the row split its tail launch; a sync is fine here
+        if view.max_degree is None:  # known degrees spare the row split its tail blocks; a sync is fine here
             view.max_degree = int(view.in_degrees().max()) if view.num_dst else 0
         cands = candidates(view, feat, dtype, heads, library=True if kernels is not None and "cusparse" in kernels
                            else None)

@@ -5,8 +5,9 @@ Four implementations of the sum/mean/GCN aggregation run on CUDA:
 ``"rows"``
     row split with coalesced row caching (GE-SpMM): a team of ``dw`` lanes per (row,
     column chunk) walks the row's edges, each lane ``cf`` vectors of ``vec`` columns wide;
-    rows longer than ``cut`` edges get extra teams that add atomically.  Results are stored
-    directly (no zeroing pass, no atomics on ordinary rows).  Teams may take rows by
+    rows longer than ``cut`` edges get a team per piece of ``cut`` edges, in the same launch,
+    whose sums meet in a float32 buffer.  Results are stored directly (no zeroing pass, no
+    atomics on ordinary rows).  Teams may take rows by
     descending length (``row_order``: a warp's teams then finish together), a column strip
     of every row at a time (``sweep``: L2 reuse on tables larger than L2), or several short
     rows each (``rows_per_team``: loads in flight across row ends).
