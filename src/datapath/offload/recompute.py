@@ -31,7 +31,8 @@ def is_recomputed(block: nn.Module) -> bool:
     return _ORIGINAL in block.__dict__
 
 
-_CACHES = ("past_key_value", "past_key_values", "layer_past")
+_CACHES = ("past_key_value", "past_key_values", "layer_past", "cache")
+"""The names Hugging Face blocks take their KV cache by (``cache`` since transformers 5.2x)."""
 
 
 def _is_kv_cache(value: Any) -> bool:
@@ -44,8 +45,8 @@ def without_kv_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tup
     does): a cache passed by keyword or by position (GPT-2 passes it second) becomes None, ``use_cache`` False."""
     if any(_is_kv_cache(a) for a in args):
         args = tuple(None if _is_kv_cache(a) else a for a in args)
-    for name in _CACHES:
-        if kwargs.get(name) is not None:
+    for name, value in kwargs.items():
+        if value is not None and (name in _CACHES or _is_kv_cache(value)):
             kwargs[name] = None
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
