@@ -21,6 +21,7 @@ flight (its one-byte loads keep ~300 rows in flight) beats a wide one.
     python scripts/gpu_gather_probe.py --orders    # sorted calls: visit orders x grid rules, interleaved
     python scripts/gpu_gather_probe.py --fused     # the one-launch ordering vs four launches; small-call grids
     python scripts/gpu_gather_probe.py --state     # one sorted call after what: itself, an unsorted sweep, idle
+    python scripts/gpu_gather_probe.py --blocks    # 8K-row calls: block size x blocks per SM vs index_select
 """
 from __future__ import annotations
 
@@ -261,6 +262,36 @@ def fused(buf: torch.Tensor, reps: int = 21) -> dict:
     return res
 
 
+def blocks(buf: torch.Tensor, reps: int = 25) -> list[dict]:
+    """8K-row calls (512 B - 16 KiB rows, caller's order) under several block sizes and grids, interleaved with
+    ``index_select`` on a CUDA view of the same memory (float32 rows, as B1's tables)."""
+    saved = (gather_config.threads_per_block, gather_config.blocks_per_sm)
+    cfgs = [(256, 2), (128, 2), (128, 4), (64, 4), (64, 8), (32, 16)]
+    recs = []
+    try:
+        for rb in (512, 1024, 2048, 4096, 16384):
+            n = min(4 << 20, buf.numel() // rb)
+            view = buf[: n * rb].view(torch.float32).view(n, rb // 4)
+            host, alias = as_unified(view), cuda_alias(view)
+            sets = [torch.randint(0, n, (8192,), device="cuda") for _ in range(4)]
+
+            def way(tpb: int, per_sm: int):
+                def fn(s: torch.Tensor) -> torch.Tensor:
+                    gather_config.threads_per_block, gather_config.blocks_per_sm = tpb, per_sm
+                    return gather_rows(host, s, sort=False)
+                return fn
+            ways = {"naive": lambda s: torch.index_select(alias, 0, s),
+                    **{f"t{t}x{b}": way(t, b) for t, b in cfgs}}
+            warm_gpu()
+            ms = _interleaved(ways, sets, reps)
+            rec = {"row_bytes": rb, "rows": 8192, **{f"{w}_GBps": 8192 * rb / t / 1e6 for w, t in ms.items()}}
+            print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
+            recs.append(rec)
+    finally:
+        gather_config.threads_per_block, gather_config.blocks_per_sm = saved
+    return recs
+
+
 def state(buf: torch.Tensor, reps: int = 15) -> list[dict]:
     """GB/s of one default (sorted) gather of 262K random 512 B rows from a 2 GiB table, timed alone between
     events, after each of: the same call (back to back), an unsorted index_select over the same table (every
@@ -315,6 +346,7 @@ def main() -> None:
     ap.add_argument("--orders", action="store_true")
     ap.add_argument("--fused", action="store_true")
     ap.add_argument("--state", action="store_true")
+    ap.add_argument("--blocks", action="store_true")
     ap.add_argument("--gib", default="2,4,16")
     ap.add_argument("--rows", type=int, default=262144)
     ap.add_argument("--row-bytes", default="256,512,1024,2048,4096")
@@ -324,6 +356,11 @@ def main() -> None:
         with open(os.path.join(os.environ.get("OUT", "."), f"gather_{name}_probe.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), **doc}, f, indent=1)
 
+    if args.blocks:
+        buf = torch.empty(16 << 30, dtype=torch.uint8, pin_memory=True)
+        buf.view(torch.int64)[::512].random_()
+        dump("blocks", {"records": blocks(buf)})
+        return
     if args.state:
         buf = torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True)
         buf.view(torch.int64)[::512].random_()
