@@ -58,6 +58,16 @@ def time_ms(fn, sets, reps: int = 9) -> float:
     return statistics.median(ts)
 
 
+def one_call_ms(fn, *args) -> float:
+    """Milliseconds of ``fn(*args)`` between two CUDA events, waited for."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn(*args)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
 def host_us_per_call(fn) -> float:
     """Host microseconds per call (400 calls behind ~0.17 s of GPU sleep)."""
     return _host_us_per_call(fn, calls=400, sleep_cycles=300_000_000)
@@ -71,12 +81,7 @@ def _gpu_ms(fn, sets, reps: int = 15) -> tuple[float, float]:
         for lst, pre in ((idle, False), (busy, True)):
             if pre:
                 torch.cuda._sleep(2_000_000)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(s)
-            b.record()
-            b.synchronize()
-            lst.append(a.elapsed_time(b))
+            lst.append(one_call_ms(fn, s))
     return statistics.median(idle), statistics.median(busy)
 
 
@@ -328,12 +333,7 @@ def state(buf: torch.Tensor, reps: int = 15) -> list[dict]:
             ts = []
             for k in range(reps):
                 pre(k)
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                way(k)
-                e1.record()
-                e1.synchronize()
-                ts.append(e0.elapsed_time(e1))
+                ts.append(one_call_ms(way, k))
             gbps = m * rb / statistics.median(ts) / 1e6
             recs.append({"way": wname, "after": pname, "GBps": gbps})
             print(f"  {wname:>9} after {pname:>15}: {gbps:.1f} GB/s", flush=True)
