@@ -84,8 +84,8 @@ def candidates(view: CSRView, feat: int, dtype: torch.dtype, heads: int, library
                ) -> list[AggregationPlan]:
     """Every kernel that can run this aggregation: the row split as the model plans it and with rows taken by
     descending length (that one also with a deeper unroll, four vectors per lane on wide rows, a column strip at a
-    time on rows of several column chunks, a shorter and a longer cut on long rows and, on rows a team of at most 4 lanes covers,
-    2 and 4 times the lanes with narrower vectors), and, where rows are shorter than a team
+    time on rows of several column chunks, a 4x shorter and a 4x longer cut on long rows and, on rows a team of at
+    most 4 lanes covers, 2 and 4 times the lanes with narrower vectors), and, where rows are shorter than a team
     on average, several rows per team; cuSPARSE where it accumulates as precisely as ours (``library``: True /
     False to force it in or out)."""
     from datapath.ops._spmm import tensor_core_ok  # noqa: PLC0415
@@ -100,8 +100,9 @@ def candidates(view: CSRView, feat: int, dtype: torch.dtype, heads: int, library
         out.append(by_len.replace(cf=4))
     if base.chunks > 1:  # several column chunks a row: a column strip of the table at a time (L2 reuse)
         out += [by_len.replace(sweep="columns"), by_len.replace(sweep="columns", unroll=8 // base.cf)]
-    if view.max_degree is None or view.max_degree > base.cut // 4:  # long rows: shorter and longer pieces
-        out += [by_len.replace(cut=base.cut // 4)] + (
+    short_cut = max(1, base.cut // 4)
+    if view.max_degree is None or view.max_degree > short_cut:  # long rows: shorter and longer pieces
+        out += [by_len.replace(cut=short_cut)] + (
             [by_len.replace(cut=4 * base.cut)] if view.max_degree is None or view.max_degree > base.cut else [])
     for k in (2, 4):  # narrow rows (a team of <= 4 lanes): k times the lanes with 1/k-wide vectors, fewer steps a row
         if base.dw <= 4 and base.vec % k == 0:
