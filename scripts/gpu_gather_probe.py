@@ -22,6 +22,9 @@ flight (its one-byte loads keep ~300 rows in flight) beats a wide one.
     python scripts/gpu_gather_probe.py --fused     # the one-launch ordering vs four launches; small-call grids
     python scripts/gpu_gather_probe.py --state     # one sorted call after what: itself, an unsorted sweep, idle
     python scripts/gpu_gather_probe.py --blocks    # 8K-row calls: block size x blocks per SM vs index_select
+    python scripts/gpu_gather_probe.py --host      # 8K-row calls: host time of each piece; launch alternatives
+    python scripts/gpu_gather_probe.py --hints     # table loads with an L2 prefetch-size hint vs without
+    python scripts/gpu_gather_probe.py --inflight  # small calls: few blocks (rows in flight) vs the full grid
 """
 from __future__ import annotations
 
@@ -106,7 +109,7 @@ def small(buf: torch.Tensor) -> dict:
         tab = _plans.known_host_table(h)
         plan = tab.plan("gather", torch.int64, 2, 0, tab.w)
         o = i0.new_empty((8192, rb // 4), dtype=torch.float32)
-        _, ref, _ = _plans.current_stream(0)
+        (_, ref), _ = _plans.current_stream(0)
         from datapath.memory.bounds import thread_flag  # noqa: PLC0415
         flag = thread_flag()
         rec["piece_new_empty_us"] = host_us_per_call(lambda: i0.new_empty((8192, rb // 4), dtype=torch.float32))
@@ -267,33 +270,122 @@ def fused(buf: torch.Tensor, reps: int = 21) -> dict:
     return res
 
 
-def blocks(buf: torch.Tensor, reps: int = 25) -> list[dict]:
-    """8K-row calls (512 B - 16 KiB rows, caller's order) under several block sizes and grids, interleaved with
-    ``index_select`` on a CUDA view of the same memory (float32 rows, as B1's tables)."""
+def _plan_call(u: torch.Tensor, cfg: tuple[int, int] | None = None, options: tuple[str, ...] = ()):
+    """A call like ``u[idx]``'s fast path through a `RowPlan` of its own grid ``cfg`` (threads per block, blocks per
+    SM) and compiler ``options``: settings changed for the plan alone, so that interleaved ways do not re-plan."""
+    from datapath.memory import _plans  # noqa: PLC0415 - a diagnostic of the private launch path
+    from datapath.memory.bounds import thread_flag  # noqa: PLC0415
+
+    u[torch.zeros(1, dtype=torch.int64, device="cuda")]
+    tab = _plans.known_host_table(u._host)
     saved = (gather_config.threads_per_block, gather_config.blocks_per_sm)
+    if cfg is not None:
+        gather_config.threads_per_block, gather_config.blocks_per_sm = cfg
+    try:
+        plan = _plans.RowPlan(f"gather_w{tab.w}_m2_i64", False, tab.row_bytes, tab.row_stride, tab.w, 2, 0, True,
+                              options)
+    finally:
+        gather_config.threads_per_block, gather_config.blocks_per_sm = saved
+    like, flag = torch.empty(0, dtype=tab.dtype, device="cuda"), thread_flag()
+
+    def fn(s: torch.Tensor) -> torch.Tensor:
+        out = like.new_empty((s.shape[0], *tab.rest))
+        plan.launch(tab.ptr, tab.n_rows, s.data_ptr(), 0, s.shape[0], out.data_ptr(), flag.ptr,
+                    torch._C._cuda_getCurrentRawStream(0))
+        return out
+    fn.plan = plan  # type: ignore[attr-defined]
+    return fn
+
+
+def blocks(buf: torch.Tensor, reps: int = 25, row_sizes: tuple[int, ...] = (512, 1024, 2048, 4096, 16384),
+           m: int = 8192) -> list[dict]:
+    """``m``-row calls (caller's order) under several block sizes and grids, interleaved with ``u[idx]`` (default
+    grid) and ``index_select`` on a CUDA view of the same memory (float32 rows, as B1's tables)."""
     cfgs = [(256, 2), (128, 2), (128, 4), (64, 4), (64, 8), (32, 16)]
     recs = []
-    try:
-        for rb in (512, 1024, 2048, 4096, 16384):
+    for rb in row_sizes:
+        n = min(4 << 20, buf.numel() // rb)
+        view = buf[: n * rb].view(torch.float32).view(n, rb // 4)
+        host, alias = as_unified(view), cuda_alias(view)
+        sets = [torch.randint(0, n, (m,), device="cuda") for _ in range(4)]
+        ways = {"naive": lambda s: torch.index_select(alias, 0, s), "default": lambda s: host[s],
+                **{f"t{t}x{b}": _plan_call(host, (t, b)) for t, b in cfgs}}
+        for name, fn in ways.items():
+            assert torch.equal(fn(sets[0]).view(torch.int32), alias[sets[0]].view(torch.int32)), name
+        warm_gpu()
+        ms = _interleaved(ways, sets, reps)
+        rec = {"row_bytes": rb, "rows": m, **{f"{w}_GBps": m * rb / t / 1e6 for w, t in ms.items()}}
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
+        recs.append(rec)
+    return recs
+
+
+def _rotating(ways: dict, sets: list, reps: int) -> dict[str, float]:
+    """Median ms per way from an idle GPU, as B1 times a call: the ways in turn (rotating order), each call
+    on the next index set (so that no call reads the rows the call before it read)."""
+    names = list(ways)
+    times: dict[str, list[float]] = {w: [] for w in names}
+    k = 0
+    for r in range(reps + 2):
+        for w in names[r % len(names):] + names[:r % len(names)]:
+            k += 1
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            ways[w](sets[k % len(sets)])
+            b.record()
+            b.synchronize()
+            if r >= 2:
+                times[w].append(a.elapsed_time(b))
+    return {w: statistics.median(t) for w, t in times.items()}
+
+
+def inflight(buf: torch.Tensor, reps: int = 25) -> list[dict]:
+    """Small calls with few blocks (few rows in flight) vs the full grid, unsorted and with pre-sorted indices,
+    beside ``index_select`` and ``u[idx]``: does a small window of random rows in flight read faster?"""
+    recs = []
+    for m in (8192, 65536):
+        for rb in (256, 512, 1024, 2048, 4096):
             n = min(4 << 20, buf.numel() // rb)
             view = buf[: n * rb].view(torch.float32).view(n, rb // 4)
             host, alias = as_unified(view), cuda_alias(view)
-            sets = [torch.randint(0, n, (8192,), device="cuda") for _ in range(4)]
-
-            def way(tpb: int, per_sm: int):
-                def fn(s: torch.Tensor) -> torch.Tensor:
-                    gather_config.threads_per_block, gather_config.blocks_per_sm = tpb, per_sm
-                    return gather_rows(host, s, sort=False)
-                return fn
-            ways = {"naive": lambda s: torch.index_select(alias, 0, s),
-                    **{f"t{t}x{b}": way(t, b) for t, b in cfgs}}
+            sets = [torch.randint(0, n, (m,), device="cuda") for _ in range(5)]
+            sorted_of = {id(x): torch.sort(x).values for x in sets}
+            ways = {"naive": lambda s: torch.index_select(alias, 0, s), "default": lambda s: host[s]}
+            for cap in (16, 32, 64, 128, 0):
+                call = _plan_call(host)
+                if cap:
+                    call.plan.max_blocks = cap
+                tag = cap or "full"
+                ways[f"cap{tag}"] = call
+                ways[f"pre{tag}"] = (lambda c: lambda i: c(sorted_of[id(i)]))(call)  # indices sorted beforehand
             warm_gpu()
-            ms = _interleaved(ways, sets, reps)
-            rec = {"row_bytes": rb, "rows": 8192, **{f"{w}_GBps": 8192 * rb / t / 1e6 for w, t in ms.items()}}
-            print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
+            ms = _rotating(ways, sets, reps)
+            rec = {"row_bytes": rb, "rows": m, **{f"{w}_GBps": m * rb / t / 1e6 for w, t in ms.items()}}
+            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
             recs.append(rec)
-    finally:
-        gather_config.threads_per_block, gather_config.blocks_per_sm = saved
+    return recs
+
+
+def hints(buf: torch.Tensor, reps: int = 15) -> list[dict]:
+    """The row kernel's table loads with and without an L2 prefetch-size hint (``DP_LOAD_HINT``), interleaved with
+    ``index_select``: does a wider L2 request read host memory faster at the PCIe limit?"""
+    cases = [(256, 8192), (1024, 8192), (4096, 8192), (16384, 8192), (4096, 262144), (16384, 65536),
+             (1024, 262144)]
+    recs = []
+    for rb, m in cases:
+        n = min(4 << 20, buf.numel() // rb)
+        view = buf[: n * rb].view(torch.float32).view(n, rb // 4)
+        host, alias = as_unified(view), cuda_alias(view)
+        sets = [torch.randint(0, n, (m,), device="cuda") for _ in range(4)]
+        ways = {"naive": lambda s: torch.index_select(alias, 0, s), "default": lambda s: host[s],
+                **{f"hint{h}": _plan_call(host, None, (f"-DDP_LOAD_HINT={h}",)) for h in (0, 1, 2, 3)}}
+        for name, fn in ways.items():
+            assert torch.equal(fn(sets[0]).view(torch.int32), alias[sets[0]].view(torch.int32)), name
+        warm_gpu()
+        ms = _interleaved(ways, sets, reps if m * rb <= (256 << 20) else 7)
+        rec = {"row_bytes": rb, "rows": m, **{f"{w}_GBps": m * rb / t / 1e6 for w, t in ms.items()}}
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
+        recs.append(rec)
     return recs
 
 
@@ -340,6 +432,68 @@ def state(buf: torch.Tensor, reps: int = 15) -> list[dict]:
     return recs
 
 
+def host_pieces(buf: torch.Tensor) -> list[dict]:
+    """Host microseconds of an 8K-row call and of each piece of it, beside ``index_select``; both launchers.
+
+    The pieces of ``u[idx]`` (UnifiedTensor.__getitem__ -> gather_rows -> the known-table path):
+    the output allocation, the deferred-error read, the lookups, and the launch through
+    ``cuLaunchKernelEx`` (``driver``) and through CuPy's launcher (``cupy``); then the whole call
+    under each launcher, and its rows against ``index_select``'s.
+    """
+    from datapath.memory import _plans, rows  # noqa: PLC0415 - a diagnostic of the private launch path
+    from datapath.memory.bounds import deferred_flag, thread_flag  # noqa: PLC0415
+
+    recs = []
+    saved = _plans.LAUNCHER
+    try:
+        for rb in (256, 2048, 16384):
+            n = min(4 << 20, buf.numel() // rb)
+            view = buf[: n * rb].view(torch.float32).view(n, rb // 4)
+            u, alias = as_unified(view), cuda_alias(view)
+            i0 = torch.randint(0, n, (8192,), device="cuda")
+            u[i0]
+            torch.cuda.synchronize()
+            h = u._host
+            tab = _plans.known_host_table(h)
+            raw = torch._C._cuda_getCurrentRawStream(0)
+            fast = tab.fast_gather((torch.int64, 0, raw, gather_config.version))
+            plan = fast.plan
+            o = i0.new_empty((8192, rb // 4), dtype=torch.float32)
+            flag = thread_flag()
+            like = fast.like
+
+            def launch() -> None:
+                plan.launch_plain(tab.ptr, n, i0.data_ptr(), 8192, o.data_ptr(), flag.ptr, raw)
+            plan_call = _plan_call(u)
+            pieces = {
+                "plan_call": lambda: plan_call(i0),
+                "naive_index_select": lambda: torch.index_select(alias, 0, i0),
+                "new_empty_dtype": lambda: i0.new_empty((8192, rb // 4), dtype=torch.float32),
+                "like_new_empty": lambda: like.new_empty((8192, rb // 4)),
+                "torch_empty": lambda: torch.empty((8192, rb // 4), dtype=torch.float32, device=i0.device),
+                "deferred_flag": deferred_flag,
+                "known_host_table": lambda: _plans.known_host_table(h),
+                "raw_stream": lambda: torch._C._cuda_getCurrentRawStream(0),
+                "empty_kernel": lambda: torch.cuda._sleep(1),
+            }
+            rec = {"row_bytes": rb, "rows": 8192}
+            for name, f in pieces.items():
+                rec[f"{name}_us"] = min(host_us_per_call(f) for _ in range(3))
+            for launcher in _plans.LAUNCHERS:
+                _plans.LAUNCHER = launcher
+                for name, f in (("launch", launch), ("u_getitem", lambda: u[i0]),
+                                ("gather_rows", lambda: gather_rows(u, i0)),
+                                ("known_unified", lambda: rows._gather_known_unified(u, i0, None, None, None))):
+                    rec[f"{name}_{launcher}_us"] = min(host_us_per_call(f) for _ in range(3))
+                got = u[i0]
+                rec[f"rows_match_{launcher}"] = bool(torch.equal(got.view(torch.int32), alias[i0].view(torch.int32)))
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
+            recs.append(rec)
+    finally:
+        _plans.LAUNCHER = saved
+    return recs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true")
@@ -347,19 +501,39 @@ def main() -> None:
     ap.add_argument("--fused", action="store_true")
     ap.add_argument("--state", action="store_true")
     ap.add_argument("--blocks", action="store_true")
+    ap.add_argument("--host", action="store_true")
+    ap.add_argument("--hints", action="store_true")
+    ap.add_argument("--inflight", action="store_true")
     ap.add_argument("--gib", default="2,4,16")
-    ap.add_argument("--rows", type=int, default=262144)
-    ap.add_argument("--row-bytes", default="256,512,1024,2048,4096")
+    ap.add_argument("--rows", type=int, default=0, help="rows per call (default 262144; --blocks: 8192)")
+    ap.add_argument("--row-bytes", default="", help="default 256,512,1024,2048,4096 (--blocks: 512-16384)")
     args = ap.parse_args()
     torch.zeros(1, device="cuda")
     def dump(name: str, doc: dict) -> None:
         with open(os.path.join(os.environ.get("OUT", "."), f"gather_{name}_probe.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), **doc}, f, indent=1)
 
+    if args.host:
+        buf = torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True)
+        buf.view(torch.int64)[::512].random_()
+        dump("host", {"records": host_pieces(buf)})
+        return
+    if args.inflight:
+        buf = torch.empty(16 << 30, dtype=torch.uint8, pin_memory=True)
+        buf.view(torch.int64)[::512].random_()
+        dump("inflight", {"records": inflight(buf)})
+        return
+    if args.hints:
+        buf = torch.empty(16 << 30, dtype=torch.uint8, pin_memory=True)
+        buf.view(torch.int64)[::512].random_()
+        dump("hints", {"records": hints(buf)})
+        return
     if args.blocks:
         buf = torch.empty(16 << 30, dtype=torch.uint8, pin_memory=True)
         buf.view(torch.int64)[::512].random_()
-        dump("blocks", {"records": blocks(buf)})
+        sizes = tuple(int(x) for x in args.row_bytes.split(",")) if args.row_bytes else (512, 1024, 2048, 4096,
+                                                                                           16384)
+        dump(f"blocks_{args.rows or 8192}", {"records": blocks(buf, row_sizes=sizes, m=args.rows or 8192)})
         return
     if args.state:
         buf = torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True)
@@ -383,13 +557,13 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: memcpy 1 GiB pinned->GPU {memcpy:.1f} GB/s", flush=True)
     recs = []
     default = (gather_config.threads_per_block, gather_config.blocks_per_sm)
-    for rb in [int(x) for x in args.row_bytes.split(",")]:
+    args.rows = args.rows or 262144
+    for rb in [int(x) for x in (args.row_bytes or "256,512,1024,2048,4096").split(",")]:
         for gib in gibs:
             n = (gib << 30) // rb
             host = as_unified(buf[: n * rb].view(n, rb))
             alias = cuda_alias(buf[: n * rb].view(n, rb))
             sets = [torch.randint(0, n, (args.rows,), device="cuda") for _ in range(4)]
-            ssets = [torch.sort(s).values for s in sets]
             nb = args.rows * rb
             rec = {"row_bytes": rb, "gib": gib, "rows": args.rows,
                    "index_select_sorted": nb / time_ms(lambda s: torch.index_select(alias, 0, s), ssets) / 1e6,

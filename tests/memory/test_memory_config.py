@@ -55,3 +55,47 @@ def test_visit_order_settings_are_checked() -> None:
         with pytest.raises(ValueError, match=name):
             setattr(cfg, name, "32MB")
 
+
+
+def test_sort_from_is_the_threshold_of_sorts() -> None:
+    cfg = GatherConfig()
+    for choice in ("auto", True, False):
+        cfg.sort_indices = choice
+        for row_bytes in (4, 256, 2048, 8192):
+            for table_bytes in (1 << 20, 256 << 20, 16 << 30):
+                for on_host in (True, False):
+                    start = cfg.sort_from(row_bytes, table_bytes, on_host)
+                    for rows in (1, 1000, 32767, 32768, 524287, 524288, 1 << 22):
+                        assert cfg.sorts(rows, row_bytes, table_bytes, None, on_host) == (rows >= start), \
+                            (choice, row_bytes, table_bytes, on_host, rows)
+                        assert cfg.sorts(rows, row_bytes, table_bytes, True, on_host)
+                        assert not cfg.sorts(rows, row_bytes, table_bytes, False, on_host)
+
+
+def test_every_assignment_bumps_the_version() -> None:
+    cfg = GatherConfig()
+    v = cfg.version
+    cfg.blocks_per_sm = 3
+    cfg.sort_min_rows = 1000
+    assert cfg.version == v + 2
+    with pytest.raises(ValueError, match="blocks_per_sm"):
+        cfg.blocks_per_sm = 0
+    assert cfg.version == v + 2 and cfg.blocks_per_sm == 3
+    assert cfg == GatherConfig(blocks_per_sm=3, sort_min_rows=1000)  # the version is not a setting
+
+
+def test_a_bad_launcher_names_the_variable() -> None:
+    src = Path(__file__).resolve().parents[2] / "src"
+    proc = subprocess.run([sys.executable, "-c", "import datapath.memory"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(src), "DATAPATH_GATHER_LAUNCHER": "ctypes"})
+    assert proc.returncode != 0 and "DATAPATH_GATHER_LAUNCHER" in proc.stderr, proc.stderr
+
+
+def test_the_grid_comes_from_the_environment() -> None:
+    cfg = config_from_env({"DATAPATH_GATHER_THREADS": "128", "DATAPATH_GATHER_BLOCKS_PER_SM": " 4"})
+    assert (cfg.threads_per_block, cfg.blocks_per_sm) == (128, 4)
+    for env, name in (({"DATAPATH_GATHER_THREADS": "100"}, "DATAPATH_GATHER_THREADS"),
+                      ({"DATAPATH_GATHER_THREADS": "lots"}, "DATAPATH_GATHER_THREADS"),
+                      ({"DATAPATH_GATHER_BLOCKS_PER_SM": "0"}, "DATAPATH_GATHER_BLOCKS_PER_SM")):
+        with pytest.raises(ValueError, match=name):
+            config_from_env(env)

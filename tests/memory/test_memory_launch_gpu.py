@@ -45,6 +45,59 @@ def test_a_gather_neither_waits_nor_launches_more_than_one_kernel() -> None:
     check_errors()
 
 
+@pytest.mark.parametrize("launcher", ["driver", "cupy"])
+def test_both_launchers_from_any_thread_and_stream(launcher: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from datapath.memory import _plans  # noqa: PLC0415 - the launcher is a private switch
+
+    monkeypatch.setattr(_plans, "LAUNCHER", launcher)
+    t = _table(40_000, 48, seed=5)
+    u = t.to("unified")
+    idx = torch.randint(-40_000, 40_000, (10_000,), device="cuda", dtype=torch.int32)
+    want = t[idx.cpu().long()]
+    assert torch.equal(u[idx].cpu(), want)
+    results: dict[str, torch.Tensor] = {}
+
+    def worker() -> None:  # a new thread: no current CUDA context until something binds one
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            results["rows"] = u[idx]
+        side.synchronize()
+
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    assert torch.equal(results["rows"].cpu(), want)
+    check_errors()
+
+
+def test_settings_changed_between_calls_reach_the_next_call() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    t = _table(30_000, 64, seed=6)
+    u = t.to("unified")
+    idx = torch.randint(0, 30_000, (4096,), device="cuda")
+    u[idx]  # the call's lookups made under the default settings (no sorting for 4K rows)
+    torch.cuda.synchronize()
+
+    def kernels_of_a_call() -> list[str]:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            got = u[idx]
+            torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), t[idx.cpu()])
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    assert len(kernels_of_a_call()) == 1
+    before = gather_config.sort_indices
+    try:
+        gather_config.sort_indices = True  # now every call sorts its indices first
+        assert len(kernels_of_a_call()) > 1
+    finally:
+        gather_config.sort_indices = before
+    assert len(kernels_of_a_call()) == 1
+
+
 def test_a_host_table_freed_while_its_gather_runs_is_kept_until_the_gpu_is_done() -> None:
     n, width = 1 << 18, 256  # 256 MiB: the gather runs for milliseconds after the call returns
     for form in ("pinned", "unified"):
@@ -54,9 +107,12 @@ def test_a_host_table_freed_while_its_gather_runs_is_kept_until_the_gpu_is_done(
         want = table[want_rows].clone()
         rows_cuda = want_rows.cuda()
         t = table if form == "pinned" else as_unified(table)
+        gather_rows(t, rows_cuda[:10])  # read once on the default stream: the next call takes the known-table path
         torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)  # the kernel starts long (~0.1 s) after the call returns
-        got = gather_rows(t, rows_cuda)
+        side = torch.cuda.Stream()  # a stream the table has not been read on before
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # the kernel starts long (~0.1 s) after the call returns
+            got = gather_rows(t, rows_cuda)
         del t, table
         assert pending_host_reads() >= 1  # the freed table is held: the GPU has not read it yet
         junk = pinned_empty((n, width), torch.float32)  # would reuse the block were it released

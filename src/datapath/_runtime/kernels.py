@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.resources
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -145,3 +146,65 @@ def libcuda() -> ctypes.CDLL | None:
         return ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
+
+
+_CONFIG_FORMAT = "7I4xQQI4x"  # CUlaunchConfig: grid x, y, z, block x, y, z, shared bytes, stream, attrs, num_attrs
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_ex() -> Any:
+    """``cuLaunchKernelEx`` from libcuda (None where the driver lacks it or cannot be loaded)."""
+    lib = libcuda()
+    fn = getattr(lib, "cuLaunchKernelEx", None) if lib is not None else None
+    if fn is not None:
+        fn.restype = ctypes.c_int  # arguments: prepared ctypes objects, passed as they are
+    return fn
+
+
+class DriverLaunch:
+    """One kernel launched through ``cuLaunchKernelEx`` from one prepared buffer: the cheapest launch from Python.
+
+    The buffer holds the launch configuration and the kernel's arguments (``arg_format``, a
+    `struct` format without byte-order prefix, one code per parameter, packed without padding);
+    a launch packs the grid, the stream and the arguments with one ``pack_into`` and calls the
+    driver with four prepared arguments (measured on an H100 machine: 4.7 us per launch against
+    5.5 for CuPy's launcher).  ``available`` is False where the driver has no
+    ``cuLaunchKernelEx``: the caller launches another way.  ``arg_ptrs``: the address of each
+    argument in the buffer (for a launcher taking pointers to the values).
+    """
+
+    __slots__ = ("available", "threads", "device", "struct", "buf", "arg_ptrs", "ex_args", "lock")
+
+    def __init__(self, fn: Any, arg_format: str, threads: int, device: int) -> None:
+        import struct  # noqa: PLC0415 - only the launches need it
+
+        self.threads, self.device = threads, device
+        self.struct = struct.Struct("<" + _CONFIG_FORMAT + arg_format)
+        self.buf = (ctypes.c_uint64 * (-(-self.struct.size // 8)))()
+        base = ctypes.addressof(self.buf)
+        start = struct.calcsize("<" + _CONFIG_FORMAT)
+        self.arg_ptrs = tuple(base + start + struct.calcsize("<" + arg_format[:i]) for i in range(len(arg_format)))
+        params = (ctypes.c_void_p * len(arg_format))(*self.arg_ptrs)
+        ex = _launch_ex()
+        cu_fn = getattr(fn, "ptr", None)
+        self.available = ex is not None and bool(cu_fn)
+        # cuLaunchKernelEx and its four arguments (config, function, kernel params, extra); params kept alive here
+        self.ex_args = (ex, ctypes.c_void_p(base), ctypes.c_void_p(cu_fn), params, None) if self.available else None
+        self.lock = threading.Lock()
+
+    def launch(self, blocks: int, stream: int, *args: int) -> None:
+        """Queue the kernel: ``blocks`` blocks on the raw CUDA stream ``stream`` (requires ``available``)."""
+        ex_args = self.ex_args
+        with self.lock:
+            self.struct.pack_into(self.buf, 0, blocks, 1, 1, self.threads, 1, 1, 0, stream, 0, 0, *args)
+            rc = ex_args[0](*ex_args[1:])  # type: ignore[index]
+            if rc == _CUDA_ERROR_INVALID_CONTEXT:  # a thread without a current context yet: a runtime
+                torch.cuda.current_stream(self.device).query()  # call binds the device's primary context
+                rc = ex_args[0](*ex_args[1:])  # type: ignore[index]
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {rc}")
+
+    def values(self) -> tuple[int, ...]:
+        """The arguments of the last launch, as packed (for a launcher taking values)."""
+        return tuple(self.struct.unpack_from(self.buf, 0)[10:])

@@ -65,6 +65,33 @@ template <> __device__ __forceinline__ unsigned char zero_word<1>() { return 0; 
 constexpr int UNROLL = 4;
 constexpr int LINE = 128;
 
+// How a lane loads a 16-byte word of a table row: DP_LOAD_HINT 0 (the default) a plain load;
+// 1, 2: with the L2 prefetch-size hint .L2::128B / .L2::256B; 3: through the non-coherent
+// path with .L2::256B.  (Variants for `scripts/gpu_gather_probe.py --hints`.)
+#ifndef DP_LOAD_HINT
+#define DP_LOAD_HINT 0
+#endif
+
+template <int W>
+__device__ __forceinline__ typename Word<W>::T load_table_word(const typename Word<W>::T* p) {
+    if constexpr (W == 16 && DP_LOAD_HINT != 0) {
+        uint4 v;
+#if DP_LOAD_HINT == 1
+        asm volatile("ld.global.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#elif DP_LOAD_HINT == 2
+        asm volatile("ld.global.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#else
+        asm volatile("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
+        return v;
+    } else {
+        return *p;
+    }
+}
+
 // What `find` says about a row.
 constexpr int ROW_COPY = 1;   // move it
 constexpr int ROW_ZERO = 0;   // out of range: write zeros (gather) / skip (scatter)
@@ -170,7 +197,7 @@ __device__ __forceinline__ void move_row(char* table_row, char* dev_row, long lo
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (w[u] >= 0) v[u] = DIR == 0 ? h[w[u]] : d[w[u]];
+            if (w[u] >= 0) v[u] = DIR == 0 ? load_table_word<W>(h + w[u]) : d[w[u]];
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -235,7 +262,7 @@ __device__ __forceinline__ void move_short_rows(const Rows& rows, long long p0, 
         for (int s = 0; s < S; ++s) {
             const long long wk = w[k * S + s];
             if (wk >= 0) {
-                v[k * S + s] = DIR == 0 ? reinterpret_cast<const T*>(trow[k])[wk]
+                v[k * S + s] = DIR == 0 ? load_table_word<W>(reinterpret_cast<const T*>(trow[k]) + wk)
                                         : reinterpret_cast<const T*>(drow[k])[wk];
             }
         }

@@ -28,15 +28,15 @@ class _Stream:
         self.ptr = ptr
 
 
-_functions: dict[tuple[str, bool, int], Any] = {}
+_functions: dict[tuple[str, bool, int, tuple[str, ...]], Any] = {}
 
 
-def function(name: str, all_modes: bool) -> Any:
-    """The compiled kernel ``name`` (a CuPy ``Function``), loaded once per device."""
-    key = (name, all_modes, torch.cuda.current_device())
+def function(name: str, all_modes: bool, options: tuple[str, ...] = ()) -> Any:
+    """The compiled kernel ``name`` (a CuPy ``Function``), loaded once per device (and extra compiler options)."""
+    key = (name, all_modes, torch.cuda.current_device(), options)
     fn = _functions.get(key)
     if fn is None:
-        raw = kernels.get_function("gather.cu", name, _ALL_MODES if all_modes else ())
+        raw = kernels.get_function("gather.cu", name, (*(_ALL_MODES if all_modes else ()), *options))
         fn = _functions[key] = raw.kernel
     return fn
 

@@ -4,10 +4,15 @@ Private to `datapath.memory`.
 
 `RowPlan`: what a launch needs that depends only on the row geometry (direction, index
 dtype, alignment scheme, device, row size and stride, word width, grid settings): the
-compiled kernel, the lanes per row, the grid limit, and an argument block that the
-launch reads by pointer.  A call packs the ten arguments with one ``struct.pack_into``
-and launches through CuPy's launcher with packed pointers (the default, measured the
-faster), or through ``cuLaunchKernel`` directly via ctypes (``DATAPATH_GATHER_LAUNCHER=ctypes``).
+compiled kernel, the lanes per row, the grid limit, and its `kernels.DriverLaunch`: one
+buffer holding the launch configuration and the ten kernel arguments, packed by one
+``struct.pack_into`` per call and handed to ``cuLaunchKernelEx`` (the default: the
+cheapest launch from Python, measured), or read by CuPy's launcher
+(``DATAPATH_GATHER_LAUNCHER=cupy``, and where the driver has no ``cuLaunchKernelEx``).
+
+`FastGather`: what `datapath.memory.rows`' most common call (a known host table, 1-D CUDA
+indices on the current device and stream) needs: the plan, the output's dtype template,
+and from how many rows the call sorts its indices; the table's last one is tried first.
 
 `HostTable`: one record per host table tensor, made on its first fetch: its row layout
 (so a call does not work it out again), its plans, and the streams its launches were
@@ -19,9 +24,7 @@ No per-call event, no waiting.
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import struct
 import threading
 import weakref
 from typing import Any
@@ -31,15 +34,24 @@ import torch
 
 from datapath._runtime import kernels
 from datapath.memory import _launch
-from datapath.memory.config import gather_config
+from datapath.memory.config import GATHER_MODES, gather_config
 
-_SLOTS = 10  # kernel arguments: (table, n_rows, row_stride, row_bytes, idx, order, n_idx, dev, G, err)
-_PACK = struct.Struct("<QqqqQQqQqQ")
-_CUDA_ERROR_INVALID_CONTEXT = 201
+# the kernel arguments: table, n_rows, row_stride, row_bytes, idx, order, n_idx, dev, G, err (G an int, 8 bytes
+# here: the driver reads the low four of a little-endian word)
+_ARGS = "QqqqQQqQqQ"
+LAUNCHERS = ("driver", "cupy")
 
-# "cupy" (CuPy's launcher with packed pointers: measured 27 us per gather call, H100 machine) or "ctypes"
-# (cuLaunchKernel through ctypes: 31 us, its eleven arguments converted per call)
-LAUNCHER = os.environ.get("DATAPATH_GATHER_LAUNCHER", "cupy")
+
+def _launcher_from_env() -> str:
+    value = os.environ.get("DATAPATH_GATHER_LAUNCHER", "driver").strip().lower()
+    if value not in LAUNCHERS:
+        raise ValueError(f"environment variable DATAPATH_GATHER_LAUNCHER={value!r} must be one of {LAUNCHERS}")
+    return value
+
+
+# "driver" (cuLaunchKernelEx through ctypes, four prepared arguments) or "cupy" (CuPy's launcher with packed
+# pointers); read at every launch, so a test or probe may switch it
+LAUNCHER = _launcher_from_env()
 
 
 def _cpointer() -> Any:
@@ -48,21 +60,6 @@ def _cpointer() -> Any:
     except ImportError:  # pragma: no cover - a CuPy without it: the converting launch is used
         return None
     return CPointer
-
-
-_launch_fn: list[Any] = []
-
-
-def _cu_launch() -> Any:
-    """``cuLaunchKernel`` from libcuda (None where it cannot be loaded)."""
-    if not _launch_fn:
-        lib = kernels.libcuda()
-        fn = getattr(lib, "cuLaunchKernel", None) if lib is not None else None
-        if fn is not None:
-            fn.argtypes = [ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-        _launch_fn.append(fn)
-    return _launch_fn[0]
 
 
 class _StreamRef:
@@ -74,19 +71,19 @@ class _StreamRef:
         self.ptr = ptr
 
 
-_streams: dict[tuple[int, int], tuple[_StreamRef, torch.cuda.Stream]] = {}
+_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 
 
-def current_stream(device: int) -> tuple[tuple[int, int], _StreamRef, torch.cuda.Stream]:
-    """(key, CuPy's view, PyTorch's object) of ``device``'s current stream, made once per (device, handle).
+def current_stream(device: int) -> tuple[tuple[int, int], torch.cuda.Stream]:
+    """(key = (device, raw handle), PyTorch's object) of ``device``'s current stream, the object made once per key.
 
     (The default stream's handle is 0 on every device.)
     """
     key = (device, torch._C._cuda_getCurrentRawStream(device))  # noqa: SLF001 - 0.2 us instead of 2 us
     s = _streams.get(key)
     if s is None:
-        s = _streams[key] = (_StreamRef(key[1]), torch.cuda.current_stream(device))
-    return key, s[0], s[1]
+        s = _streams[key] = torch.cuda.current_stream(device)
+    return key, s
 
 
 class RowPlan:
@@ -96,11 +93,11 @@ class RowPlan:
         rows_per_block, max_blocks: the grid is ``min(ceil(m / rows_per_block), max_blocks)``.
     """
 
-    __slots__ = ("rows_per_block", "max_blocks", "threads", "block", "fn", "cu_fn", "args", "params", "params_ptr",
-                 "packed", "static", "lock", "device", "on_host")
+    __slots__ = ("rows_per_block", "max_blocks", "threads", "block", "fn", "driver", "packed", "static", "device",
+                 "on_host")
 
     def __init__(self, name: str, all_modes: bool, row_bytes: int, row_stride: int, w: int, mode_id: int,
-                 device: int, on_host: bool) -> None:
+                 device: int, on_host: bool, options: tuple[str, ...] = ()) -> None:
         g, per_group = _launch.lanes_and_rows(row_bytes // w, w, mode_id)
         self.threads = gather_config.threads_per_block
         self.block = (self.threads,)
@@ -109,47 +106,56 @@ class RowPlan:
         self.max_blocks = kernels.multiprocessor_count(device) * per_sm
         self.device = device
         self.on_host = on_host
-        self.fn = _launch.function(name, all_modes)
-        self.cu_fn = getattr(self.fn, "ptr", None)
+        self.fn = _launch.function(name, all_modes, options)
         self.static = (row_stride, row_bytes, g)
-        self.args = (ctypes.c_uint64 * _SLOTS)()
-        base = ctypes.addressof(self.args)
-        self.params = (ctypes.c_void_p * _SLOTS)(*(base + 8 * i for i in range(_SLOTS)))
-        self.params_ptr = ctypes.addressof(self.params)
+        self.driver = kernels.DriverLaunch(self.fn, _ARGS, self.threads, device)
         cp = _cpointer()
-        self.packed = tuple(cp(base + 8 * i) for i in range(_SLOTS)) if cp is not None else None
-        self.lock = threading.Lock()
+        self.packed = tuple(cp(a) for a in self.driver.arg_ptrs) if cp is not None else None
+
+    def launch_plain(self, table_ptr: int, n_rows: int, idx_ptr: int, m: int, dev_ptr: int, flag_ptr: int,
+                     stream: int) -> None:
+        """`launch` of rows in the caller's order (the shortest way to the GPU)."""
+        blocks = -(-m // self.rows_per_block)
+        if blocks > self.max_blocks:
+            blocks = self.max_blocks
+        stride, row_bytes, g = self.static
+        if LAUNCHER == "driver" and self.driver.available:
+            self.driver.launch(blocks, stream, table_ptr, n_rows, stride, row_bytes, idx_ptr, 0, m, dev_ptr, g,
+                               flag_ptr)
+        else:
+            self._launch_cupy(blocks, stream, table_ptr, n_rows, stride, row_bytes, idx_ptr, 0, m, dev_ptr, g,
+                              flag_ptr)
 
     def launch(self, table_ptr: int, n_rows: int, idx_ptr: int, order_ptr: int, m: int, dev_ptr: int,
-               flag_ptr: int, ref: _StreamRef) -> None:
-        """Queue the kernel on stream ``ref``: rows ``idx`` (visited through ``order``) <-> the rows at ``dev_ptr``."""
+               flag_ptr: int, stream: int) -> None:
+        """Queue the kernel on the raw CUDA stream ``stream``: rows ``idx`` (visited through ``order``) <-> the
+        rows at ``dev_ptr``."""
         blocks = -(-m // self.rows_per_block)
         if blocks > self.max_blocks:
             blocks = self.max_blocks
         stride, row_bytes, g = self.static
         if order_ptr and self.on_host:  # a sorted visit: keep the rows in flight near each other
             blocks = _launch.window_blocks(blocks, self.rows_per_block, m, n_rows * stride, row_bytes)
-        with self.lock:
-            _PACK.pack_into(self.args, 0, table_ptr, n_rows, stride, row_bytes, idx_ptr, order_ptr, m, dev_ptr, g,
-                            flag_ptr)
-            cu = None if LAUNCHER != "ctypes" or self.cu_fn is None else _cu_launch()
-            if cu is not None:
-                rc = cu(self.cu_fn, blocks, 1, 1, self.threads, 1, 1, 0, ref.ptr, self.params_ptr, None)
-                if rc == _CUDA_ERROR_INVALID_CONTEXT:  # a thread without a current context yet: a runtime
-                    torch.cuda.current_stream(self.device).query()  # call binds the device's primary context
-                    rc = cu(self.cu_fn, blocks, 1, 1, self.threads, 1, 1, 0, ref.ptr, self.params_ptr, None)
-                if rc != 0:
-                    raise RuntimeError(f"cuLaunchKernel of the row kernel failed with CUDA error {rc}")
-                return
+        args = (table_ptr, n_rows, stride, row_bytes, idx_ptr, order_ptr, m, dev_ptr, g, flag_ptr)
+        if LAUNCHER == "driver" and self.driver.available:
+            self.driver.launch(blocks, stream, *args)
+        else:
+            self._launch_cupy(blocks, stream, *args)
+
+    def _launch_cupy(self, blocks: int, stream: int, *args: int) -> None:
+        """CuPy's launcher, reading the arguments packed in the driver launch's buffer."""
+        ref = _StreamRef(stream)
+        d = self.driver
+        with d.lock:
+            d.struct.pack_into(d.buf, 0, blocks, 1, 1, self.threads, 1, 1, 0, stream, 0, 0, *args)
             if self.packed is not None:
                 try:
                     self.fn((blocks,), self.block, self.packed, 0, ref)
                     return
                 except TypeError:  # this CuPy wants plain values
                     self.packed = None
-            vals = list(self.args)
-            self.fn((blocks,), self.block, tuple(np.int32(v) if i == 8 else np.uint64(v) for i, v in enumerate(vals)),
-                    0, ref)
+            self.fn((blocks,), self.block,
+                    tuple(np.int32(v) if i == 8 else np.uint64(v) for i, v in enumerate(d.values())), 0, ref)
 
 
 _plans: dict[tuple, RowPlan] = {}
@@ -176,11 +182,28 @@ def word_width(*values: int) -> int:
     return 16 if not a & 15 else 8 if not a & 7 else 4 if not a & 3 else 2 if not a & 1 else 1
 
 
+_MAX_FAST = 64
+
+
+class FastGather:
+    """The plain gather of a `HostTable` with 1-D indices of one dtype, on one device and stream, under one
+    `gather_config` version (those four: ``dtype``, ``device``, ``stream``, ``version``): its plan, an empty
+    tensor of the output's dtype on that device (``like.new_empty`` makes the output), the output rows' shape
+    ``rest``, and the row count from which a call that leaves ``sort`` out sorts its indices (0 under
+    ``sync_bounds_check``: such calls wait, and take the general path)."""
+
+    __slots__ = ("plan", "like", "rest", "sort_from", "dtype", "device", "stream", "version")
+
+    def __init__(self, plan: RowPlan, like: torch.Tensor, rest: tuple[int, ...], sort_from: float, key: tuple) -> None:
+        self.plan, self.like, self.rest, self.sort_from = plan, like, rest, sort_from
+        self.dtype, self.device, self.stream, self.version = key
+
+
 class HostTable:
     """A host table tensor's row layout, its plans, and what keeps its memory alive behind its launches."""
 
     __slots__ = ("ptr", "shape", "stride", "rest", "dtype", "n_rows", "row_bytes", "row_stride", "table_bytes", "w",
-                 "storage", "streams", "events", "plans", "__weakref__")
+                 "storage", "streams", "events", "plans", "fast", "last", "__weakref__")
 
     def __init__(self, data: torch.Tensor, row_bytes: int, row_stride: int) -> None:
         self.ptr = data.data_ptr()
@@ -194,6 +217,28 @@ class HostTable:
         self.streams: dict[tuple[int, int], torch.cuda.Stream] = {}
         self.events: list[torch.cuda.Event] = []
         self.plans: dict[tuple, RowPlan] = {}
+        self.fast: dict[tuple, FastGather] = {}
+        self.last: FastGather | None = None  # the one `rows.take_rows` tries first
+
+    def fast_gather(self, key: tuple) -> FastGather:
+        """The `FastGather` of ``key`` = (index dtype, device, raw stream, gather_config version), made on first use.
+
+        Making one registers the stream with the table (its memory is kept until the work queued there is done).
+        """
+        fast = self.fast.get(key)
+        if fast is None:
+            if len(self.fast) >= _MAX_FAST:  # settings changed often, or many streams: start again
+                self.fast.clear()
+            idx_dtype, device, raw, _ = key
+            cfg = gather_config
+            plan = self.plan("gather", idx_dtype, GATHER_MODES[cfg.gather_mode], device, self.w)
+            sort_from = 0.0 if cfg.sync_bounds_check else cfg.sort_from(self.row_bytes, self.table_bytes)
+            stream_key = (device, raw)
+            self.streams.setdefault(stream_key, current_stream(device)[1])
+            fast = self.fast[key] = FastGather(plan, torch.empty(0, dtype=self.dtype, device=device),
+                                               tuple(self.rest), sort_from, key)
+        self.last = fast
+        return fast
 
     def plan(self, direction: str, idx_dtype: torch.dtype, mode_id: int, device: int, w: int) -> RowPlan:
         key = (direction, idx_dtype, mode_id, device, w, gather_config.blocks_per_sm, gather_config.threads_per_block)

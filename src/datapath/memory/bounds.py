@@ -96,8 +96,12 @@ def raise_deferred() -> None:
 
 def deferred_flag() -> ErrorFlag:
     """For a fetch made of several launches: raise this thread's earlier error, then its flag for all of them."""
-    raise_deferred()
-    return thread_flag()
+    flag = _local.flag
+    if flag is None:
+        return thread_flag()
+    if flag.is_set():
+        raise_deferred()
+    return flag
 
 
 def check_errors() -> None:

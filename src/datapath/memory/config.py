@@ -4,21 +4,24 @@ Every setting is an argument of the call that uses it (`datapath.memory.gather_r
 ``sync``, ``mode``, ``sort``).  A call that leaves one out takes it from `gather_config`,
 whose defaults come from the environment when the process starts:
 
-=============================  ================================================
-``DATAPATH_GATHER_SYNC``        ``1``: wait for every gather and raise at once
-``DATAPATH_GATHER_MODE``        ``circular`` | ``shift_mask`` | ``unaligned``
-``DATAPATH_GATHER_SORT``        ``auto`` | ``1`` | ``0``
-``DATAPATH_GATHER_LAUNCHER``    ``cupy`` (default) | ``ctypes``: how a row kernel
-                                is launched (read once, at import)
-=============================  ================================================
+===================================  =================================================
+``DATAPATH_GATHER_SYNC``             ``1``: wait for every gather and raise at once
+``DATAPATH_GATHER_MODE``             ``circular`` | ``shift_mask`` | ``unaligned``
+``DATAPATH_GATHER_SORT``             ``auto`` | ``1`` | ``0``
+``DATAPATH_GATHER_THREADS``          threads per block of the row kernels (256)
+``DATAPATH_GATHER_BLOCKS_PER_SM``    grid of those reading host memory (2 per SM)
+``DATAPATH_GATHER_LAUNCHER``         ``driver`` (default) | ``cupy``: how a row kernel
+                                     is launched (read once, at import)
+===================================  =================================================
 
 Assigning to `gather_config` (also ``datapath.unified_tensor.config``) changes the default
 for the whole process; prefer the arguments.
 """
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 GatherMode = Literal["circular", "shift_mask", "unaligned"]
@@ -84,6 +87,8 @@ class GatherConfig:
     sort_method: Literal["buckets", "buckets_unfused", "torch"] = "buckets"
     host_window_bytes: int = 32 << 20
     host_min_inflight_bytes: int = 512 << 10
+    # bumped by every assignment: what was worked out from the settings is keyed by it
+    version: int = field(default=0, compare=False, repr=False)
 
     def __setattr__(self, name: str, value: object) -> None:
         if name == "gather_mode" and value not in GATHER_MODES:
@@ -99,6 +104,8 @@ class GatherConfig:
         if name == "sort_indices" and value not in (True, False, "auto"):
             raise ValueError(f"sort_indices must be True, False or 'auto', got {value!r}")
         super().__setattr__(name, value)
+        if name != "version":
+            super().__setattr__("version", self.version + 1)
 
     def sorts(self, rows: int, row_bytes: int, table_bytes: int, sort: bool | None = None,
               on_host: bool = True) -> bool:
@@ -106,14 +113,21 @@ class GatherConfig:
 
         Only host tables are sorted by the auto rule (their translation misses are what the sort avoids).
         """
-        choice = self.sort_indices if sort is None else sort
+        if sort is not None and sort != "auto":
+            return bool(sort)
+        return rows >= self.sort_from(row_bytes, table_bytes, on_host, sort == "auto")
+
+    def sort_from(self, row_bytes: int, table_bytes: int, on_host: bool = True, auto: bool = False) -> float:
+        """The row count from which a call that leaves ``sort`` out sorts its indices (0: every call; inf: none).
+
+        ``auto``: apply the auto rule whatever ``sort_indices`` says.
+        """
+        choice = "auto" if auto else self.sort_indices
         if choice != "auto":
-            return bool(choice)
+            return 0.0 if choice else math.inf
         if not on_host or table_bytes < self.sort_min_table_bytes:
-            return False
-        if row_bytes < self.sort_max_row_bytes:
-            return rows >= self.sort_min_rows
-        return rows >= self.sort_min_rows_long
+            return math.inf
+        return float(self.sort_min_rows if row_bytes < self.sort_max_row_bytes else self.sort_min_rows_long)
 
 
 def _env_flag(name: str, value: str) -> bool | Literal["auto"]:
@@ -142,6 +156,13 @@ def config_from_env(env: dict[str, str] | None = None) -> GatherConfig:
         cfg.gather_mode = mode  # type: ignore[assignment]
     if "DATAPATH_GATHER_SORT" in env:
         cfg.sort_indices = _env_flag("DATAPATH_GATHER_SORT", env["DATAPATH_GATHER_SORT"])
+    for name, attr in (("DATAPATH_GATHER_THREADS", "threads_per_block"),
+                       ("DATAPATH_GATHER_BLOCKS_PER_SM", "blocks_per_sm")):
+        if name in env:
+            try:
+                setattr(cfg, attr, int(env[name].strip()))
+            except ValueError as e:
+                raise ValueError(f"environment variable {name}={env[name]!r}: {e}") from None
     return cfg
 
 

@@ -38,7 +38,6 @@ Affinity = str  # "host" | "gpu"
 _AFFINITIES = ("host", "gpu")
 
 aten = torch.ops.aten
-_INT_INDEX = (torch.int32, torch.int64)
 
 # In-place ops that would need atomics on the mutated tensor: over PCIe, atomics on
 # host memory are not supported on most platforms, so these always run on the CPU.
@@ -82,8 +81,10 @@ class UnifiedTensor(torch.Tensor):
 
     def __getitem__(self, index: Any) -> Any:
         """``u[cuda_idx]`` goes straight to the row gather (no indexing machinery); anything else as usual."""
-        if type(index) is torch.Tensor and index.is_cuda and index.dtype in _INT_INDEX:
-            return _row_gather()(self, index)
+        if type(index) is torch.Tensor:
+            rows = (_GATHER[0] if _GATHER else _row_gather())(self, index)  # None: not CUDA integer indices
+            if rows is not None:
+                return rows
         return super().__getitem__(index)
 
     # --- affinity -----------------------------------------------------------------
@@ -153,15 +154,15 @@ class UnifiedTensor(torch.Tensor):
         return _run(func, args, kwargs)
 
 
-_GATHER: list[Callable[..., torch.Tensor]] = []
+_GATHER: list[Callable[..., torch.Tensor | None]] = []
 
 
-def _row_gather() -> Callable[..., torch.Tensor]:
-    """`datapath.memory.gather_rows` (imported on first use: memory imports this module lazily)."""
+def _row_gather() -> Callable[..., torch.Tensor | None]:
+    """`datapath.memory.rows.take_rows` (imported on first use: memory imports this module lazily)."""
     if not _GATHER:
-        from datapath.memory import gather_rows  # noqa: PLC0415
+        from datapath.memory.rows import take_rows  # noqa: PLC0415
 
-        _GATHER.append(gather_rows)
+        _GATHER.append(take_rows)
     return _GATHER[0]
 
 
