@@ -444,7 +444,7 @@ def host_pieces(buf: torch.Tensor) -> list[dict]:
     from datapath.memory.bounds import deferred_flag, thread_flag  # noqa: PLC0415
 
     recs = []
-    saved = _plans.LAUNCHER
+    saved = gather_config.launcher
     try:
         for rb in (256, 2048, 16384):
             n = min(4 << 20, buf.numel() // rb)
@@ -479,8 +479,8 @@ def host_pieces(buf: torch.Tensor) -> list[dict]:
             rec = {"row_bytes": rb, "rows": 8192}
             for name, f in pieces.items():
                 rec[f"{name}_us"] = min(host_us_per_call(f) for _ in range(3))
-            for launcher in _plans.LAUNCHERS:
-                _plans.LAUNCHER = launcher
+            for launcher in ("driver", "cupy"):
+                gather_config.launcher = launcher
                 for name, f in (("launch", launch), ("u_getitem", lambda: u[i0]),
                                 ("gather_rows", lambda: gather_rows(u, i0)),
                                 ("known_unified", lambda: rows._gather_known_unified(u, i0, None, None, None))):
@@ -490,7 +490,7 @@ def host_pieces(buf: torch.Tensor) -> list[dict]:
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
             recs.append(rec)
     finally:
-        _plans.LAUNCHER = saved
+        gather_config.launcher = saved
     return recs
 
 

@@ -89,6 +89,9 @@ def test_a_bad_launcher_names_the_variable() -> None:
     proc = subprocess.run([sys.executable, "-c", "import datapath.memory"], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(src), "DATAPATH_GATHER_LAUNCHER": "ctypes"})
     assert proc.returncode != 0 and "DATAPATH_GATHER_LAUNCHER" in proc.stderr, proc.stderr
+    assert config_from_env({"DATAPATH_GATHER_LAUNCHER": "CuPy"}).launcher == "cupy"
+    with pytest.raises(ValueError, match="launcher"):
+        GatherConfig().launcher = "ctypes"
 
 
 def test_the_grid_comes_from_the_environment() -> None:

@@ -49,9 +49,7 @@ def test_a_gather_neither_waits_nor_launches_more_than_one_kernel() -> None:
 def test_both_launchers_from_any_thread_and_stream(launcher: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from datapath.memory import _plans  # noqa: PLC0415 - the launcher is a private switch
-
-    monkeypatch.setattr(_plans, "LAUNCHER", launcher)
+    monkeypatch.setattr(gather_config, "launcher", launcher)
     t = _table(40_000, 48, seed=5)
     u = t.to("unified")
     idx = torch.randint(-40_000, 40_000, (10_000,), device="cuda", dtype=torch.int32)

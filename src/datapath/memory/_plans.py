@@ -8,7 +8,7 @@ compiled kernel, the lanes per row, the grid limit, and its `kernels.DriverLaunc
 buffer holding the launch configuration and the ten kernel arguments, packed by one
 ``struct.pack_into`` per call and handed to ``cuLaunchKernelEx`` (the default: the
 cheapest launch from Python, measured), or read by CuPy's launcher
-(``DATAPATH_GATHER_LAUNCHER=cupy``, and where the driver has no ``cuLaunchKernelEx``).
+(``gather_config.launcher = "cupy"``, and where the driver has no ``cuLaunchKernelEx``).
 
 `FastGather`: what `datapath.memory.rows`' most common call (a known host table, 1-D CUDA
 indices on the current device and stream) needs: the plan, the output's dtype template,
@@ -24,7 +24,6 @@ No per-call event, no waiting.
 """
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from typing import Any
@@ -39,19 +38,6 @@ from datapath.memory.config import GATHER_MODES, gather_config
 # the kernel arguments: table, n_rows, row_stride, row_bytes, idx, order, n_idx, dev, G, err (G an int, 8 bytes
 # here: the driver reads the low four of a little-endian word)
 _ARGS = "QqqqQQqQqQ"
-LAUNCHERS = ("driver", "cupy")
-
-
-def _launcher_from_env() -> str:
-    value = os.environ.get("DATAPATH_GATHER_LAUNCHER", "driver").strip().lower()
-    if value not in LAUNCHERS:
-        raise ValueError(f"environment variable DATAPATH_GATHER_LAUNCHER={value!r} must be one of {LAUNCHERS}")
-    return value
-
-
-# "driver" (cuLaunchKernelEx through ctypes, four prepared arguments) or "cupy" (CuPy's launcher with packed
-# pointers); read at every launch, so a test or probe may switch it
-LAUNCHER = _launcher_from_env()
 
 
 def _cpointer() -> Any:
@@ -119,7 +105,7 @@ class RowPlan:
         if blocks > self.max_blocks:
             blocks = self.max_blocks
         stride, row_bytes, g = self.static
-        if LAUNCHER == "driver" and self.driver.available:
+        if gather_config.launcher == "driver" and self.driver.available:
             self.driver.launch(blocks, stream, table_ptr, n_rows, stride, row_bytes, idx_ptr, 0, m, dev_ptr, g,
                                flag_ptr)
         else:
@@ -137,7 +123,7 @@ class RowPlan:
         if order_ptr and self.on_host:  # a sorted visit: keep the rows in flight near each other
             blocks = _launch.window_blocks(blocks, self.rows_per_block, m, n_rows * stride, row_bytes)
         args = (table_ptr, n_rows, stride, row_bytes, idx_ptr, order_ptr, m, dev_ptr, g, flag_ptr)
-        if LAUNCHER == "driver" and self.driver.available:
+        if gather_config.launcher == "driver" and self.driver.available:
             self.driver.launch(blocks, stream, *args)
         else:
             self._launch_cupy(blocks, stream, *args)

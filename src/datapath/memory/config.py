@@ -11,7 +11,7 @@ whose defaults come from the environment when the process starts:
 ``DATAPATH_GATHER_THREADS``          threads per block of the row kernels (256)
 ``DATAPATH_GATHER_BLOCKS_PER_SM``    grid of those reading host memory (2 per SM)
 ``DATAPATH_GATHER_LAUNCHER``         ``driver`` (default) | ``cupy``: how a row kernel
-                                     is launched (read once, at import)
+                                     is launched
 ===================================  =================================================
 
 Assigning to `gather_config` (also ``datapath.unified_tensor.config``) changes the default
@@ -30,6 +30,7 @@ GATHER_MODES: dict[str, int] = {"unaligned": 0, "shift_mask": 1, "circular": 2}
 
 
 SORT_METHODS = ("buckets", "buckets_unfused", "torch")
+LAUNCHERS = ("driver", "cupy")
 
 
 @dataclass
@@ -72,6 +73,8 @@ class GatherConfig:
             may cover; a call of sparse rows (large table, few rows) gets a smaller grid so
             that they stay within it (0: the full grid always).
         host_min_inflight_bytes: the bytes a shrunken grid still keeps in flight (PCIe latency).
+        launcher: how a row kernel is launched: ``"driver"`` (``cuLaunchKernelEx`` from one
+            prepared buffer, the cheaper from Python) or ``"cupy"`` (CuPy's launcher).
     """
 
     gather_mode: GatherMode = "circular"
@@ -87,6 +90,7 @@ class GatherConfig:
     sort_method: Literal["buckets", "buckets_unfused", "torch"] = "buckets"
     host_window_bytes: int = 32 << 20
     host_min_inflight_bytes: int = 512 << 10
+    launcher: Literal["driver", "cupy"] = "driver"
     # bumped by every assignment: what was worked out from the settings is keyed by it
     version: int = field(default=0, compare=False, repr=False)
 
@@ -97,6 +101,8 @@ class GatherConfig:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
         if name == "threads_per_block" and (not isinstance(value, int) or value % 32 or not 32 <= value <= 1024):
             raise ValueError(f"threads_per_block must be a multiple of 32 in [32, 1024], got {value!r}")
+        if name == "launcher" and value not in LAUNCHERS:
+            raise ValueError(f"launcher must be one of {LAUNCHERS}, got {value!r}")
         if name == "sort_method" and value not in SORT_METHODS:
             raise ValueError(f"sort_method must be one of {SORT_METHODS}, got {value!r}")
         if name in ("host_window_bytes", "host_min_inflight_bytes") and (not isinstance(value, int) or value < 0):
@@ -156,6 +162,11 @@ def config_from_env(env: dict[str, str] | None = None) -> GatherConfig:
         cfg.gather_mode = mode  # type: ignore[assignment]
     if "DATAPATH_GATHER_SORT" in env:
         cfg.sort_indices = _env_flag("DATAPATH_GATHER_SORT", env["DATAPATH_GATHER_SORT"])
+    if "DATAPATH_GATHER_LAUNCHER" in env:
+        value = env["DATAPATH_GATHER_LAUNCHER"].strip().lower()
+        if value not in LAUNCHERS:
+            raise ValueError(f"environment variable DATAPATH_GATHER_LAUNCHER={value!r} must be one of {LAUNCHERS}")
+        cfg.launcher = value  # type: ignore[assignment]
     for name, attr in (("DATAPATH_GATHER_THREADS", "threads_per_block"),
                        ("DATAPATH_GATHER_BLOCKS_PER_SM", "blocks_per_sm")):
         if name in env:
