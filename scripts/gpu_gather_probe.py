@@ -177,15 +177,21 @@ def orders(buf: torch.Tensor, reps: int = 21) -> list[dict]:
     return recs
 
 
-def _interleaved(ways: dict, sets: list, reps: int) -> dict[str, float]:
-    """Median ms per way from an idle GPU (as B1 times a call), the ways timed in turn (rotating order)."""
+def _interleaved(ways: dict, sets: list, reps: int, next_set: bool = False) -> dict[str, float]:
+    """Median ms per way from an idle GPU (as B1 times a call), the ways timed in turn (rotating order).
+
+    Every way of a turn gets the turn's index set, or (``next_set``, as B1 does) each call the next
+    set: with one set a turn, all but the first way read rows whose translations the first cached.
+    """
     names = list(ways)
     times: dict[str, list[float]] = {w: [] for w in names}
+    k = 0
     for r in range(reps + 2):
         for w in names[r % len(names):] + names[:r % len(names)]:
+            k += 1
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            ways[w](sets[r % len(sets)])
+            ways[w](sets[k % len(sets) if next_set else r % len(sets)])
             b.record()
             b.synchronize()
             if r >= 2:
@@ -297,96 +303,66 @@ def _plan_call(u: torch.Tensor, cfg: tuple[int, int] | None = None, options: tup
     return fn
 
 
-def blocks(buf: torch.Tensor, reps: int = 25, row_sizes: tuple[int, ...] = (512, 1024, 2048, 4096, 16384),
-           m: int = 8192) -> list[dict]:
-    """``m``-row calls (caller's order) under several block sizes and grids, interleaved with ``u[idx]`` (default
-    grid) and ``index_select`` on a CUDA view of the same memory (float32 rows, as B1's tables)."""
-    cfgs = [(256, 2), (128, 2), (128, 4), (64, 4), (64, 8), (32, 16)]
-    recs = []
-    for rb in row_sizes:
-        n = min(4 << 20, buf.numel() // rb)
-        view = buf[: n * rb].view(torch.float32).view(n, rb // 4)
-        host, alias = as_unified(view), cuda_alias(view)
-        sets = [torch.randint(0, n, (m,), device="cuda") for _ in range(4)]
-        ways = {"naive": lambda s: torch.index_select(alias, 0, s), "default": lambda s: host[s],
-                **{f"t{t}x{b}": _plan_call(host, (t, b)) for t, b in cfgs}}
+def _compare(buf: torch.Tensor, rb: int, m: int, extra, reps: int, n_sets: int = 4, check: bool = True) -> dict:
+    """One case: ``m``-row calls of ``rb``-byte float32 rows from ``buf`` (as B1's tables), ``index_select`` on a
+    CUDA view (``naive``) and ``u[idx]`` (``default``) beside the ways ``extra(u, sets)`` makes, timed by
+    `_interleaved`, each call on the next set; prints and returns the record (GB/s per way)."""
+    n = min(4 << 20, buf.numel() // rb)
+    view = buf[: n * rb].view(torch.float32).view(n, rb // 4)
+    host, alias = as_unified(view), cuda_alias(view)
+    sets = [torch.randint(0, n, (m,), device="cuda") for _ in range(n_sets)]
+    ways = {"naive": lambda s: torch.index_select(alias, 0, s), "default": lambda s: host[s], **extra(host, sets)}
+    if check:
         for name, fn in ways.items():
             assert torch.equal(fn(sets[0]).view(torch.int32), alias[sets[0]].view(torch.int32)), name
-        warm_gpu()
-        ms = _interleaved(ways, sets, reps)
-        rec = {"row_bytes": rb, "rows": m, **{f"{w}_GBps": m * rb / t / 1e6 for w, t in ms.items()}}
-        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
-        recs.append(rec)
-    return recs
+    warm_gpu()
+    ms = _interleaved(ways, sets, reps, next_set=True)
+    rec = {"row_bytes": rb, "rows": m, **{f"{w}_GBps": m * rb / t / 1e6 for w, t in ms.items()}}
+    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
+    return rec
 
 
-def _rotating(ways: dict, sets: list, reps: int) -> dict[str, float]:
-    """Median ms per way from an idle GPU, as B1 times a call: the ways in turn (rotating order), each call
-    on the next index set (so that no call reads the rows the call before it read)."""
-    names = list(ways)
-    times: dict[str, list[float]] = {w: [] for w in names}
-    k = 0
-    for r in range(reps + 2):
-        for w in names[r % len(names):] + names[:r % len(names)]:
-            k += 1
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            ways[w](sets[k % len(sets)])
-            b.record()
-            b.synchronize()
-            if r >= 2:
-                times[w].append(a.elapsed_time(b))
-    return {w: statistics.median(t) for w, t in times.items()}
+def blocks(buf: torch.Tensor, reps: int = 25, row_sizes: tuple[int, ...] = (512, 1024, 2048, 4096, 16384),
+           m: int = 8192) -> list[dict]:
+    """``m``-row calls (caller's order) under several block sizes and grids (their own plans), beside ``u[idx]``
+    (default grid) and ``index_select``."""
+    cfgs = [(256, 2), (128, 2), (128, 4), (64, 4), (64, 8), (32, 16)]
+    return [_compare(buf, rb, m, lambda u, _: {f"t{t}x{b}": _plan_call(u, (t, b)) for t, b in cfgs}, reps)
+            for rb in row_sizes]
 
 
 def inflight(buf: torch.Tensor, reps: int = 25) -> list[dict]:
     """Small calls with few blocks (few rows in flight) vs the full grid, unsorted and with pre-sorted indices,
-    beside ``index_select`` and ``u[idx]``: does a small window of random rows in flight read faster?"""
-    recs = []
-    for m in (8192, 65536):
-        for rb in (256, 512, 1024, 2048, 4096):
-            n = min(4 << 20, buf.numel() // rb)
-            view = buf[: n * rb].view(torch.float32).view(n, rb // 4)
-            host, alias = as_unified(view), cuda_alias(view)
-            sets = [torch.randint(0, n, (m,), device="cuda") for _ in range(5)]
-            sorted_of = {id(x): torch.sort(x).values for x in sets}
-            ways = {"naive": lambda s: torch.index_select(alias, 0, s), "default": lambda s: host[s]}
-            for cap in (16, 32, 64, 128, 0):
-                call = _plan_call(host)
-                if cap:
-                    call.plan.max_blocks = cap
-                tag = cap or "full"
-                ways[f"cap{tag}"] = call
-                ways[f"pre{tag}"] = (lambda c: lambda i: c(sorted_of[id(i)]))(call)  # indices sorted beforehand
-            warm_gpu()
-            ms = _rotating(ways, sets, reps)
-            rec = {"row_bytes": rb, "rows": m, **{f"{w}_GBps": m * rb / t / 1e6 for w, t in ms.items()}}
-            print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
-            recs.append(rec)
-    return recs
+    beside ``index_select`` and ``u[idx]``: does a small window of random rows in flight read faster?
+
+    Seen on an H200 machine (2026-11-25): the grid changes little, pre-sorted indices a lot at
+    256-512 B rows (8K rows of 256 B: 36 GB/s with 32 blocks, 23 unsorted, 22 ``index_select``).
+    """
+    def ways(u: torch.Tensor, sets: list) -> dict:
+        sorted_of = {id(x): torch.sort(x).values for x in sets}
+        out = {}
+        for cap in (16, 32, 64, 128, 0):
+            call = _plan_call(u)
+            if cap:
+                call.plan.max_blocks = cap
+            out[f"cap{cap or 'full'}"] = call
+            out[f"pre{cap or 'full'}"] = (lambda c: lambda i: c(sorted_of[id(i)]))(call)  # sorted beforehand
+        return out
+    return [_compare(buf, rb, m, ways, reps, n_sets=5, check=False)
+            for m in (8192, 65536) for rb in (256, 512, 1024, 2048, 4096)]
 
 
 def hints(buf: torch.Tensor, reps: int = 15) -> list[dict]:
-    """The row kernel's table loads with and without an L2 prefetch-size hint (``DP_LOAD_HINT``), interleaved with
-    ``index_select``: does a wider L2 request read host memory faster at the PCIe limit?"""
+    """The row kernel's table loads with and without an L2 prefetch-size hint (``DP_LOAD_HINT``), beside
+    ``index_select``: does a wider L2 request read host memory faster at the PCIe limit?
+
+    Seen on an H100 (2026-11-25): no (16 KB x 8K rows: 50.2-50.3 GB/s every way, ``index_select`` 50.25).
+    """
     cases = [(256, 8192), (1024, 8192), (4096, 8192), (16384, 8192), (4096, 262144), (16384, 65536),
              (1024, 262144)]
-    recs = []
-    for rb, m in cases:
-        n = min(4 << 20, buf.numel() // rb)
-        view = buf[: n * rb].view(torch.float32).view(n, rb // 4)
-        host, alias = as_unified(view), cuda_alias(view)
-        sets = [torch.randint(0, n, (m,), device="cuda") for _ in range(4)]
-        ways = {"naive": lambda s: torch.index_select(alias, 0, s), "default": lambda s: host[s],
-                **{f"hint{h}": _plan_call(host, None, (f"-DDP_LOAD_HINT={h}",)) for h in (0, 1, 2, 3)}}
-        for name, fn in ways.items():
-            assert torch.equal(fn(sets[0]).view(torch.int32), alias[sets[0]].view(torch.int32)), name
-        warm_gpu()
-        ms = _interleaved(ways, sets, reps if m * rb <= (256 << 20) else 7)
-        rec = {"row_bytes": rb, "rows": m, **{f"{w}_GBps": m * rb / t / 1e6 for w, t in ms.items()}}
-        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
-        recs.append(rec)
-    return recs
+    return [_compare(buf, rb, m, lambda u, _: {f"hint{h}": _plan_call(u, None, (f"-DDP_LOAD_HINT={h}",))
+                                               for h in (0, 1, 2, 3)},
+                     reps if m * rb <= (256 << 20) else 7) for rb, m in cases]
 
 
 def state(buf: torch.Tensor, reps: int = 15) -> list[dict]:
@@ -513,33 +489,19 @@ def main() -> None:
         with open(os.path.join(os.environ.get("OUT", "."), f"gather_{name}_probe.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), **doc}, f, indent=1)
 
-    if args.host:
-        buf = torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True)
+    def table_buffer(gib: int) -> torch.Tensor:
+        buf = torch.empty(gib << 30, dtype=torch.uint8, pin_memory=True)
         buf.view(torch.int64)[::512].random_()
-        dump("host", {"records": host_pieces(buf)})
-        return
-    if args.inflight:
-        buf = torch.empty(16 << 30, dtype=torch.uint8, pin_memory=True)
-        buf.view(torch.int64)[::512].random_()
-        dump("inflight", {"records": inflight(buf)})
-        return
-    if args.hints:
-        buf = torch.empty(16 << 30, dtype=torch.uint8, pin_memory=True)
-        buf.view(torch.int64)[::512].random_()
-        dump("hints", {"records": hints(buf)})
-        return
-    if args.blocks:
-        buf = torch.empty(16 << 30, dtype=torch.uint8, pin_memory=True)
-        buf.view(torch.int64)[::512].random_()
-        sizes = tuple(int(x) for x in args.row_bytes.split(",")) if args.row_bytes else (512, 1024, 2048, 4096,
-                                                                                           16384)
-        dump(f"blocks_{args.rows or 8192}", {"records": blocks(buf, row_sizes=sizes, m=args.rows or 8192)})
-        return
-    if args.state:
-        buf = torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True)
-        buf.view(torch.int64)[::512].random_()
-        dump("state", {"records": state(buf)})
-        return
+        return buf
+
+    m = args.rows or 8192
+    sizes = tuple(int(x) for x in args.row_bytes.split(",")) if args.row_bytes else (512, 1024, 2048, 4096, 16384)
+    modes = {"host": (2, host_pieces), "inflight": (16, inflight), "hints": (16, hints), "state": (2, state),
+             f"blocks_{m}": (16, lambda b: blocks(b, row_sizes=sizes, m=m))}
+    for name, (gib, probe) in modes.items():
+        if getattr(args, name.split("_")[0]):
+            dump(name, {"records": probe(table_buffer(gib))})
+            return
     if args.orders:
         dump("orders", {"records": orders(torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True))})
         return
