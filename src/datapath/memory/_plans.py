@@ -226,6 +226,11 @@ class HostTable:
         self.last = fast
         return fast
 
+    def narrow_plan(self, fast: FastGather, out_ptr: int) -> RowPlan:
+        """``fast``'s gather for an output at ``out_ptr``, less aligned than the table's word: a narrower word."""
+        return self.plan("gather", fast.dtype, GATHER_MODES[gather_config.gather_mode], fast.device,
+                         word_width(self.w, out_ptr))
+
     def plan(self, direction: str, idx_dtype: torch.dtype, mode_id: int, device: int, w: int) -> RowPlan:
         key = (direction, idx_dtype, mode_id, device, w, gather_config.blocks_per_sm, gather_config.threads_per_block)
         p = self.plans.get(key)

@@ -151,8 +151,7 @@ def _gather_known_unified(table: torch.Tensor, idx: torch.Tensor, error_flag: Er
         fast = rec.fast_gather((idx_dtype, dev, raw, cfg.version))
     out = fast.like.new_empty((m, *rec.rest))
     out_ptr = out.data_ptr()
-    plan = fast.plan if not out_ptr & (rec.w - 1) else \
-        rec.plan("gather", idx_dtype, GATHER_MODES[cfg.gather_mode], dev, _plans.word_width(rec.w, out_ptr))
+    plan = fast.plan if not out_ptr & (rec.w - 1) else rec.narrow_plan(fast, out_ptr)
     if (m >= fast.sort_from) if sort is None else \
             cfg.sorts(m, rec.row_bytes, rec.table_bytes, sort, True):
         keys, order = _order.visit_order(idx, True, rec.n_rows)
@@ -191,9 +190,7 @@ def take_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
                 flag = deferred_flag()
                 out = fast.like.new_empty((m, *fast.rest))
                 out_ptr = out.data_ptr()
-                plan = fast.plan if not out_ptr & (rec.w - 1) else \
-                    rec.plan("gather", fast.dtype, GATHER_MODES[gather_config.gather_mode], dev,
-                             _plans.word_width(rec.w, out_ptr))
+                plan = fast.plan if not out_ptr & (rec.w - 1) else rec.narrow_plan(fast, out_ptr)
                 plan.launch_plain(rec.ptr, rec.n_rows, idx.data_ptr(), m, out_ptr, flag.ptr, fast.stream)
                 return out
     if not idx.is_cuda or idx.dtype not in _INDEX_DTYPES:
