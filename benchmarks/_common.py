@@ -141,6 +141,17 @@ def host_us_per_call(fn: Callable[[], Any], calls: int = 300, sleep_cycles: int 
 
 
 
+def index_set_count(m: int, row_bytes: int, spread_bytes: int = 256 << 20, floor: int = 4, cap: int = 256) -> int:
+    """How many index sets a gather benchmark rotates through so that ``spread_bytes`` of other rows are read
+    between two calls on one set.
+
+    The GPU's L2 (50-60 MB on H100/H200) and its translation caches keep what an earlier call
+    read: B1 with four sets of 8K rows of 256 B (8 MB in all) timed the kernel in the caller's
+    order at 34.5 GB/s, with fresh sets at 18-24 (H200 machines, 2026-11-26).
+    """
+    return max(floor, min(cap, -(-spread_bytes // max(1, m * row_bytes))))
+
+
 def warm_gpu(ms: float = 30.0) -> None:
     """Keep the GPU busy for ``ms`` so that its clocks are up before a measurement (they drop when idle)."""
     a = torch.randn(4096, 4096, device="cuda")

@@ -16,7 +16,8 @@ Ways (BENCHMARKS.md, B1):
 Tables have N = 4M rows (BENCHMARKS.md: N >= 4M) except where the 16 GiB pinned buffer
 holds fewer (8 KB rows: 2M, 16 KB rows: 1M); a last sweep varies the table size (1-16 GiB).
 Within a configuration the ways are timed in turn, in rotating order, after the GPU has
-been kept busy (its clocks drop while it idles); each reports its median.
+been kept busy (its clocks drop while it idles), each timed call right after an untimed one
+of the same way (steady state, as in a loader's loop); each reports its median.
 
 Run:  PYTHONPATH=src:. python benchmarks/gather.py [--quick]
       (--row-sizes/--counts/--table-gib/--no-align/--no-py pick a subset; --huge-tables adds the table
@@ -33,7 +34,9 @@ from typing import Any
 import torch
 
 import datapath  # noqa: F401  (registers the unified device)
-from benchmarks._common import RESULTS_DIR, cuda_time_ms, host_us_per_call, print_table, warm_gpu, write_result
+from benchmarks._common import (
+    RESULTS_DIR, cuda_time_ms, host_us_per_call, index_set_count, print_table, warm_gpu, write_result,
+)
 from datapath.apps import device_label, require_cuda
 from datapath.memory import cuda_alias, pinned_empty
 from datapath.unified_tensor import as_unified, check_errors, gather
@@ -52,7 +55,14 @@ def _fill(buf: torch.Tensor) -> None:
 
 
 def _interleaved_ms(fns: dict[str, list], next_set: Any, reps: int, warm: int) -> dict[str, float]:
-    """Median ms per way, the ways timed in turn (rotating order) so that drift hits them alike."""
+    """Median ms per way, the ways timed in turn (rotating order) so that drift hits them alike.
+
+    Each timed call follows an untimed call of the same way on another index set (as in a
+    loader's loop, where a batch's gather follows the last batch's), then the timing starts on
+    an idle GPU.  A call's speed depends on what ran just before it: in a rotation without the
+    untimed call, a sorted gather timed right after ``index_select`` read 2-6% slower than the
+    same call timed after another sorted one (H200, `scripts/gpu_gather_probe.py --sorted`).
+    """
     names = list(fns)
     for name in names:
         for _ in range(warm):
@@ -62,6 +72,8 @@ def _interleaved_ms(fns: dict[str, list], next_set: Any, reps: int, warm: int) -
     for r in range(reps):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
+            fns[name][next_set()]()  # the call before, untimed
+            torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fns[name][next_set()]()
@@ -159,8 +171,8 @@ def run(args: argparse.Namespace) -> dict:
         n = min(table_rows, src.numel() // width)
         table = src[: n * width].view(n, width)
         include_py = include_py and not args.no_py
-        # several index sets, rotated between repetitions, so that no run is served from L2
-        sets = [torch.randint(0, n, (m,)) for _ in range(4)]
+        # enough index sets, rotated between calls, that no call finds its rows in L2 (`index_set_count`)
+        sets = [torch.randint(0, n, (m,)) for _ in range(index_set_count(m, row_bytes))]
         sets_cuda = [x.cuda() for x in sets]
         turn = [0]
 
@@ -244,6 +256,7 @@ def run(args: argparse.Namespace) -> dict:
     from datapath.memory import gather_config
 
     settings = {k: getattr(gather_config, k) for k in ("threads_per_block", "blocks_per_sm", "sort_indices",
+                                                        "sort_min_rows_short", "sort_short_row_bytes",
                                                         "sort_min_rows", "sort_max_row_bytes", "sort_min_rows_long",
                                                         "sort_min_table_bytes", "sort_method", "host_window_bytes",
                                                         "host_min_inflight_bytes", "sync_bounds_check")}

@@ -6,7 +6,7 @@
 #   scripts/gpu_check.sh [--tests "PATHS"] [--no-tests] [--suite NAME]... [--bench "NAME ARGS"]...
 #
 # Suites (the commands behind the committed results in benchmarks/results/):
-#   b1        B1 gather                          benchmarks/gather.py                        (~2.5 min)
+#   b1        B1 gather                          benchmarks/gather.py                        (~3 min)
 #   b2        B2 products epoch, store ways      benchmarks/gnn_epoch.py --datasets products (~2.5 min)
 #   b2-papers B2 papers shape, cache and disk    benchmarks/gnn_epoch.py --datasets papers   (~7 min, 40 GiB data)
 #   b2-disk   B2 papers shape, a WHOLE disk-tier epoch (superbatches; every batch's rows checked) beside a whole
@@ -86,7 +86,7 @@ bench() {  # timeout name args...
 
 for s in "${suites[@]}"; do
   case "$s" in
-    b1) bench 190 gather ;;
+    b1) bench 330 gather ;;
     b2) bench 170 gnn_epoch --datasets products --models sage --ways datapath,datapath_cache,gpu_resident,datapath_disk \
           --name gnn_epoch_products --disk-dir "$PWD/bench-disk" ;;
     b2-papers) bench 420 gnn_epoch --datasets papers --models sage \

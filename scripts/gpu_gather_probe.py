@@ -25,6 +25,8 @@ flight (its one-byte loads keep ~300 rows in flight) beats a wide one.
     python scripts/gpu_gather_probe.py --host      # 8K-row calls: host time of each piece; launch alternatives
     python scripts/gpu_gather_probe.py --hints     # table loads with an L2 prefetch-size hint vs without
     python scripts/gpu_gather_probe.py --inflight  # small calls: few blocks (rows in flight) vs the full grid
+    python scripts/gpu_gather_probe.py --sorted    # sorted calls: grid and window rule, large rows and small
+    python scripts/gpu_gather_probe.py --paths     # sorted calls: u[idx] vs each step of its path vs straight
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import statistics
 import torch
 
 from benchmarks._common import host_us_per_call as _host_us_per_call
-from benchmarks._common import warm_gpu
+from benchmarks._common import index_set_count, warm_gpu
 from datapath.memory import cuda_alias, gather_config, gather_rows
 from datapath.unified_tensor import as_unified
 
@@ -177,11 +179,14 @@ def orders(buf: torch.Tensor, reps: int = 21) -> list[dict]:
     return recs
 
 
-def _interleaved(ways: dict, sets: list, reps: int, next_set: bool = False) -> dict[str, float]:
+def _interleaved(ways: dict, sets: list, reps: int, next_set: bool = False,
+                 after_itself: bool = False) -> dict[str, float]:
     """Median ms per way from an idle GPU (as B1 times a call), the ways timed in turn (rotating order).
 
-    Every way of a turn gets the turn's index set, or (``next_set``, as B1 does) each call the next
-    set: with one set a turn, all but the first way read rows whose translations the first cached.
+    Every way of a turn gets the turn's index set, or (``next_set``) each call the next set: with
+    one set a turn, all but the first way read rows whose translations the first cached.
+    ``after_itself`` (as B1 does): each timed call follows an untimed call of the same way on the
+    next set, so that no way inherits the state another way left.
     """
     names = list(ways)
     times: dict[str, list[float]] = {w: [] for w in names}
@@ -189,6 +194,9 @@ def _interleaved(ways: dict, sets: list, reps: int, next_set: bool = False) -> d
     for r in range(reps + 2):
         for w in names[r % len(names):] + names[:r % len(names)]:
             k += 1
+            if after_itself:
+                ways[w](sets[(k + len(sets) // 2) % len(sets)])
+                torch.cuda.synchronize()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             ways[w](sets[k % len(sets) if next_set else r % len(sets)])
@@ -303,20 +311,21 @@ def _plan_call(u: torch.Tensor, cfg: tuple[int, int] | None = None, options: tup
     return fn
 
 
-def _compare(buf: torch.Tensor, rb: int, m: int, extra, reps: int, n_sets: int = 4, check: bool = True) -> dict:
+def _compare(buf: torch.Tensor, rb: int, m: int, extra, reps: int, n_sets: int = 0, check: bool = True,
+             after_itself: bool = False) -> dict:
     """One case: ``m``-row calls of ``rb``-byte float32 rows from ``buf`` (as B1's tables), ``index_select`` on a
     CUDA view (``naive``) and ``u[idx]`` (``default``) beside the ways ``extra(u, sets)`` makes, timed by
     `_interleaved`, each call on the next set; prints and returns the record (GB/s per way)."""
     n = min(4 << 20, buf.numel() // rb)
     view = buf[: n * rb].view(torch.float32).view(n, rb // 4)
     host, alias = as_unified(view), cuda_alias(view)
-    sets = [torch.randint(0, n, (m,), device="cuda") for _ in range(n_sets)]
+    sets = [torch.randint(0, n, (m,), device="cuda") for _ in range(n_sets or index_set_count(m, rb))]
     ways = {"naive": lambda s: torch.index_select(alias, 0, s), "default": lambda s: host[s], **extra(host, sets)}
     if check:
         for name, fn in ways.items():
             assert torch.equal(fn(sets[0]).view(torch.int32), alias[sets[0]].view(torch.int32)), name
     warm_gpu()
-    ms = _interleaved(ways, sets, reps, next_set=True)
+    ms = _interleaved(ways, sets, reps, next_set=True, after_itself=after_itself)
     rec = {"row_bytes": rb, "rows": m, **{f"{w}_GBps": m * rb / t / 1e6 for w, t in ms.items()}}
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
     return rec
@@ -326,9 +335,9 @@ def blocks(buf: torch.Tensor, reps: int = 25, row_sizes: tuple[int, ...] = (512,
            m: int = 8192) -> list[dict]:
     """``m``-row calls (caller's order) under several block sizes and grids (their own plans), beside ``u[idx]``
     (default grid) and ``index_select``."""
-    cfgs = [(256, 2), (128, 2), (128, 4), (64, 4), (64, 8), (32, 16)]
-    return [_compare(buf, rb, m, lambda u, _: {f"t{t}x{b}": _plan_call(u, (t, b)) for t, b in cfgs}, reps)
-            for rb in row_sizes]
+    cfgs = [(256, 2), (256, 4), (128, 2), (128, 4), (128, 8), (64, 8), (64, 16), (32, 16)]
+    return [_compare(buf, rb, m, lambda u, _: {f"t{t}x{b}": _plan_call(u, (t, b)) for t, b in cfgs}, reps,
+                     after_itself=True) for rb in row_sizes]
 
 
 def inflight(buf: torch.Tensor, reps: int = 25) -> list[dict]:
@@ -348,8 +357,103 @@ def inflight(buf: torch.Tensor, reps: int = 25) -> list[dict]:
             out[f"cap{cap or 'full'}"] = call
             out[f"pre{cap or 'full'}"] = (lambda c: lambda i: c(sorted_of[id(i)]))(call)  # sorted beforehand
         return out
-    return [_compare(buf, rb, m, ways, reps, n_sets=5, check=False)
+    return [_compare(buf, rb, m, ways, reps, check=False, after_itself=True)
             for m in (8192, 65536) for rb in (256, 512, 1024, 2048, 4096)]
+
+
+def _sorted_call(u: torch.Tensor, m: int, cfg: tuple[int, int] | None = None, window: int | None = None,
+                 min_inflight: int | None = None, alloc_first: bool = False, order_fn=None):
+    """A sorted call like ``u[idx]``'s (visit order, then the row kernel through it) with its own grid ``cfg`` and
+    grid rule (``host_window_bytes`` = ``window``, ``host_min_inflight_bytes`` = ``min_inflight``) for ``m`` rows:
+    the grid worked out once here, so that the timed call changes no setting.  ``order_fn(keys, n_keys)``: the
+    ordering (default `_order.visit_order`'s choice)."""
+    from datapath.memory import _launch, _order, _plans  # noqa: PLC0415 - a diagnostic of the private launch path
+    from datapath.memory.bounds import thread_flag  # noqa: PLC0415
+
+    plan = _plan_call(u, cfg).plan
+    tab = _plans.known_host_table(u._host)
+    saved = (gather_config.host_window_bytes, gather_config.host_min_inflight_bytes)
+    gather_config.host_window_bytes = saved[0] if window is None else window
+    gather_config.host_min_inflight_bytes = saved[1] if min_inflight is None else min_inflight
+    try:
+        blocks = _launch.window_blocks(min(-(-m // plan.rows_per_block), plan.max_blocks), plan.rows_per_block, m,
+                                       tab.n_rows * tab.row_stride, tab.row_bytes)
+    finally:
+        gather_config.host_window_bytes, gather_config.host_min_inflight_bytes = saved
+    like, flag = torch.empty(0, dtype=tab.dtype, device="cuda"), thread_flag()
+    stride, row_bytes, g = plan.static
+    visit = order_fn or (lambda keys, n: _order.visit_order(keys, True, n))
+
+    def fn(s: torch.Tensor) -> torch.Tensor:
+        if alloc_first:  # the output made before the ordering (as the known-table path did)
+            out = like.new_empty((s.shape[0], *tab.rest))
+            keys, order = visit(s, tab.n_rows)
+        else:
+            keys, order = visit(s, tab.n_rows)
+            out = like.new_empty((s.shape[0], *tab.rest))
+        plan.driver.launch(blocks, torch._C._cuda_getCurrentRawStream(0), tab.ptr, tab.n_rows, stride, row_bytes,
+                           keys.data_ptr(), order.data_ptr(), s.shape[0], out.data_ptr(), g, flag.ptr)
+        return out
+    fn.blocks = blocks  # type: ignore[attr-defined]
+    return fn
+
+
+def sorted_calls(buf: torch.Tensor, reps: int = 15) -> list[dict]:
+    """Sorted calls under several grids and grid rules, beside ``u[idx]`` (the auto rule) and ``index_select``:
+    large rows (2-16 KB, 65K and 262K rows; does sorting pay there, and with how many rows in flight?) and
+    256 B-1 KB rows (65K, 262K; which window reads fastest) from B1's tables (4M rows, at most 16 GiB)."""
+    def large(u: torch.Tensor, sets: list) -> dict:
+        m = sets[0].shape[0]
+        return {"sort_w32M": _sorted_call(u, m), "sort_full": _sorted_call(u, m, window=0),
+                "sort_w32M_min4M": _sorted_call(u, m, min_inflight=4 << 20),
+                "sort_w128M_min4M": _sorted_call(u, m, window=128 << 20, min_inflight=4 << 20),
+                "t128x4_full": _sorted_call(u, m, (128, 4), window=0)}
+
+    def small_rows(u: torch.Tensor, sets: list) -> dict:
+        m = sets[0].shape[0]
+        out = {f"w{w >> 20}M": _sorted_call(u, m, window=w) for w in (8 << 20, 16 << 20, 32 << 20, 64 << 20)}
+        out.update(full=_sorted_call(u, m, window=0), t128x4_w32M=_sorted_call(u, m, (128, 4)),
+                   t128x4_full=_sorted_call(u, m, (128, 4), window=0),
+                   t512x1_w32M=_sorted_call(u, m, (512, 1)), t256x4_full=_sorted_call(u, m, (256, 4), window=0))
+        for name, f in out.items():
+            print(f"  {name}: {f.blocks} blocks", flush=True)
+        return out
+
+    recs = [_compare(buf, rb, m, large, reps if m * rb <= (1 << 30) else 7, after_itself=True)
+            for rb in (2048, 4096, 8192, 16384) for m in (65536, 262144)]
+    recs += [_compare(buf, rb, m, small_rows, 21, after_itself=True) for rb in (256, 512, 1024)
+             for m in (65536, 262144)]
+    return recs
+
+
+def paths(buf: torch.Tensor, reps: int = 25) -> list[dict]:
+    """Sorted calls (65K and 262K rows of 256/512 B): ``u[idx]`` against each step of its path
+    (``gather_rows``, the known-table path) and against `_sorted_call` (the same sort, grid and kernel,
+    launched straight), twice, so that a position in the turn shows as a gap between the twins; and the
+    host microseconds of each (GPU kept busy)."""
+    from datapath.memory import rows  # noqa: PLC0415 - a diagnostic of the private launch path
+
+    recs = []
+    for rb, m in ((256, 65536), (512, 65536), (512, 262144)):
+        made: dict = {}
+
+        def ways(u: torch.Tensor, sets: list, rb: int = rb, m: int = m) -> dict:
+            made.update(u=u, s=sets[0])
+            return {"gather_rows": lambda s: gather_rows(u, s),
+                    "known": lambda s: rows._gather_known_unified(u, s, None, None, None),
+                    "straight": _sorted_call(u, m), "straight2": _sorted_call(u, m),
+                    "alloc_first": _sorted_call(u, m, alloc_first=True),
+                    "default2": lambda s: u[s]}
+        rec = _compare(buf, rb, m, ways, reps, after_itself=True)
+        u, s = made["u"], made["s"]
+        straight = _sorted_call(u, m)
+        for name, f in (("default", lambda: u[s]), ("gather_rows", lambda: gather_rows(u, s)),
+                        ("known", lambda: rows._gather_known_unified(u, s, None, None, None)),
+                        ("straight", lambda: straight(s))):
+            rec[f"{name}_host_us"] = min(host_us_per_call(f) for _ in range(3))
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
+        recs.append(rec)
+    return recs
 
 
 def hints(buf: torch.Tensor, reps: int = 15) -> list[dict]:
@@ -480,6 +584,8 @@ def main() -> None:
     ap.add_argument("--host", action="store_true")
     ap.add_argument("--hints", action="store_true")
     ap.add_argument("--inflight", action="store_true")
+    ap.add_argument("--sorted", action="store_true")
+    ap.add_argument("--paths", action="store_true")
     ap.add_argument("--gib", default="2,4,16")
     ap.add_argument("--rows", type=int, default=0, help="rows per call (default 262144; --blocks: 8192)")
     ap.add_argument("--row-bytes", default="", help="default 256,512,1024,2048,4096 (--blocks: 512-16384)")
@@ -497,10 +603,11 @@ def main() -> None:
     m = args.rows or 8192
     sizes = tuple(int(x) for x in args.row_bytes.split(",")) if args.row_bytes else (512, 1024, 2048, 4096, 16384)
     modes = {"host": (2, host_pieces), "inflight": (16, inflight), "hints": (16, hints), "state": (2, state),
-             f"blocks_{m}": (16, lambda b: blocks(b, row_sizes=sizes, m=m))}
+             "sorted": (16, sorted_calls), "paths": (2, paths),
+             "blocks": (16, lambda b: blocks(b, row_sizes=sizes, m=m))}
     for name, (gib, probe) in modes.items():
-        if getattr(args, name.split("_")[0]):
-            dump(name, {"records": probe(table_buffer(gib))})
+        if getattr(args, name):
+            dump(f"blocks_{m}" if name == "blocks" else name, {"records": probe(table_buffer(gib))})
             return
     if args.orders:
         dump("orders", {"records": orders(torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True))})

@@ -65,7 +65,7 @@ def test_sort_from_is_the_threshold_of_sorts() -> None:
             for table_bytes in (1 << 20, 256 << 20, 16 << 30):
                 for on_host in (True, False):
                     start = cfg.sort_from(row_bytes, table_bytes, on_host)
-                    for rows in (1, 1000, 32767, 32768, 524287, 524288, 1 << 22):
+                    for rows in (1, 1000, 4095, 4096, 32767, 32768, 262143, 262144, 524288, 1 << 22):
                         assert cfg.sorts(rows, row_bytes, table_bytes, None, on_host) == (rows >= start), \
                             (choice, row_bytes, table_bytes, on_host, rows)
                         assert cfg.sorts(rows, row_bytes, table_bytes, True, on_host)

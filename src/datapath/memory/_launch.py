@@ -85,10 +85,11 @@ def window_blocks(blocks: int, rows_per_block: int, m: int, table_bytes: int, ro
     table are limited by address translation, and a window of rows in flight spanning more
     than ``gather_config.host_window_bytes`` of the table misses the GPU's translation
     caches: the grid shrinks to that span, keeping at least ``host_min_inflight_bytes`` in
-    flight (PCIe latency).
+    flight (PCIe latency).  Rows of ``gather_config.sort_max_row_bytes`` or more keep the
+    full grid (see `GatherConfig`).
     """
     window = gather_config.host_window_bytes
-    if window <= 0 or m <= 0:
+    if window <= 0 or m <= 0 or row_bytes >= gather_config.sort_max_row_bytes:
         return blocks
     rows = max(window * m / max(table_bytes, 1), gather_config.host_min_inflight_bytes / max(row_bytes, 1))
     return max(1, min(blocks, -(-int(rows) // rows_per_block)))

@@ -58,11 +58,14 @@ class GatherConfig:
             feature store's GPU cache): HBM wants more requests in flight.
         sort_indices: visit the rows in sorted index order (``True``/``False``), or
             ``"auto"``: when the table is in host memory, has at least ``sort_min_table_bytes``, and the call
-            moves at least ``sort_min_rows`` rows of fewer than ``sort_max_row_bytes``
-            bytes, or at least ``sort_min_rows_long`` longer rows.  Random rows of a
-            multi-GB table each cost an address-translation miss, which limits short rows
-            far below PCIe bandwidth; sorted, neighbouring warps share translations.  The
-            sort costs tens of microseconds, which small calls cannot win back (B1).
+            moves at least ``sort_min_rows_short`` rows of fewer than ``sort_short_row_bytes`` bytes,
+            ``sort_min_rows`` rows of fewer than ``sort_max_row_bytes`` bytes, or
+            ``sort_min_rows_long`` longer rows.  Random rows of a multi-GB table each cost an
+            address-translation miss, which limits short rows far below PCIe bandwidth; sorted,
+            neighbouring warps share translations.  The sort costs tens of microseconds of host
+            and GPU time, which only calls of enough rows win back (H200, 2026-11-26, calls timed
+            from an idle GPU, sorted against the caller's order: 8K rows of 256 / 512 B 9% / 21%
+            faster, 16K rows 32% / 37%; 4K rows of 256 B 11% slower, 8K-16K rows of 1 KB 3-8% slower).
         sort_method: how a sorted visit orders the indices: ``"buckets"`` (the default: a
             counting sort into about one bucket per index, buckets ascending, in one cooperative
             launch; 28 us of GPU time for 262K int64 indices where ``torch.sort`` takes 110 us,
@@ -70,8 +73,12 @@ class GatherConfig:
             idle GPU waits for; used by ``"buckets"`` where the driver refuses a cooperative
             launch) or ``"torch"`` (``torch.sort``, exact).
         host_window_bytes: the span of table that the rows in flight of a sorted host gather
-            may cover; a call of sparse rows (large table, few rows) gets a smaller grid so
-            that they stay within it (0: the full grid always).
+            of short rows (fewer than ``sort_max_row_bytes``) may cover; a call of sparse rows
+            (large table, few rows) gets a smaller grid so that they stay within it (0: the full
+            grid always).  Long rows keep the full grid: a row of half a page or more shares its
+            translation among its own loads, and more of them in flight read faster (H200:
+            sorted 2-16 KB rows from 8-16 GiB tables, 262K rows a call, 52.0-53.1 GB/s with the
+            full grid, 51.6-52.3 with the window, 51.1-51.3 unsorted).
         host_min_inflight_bytes: the bytes a shrunken grid still keeps in flight (PCIe latency).
         launcher: how a row kernel is launched: ``"driver"`` (``cuLaunchKernelEx`` from one
             prepared buffer, the cheaper from Python) or ``"cupy"`` (CuPy's launcher).
@@ -83,9 +90,11 @@ class GatherConfig:
     blocks_per_sm: int = 2
     device_blocks_per_sm: int = 8
     sort_indices: bool | Literal["auto"] = "auto"
+    sort_min_rows_short: int = 8192
+    sort_short_row_bytes: int = 1024
     sort_min_rows: int = 32768
     sort_max_row_bytes: int = 2048
-    sort_min_rows_long: int = 524288
+    sort_min_rows_long: int = 262144
     sort_min_table_bytes: int = 256 << 20
     sort_method: Literal["buckets", "buckets_unfused", "torch"] = "buckets"
     host_window_bytes: int = 32 << 20
@@ -133,6 +142,8 @@ class GatherConfig:
             return 0.0 if choice else math.inf
         if not on_host or table_bytes < self.sort_min_table_bytes:
             return math.inf
+        if row_bytes < self.sort_short_row_bytes:
+            return float(self.sort_min_rows_short)
         return float(self.sort_min_rows if row_bytes < self.sort_max_row_bytes else self.sort_min_rows_long)
 
 

@@ -149,15 +149,16 @@ def _gather_known_unified(table: torch.Tensor, idx: torch.Tensor, error_flag: Er
     fast = rec.fast.get((idx_dtype, dev, raw, cfg.version))
     if fast is None:
         fast = rec.fast_gather((idx_dtype, dev, raw, cfg.version))
+    if (m >= fast.sort_from) if sort is None else cfg.sorts(m, rec.row_bytes, rec.table_bytes, sort, True):
+        # the ordering is launched first: the output is made while it runs (an idle GPU waits for every step)
+        keys, order = _order.visit_order(idx, True, rec.n_rows)
+        idx_ptr, order_ptr = keys.data_ptr(), order.data_ptr()
+    else:
+        idx_ptr, order_ptr = idx.data_ptr(), 0
     out = fast.like.new_empty((m, *rec.rest))
     out_ptr = out.data_ptr()
     plan = fast.plan if not out_ptr & (rec.w - 1) else rec.narrow_plan(fast, out_ptr)
-    if (m >= fast.sort_from) if sort is None else \
-            cfg.sorts(m, rec.row_bytes, rec.table_bytes, sort, True):
-        keys, order = _order.visit_order(idx, True, rec.n_rows)
-        plan.launch(rec.ptr, rec.n_rows, keys.data_ptr(), order.data_ptr(), m, out_ptr, error_flag.ptr, raw)
-    else:
-        plan.launch(rec.ptr, rec.n_rows, idx.data_ptr(), 0, m, out_ptr, error_flag.ptr, raw)
+    plan.launch(rec.ptr, rec.n_rows, idx_ptr, order_ptr, m, out_ptr, error_flag.ptr, raw)
     return out
 
 
