@@ -27,6 +27,7 @@ flight (its one-byte loads keep ~300 rows in flight) beats a wide one.
     python scripts/gpu_gather_probe.py --inflight  # small calls: few blocks (rows in flight) vs the full grid
     python scripts/gpu_gather_probe.py --sorted    # sorted calls: grid and window rule, large rows and small
     python scripts/gpu_gather_probe.py --paths     # sorted calls: u[idx] vs each step of its path vs straight
+    python scripts/gpu_gather_probe.py --sort-host # host time of each piece of the ordering
 """
 from __future__ import annotations
 
@@ -456,6 +457,38 @@ def paths(buf: torch.Tensor, reps: int = 25) -> list[dict]:
     return recs
 
 
+def sort_host(buf: torch.Tensor) -> list[dict]:
+    """Host microseconds (GPU kept busy) of each piece of a sorted call's ordering, 8K and 65K int64 keys of a
+    4M-row table: the bucket rule, the output allocation, the cooperative launch alone, the whole ordering (as
+    tensors, `visit_order`; as addresses, `sorted_visit`), ``torch.sort``; and an empty kernel's launch.
+
+    Seen on an H200 machine (2026-11-26, the launch through ``cuLaunchCooperativeKernel`` and tensor outputs):
+    the whole ordering 15-16.5 us, of which the outputs 6.3-6.6 and the launch 6.4-6.9."""
+    from datapath.memory import _order  # noqa: PLC0415 - a diagnostic of the private launch path
+
+    del buf
+    n = 4 << 20
+    recs = []
+    for m in (8192, 65536):
+        s = torch.randint(0, n, (m,), device="cuda")
+        shift, nb = _order.bucket_shift(n, m)
+        fused = _order._fused_for(0, torch.int64)
+        _, g_ptr, o_ptr, h_ptr = held = _order._buffer(m, nb + fused.grid_for(m), s.device)
+        pieces = {"bucket_shift": lambda: _order.bucket_shift(n, m),
+                  "buffer": lambda: _order._buffer(m, nb + fused.grid_for(m), s.device),
+                  "torch_empty": lambda: torch.empty(2 * m, dtype=torch.int64, device="cuda"),
+                  "coop_launch": lambda: fused.launch(s.data_ptr(), m, n, shift, nb, g_ptr, o_ptr, h_ptr),
+                  "visit_order": lambda: _order.visit_order(s, True, n),
+                  "sorted_visit": lambda: _order.sorted_visit(s, n),
+                  "torch_sort": lambda: torch.sort(s),
+                  "empty_kernel": lambda: torch.cuda._sleep(1)}
+        rec = {"keys": m, **{f"{k}_us": min(host_us_per_call(f) for _ in range(3)) for k, f in pieces.items()}}
+        del held
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
+        recs.append(rec)
+    return recs
+
+
 def hints(buf: torch.Tensor, reps: int = 15) -> list[dict]:
     """The row kernel's table loads with and without an L2 prefetch-size hint (``DP_LOAD_HINT``), beside
     ``index_select``: does a wider L2 request read host memory faster at the PCIe limit?
@@ -586,6 +619,7 @@ def main() -> None:
     ap.add_argument("--inflight", action="store_true")
     ap.add_argument("--sorted", action="store_true")
     ap.add_argument("--paths", action="store_true")
+    ap.add_argument("--sort-host", action="store_true")
     ap.add_argument("--gib", default="2,4,16")
     ap.add_argument("--rows", type=int, default=0, help="rows per call (default 262144; --blocks: 8192)")
     ap.add_argument("--row-bytes", default="", help="default 256,512,1024,2048,4096 (--blocks: 512-16384)")
@@ -604,6 +638,7 @@ def main() -> None:
     sizes = tuple(int(x) for x in args.row_bytes.split(",")) if args.row_bytes else (512, 1024, 2048, 4096, 16384)
     modes = {"host": (2, host_pieces), "inflight": (16, inflight), "hints": (16, hints), "state": (2, state),
              "sorted": (16, sorted_calls), "paths": (2, paths),
+             "sort_host": (1, sort_host),
              "blocks": (16, lambda b: blocks(b, row_sizes=sizes, m=m))}
     for name, (gib, probe) in modes.items():
         if getattr(args, name):

@@ -115,8 +115,12 @@ def launch_tiered(a: torch.Tensor, b: torch.Tensor, loc: torch.Tensor, out: torc
     dev = loc.device.index
     on_host = b_on_host and b.shape[0] > 0
     blocks = _grid(m, g, per_group, dev, on_host)
-    keys, order = _order.visit_order(loc, sort, a.shape[0] + b.shape[0] + 1)
-    if order is not None and on_host:
+    if sort:
+        visit = _order.sorted_visit(loc, a.shape[0] + b.shape[0] + 1)
+        keys_ptr, order_ptr = visit[1], visit[2]
+    else:
+        keys_ptr, order_ptr = loc.data_ptr(), 0
+    if order_ptr and on_host:
         blocks = window_blocks(blocks, gather_config.threads_per_block // g * per_group, m, b.shape[0] * lb[1],
                                row_bytes)
     stream = torch.cuda.current_stream(loc.device)
@@ -124,6 +128,6 @@ def launch_tiered(a: torch.Tensor, b: torch.Tensor, loc: torch.Tensor, out: torc
         (blocks,), (gather_config.threads_per_block,),
         (kernels.ptr(a if a.numel() else 0), np.int64(la[1]), np.int64(a.shape[0]),
          kernels.ptr(b if b.numel() else 0), np.int64(lb[1]), np.int64(b.shape[0]),
-         kernels.ptr(keys), kernels.ptr(0 if order is None else order), np.int64(m), kernels.ptr(out),
+         kernels.ptr(keys_ptr), kernels.ptr(order_ptr), np.int64(m), kernels.ptr(out),
          np.int64(row_bytes), np.int32(g), np.uint64(flag_ptr), kernels.ptr(0 if counts is None else counts)),
         0, _Stream(stream.cuda_stream))

@@ -3,7 +3,8 @@
 Private to `datapath.memory`.  A sorted visit makes the rows in flight at once lie close
 together in the table (random rows of a large host table are limited by address
 translation).  `visit_order` returns the keys in visit order and each one's position in
-the call; `gather_config.sort_method` picks how:
+the call (`sorted_visit`: their addresses, for the launches); `gather_config.sort_method`
+picks how:
 
 - ``"buckets"``: a counting sort into about one bucket per key, in one cooperative launch
   (`bucket_order_fused`); where the driver refuses a cooperative launch, the four-launch form.
@@ -65,14 +66,18 @@ def bucket_shift(n_keys: int, m: int) -> tuple[int, int]:
     return shift, ((max(n_keys, 1) - 1) >> shift) + 1
 
 
-def _outputs(keys: torch.Tensor, extra_words: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(grouped keys (m,) like ``keys``, order (m,) int64, address of ``extra_words`` uint32 of scratch): one
-    allocation on ``keys``' device."""
-    m = keys.numel()
-    buf = torch.empty(2 * m + (extra_words + 1) // 2, dtype=torch.int64, device=keys.device)
-    order = buf[:m]
-    grouped = buf[m:2 * m] if keys.dtype == torch.int64 else buf[m:2 * m].view(torch.int32)[:m]
-    return grouped, order, buf.data_ptr() + 16 * m
+def _buffer(m: int, extra_words: int, device: torch.device | int) -> tuple[torch.Tensor, int, int, int]:
+    """(one int64 allocation on ``device``, address of the grouped keys (m words of the key dtype), address of the
+    order (m int64), address of ``extra_words`` uint32 of scratch)."""
+    buf = torch.empty(2 * m + (extra_words + 1) // 2, dtype=torch.int64, device=device)
+    base = buf.data_ptr()
+    return buf, base + 8 * m, base, base + 16 * m
+
+
+def _views(buf: torch.Tensor, m: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grouped keys (m,) of ``dtype``, order (m,) int64) of a `_buffer`."""
+    grouped = buf[m:2 * m] if dtype == torch.int64 else buf[m:2 * m].view(torch.int32)[:m]
+    return grouped, buf[:m]
 
 
 def bucket_order(keys: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,21 +97,24 @@ def bucket_order(keys: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.T
     counts = torch.zeros(n_buckets, dtype=torch.int32, device=dev)
     _function(f"bucket_count_{suffix}")(grid, (_THREADS,), (*common, kernels.ptr(counts)), 0, stream)
     ends = torch.cumsum(counts, 0, dtype=torch.int32)
-    grouped, order, _ = _outputs(keys, 0)
+    grouped, order = _views(_buffer(m, 0, dev)[0], m, keys.dtype)
     _function(f"bucket_place_{suffix}")(
         grid, (_THREADS,), (*common, kernels.ptr(ends), kernels.ptr(grouped), kernels.ptr(order)), 0, stream)
     return grouped, order
 
 
 # kernel arguments of bucket_order_*: keys, m, n_keys, shift, n_buckets, hist, bar, sorted, order
-_PACK = struct.Struct("<QqqiIQQQQ")
+_ARGS = "QqqiIQQQQ"
+_PACK = struct.Struct("<" + _ARGS)
 _OFFSETS = (0, 8, 16, 24, 28, 32, 40, 48, 56)
 
 
 class _Fused:
-    """The one-launch counting sort of one device and key dtype: its function, grid limit and argument block."""
+    """The one-launch counting sort of one device and key dtype: its grid limit and its launch (``cuLaunchKernelEx``
+    with the cooperative attribute from one prepared buffer, or ``cuLaunchCooperativeKernel`` where the driver
+    lacks the former)."""
 
-    __slots__ = ("cu_fn", "max_blocks", "args", "params", "lock", "device")
+    __slots__ = ("cu_fn", "max_blocks", "args", "params", "lock", "device", "driver")
 
     def __init__(self, device: int, suffix: str) -> None:
         fn = _function(f"bucket_order_{suffix}")
@@ -120,28 +128,34 @@ class _Fused:
             raise _Refused(f"occupancy query failed (CUDA error {rc}, {per_sm.value} blocks per SM)")
         # every block must be resident at once; more than 4 a multiprocessor only adds barrier arrivals
         self.max_blocks = min(per_sm.value, 4) * kernels.multiprocessor_count(device)
+        self.driver = kernels.DriverLaunch(fn, _ARGS, _THREADS, device, cooperative=True)
         self.args = ctypes.create_string_buffer(_PACK.size)
         base = ctypes.addressof(self.args)
         self.params = (ctypes.c_void_p * len(_OFFSETS))(*(base + o for o in _OFFSETS))
         self.lock = threading.Lock()
 
-    def launch(self, keys: torch.Tensor, m: int, n_keys: int, shift: int, n_buckets: int, out: tuple) -> None:
-        grouped, order, hist_ptr = out
+    def launch(self, keys_ptr: int, m: int, n_keys: int, shift: int, n_buckets: int, grouped_ptr: int,
+               order_ptr: int, hist_ptr: int) -> None:
+        """Queue the ordering of the ``m`` keys at ``keys_ptr`` on the current stream (addresses from `_buffer`)."""
         blocks = self.grid_for(m)
         stream = torch._C._cuda_getCurrentRawStream(self.device)  # noqa: SLF001 - the cheap raw-handle query
         bar = _barrier(self.device, stream)
-        launch = _cooperative_launch()
-        with self.lock:
-            _PACK.pack_into(self.args, 0, keys.data_ptr(), m, n_keys, shift, n_buckets, hist_ptr, bar,
-                            grouped.data_ptr(), order.data_ptr())
-            rc = launch(self.cu_fn, blocks, 1, 1, _THREADS, 1, 1, 0, stream, self.params)
-            if rc == _CUDA_ERROR_INVALID_CONTEXT:  # a thread without a current context yet: a runtime call
-                torch.cuda.current_stream(self.device).query()  # binds the device's primary context
+        if self.driver.available:
+            rc = self.driver.try_launch(blocks, stream, keys_ptr, m, n_keys, shift, n_buckets, hist_ptr, bar,
+                                        grouped_ptr, order_ptr)
+        else:
+            launch = _cooperative_launch()
+            with self.lock:
+                _PACK.pack_into(self.args, 0, keys_ptr, m, n_keys, shift, n_buckets, hist_ptr, bar, grouped_ptr,
+                                order_ptr)
                 rc = launch(self.cu_fn, blocks, 1, 1, _THREADS, 1, 1, 0, stream, self.params)
+                if rc == _CUDA_ERROR_INVALID_CONTEXT:  # a thread without a current context yet: a runtime call
+                    torch.cuda.current_stream(self.device).query()  # binds the device's primary context
+                    rc = launch(self.cu_fn, blocks, 1, 1, _THREADS, 1, 1, 0, stream, self.params)
         if rc in _REFUSED:
-            raise _Refused(f"cuLaunchCooperativeKernel refused {blocks} blocks (CUDA error {rc})")
+            raise _Refused(f"the cooperative launch of {blocks} blocks was refused (CUDA error {rc})")
         if rc != 0:
-            raise RuntimeError(f"cuLaunchCooperativeKernel of the visit-order kernel failed with CUDA error {rc}")
+            raise RuntimeError(f"the cooperative launch of the visit-order kernel failed with CUDA error {rc}")
 
     def grid_for(self, m: int) -> int:
         """Blocks of the launch for ``m`` keys (its scratch holds one word per block)."""
@@ -200,27 +214,34 @@ def _refuse(key: tuple[int, torch.dtype], exc: Exception) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
+def _fused_into(keys: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, int, int] | None:
+    """The one-launch ordering of ``keys`` (on the current device) queued: (its `_buffer`, address of the grouped
+    keys, address of the order); None where the driver refuses a cooperative launch."""
+    m = keys.numel()
+    device = keys.get_device()
+    fused = _fused_for(device, keys.dtype)
+    if fused is None:
+        return None
+    shift, n_buckets = bucket_shift(n_keys, m)
+    buf, grouped_ptr, order_ptr, hist_ptr = _buffer(m, n_buckets + fused.grid_for(m), keys.device)
+    try:
+        fused.launch(keys.data_ptr(), m, n_keys, shift, n_buckets, grouped_ptr, order_ptr, hist_ptr)
+    except _Refused as exc:
+        _refuse((device, keys.dtype), exc)
+        return None
+    return buf, grouped_ptr, order_ptr
+
+
 def bucket_order_fused(keys: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`bucket_order` in one cooperative launch (the four-launch form where the driver refuses one).
 
-    ``keys``: (m,) int32/int64 CUDA on the current device, m >= 1.
+    ``keys``: (m,) int32/int64 CUDA, m >= 1.
     """
-    m = keys.numel()
-    shift, n_buckets = bucket_shift(n_keys, m)
-    device = keys.get_device()
-    if torch._C._cuda_getDevice() != device:  # noqa: SLF001 - the cheap current-device query
-        with torch.cuda.device(device):
+    if torch._C._cuda_getDevice() != keys.get_device():  # noqa: SLF001 - the cheap current-device query
+        with torch.cuda.device(keys.get_device()):
             return bucket_order_fused(keys, n_keys)
-    fused = _fused_for(device, keys.dtype)
-    if fused is None:
-        return bucket_order(keys, n_keys)
-    out = _outputs(keys, n_buckets + fused.grid_for(m))
-    try:
-        fused.launch(keys, m, n_keys, shift, n_buckets, out)
-    except _Refused as exc:
-        _refuse((device, keys.dtype), exc)
-        return bucket_order(keys, n_keys)
-    return out[0], out[1]
+    got = _fused_into(keys, n_keys)
+    return bucket_order(keys, n_keys) if got is None else _views(got[0], keys.numel(), keys.dtype)
 
 
 def visit_order(keys: torch.Tensor, sort: bool, n_keys: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -237,3 +258,19 @@ def visit_order(keys: torch.Tensor, sort: bool, n_keys: int) -> tuple[torch.Tens
     if method == "buckets_unfused":
         return bucket_order(keys, n_keys)
     return bucket_order_fused(keys, n_keys)
+
+
+def sorted_visit(keys: torch.Tensor, n_keys: int) -> tuple[object, int, int]:
+    """A sorted visit of ``keys`` queued, as addresses: (what keeps both arrays alive until the launch that reads
+    them is queued, address of the keys in visit order, address of their output positions, int64).
+
+    The launches' hot path: no tensor views made (a few microseconds that a call from an idle GPU waits for).
+    ``keys``: (m,) int32/int64 CUDA.
+    """
+    if (gather_config.sort_method == "buckets" and keys.numel()
+            and torch._C._cuda_getDevice() == keys.get_device()):  # noqa: SLF001 - the cheap current-device query
+        got = _fused_into(keys, n_keys)
+        if got is not None:
+            return got
+    grouped, order = visit_order(keys, True, n_keys)
+    return (grouped, order), grouped.data_ptr(), order.data_ptr()

@@ -151,8 +151,8 @@ def _gather_known_unified(table: torch.Tensor, idx: torch.Tensor, error_flag: Er
         fast = rec.fast_gather((idx_dtype, dev, raw, cfg.version))
     if (m >= fast.sort_from) if sort is None else cfg.sorts(m, rec.row_bytes, rec.table_bytes, sort, True):
         # the ordering is launched first: the output is made while it runs (an idle GPU waits for every step)
-        keys, order = _order.visit_order(idx, True, rec.n_rows)
-        idx_ptr, order_ptr = keys.data_ptr(), order.data_ptr()
+        visit = _order.sorted_visit(idx, rec.n_rows)
+        idx_ptr, order_ptr = visit[1], visit[2]
     else:
         idx_ptr, order_ptr = idx.data_ptr(), 0
     out = fast.like.new_empty((m, *rec.rest))
@@ -334,8 +334,8 @@ def _launch_rows(direction: str, data: torch.Tensor, flat: torch.Tensor, dev_row
         flag, wait = _flag_for(error_flag, sync)
         m = flat.numel()
         if gather_config.sorts(m, row_bytes, table_bytes, sort, on_host):
-            keys, order = _order.visit_order(flat, True, n_rows)
-            idx_ptr, order_ptr = keys.data_ptr(), order.data_ptr()
+            visit = _order.sorted_visit(flat, n_rows)
+            idx_ptr, order_ptr = visit[1], visit[2]
         else:
             idx_ptr, order_ptr = flat.data_ptr(), 0
         key, stream = _plans.current_stream(dev)
