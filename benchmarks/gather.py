@@ -258,6 +258,7 @@ def run(args: argparse.Namespace) -> dict:
     settings = {k: getattr(gather_config, k) for k in ("threads_per_block", "blocks_per_sm", "sort_indices",
                                                         "sort_min_rows_short", "sort_short_row_bytes",
                                                         "sort_min_rows", "sort_max_row_bytes", "sort_min_rows_long",
+                                                        "sort_min_bytes_long",
                                                         "sort_min_table_bytes", "sort_method", "host_window_bytes",
                                                         "host_min_inflight_bytes", "sync_bounds_check")}
     return {"quick": quick, "table_buffer_bytes": buf_bytes, "gather_config": settings, "memcpy_GBps": peak,

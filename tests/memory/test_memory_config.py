@@ -61,11 +61,11 @@ def test_sort_from_is_the_threshold_of_sorts() -> None:
     cfg = GatherConfig()
     for choice in ("auto", True, False):
         cfg.sort_indices = choice
-        for row_bytes in (4, 256, 2048, 8192):
+        for row_bytes in (4, 256, 1024, 2048, 4096, 8192, 16384):
             for table_bytes in (1 << 20, 256 << 20, 16 << 30):
                 for on_host in (True, False):
                     start = cfg.sort_from(row_bytes, table_bytes, on_host)
-                    for rows in (1, 1000, 4095, 4096, 32767, 32768, 262143, 262144, 524288, 1 << 22):
+                    for rows in (1, 1000, 4095, 4096, 32767, 32768, 65535, 65536, 131072, 262143, 262144, 1 << 22):
                         assert cfg.sorts(rows, row_bytes, table_bytes, None, on_host) == (rows >= start), \
                             (choice, row_bytes, table_bytes, on_host, rows)
                         assert cfg.sorts(rows, row_bytes, table_bytes, True, on_host)

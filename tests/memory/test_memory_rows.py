@@ -117,7 +117,10 @@ def test_sort_rule() -> None:
     assert not cfg.sorts(4096, 256, 4 << 30) and cfg.sorts(8192, 256, 4 << 30)  # short rows: from 8K
     assert not cfg.sorts(16384, 1024, 4 << 30) and cfg.sorts(32768, 1024, 4 << 30)  # from 32K below 2 KB
     assert cfg.sorts(65536, 512, 4 << 30) and not cfg.sorts(65536, 512, 64 << 20)
-    assert not cfg.sorts(131072, 4096, 4 << 30) and cfg.sorts(262144, 4096, 4 << 30)  # long rows: from 262K
+    # long rows: from 512 MiB a call, and 65K rows
+    assert not cfg.sorts(131071, 2048, 4 << 30) and not cfg.sorts(262143, 2048, 4 << 30)
+    assert cfg.sorts(262144, 2048, 4 << 30) and cfg.sorts(131072, 4096, 4 << 30)
+    assert not cfg.sorts(65535, 16384, 4 << 30) and cfg.sorts(65536, 16384, 4 << 30)
     assert cfg.sorts(10, 4, 10, sort=True) and not cfg.sorts(1 << 20, 4, 1 << 40, sort=False)
     assert not cfg.sorts(1 << 20, 512, 4 << 30, on_host=False)  # GPU memory: no translation misses to avoid
     with pytest.raises(ValueError, match="sort_indices"):

@@ -167,6 +167,14 @@ def _launch_ex() -> Any:
     return fn
 
 
+class LaunchError(RuntimeError):
+    """``cuLaunchKernelEx`` refused a launch; ``rc`` is its CUDA status."""
+
+    def __init__(self, rc: int) -> None:
+        super().__init__(f"cuLaunchKernelEx failed with CUDA error {rc}")
+        self.rc = rc
+
+
 class DriverLaunch:
     """One kernel launched through ``cuLaunchKernelEx`` from one prepared buffer: the cheapest launch from Python.
 
@@ -178,7 +186,7 @@ class DriverLaunch:
     ``cuLaunchKernelEx``: the caller launches another way.  ``arg_ptrs``: the address of each
     argument in the buffer (for a launcher taking pointers to the values).  ``cooperative``: the
     launch carries the cooperative attribute (all blocks resident at once, as
-    ``cuLaunchCooperativeKernel``; a grid too large fails with the driver's error, see `try_launch`).
+    ``cuLaunchCooperativeKernel``; a grid too large fails with the driver's status in a `LaunchError`).
     """
 
     __slots__ = ("available", "threads", "device", "struct", "buf", "arg_ptrs", "ex_args", "lock", "attrs",
@@ -206,13 +214,11 @@ class DriverLaunch:
         self.lock = threading.Lock()
 
     def launch(self, blocks: int, stream: int, *args: int) -> None:
-        """Queue the kernel: ``blocks`` blocks on the raw CUDA stream ``stream`` (requires ``available``)."""
-        rc = self.try_launch(blocks, stream, *args)
-        if rc != 0:
-            raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {rc}")
+        """Queue the kernel: ``blocks`` blocks on the raw CUDA stream ``stream`` (requires ``available``).
 
-    def try_launch(self, blocks: int, stream: int, *args: int) -> int:
-        """`launch`, returning the driver's status instead of raising (0: queued)."""
+        Raises:
+            LaunchError: the driver refused the launch (its status in ``rc``).
+        """
         ex_args = self.ex_args
         with self.lock:
             self.struct.pack_into(self.buf, 0, blocks, 1, 1, self.threads, 1, 1, 0, stream, self.attr_ptr,
@@ -221,7 +227,8 @@ class DriverLaunch:
             if rc == _CUDA_ERROR_INVALID_CONTEXT:  # a thread without a current context yet: a runtime
                 torch.cuda.current_stream(self.device).query()  # call binds the device's primary context
                 rc = ex_args[0](*ex_args[1:])  # type: ignore[index]
-        return rc
+        if rc != 0:
+            raise LaunchError(rc)
 
     def values(self) -> tuple[int, ...]:
         """The arguments of the last launch, as packed (for a launcher taking values)."""

@@ -141,8 +141,12 @@ class _Fused:
         stream = torch._C._cuda_getCurrentRawStream(self.device)  # noqa: SLF001 - the cheap raw-handle query
         bar = _barrier(self.device, stream)
         if self.driver.available:
-            rc = self.driver.try_launch(blocks, stream, keys_ptr, m, n_keys, shift, n_buckets, hist_ptr, bar,
-                                        grouped_ptr, order_ptr)
+            try:
+                self.driver.launch(blocks, stream, keys_ptr, m, n_keys, shift, n_buckets, hist_ptr, bar, grouped_ptr,
+                                   order_ptr)
+                return
+            except kernels.LaunchError as exc:
+                rc = exc.rc
         else:
             launch = _cooperative_launch()
             with self.lock:
