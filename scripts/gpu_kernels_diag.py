@@ -34,14 +34,20 @@ def step(fn, x: torch.Tensor, gy: torch.Tensor):
     return call
 
 
-def table(label: str, fn, rows: int = 22) -> None:
-    for _ in range(5):
+def _profiled(fn, steps: int, warm: int):
+    """The profile of ``steps`` calls of ``fn`` (CPU and CUDA activity) after ``warm`` unprofiled ones."""
+    for _ in range(warm):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
+        for _ in range(steps):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def table(label: str, fn, rows: int = 22) -> None:
+    prof = _profiled(fn, 20, 5)
     print(f"\n== profile {label} (20 steps)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48))
     kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -81,13 +87,7 @@ def fb_kernels(names: tuple[str, ...], cases: tuple[tuple[int, torch.dtype], ...
                   f"{t_fb1['dp']:.4f} cs {t_fb1['cs']:.4f} | fwd dp {t_f['dp']:.4f} cs {t_f['cs']:.4f} | wall us/step "
                   f"dp {wall_us_per_call(fbs['dp']):.1f} cs {wall_us_per_call(fbs['cs']):.1f}", flush=True)
             for w, fn in fbs.items():
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    for _ in range(5):
-                        fn()
-                    torch.cuda.synchronize()
+                prof = _profiled(fn, 5, 3)
                 kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
                 per: dict[str, list[float]] = {}
                 for e in kern:
