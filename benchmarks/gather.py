@@ -7,7 +7,9 @@ Ways (BENCHMARKS.md, B1):
   datapath     feats_unified[idx_cuda]                          the default: our kernel (circular shift,
                                                                 short rows several per warp), rows visited
                                                                 in sorted order by the auto rule, bounds
-                                                                check not waited for (raised later)
+                                                                check not waited for (raised later);
+                                                                calls in the caller's order launched by the
+                                                                native launcher (built before the timing)
   dp_sync      the same, waiting for the bounds check (sync=True)
   dp_sort / dp_nosort   the default with the visit order forced (sorted / caller's order)
   dp_shiftmask / dp_unaligned                                  the ablation schemes (alignment sweep)
@@ -38,7 +40,7 @@ from benchmarks._common import (
     RESULTS_DIR, cuda_time_ms, host_us_per_call, index_set_count, print_table, warm_gpu, write_result,
 )
 from datapath.apps import device_label, require_cuda
-from datapath.memory import cuda_alias, pinned_empty
+from datapath.memory import cuda_alias, gather_config, native_launcher, pinned_empty
 from datapath.unified_tensor import as_unified, check_errors, gather
 
 
@@ -131,13 +133,23 @@ def _huge_buffer(nbytes: int) -> tuple[torch.Tensor | None, dict]:
     return buf, info
 
 
-def _host_us_8k_rows(buf: torch.Tensor) -> dict[str, float]:
-    """Host microseconds per call of a gather of 8192 rows of 256 B from the pinned ``buf``: datapath vs naive."""
-    table = buf[: (4 << 20) * 64].view(4 << 20, 64)
-    idx = torch.randint(0, 4 << 20, (8192,), device="cuda")
+def _host_us_8k_rows(buf: torch.Tensor, row_bytes: int) -> dict[str, float]:
+    """Host microseconds per call of a gather of 8192 rows of ``row_bytes`` from the pinned ``buf``: datapath (the
+    default launcher, and ``launcher="driver"``: from Python) vs naive."""
+    width = row_bytes // 4
+    n = min(4 << 20, buf.numel() // width)
+    table = buf[: n * width].view(n, width)
+    idx = torch.randint(0, n, (8192,), device="cuda")
     unified, alias = as_unified(table), cuda_alias(table)
-    return {"datapath": host_us_per_call(lambda: unified[idx]),
-            "naive_zc": host_us_per_call(lambda: torch.index_select(alias, 0, idx))}
+    times = {"datapath": host_us_per_call(lambda: unified[idx])}
+    before = gather_config.launcher
+    try:
+        gather_config.launcher = "driver"
+        times["dp_driver"] = host_us_per_call(lambda: unified[idx])
+    finally:
+        gather_config.launcher = before
+    times["naive_zc"] = host_us_per_call(lambda: torch.index_select(alias, 0, idx))
+    return times
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -153,7 +165,9 @@ def run(args: argparse.Namespace) -> dict:
     peak = max(_memcpy_gbps(buf, big) for _ in range(2))
     print(f"pinned H2D memcpy: {peak:.1f} GB/s ({big >> 20} MiB)", flush=True)
 
-    host_us = _host_us_8k_rows(buf)
+    launcher = native_launcher(wait=True, timeout=300)  # built before anything is timed
+    print(f"native launcher: {launcher}", flush=True)
+    host_us = {f"{rb}B": _host_us_8k_rows(buf, rb) for rb in (256, 1024, 4096)}
     print(f"host time per call, 8192 rows: {host_us}", flush=True)
 
     row_sizes = [int(x) for x in args.row_sizes.split(",")] if args.row_sizes else \
@@ -253,16 +267,16 @@ def run(args: argparse.Namespace) -> dict:
                                            if r["sweep"] == "align" and r["row_bytes"] == 2052), None),
         "min_ratio_sync_vs_default": min(r["dp_sync_GBps"] / r["datapath_GBps"] for r in rows),
     }
-    from datapath.memory import gather_config
-
-    settings = {k: getattr(gather_config, k) for k in ("threads_per_block", "blocks_per_sm", "sort_indices",
+    settings = {k: getattr(gather_config, k) for k in ("launcher", "threads_per_block", "blocks_per_sm", "sort_indices",
                                                         "sort_min_rows_short", "sort_short_row_bytes",
                                                         "sort_min_rows", "sort_max_row_bytes", "sort_min_rows_long",
                                                         "sort_min_bytes_long",
                                                         "sort_min_table_bytes", "sort_method", "host_window_bytes",
                                                         "host_min_inflight_bytes", "sync_bounds_check")}
     return {"quick": quick, "table_buffer_bytes": buf_bytes, "gather_config": settings, "memcpy_GBps": peak,
-            "huge_pages": huge_info, "host_us_per_call_8k_rows": host_us, "rows": rows, "bars": bars}
+            "huge_pages": huge_info, "host_us_per_call_8k_rows": host_us,
+            "native_launcher": {"status": launcher.status, "launches": native_launcher().launches},
+            "rows": rows, "bars": bars}
 
 
 def plot(result: dict, name: str = "gather") -> None:

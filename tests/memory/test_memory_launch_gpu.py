@@ -9,8 +9,8 @@ import torch
 
 import datapath  # noqa: F401
 from datapath.memory import (
-    check_errors, gather_config, gather_rows, huge_page_bytes, huge_pinned_empty, pending_host_reads, pinned_empty,
-    scatter_rows, thp_mode,
+    check_errors, gather_config, gather_rows, huge_page_bytes, huge_pinned_empty, native_launcher, pending_host_reads,
+    pinned_empty, scatter_rows, thp_mode,
 )
 from datapath.unified_tensor import as_unified
 
@@ -45,11 +45,13 @@ def test_a_gather_neither_waits_nor_launches_more_than_one_kernel() -> None:
     check_errors()
 
 
-@pytest.mark.parametrize("launcher", ["driver", "cupy"])
-def test_both_launchers_from_any_thread_and_stream(launcher: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("launcher", ["native", "driver", "cupy"])
+def test_every_launcher_from_any_thread_and_stream(launcher: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
     monkeypatch.setattr(gather_config, "launcher", launcher)
+    if launcher == "native":
+        assert native_launcher(wait=True, timeout=600).status == "ready"
     t = _table(40_000, 48, seed=5)
     u = t.to("unified")
     idx = torch.randint(-40_000, 40_000, (10_000,), device="cuda", dtype=torch.int32)

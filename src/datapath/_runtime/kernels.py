@@ -149,6 +149,14 @@ def libcuda() -> ctypes.CDLL | None:
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def driver_entry(name: str) -> int:
+    """The address of the CUDA driver's function ``name`` (0 where the driver cannot be loaded or lacks it)."""
+    lib = libcuda()
+    fn = getattr(lib, name, None) if lib is not None else None
+    return (ctypes.cast(fn, ctypes.c_void_p).value or 0) if fn is not None else 0
+
+
 _CONFIG_FORMAT = "7I4xQQI4x"  # CUlaunchConfig: grid x, y, z, block x, y, z, shared bytes, stream, attrs, num_attrs
 _CUDA_ERROR_INVALID_CONTEXT = 201
 # CUlaunchAttribute: id (CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2), 4 bytes of padding, a 64-byte value union whose

@@ -24,6 +24,7 @@ No per-call event, no waiting.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from datapath._runtime import kernels
+from datapath._runtime import kernels, native
 from datapath.memory import _launch
 from datapath.memory.config import GATHER_MODES, gather_config
 
@@ -105,7 +106,7 @@ class RowPlan:
         if blocks > self.max_blocks:
             blocks = self.max_blocks
         stride, row_bytes, g = self.static
-        if gather_config.launcher == "driver" and self.driver.available:
+        if gather_config.launcher != "cupy" and self.driver.available:
             self.driver.launch(blocks, stream, table_ptr, n_rows, stride, row_bytes, idx_ptr, 0, m, dev_ptr, g,
                                flag_ptr)
         else:
@@ -123,7 +124,7 @@ class RowPlan:
         if order_ptr and self.on_host:  # a sorted visit: keep the rows in flight near each other
             blocks = _launch.window_blocks(blocks, self.rows_per_block, m, n_rows * stride, row_bytes)
         args = (table_ptr, n_rows, stride, row_bytes, idx_ptr, order_ptr, m, dev_ptr, g, flag_ptr)
-        if gather_config.launcher == "driver" and self.driver.available:
+        if gather_config.launcher != "cupy" and self.driver.available:
             self.driver.launch(blocks, stream, *args)
         else:
             self._launch_cupy(blocks, stream, *args)
@@ -171,18 +172,54 @@ def word_width(*values: int) -> int:
 _MAX_FAST = 64
 
 
+PENDING = object()  # `FastGather.native` before the native launcher is built
+_NO_LIMIT = 1 << 62
+
+
 class FastGather:
     """The plain gather of a `HostTable` with 1-D indices of one dtype, on one device and stream, under one
     `gather_config` version (those four: ``dtype``, ``device``, ``stream``, ``version``): its plan, an empty
     tensor of the output's dtype on that device (``like.new_empty`` makes the output), the output rows' shape
-    ``rest``, and the row count from which a call that leaves ``sort`` out sorts its indices (0 under
-    ``sync_bounds_check``: such calls wait, and take the general path)."""
+    ``rest``, the row count from which a call that leaves ``sort`` out sorts its indices (0 under
+    ``sync_bounds_check``: such calls wait, and take the general path; ``sort_limit``: the same as an int), and
+    ``native``: its plan for the native launcher (`datapath._runtime.native`; `PENDING` until that is built,
+    None where it is not used)."""
 
-    __slots__ = ("plan", "like", "rest", "sort_from", "dtype", "device", "stream", "version")
+    __slots__ = ("plan", "like", "rest", "sort_from", "sort_limit", "dtype", "device", "stream", "version",
+                 "native")
 
     def __init__(self, plan: RowPlan, like: torch.Tensor, rest: tuple[int, ...], sort_from: float, key: tuple) -> None:
         self.plan, self.like, self.rest, self.sort_from = plan, like, rest, sort_from
+        self.sort_limit = int(min(sort_from, _NO_LIMIT))
         self.dtype, self.device, self.stream, self.version = key
+        self.native: Any = PENDING if gather_config.launcher == "native" and sort_from > 0 else None
+
+
+def native_plan(rec: "HostTable", fast: FastGather) -> Any:
+    """``fast.native``, made once the native launcher is built: `PENDING` while it builds, None where it cannot be.
+
+    Made, it is the launcher's ``gather`` bound to a plan holding the table's address and the
+    kernel's settings: ``fast.native(idx, flag_address, limit)`` returns the rows of ``idx``
+    (1-D, contiguous, fewer than ``limit``), or None where the Python launch must run
+    (`datapath._runtime.native_launch.cpp`).
+    """
+    mod = native.module()
+    if mod is None:
+        if native.status() != "building":
+            fast.native = None
+        return fast.native
+    plan = fast.plan
+    launch = kernels.driver_entry("cuLaunchKernel")
+    cu_fn = getattr(plan.fn, "ptr", 0)
+    if not launch or not cu_fn:
+        fast.native = None
+        return None
+    row_stride, row_bytes, g = plan.static
+    capsule = mod.plain_gather(launch, cu_fn, fast.stream, rec.ptr, rec.n_rows, row_stride, row_bytes, plan.threads,
+                               plan.rows_per_block, plan.max_blocks, g, rec.w,
+                               torch.empty(0, dtype=fast.dtype, device=fast.device), fast.like, tuple(fast.rest))
+    fast.native = functools.partial(mod.gather, capsule)
+    return fast.native
 
 
 class HostTable:

@@ -81,6 +81,11 @@ def thread_flag() -> ErrorFlag:
     return flag
 
 
+def current_flag() -> ErrorFlag | None:
+    """This thread's flag if it has made one (nothing checked or made: a launcher that reads the word itself)."""
+    return _local.flag
+
+
 _DEFERRED = (" (found by an earlier GPU gather/scatter of this thread that did not wait for its bounds check; "
              "the rows it returned for that index are zeros)")
 

@@ -10,8 +10,8 @@ whose defaults come from the environment when the process starts:
 ``DATAPATH_GATHER_SORT``             ``auto`` | ``1`` | ``0``
 ``DATAPATH_GATHER_THREADS``          threads per block of the row kernels (256)
 ``DATAPATH_GATHER_BLOCKS_PER_SM``    grid of those reading host memory (2 per SM)
-``DATAPATH_GATHER_LAUNCHER``         ``driver`` (default) | ``cupy``: how a row kernel
-                                     is launched
+``DATAPATH_GATHER_LAUNCHER``         ``native`` (default) | ``driver`` | ``cupy``: how a
+                                     row kernel is launched
 ===================================  =================================================
 
 Assigning to `gather_config` (also ``datapath.unified_tensor.config``) changes the default
@@ -30,7 +30,7 @@ GATHER_MODES: dict[str, int] = {"unaligned": 0, "shift_mask": 1, "circular": 2}
 
 
 SORT_METHODS = ("buckets", "buckets_unfused", "torch")
-LAUNCHERS = ("driver", "cupy")
+LAUNCHERS = ("native", "driver", "cupy")
 
 
 @dataclass
@@ -83,8 +83,12 @@ class GatherConfig:
             sorted 2-16 KB rows from 8-16 GiB tables, 262K rows a call, 52.0-53.1 GB/s with the
             full grid, 51.6-52.3 with the window, 51.1-51.3 unsorted).
         host_min_inflight_bytes: the bytes a shrunken grid still keeps in flight (PCIe latency).
-        launcher: how a row kernel is launched: ``"driver"`` (``cuLaunchKernelEx`` from one
-            prepared buffer, the cheaper from Python) or ``"cupy"`` (CuPy's launcher).
+        launcher: how a row kernel is launched: ``"native"`` (the plain gather of a known host
+            table checked, allocated and launched in one C++ call, `datapath._runtime.native`, built
+            on first use in the background; every other launch, and every launch until it is built
+            or where it cannot be, as ``"driver"``), ``"driver"`` (``cuLaunchKernelEx`` from one
+            prepared buffer through ctypes, the cheapest launch from Python) or ``"cupy"`` (CuPy's
+            launcher).
     """
 
     gather_mode: GatherMode = "circular"
@@ -103,7 +107,7 @@ class GatherConfig:
     sort_method: Literal["buckets", "buckets_unfused", "torch"] = "buckets"
     host_window_bytes: int = 32 << 20
     host_min_inflight_bytes: int = 512 << 10
-    launcher: Literal["driver", "cupy"] = "driver"
+    launcher: Literal["native", "driver", "cupy"] = "native"
     # bumped by every assignment: what was worked out from the settings is keyed by it
     version: int = field(default=0, compare=False, repr=False)
 

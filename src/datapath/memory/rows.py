@@ -27,7 +27,7 @@ from datapath._runtime.errors import DatapathError
 from datapath._runtime.pinned import cuda_alias, in_flight
 from datapath._runtime.pinned import pending_host_reads as _pending_runtime
 from datapath.memory import _launch, _order, _plans
-from datapath.memory.bounds import ErrorFlag, deferred_flag, raise_deferred, thread_flag
+from datapath.memory.bounds import ErrorFlag, current_flag, deferred_flag, raise_deferred, thread_flag
 from datapath.memory.config import GATHER_MODES, gather_config
 from datapath.memory.placement import (
     PlacementError, host_of, is_read_only, is_unified, placement_of, split, unified_type,
@@ -39,6 +39,7 @@ class ReadOnlyTableError(DatapathError):
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_NO_LIMIT = 1 << 62  # the native gather's row limit where the visit order is already decided
 
 
 def _check_index(idx: torch.Tensor) -> None:
@@ -154,6 +155,13 @@ def _gather_known_unified(table: torch.Tensor, idx: torch.Tensor, error_flag: Er
         visit = _order.sorted_visit(idx, rec.n_rows)
         idx_ptr, order_ptr = visit[1], visit[2]
     else:
+        nat = fast.native
+        if nat is _plans.PENDING:
+            nat = _plans.native_plan(rec, fast)
+        if nat is not None and nat is not _plans.PENDING:
+            rows = nat(idx, error_flag.ptr, _NO_LIMIT)
+            if rows is not None:
+                return rows
         idx_ptr, order_ptr = idx.data_ptr(), 0
     out = fast.like.new_empty((m, *rec.rest))
     out_ptr = out.data_ptr()
@@ -174,7 +182,9 @@ def take_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
 
     A small call from an idle GPU waits for every step before the launch (B1), so the call that
     repeats the table's last one (`_plans.HostTable.last`: same index dtype, device, stream and
-    settings; 1-D contiguous indices; fewer rows than sort) checks just that and launches.
+    settings; 1-D contiguous indices; fewer rows than sort) checks just that and launches: through
+    the native launcher where it is built (the indices' checks, the allocation and the launch in one
+    C++ call), else from Python.
     """
     if type(idx) is not torch.Tensor:
         return None
@@ -182,12 +192,19 @@ def take_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
     rec = _tables.get(id(host))
     if rec is not None:
         fast = rec.last
-        dev = idx.get_device()
-        if (fast is not None and fast.device == dev and idx.dtype is fast.dtype and idx.stride() == (1,)
-                and fast.version == gather_config.version and fast.stream == _raw_stream(dev)
-                and _current_device() == dev and rec.ptr == host.data_ptr() and rec.shape == host.shape):
-            m = idx.shape[0]
-            if 0 < m < fast.sort_from:
+        if (fast is not None and fast.version == gather_config.version and fast.stream == _raw_stream(fast.device)
+                and _current_device() == fast.device and rec.ptr == host.data_ptr() and rec.shape == host.shape):
+            nat = fast.native
+            if nat is not None:  # the native launcher checks the indices, allocates and launches in one call
+                if nat is _plans.PENDING:
+                    nat = _plans.native_plan(rec, fast)
+                flag = current_flag()
+                if nat is not None and nat is not _plans.PENDING and flag is not None:
+                    out = nat(idx, flag.ptr, fast.sort_limit)
+                    if out is not None:
+                        return out
+            m = idx.shape[0] if idx.stride() == (1,) else 0  # 1-D contiguous indices only
+            if 0 < m < fast.sort_from and idx.get_device() == fast.device and idx.dtype is fast.dtype:
                 flag = deferred_flag()
                 out = fast.like.new_empty((m, *fast.rest))
                 out_ptr = out.data_ptr()
