@@ -123,21 +123,27 @@ def wall_us_per_call(fn: Callable[[], Any], calls: int = 200, warmup: int = 10) 
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def host_us_per_call(fn: Callable[[], Any], calls: int = 300, sleep_cycles: int = 200_000_000) -> float:
-    """Host microseconds per call of ``fn``, the GPU kept busy (``torch.cuda._sleep``) so that the calls only queue.
+def host_us_per_call(fn: Callable[[], Any], calls: int = 300, sleep_cycles: int = 200_000_000,
+                     rounds: int = 5) -> float:
+    """Host microseconds per call of ``fn``, the GPU kept busy (``torch.cuda._sleep``) so that the calls only queue:
+    the median over ``rounds`` rounds of ``calls / rounds`` calls each (one slow round, a collection or a page
+    fault, does not decide it).
 
-    Valid for an ``fn`` of few launches: one whose ``calls`` launches overflow the driver's launch queue blocks on the
-    GPU and shows the sleep instead.
+    Valid for an ``fn`` of few launches: one whose launches in a round overflow the driver's launch queue blocks on
+    the GPU and shows the sleep instead.
     """
     fn()
     torch.cuda.synchronize()
-    torch.cuda._sleep(sleep_cycles)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    per_round = max(1, calls // rounds)
+    times = []
+    for _ in range(rounds):
+        torch.cuda._sleep(sleep_cycles)
+        t0 = time.perf_counter()
+        for _ in range(per_round):
+            fn()
+        times.append((time.perf_counter() - t0) / per_round * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 

@@ -62,13 +62,9 @@ fi
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export DATAPATH_RESULTS="$OUT"
 
-python3 -m datapath.cli info | tee "$L/info.txt"
+python3 -m datapath.cli info | tee "$L/info.txt"  # also builds the native launcher before anything is timed
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
   --format=csv >> "$L/info.txt" 2>&1
-
-# the native launcher (a C++ extension built on first use): built here, before anything is timed
-python3 -c "from datapath.memory import native_launcher; print(native_launcher(wait=True, timeout=300))" \
-  2>&1 | tee -a "$L/info.txt"
 
 status=0
 if [ "$run_tests" = 1 ]; then

@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import os
+import platform
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,13 +48,17 @@ def _build() -> None:
 
         cpp_extension.verify_ninja_availability()
         text = _source_text()
-        tag = hashlib.sha256(f"{text}\0{torch.__version__}".encode()).hexdigest()[:12]
+        # one build per source text, PyTorch build, Python ABI and machine
+        key = f"{text}\0{torch.__version__}\0{sys.implementation.cache_tag}\0{platform.machine()}"
+        tag = hashlib.sha256(key.encode()).hexdigest()[:12]
         name = f"datapath_native_{tag}"
         build_dir = _cache_root() / "native" / name
         build_dir.mkdir(parents=True, exist_ok=True)
         src = build_dir / _SOURCE
-        if not src.exists() or src.read_text() != text:
-            src.write_text(text)
+        if not src.exists() or src.read_text() != text:  # written whole (another process may be compiling it)
+            tmp = build_dir / f".{_SOURCE}.{os.getpid()}"
+            tmp.write_text(text)
+            os.replace(tmp, src)
         module = cpp_extension.load(name=name, sources=[str(src)], build_directory=str(build_dir),
                                     extra_cflags=["-O2"], with_cuda=False, verbose=False)
         module.set_launch_error(LaunchError)
@@ -62,6 +68,17 @@ def _build() -> None:
         _state["status"] = f"unavailable: {type(exc).__name__}: {first[:300]}"
     finally:
         _done.set()
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while the parent built has no build thread: it launches from Python (it never waits)."""
+    if _state["module"] is None and _state["thread"] is not None and not _done.is_set():
+        _state["status"] = "unavailable: this process was forked while its parent built the launcher"
+        _done.set()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def start() -> None:

@@ -10,6 +10,7 @@ import psutil
 import torch
 
 from datapath._runtime.device import _module_version, machine_info
+from datapath.memory import native_launcher
 
 
 def _gds_status() -> dict[str, Any]:
@@ -63,6 +64,9 @@ def collect(measure: bool = True) -> dict[str, Any]:
     }
     if measure and torch.cuda.is_available():
         info["bandwidth"] = _pinned_copy_gbps()
+    # built here (tens of seconds, once per machine) where a GPU will use it; else only read
+    launcher = native_launcher(wait=True, timeout=600) if measure and torch.cuda.is_available() else native_launcher()
+    info["native_launcher"] = {"status": launcher.status, "path": launcher.path}
     return info
 
 
@@ -86,6 +90,8 @@ def _print(info: dict[str, Any]) -> None:
     if "bandwidth" in info:
         b = info["bandwidth"]
         print(f"  pinned copy: host->GPU {b['pinned_h2d_GBps']:.1f} GB/s, GPU->host {b['pinned_d2h_GBps']:.1f} GB/s")
+    n = info["native_launcher"]
+    print(f"  native launcher (small gathers in one C++ call): {n['status']}{' ' + n['path'] if n['path'] else ''}")
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -98,7 +104,9 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("info", help="versions, GPU and PCIe link, GPUDirect Storage, pinned-memory limits, copy bandwidth")
+    p = sub.add_parser("info", help="versions, GPU and PCIe link, GPUDirect Storage, pinned-memory limits, copy "
+                                    "bandwidth, the native launcher (built here on a GPU machine)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--no-measure", action="store_true", help="skip the pinned copy bandwidth measurement")
+    p.add_argument("--no-measure", action="store_true",
+                   help="skip the pinned copy bandwidth measurement and the native launcher's build")
     p.set_defaults(func=_cmd)
