@@ -180,19 +180,20 @@ class FastGather:
     """The plain gather of a `HostTable` with 1-D indices of one dtype, on one device and stream, under one
     `gather_config` version (those four: ``dtype``, ``device``, ``stream``, ``version``): its plan, an empty
     tensor of the output's dtype on that device (``like.new_empty`` makes the output), the output rows' shape
-    ``rest``, the row count from which a call that leaves ``sort`` out sorts its indices (0 under
-    ``sync_bounds_check``: such calls wait, and take the general path; ``sort_limit``: the same as an int), and
-    ``native``: its plan for the native launcher (`datapath._runtime.native`; `PENDING` until that is built,
-    None where it is not used)."""
+    ``rest``, the row count from which a call that leaves ``sort`` out sorts its indices (``sort_limit``: the
+    same as an int), ``waits`` (made under ``sync_bounds_check``: such calls wait, and take the general path),
+    and ``native``: its plan for the native launcher (`datapath._runtime.native`; `PENDING` until that is
+    built, None where it is not used)."""
 
-    __slots__ = ("plan", "like", "rest", "sort_from", "sort_limit", "dtype", "device", "stream", "version",
+    __slots__ = ("plan", "like", "rest", "sort_from", "sort_limit", "waits", "dtype", "device", "stream", "version",
                  "native")
 
     def __init__(self, plan: RowPlan, like: torch.Tensor, rest: tuple[int, ...], sort_from: float, key: tuple) -> None:
         self.plan, self.like, self.rest, self.sort_from = plan, like, rest, sort_from
+        self.waits = gather_config.sync_bounds_check  # such calls wait for their bounds check: the general path
         self.sort_limit = int(min(sort_from, _NO_LIMIT))
         self.dtype, self.device, self.stream, self.version = key
-        self.native: Any = PENDING if gather_config.launcher == "native" and sort_from > 0 else None
+        self.native: Any = PENDING if gather_config.launcher == "native" and not self.waits else None
 
 
 def native_plan(rec: "HostTable", fast: FastGather) -> Any:

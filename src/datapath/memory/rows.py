@@ -150,23 +150,34 @@ def _gather_known_unified(table: torch.Tensor, idx: torch.Tensor, error_flag: Er
     fast = rec.fast.get((idx_dtype, dev, raw, cfg.version))
     if fast is None:
         fast = rec.fast_gather((idx_dtype, dev, raw, cfg.version))
-    if (m >= fast.sort_from) if sort is None else cfg.sorts(m, rec.row_bytes, rec.table_bytes, sort, True):
+    sort_it = (m >= fast.sort_from) if sort is None else cfg.sorts(m, rec.row_bytes, rec.table_bytes, sort, True)
+    return _launch_known(rec, fast, idx, m, error_flag, sort_it)
+
+
+def _launch_known(rec: _plans.HostTable, fast: _plans.FastGather, idx: torch.Tensor, m: int, flag: ErrorFlag,
+                  sort_it: bool) -> torch.Tensor:
+    """Queue the gather of the ``m`` rows ``idx`` (1-D contiguous, ``fast``'s dtype, device and stream) from
+    ``rec``'s table as ``fast`` plans it: in sorted order (``sort_it``) or in the caller's (the native launcher
+    first); returns the (m, *rest) output."""
+    if sort_it:
         # the ordering is launched first: the output is made while it runs (an idle GPU waits for every step)
         visit = _order.sorted_visit(idx, rec.n_rows)
-        idx_ptr, order_ptr = visit[1], visit[2]
-    else:
-        nat = fast.native
-        if nat is _plans.PENDING:
-            nat = _plans.native_plan(rec, fast)
-        if nat is not None and nat is not _plans.PENDING:
-            rows = nat(idx, error_flag.ptr, _NO_LIMIT)
-            if rows is not None:
-                return rows
-        idx_ptr, order_ptr = idx.data_ptr(), 0
-    out = fast.like.new_empty((m, *rec.rest))
+        out = fast.like.new_empty((m, *fast.rest))
+        out_ptr = out.data_ptr()
+        plan = fast.plan if not out_ptr & (rec.w - 1) else rec.narrow_plan(fast, out_ptr)
+        plan.launch(rec.ptr, rec.n_rows, visit[1], visit[2], m, out_ptr, flag.ptr, fast.stream)
+        return out
+    nat = fast.native
+    if nat is _plans.PENDING:
+        nat = _plans.native_plan(rec, fast)
+    if nat is not None and nat is not _plans.PENDING:
+        rows = nat(idx, flag.ptr, _NO_LIMIT)
+        if rows is not None:
+            return rows
+    out = fast.like.new_empty((m, *fast.rest))
     out_ptr = out.data_ptr()
     plan = fast.plan if not out_ptr & (rec.w - 1) else rec.narrow_plan(fast, out_ptr)
-    plan.launch(rec.ptr, rec.n_rows, idx_ptr, order_ptr, m, out_ptr, error_flag.ptr, raw)
+    plan.launch_plain(rec.ptr, rec.n_rows, idx.data_ptr(), m, out_ptr, flag.ptr, fast.stream)
     return out
 
 
@@ -182,9 +193,9 @@ def take_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
 
     A small call from an idle GPU waits for every step before the launch (B1), so the call that
     repeats the table's last one (`_plans.HostTable.last`: same index dtype, device, stream and
-    settings; 1-D contiguous indices; fewer rows than sort) checks just that and launches: through
-    the native launcher where it is built (the indices' checks, the allocation and the launch in one
-    C++ call), else from Python.
+    settings; 1-D contiguous indices; no waiting) checks just that and launches: through the
+    native launcher where it is built (the indices' checks, the allocation and the launch in one
+    C++ call, for fewer rows than sort), else from Python.
     """
     if type(idx) is not torch.Tensor:
         return None
@@ -204,13 +215,8 @@ def take_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
                     if out is not None:
                         return out
             m = idx.shape[0] if idx.stride() == (1,) else 0  # 1-D contiguous indices only
-            if 0 < m < fast.sort_from and idx.get_device() == fast.device and idx.dtype is fast.dtype:
-                flag = deferred_flag()
-                out = fast.like.new_empty((m, *fast.rest))
-                out_ptr = out.data_ptr()
-                plan = fast.plan if not out_ptr & (rec.w - 1) else rec.narrow_plan(fast, out_ptr)
-                plan.launch_plain(rec.ptr, rec.n_rows, idx.data_ptr(), m, out_ptr, flag.ptr, fast.stream)
-                return out
+            if m and not fast.waits and idx.get_device() == fast.device and idx.dtype is fast.dtype:
+                return _launch_known(rec, fast, idx, m, deferred_flag(), m >= fast.sort_from)
     if not idx.is_cuda or idx.dtype not in _INDEX_DTYPES:
         return None
     rows = _gather_known_unified(table, idx, None, None, None)
