@@ -4,7 +4,12 @@ B1's ``dp_sync`` way times a call that queues the kernel and then blocks on an e
 (``torch.cuda.Event(blocking=True)``: the thread sleeps until the GPU's interrupt).  Its cost
 over the kernel is the wake-up latency of that sleep, which varies between machines.  This
 times, from an idle GPU, a ~50 us kernel followed by: a blocking event's wait, a spinning
-event's wait, ``torch.cuda.synchronize()``; and B1's 8K-row gathers with and without ``sync``.
+event's wait, ``torch.cuda.synchronize()``; and B1's 8K-row gathers with and without ``sync``, each
+timed call after an untimed one of its own (as B1 does), the GPU's clocks kept up.
+
+Seen on an H200 machine (2026-11-26, the probe's first form, without the untimed call): the
+blocking wait 43 us over the kernel, the spinning one 11; a ``sync=True`` gather of 8K rows of
+256 B 145 us at 7a83f29, 172 us at 5033d67 (the same machine, one call).
 
     PYTHONPATH=src:. python scripts/gpu_sync_probe.py
 """
@@ -15,6 +20,7 @@ import statistics
 import torch
 
 import datapath  # noqa: F401
+from benchmarks._common import warm_gpu
 from datapath.memory import pinned_empty
 from datapath.unified_tensor import as_unified, gather
 
@@ -22,6 +28,7 @@ from datapath.unified_tensor import as_unified, gather
 def _timed(fn, reps: int = 41) -> float:
     times = []
     for _ in range(reps):
+        fn()  # the call before, untimed
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -34,6 +41,7 @@ def _timed(fn, reps: int = 41) -> float:
 
 def main() -> None:
     cycles = 100_000  # ~50 us at ~2 GHz
+    warm_gpu()
     print(f"kernel alone: {_timed(lambda: torch.cuda._sleep(cycles)):.1f} us")
     for name, blocking in (("blocking event", True), ("spinning event", False)):
         def wait(blocking: bool = blocking) -> None:
@@ -55,7 +63,7 @@ def main() -> None:
         return sets[turn[0]]
 
     for name, fn in (("u[idx]", lambda: u[nxt()]), ("gather sync=True", lambda: gather(u, nxt(), sync=True))):
-        fn()
+        warm_gpu()
         print(f"8K x 256 B {name}: {_timed(fn):.1f} us")
 
 
