@@ -4,10 +4,17 @@ A gather from Python spends host time before its kernel reaches the GPU (the out
 allocation, packing the arguments, the driver call through ctypes); a small call from an
 idle GPU waits for all of it.  ``native_launch.cpp`` does those steps in one C++ call.  It
 is compiled against the running PyTorch by `torch.utils.cpp_extension` (a C++ compiler and
-ninja, no CUDA headers) on first use, in a background thread: calls made meanwhile, and
-every call where it cannot be built, launch from Python as before.  The build is cached
-under ``$DATAPATH_CACHE_DIR`` (default ``~/.cache/datapath``), keyed by the source and the
-PyTorch version, so later processes load it in milliseconds.
+ninja, no CUDA headers) on first use: calls made meanwhile, and every call where it cannot be
+built, launch from Python as before.  The build is cached under ``$DATAPATH_CACHE_DIR``
+(default ``~/.cache/datapath``), one per source, PyTorch build, Python ABI and machine; a
+later process finds it complete (a marker written after the build) and loads it in
+milliseconds.
+
+The compiler runs in a child process of its own session (``python -m
+datapath._runtime.native_build``) that a background thread waits for: a process that exits or is
+killed mid-build leaves no half-built state behind (the child finishes, and holds an
+``flock`` on the build folder that the system releases whatever happens, so concurrent
+processes build once and a dead builder never blocks the next).
 
 ``gather_config.launcher`` (``DATAPATH_GATHER_LAUNCHER``) other than ``"native"`` leaves it unbuilt and unused.
 """
@@ -15,8 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
+import importlib.util
 import os
 import platform
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass
@@ -27,7 +36,8 @@ import torch
 
 from datapath._runtime.kernels import LaunchError
 
-_SOURCE = "native_launch.cpp"
+SOURCE = "native_launch.cpp"
+DONE_MARK = "built"  # written into the build folder once the extension is complete (`native_build`)
 _lock = threading.Lock()
 _done = threading.Event()
 _state: dict[str, object] = {"module": None, "status": "not started", "thread": None}
@@ -38,29 +48,43 @@ def _cache_root() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "datapath"
 
 
-def _source_text() -> str:
-    return importlib.resources.files("datapath._runtime").joinpath(_SOURCE).read_text()
+def source_text() -> str:
+    """The extension's C++ source, as shipped in the package."""
+    return importlib.resources.files("datapath._runtime").joinpath(SOURCE).read_text()
+
+
+def _name_and_dir() -> tuple[str, Path]:
+    """The extension's module name and build folder: one per source text, PyTorch build, Python ABI and machine."""
+    key = f"{source_text()}\0{torch.__version__}\0{sys.implementation.cache_tag}\0{platform.machine()}"
+    name = f"datapath_native_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return name, _cache_root() / "native" / name
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _build() -> None:
     try:
-        from torch.utils import cpp_extension  # noqa: PLC0415 - only when building
-
-        cpp_extension.verify_ninja_availability()
-        text = _source_text()
-        # one build per source text, PyTorch build, Python ABI and machine
-        key = f"{text}\0{torch.__version__}\0{sys.implementation.cache_tag}\0{platform.machine()}"
-        tag = hashlib.sha256(key.encode()).hexdigest()[:12]
-        name = f"datapath_native_{tag}"
-        build_dir = _cache_root() / "native" / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        src = build_dir / _SOURCE
-        if not src.exists() or src.read_text() != text:  # written whole (another process may be compiling it)
-            tmp = build_dir / f".{_SOURCE}.{os.getpid()}"
-            tmp.write_text(text)
-            os.replace(tmp, src)
-        module = cpp_extension.load(name=name, sources=[str(src)], build_directory=str(build_dir),
-                                    extra_cflags=["-O2"], with_cuda=False, verbose=False)
+        name, build_dir = _name_and_dir()
+        mark = build_dir / DONE_MARK
+        path = Path(mark.read_text().strip()) if mark.exists() else None
+        if path is None or not path.exists():
+            # this process's modules, and the tools installed beside its Python (pip's ninja) even if not on PATH
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+                       PATH=os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", ""))))
+            child = subprocess.run([sys.executable, "-m", "datapath._runtime.native_build", name, str(build_dir)],
+                                   capture_output=True, text=True, start_new_session=True, check=False, env=env)
+            if child.returncode != 0 or not mark.exists():
+                lines = (child.stderr or child.stdout or "").strip().splitlines()
+                raise RuntimeError(lines[-1] if lines else f"the build exited with status {child.returncode}")
+            path = Path(mark.read_text().strip())
+        module = _load(name, path)
         module.set_launch_error(LaunchError)
         _state["module"], _state["status"] = module, "ready"
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, no headers: the Python launch serves
@@ -138,3 +162,4 @@ def native_launcher(wait: bool = False, timeout: float | None = None) -> NativeL
     if m is None:
         return NativeLauncher(status(), 0, "")
     return NativeLauncher(status(), int(m.launches()), str(getattr(m, "__file__", "")))  # type: ignore[attr-defined]
+
