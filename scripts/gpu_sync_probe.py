@@ -21,7 +21,7 @@ import torch
 
 import datapath  # noqa: F401
 from benchmarks._common import warm_gpu
-from datapath.memory import pinned_empty
+from datapath.memory import native_launcher, pinned_empty
 from datapath.unified_tensor import as_unified, gather
 
 
@@ -41,6 +41,7 @@ def _timed(fn, reps: int = 41) -> float:
 
 def main() -> None:
     cycles = 100_000  # ~50 us at ~2 GHz
+    print(native_launcher(wait=True, timeout=300))  # built before anything is timed
     warm_gpu()
     print(f"kernel alone: {_timed(lambda: torch.cuda._sleep(cycles)):.1f} us")
     for name, blocking in (("blocking event", True), ("spinning event", False)):
