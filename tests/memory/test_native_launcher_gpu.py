@@ -31,12 +31,12 @@ def _table(n: int, shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch
 
 
 @pytest.mark.parametrize("dtype,shape", [(torch.float32, (64,)), (torch.float32, (256,)), (torch.float32, (1030,)),
-                                         (torch.bfloat16, (4, 8)), (torch.uint8, (37,))])
+                                         (torch.bfloat16, (4, 8)), (torch.uint8, (37,)), (torch.int64, ())])
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 def test_small_gathers_go_native_and_equal_pytorch(dtype: torch.dtype, shape: tuple[int, ...],
                                                     idx_dtype: torch.dtype) -> None:
     n = 5000
-    t = _table(n, shape, seed=shape[0], dtype=dtype)
+    t = _table(n, shape, seed=len(shape) + sum(shape), dtype=dtype)  # shape (): a 1-D table, one value a row
     u = as_unified(t.clone())
     u[torch.zeros(1, dtype=idx_dtype, device="cuda")]  # the first call plans the table
     for m in (1, 7, 3001):
