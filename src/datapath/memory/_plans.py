@@ -173,7 +173,7 @@ _MAX_FAST = 64
 
 
 PENDING = object()  # `FastGather.native` before the native launcher is built
-_NO_LIMIT = 1 << 62
+NO_LIMIT = 1 << 62  # a row limit of the native gather that no call reaches
 
 
 class FastGather:
@@ -191,13 +191,14 @@ class FastGather:
     def __init__(self, plan: RowPlan, like: torch.Tensor, rest: tuple[int, ...], sort_from: float, key: tuple) -> None:
         self.plan, self.like, self.rest, self.sort_from = plan, like, rest, sort_from
         self.waits = gather_config.sync_bounds_check  # such calls wait for their bounds check: the general path
-        self.sort_limit = int(min(sort_from, _NO_LIMIT))
+        self.sort_limit = int(min(sort_from, NO_LIMIT))
         self.dtype, self.device, self.stream, self.version = key
         self.native: Any = PENDING if gather_config.launcher == "native" and not self.waits else None
 
 
 def native_plan(rec: "HostTable", fast: FastGather) -> Any:
-    """``fast.native``, made once the native launcher is built: `PENDING` while it builds, None where it cannot be.
+    """``fast.native`` made once the native launcher is built; None while it builds (``fast.native`` stays
+    `PENDING`) and where it cannot be.
 
     Made, it is the launcher's ``gather`` bound to a plan holding the table's address and the
     kernel's settings: ``fast.native(idx, flag_address, limit)`` returns the rows of ``idx``
@@ -208,7 +209,7 @@ def native_plan(rec: "HostTable", fast: FastGather) -> Any:
     if mod is None:
         if native.status() != "building":
             fast.native = None
-        return fast.native
+        return None
     plan = fast.plan
     launch = kernels.driver_entry("cuLaunchKernel")
     cu_fn = getattr(plan.fn, "ptr", 0)

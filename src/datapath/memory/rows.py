@@ -39,7 +39,6 @@ class ReadOnlyTableError(DatapathError):
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_NO_LIMIT = 1 << 62  # the native gather's row limit where the visit order is already decided
 
 
 def _check_index(idx: torch.Tensor) -> None:
@@ -170,8 +169,8 @@ def _launch_known(rec: _plans.HostTable, fast: _plans.FastGather, idx: torch.Ten
     nat = fast.native
     if nat is _plans.PENDING:
         nat = _plans.native_plan(rec, fast)
-    if nat is not None and nat is not _plans.PENDING:
-        rows = nat(idx, flag.ptr, _NO_LIMIT)
+    if nat is not None:  # the visit order is decided: no row limit
+        rows = nat(idx, flag.ptr, _plans.NO_LIMIT)
         if rows is not None:
             return rows
     out = fast.like.new_empty((m, *fast.rest))
@@ -205,15 +204,14 @@ def take_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
         fast = rec.last
         if (fast is not None and fast.version == gather_config.version and fast.stream == _raw_stream(fast.device)
                 and _current_device() == fast.device and rec.ptr == host.data_ptr() and rec.shape == host.shape):
-            nat = fast.native
-            if nat is not None:  # the native launcher checks the indices, allocates and launches in one call
-                if nat is _plans.PENDING:
-                    nat = _plans.native_plan(rec, fast)
+            nat = fast.native  # the native launcher checks the indices, allocates and launches in one call
+            if nat is _plans.PENDING:
+                nat = _plans.native_plan(rec, fast)
+            if nat is not None:
                 flag = current_flag()
-                if nat is not None and nat is not _plans.PENDING and flag is not None:
-                    out = nat(idx, flag.ptr, fast.sort_limit)
-                    if out is not None:
-                        return out
+                out = nat(idx, flag.ptr, fast.sort_limit) if flag is not None else None
+                if out is not None:
+                    return out
             m = idx.shape[0] if idx.stride() == (1,) else 0  # 1-D contiguous indices only
             if m and not fast.waits and idx.get_device() == fast.device and idx.dtype is fast.dtype:
                 return _launch_known(rec, fast, idx, m, deferred_flag(), m >= fast.sort_from)
