@@ -1,0 +1,133 @@
+"""How close an aggregation (or a layer built on it) must come to a float64 reference: one rule for every test.
+
+Contract of a `Tolerance` ``(rtol, atol)``: elementwise ::
+
+    |got - ref| <= atol * scale + rtol * |ref|,      scale = max(1, max |ref|)
+
+(`assert_close` checks exactly this; ``torch.testing.assert_close(got, ref, rtol=t.rtol, atol=t.atol * scale)``
+is the same check).  The numbers follow from where a kernel rounds, with ``u(dtype)`` the unit roundoff
+(half the machine epsilon: 2**-24 float32, 2**-8 bfloat16, 2**-11 float16, 2**-53 float64):
+
+- every kernel rounds its result once to the output dtype: ``rtol = 2 u(out)`` (a factor 2 of margin);
+- a sum of ``L`` terms accumulated in dtype ``acc`` is off by about ``u(acc) * sqrt(L)`` of the largest
+  output (a random walk of rounding errors: measured 0.1-0.3 of that for cuSPARSE in bfloat16), so
+  ``atol = 2 u(out) + u(acc) * (4 + sqrt(L))``;
+- operands rounded to a narrower dtype before the products (cuSPARSE's matrix values, the tensor-core
+  tiles' weights times scales, tf32 inputs) add ``4 u(operand)``.
+
+Accumulation dtype by kernel: ``rows``, ``groups``, ``push`` and the CPU reference accumulate float16 / bfloat16 /
+float32 in float32 (float64 in float64), so their tolerance barely grows with the row length; ``cusparse`` sums in
+the operands' own precision (float16 / bfloat16 error grows as ``sqrt(L) u``); ``tensor_core`` multiplies
+float16 / bfloat16 (tf32 for float32) operands and accumulates in float32.
+
+``row_len``: the most terms behind one output element -- a row's edges for the forward, a source's out-degree
+for the gradient of x (the transposed rows), and for a layer add the inner width of its matmuls (``in + out``
+features) and, for a weight's gradient, the rows summed over.  Overestimating costs only a little tightness
+(``sqrt``); underestimating can fail a correct kernel.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["KERNEL_ACCUMULATION", "Tolerance", "assert_close", "max_error", "tolerance", "unit_roundoff"]
+
+KERNEL_ACCUMULATION = {
+    None: "float32",
+    "rows": "float32",
+    "groups": "float32",
+    "push": "float32",
+    "tensor_core": "float32",
+    "cusparse": "operand",
+    "reference": "float32",
+}
+"""What each kernel accumulates a float16 / bfloat16 sum in ("operand": the inputs' own dtype); float32 and float64
+inputs are accumulated in their own dtype by every kernel."""
+
+_ROUNDED_OPERANDS = ("cusparse", "tensor_core")
+
+
+class Tolerance(NamedTuple):
+    """``|got - ref| <= atol * max(1, max |ref|) + rtol * |ref|`` elementwise (see the module docstring)."""
+
+    rtol: float
+    atol: float
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the machine epsilon of a floating ``dtype`` (2**-24 for float32, 2**-8 for bfloat16)."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"unit_roundoff takes a floating dtype, got {dtype}")
+    return torch.finfo(dtype).eps / 2
+
+
+def _acc_dtype(dtype: torch.dtype, kernel: str | None) -> torch.dtype:
+    if dtype == torch.float64:
+        return torch.float64
+    if dtype in (torch.float16, torch.bfloat16) and KERNEL_ACCUMULATION[kernel] == "operand":
+        return dtype
+    return torch.float32
+
+
+def tolerance(dtype: torch.dtype, row_len: int = 1, kernel: str | None = None) -> Tolerance:
+    """The `Tolerance` of ``kernel`` (None: ours, float32 accumulation) on ``dtype`` rows for sums of at most
+    ``row_len`` terms.
+
+    Args:
+        dtype: the result's (and the inputs') dtype: float16, bfloat16, float32 or float64.
+        row_len: the most terms summed into one output element (>= 0; see the module docstring).
+        kernel: ``"rows"``, ``"groups"``, ``"push"``, ``"tensor_core"``, ``"cusparse"``, ``"reference"`` or None.
+    Returns:
+        ``Tolerance(rtol, atol)``, atol in units of ``max(1, max |ref|)``.
+    """
+    if kernel not in KERNEL_ACCUMULATION:
+        raise ValueError(f"kernel must be one of {sorted(k for k in KERNEL_ACCUMULATION if k)} or None, "
+                         f"got {kernel!r}")
+    if row_len < 0:
+        raise ValueError(f"row_len must be >= 0, got {row_len}")
+    u_out = unit_roundoff(dtype)
+    u_acc = unit_roundoff(_acc_dtype(dtype, kernel))
+    atol = 2 * u_out + u_acc * (4 + math.sqrt(row_len))
+    if kernel in _ROUNDED_OPERANDS:
+        op = dtype
+        if kernel == "tensor_core" and dtype == torch.float32:
+            op = torch.float16  # tf32 keeps float16's 10 mantissa bits
+        atol += 4 * unit_roundoff(op)
+    return Tolerance(2 * u_out, atol)
+
+
+def max_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |got - ref| / max(1, max |ref|)`` in float64 on the CPU (inf where ``got`` is not finite)."""
+    g = got.detach().to("cpu", torch.float64)
+    r = ref.detach().to("cpu", torch.float64)
+    if g.shape != r.shape:
+        raise ValueError(f"got has shape {tuple(g.shape)} but ref {tuple(r.shape)}")
+    if g.numel() == 0:
+        return 0.0
+    if not torch.isfinite(g).all():
+        return math.inf
+    return float((g - r).abs().max()) / max(1.0, float(r.abs().max()))
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor, tol: Tolerance, what: str = "") -> None:
+    """Raise AssertionError unless ``got`` meets ``tol`` against ``ref`` elementwise (any devices and dtypes;
+    compared in float64 on the CPU); the message names the worst element and its error."""
+    g = got.detach().to("cpu", torch.float64)
+    r = ref.detach().to("cpu", torch.float64)
+    if g.shape != r.shape:
+        raise AssertionError(f"{what}: got has shape {tuple(g.shape)} but ref {tuple(r.shape)}")
+    if g.numel() == 0:
+        return
+    if not torch.isfinite(g).all():
+        raise AssertionError(f"{what}: {int((~torch.isfinite(g)).sum())} non-finite values")
+    scale = max(1.0, float(r.abs().max()))
+    excess = (g - r).abs() - (tol.atol * scale + tol.rtol * r.abs())
+    worst = int(excess.reshape(-1).argmax())
+    if float(excess.reshape(-1)[worst]) > 0:
+        gv, rv = float(g.reshape(-1)[worst]), float(r.reshape(-1)[worst])
+        raise AssertionError(
+            f"{what}: element {worst} is {gv:.6g}, the reference {rv:.6g}: error {abs(gv - rv):.3g} > "
+            f"{tol.atol:.3g} * {scale:.4g} + {tol.rtol:.3g} * {abs(rv):.4g} (max error {max_error(g, r):.3g} of "
+            f"max(1, max |ref|))")
