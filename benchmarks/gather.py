@@ -63,7 +63,7 @@ def _interleaved_ms(fns: dict[str, list], next_set: Any, reps: int, warm: int) -
     loader's loop, where a batch's gather follows the last batch's), then the timing starts on
     an idle GPU.  A call's speed depends on what ran just before it: in a rotation without the
     untimed call, a sorted gather timed right after ``index_select`` read 2-6% slower than the
-    same call timed after another sorted one (H200, `scripts/gpu_gather_probe.py --sorted`).
+    same call timed after another sorted one (an H200; see the CHANGELOG).
     """
     names = list(fns)
     for name in names:

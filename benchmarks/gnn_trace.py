@@ -9,7 +9,7 @@ kernels; the Chrome traces go to ``$OUT`` (or ``--out``) for a closer look.  Mod
 - ``datapath-serial``: the gather on the sampling stream, the producer waiting for each batch;
 - ``gpu_resident``: graph and features in GPU memory.
 
-Run on the GPU machine: PYTHONPATH=src:. python scripts/trace_gnn.py [--dataset products] [--batches 8]
+Run on the GPU machine: PYTHONPATH=src:. python benchmarks/gnn_trace.py [--dataset products] [--batches 8]
 """
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
-"""Where a forward+backward of `aggregate` (and of a layer) spends its time, datapath vs cuSPARSE with a prebuilt
-transpose (and vs PyG): per step, the CUDA runtime/driver calls made on the host, the kernels run on the GPU and
-their total time, from torch.profiler.  Run on the GPU machine:
-    PYTHONPATH=src:. python scripts/gpu_kernels_profile.py
+"""Kernel profile (GPU): where a forward+backward of `aggregate` (and of a layer) spends its time.
+
+A diagnostic beside B3 (`benchmarks/aggregate.py`): datapath against cuSPARSE with a prebuilt transpose (and
+a `datapath.nn.SAGEConv` against PyG's): per step, the CUDA runtime/driver calls made on the host, the
+kernels run on the GPU and their total time, from torch.profiler; public API only.  Run on the GPU machine:
+
+    PYTHONPATH=src:. python benchmarks/kernel_profile.py
 """
 from __future__ import annotations
 
@@ -96,8 +99,14 @@ def layers() -> None:
     summarize("pyg", fp)
 
 
-if __name__ == "__main__":
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("kernel_profile needs a CUDA GPU")
     case("ppi", 1, 128, torch.float32)
     case("soc-BlogCatalog", 5, 64, torch.float32)
     case("artist", 4, 16, torch.float16)
     layers()
+
+
+if __name__ == "__main__":
+    main()

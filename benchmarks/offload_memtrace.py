@@ -1,6 +1,6 @@
 """Where does the activation peak form?  A B4 model under several TensorCache settings, with a memory trace.
 
-Run: PYTHONPATH=src:. python scripts/offload_memtrace.py --model llama --variants keep,host-all \
+Run: PYTHONPATH=src:. python benchmarks/offload_memtrace.py --model llama --variants keep,host-all \
          --extra '{"all-1G": {"target": "host", "max_inflight_bytes": 1e9}}'
 Budget variants ({"memory_budget": ...}) need --no-trace: the trace resets the peak counters the budget reads.
 
@@ -9,7 +9,7 @@ the allocator's memory (CPU order, which is what the peak counts) at every leaf 
 forward and backward, so the moment of the peak can be named.  A diagnostic for tuning
 the offloader on the GPU machine; B4 itself is benchmarks/offload.py.
 
-Run: PYTHONPATH=src:. python scripts/offload_memtrace.py [--variants a,b,...] [--hidden 8192 ...]
+Run: PYTHONPATH=src:. python benchmarks/offload_memtrace.py [--variants a,b,...] [--hidden 8192 ...]
 """
 from __future__ import annotations
 

@@ -28,8 +28,13 @@
 #   b5-papers B5 on the papers shape (6 GiB)                               (nvidia-h200-x2 only; ~8 min)
 #             then here: benchmarks/multi_node.py --merge OUT1/multi_node_products.json OUT2/multi_node_papers.json
 #
+# Diagnostics (not suites; run one with --bench "NAME ARGS"): benchmarks/gather_probe.py (grids, visit orders,
+# launchers of the row gather), kernel_profile.py (aggregation kernels vs cuSPARSE), gnn_trace.py (B2 batches'
+# timeline per stream/thread), offload_memtrace.py (where B4's activation peak forms).
+#
 # Examples:
 #   scripts/gpu_check.sh                                   # every GPU test, no benchmark
+#   scripts/gpu_check.sh --no-tests --bench "gather_probe --launchers"
 #   scripts/gpu_check.sh --tests tests/memory --suite b1
 #   scripts/gpu_check.sh --no-tests --suite b4
 set -uo pipefail

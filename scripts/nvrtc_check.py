@@ -7,13 +7,10 @@ Exits non-zero and prints the compiler log for any source that fails.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from cuda.bindings import nvrtc
 
-from datapath._runtime.kernels import kernel_source
-
-KERNELS = Path(__file__).resolve().parents[1] / "src" / "datapath" / "kernels"
+from datapath.kernels import kernel_files, kernel_source
 
 
 def compile_one(name: str, arch: str = "sm_90") -> str | None:
@@ -31,7 +28,7 @@ def compile_one(name: str, arch: str = "sm_90") -> str | None:
 
 
 def main() -> int:
-    names = sys.argv[1:] or sorted(p.name for p in KERNELS.glob("*.cu"))
+    names = sys.argv[1:] or kernel_files()
     failed = 0
     for name in names:
         log = compile_one(name)

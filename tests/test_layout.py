@@ -39,10 +39,20 @@ def _files(*dirs: str) -> list[Path]:
     return sorted(p for d in dirs for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts)
 
 
-def test_tests_and_benchmarks_import_only_public_names() -> None:
-    bad = [f"{p.relative_to(ROOT)}: {m}" for p in _files("tests", "benchmarks", "examples") for m in _imports(p)
-           if _private(m)]
+def test_tests_benchmarks_and_scripts_import_only_public_names() -> None:
+    bad = [f"{p.relative_to(ROOT)}: {m}" for p in _files("tests", "benchmarks", "examples", "scripts")
+           for m in _imports(p) if _private(m)]
     assert bad == [], "private imports:\n" + "\n".join(bad)
+
+
+MAX_SCRIPTS = 5
+
+
+def test_scripts_holds_the_gpu_machine_script_and_few_tools() -> None:
+    """One-off probes leave the tree; diagnostics a maintainer runs again are tools under benchmarks/."""
+    files = sorted(p.name for p in (ROOT / "scripts").iterdir() if p.is_file())
+    assert "gpu_check.sh" in files
+    assert len(files) <= MAX_SCRIPTS, f"scripts/ holds {len(files)} files (at most {MAX_SCRIPTS}): {files}"
 
 
 def test_the_private_check_would_catch_one(tmp_path: Path) -> None:

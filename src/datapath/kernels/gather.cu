@@ -67,7 +67,7 @@ constexpr int LINE = 128;
 
 // How a lane loads a 16-byte word of a table row: DP_LOAD_HINT 0 (the default) a plain load;
 // 1, 2: with the L2 prefetch-size hint .L2::128B / .L2::256B; 3: through the non-coherent
-// path with .L2::256B.  (Variants for `scripts/gpu_gather_probe.py --hints`.)
+// path with .L2::256B.  (Variants for an ablation: compile with -DDP_LOAD_HINT=N.)
 #ifndef DP_LOAD_HINT
 #define DP_LOAD_HINT 0
 #endif
