@@ -12,11 +12,12 @@ from datapath.graph.datasets import Dataset, get_dataset, load_dataset, prepare_
 from datapath.graph.errors import DatasetError, InvalidGraphError
 from datapath.graph.feature_shards import ShardLayout, shard_file
 from datapath.graph.graph import Graph, validate_csr
+from datapath.graph.hetero import EdgeType, HeteroGraph, HeteroGraphError
 from datapath.graph.reordering import METHODS as REORDER_METHODS, permute, reorder, window_locality
 from datapath.graph.synthetic import PRESETS, SyntheticSpec, generate, papers_spec, preset_spec
 
 __all__ = [
-    "CSR", "CSRGraph", "Dataset", "DatasetError", "Graph", "InvalidGraphError", "PRESETS", "REORDER_METHODS",
+    "CSR", "CSRGraph", "Dataset", "DatasetError", "EdgeType", "Graph", "HeteroGraph", "HeteroGraphError", "InvalidGraphError", "PRESETS", "REORDER_METHODS",
     "ShardLayout", "SyntheticSpec", "generate", "get_dataset", "load_dataset", "papers_spec", "permute",
     "prepare_dataset", "preset_spec", "reorder", "shard_file", "validate_csr", "window_locality",
 ]
