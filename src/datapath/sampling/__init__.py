@@ -9,7 +9,12 @@ pure function of (seed, step, graph, seeds) on either device.
 """
 from datapath.sampling.block import Block
 from datapath.sampling.errors import SamplingError
+from datapath.sampling.hetero import HeteroNeighborSampler
+from datapath.sampling.hetero_block import HeteroBlock, RelationBlock
 from datapath.sampling.neighbor_sampler import NeighborSampler, PendingSample
 from datapath.sampling.relabel import relabel, relabel_dense
 
-__all__ = ["Block", "NeighborSampler", "PendingSample", "SamplingError", "relabel", "relabel_dense"]
+__all__ = [
+    "Block", "HeteroBlock", "HeteroNeighborSampler", "NeighborSampler", "PendingSample", "RelationBlock",
+    "SamplingError", "relabel", "relabel_dense",
+]
