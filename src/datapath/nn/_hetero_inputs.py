@@ -1,0 +1,43 @@
+"""How a relational layer reads its inputs: a typed graph and ``{node_type: (num_src[t], F)}`` rows."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from datapath.ops import FeatureShapeError, GraphFormatError
+
+EdgeType = tuple[str, str, str]
+
+
+def hetero_inputs(graph: Any, x: Mapping[str, torch.Tensor], edge_types: Sequence[EdgeType]
+                  ) -> tuple[dict[str, int], dict[str, int]]:
+    """(num_src, num_dst) per node type of ``graph`` (a `HeteroBlock` or `HeteroGraph`), after checking ``x``.
+
+    Raises `FeatureShapeError` naming the node type whose rows do not match the graph, and
+    `GraphFormatError` naming a relation the layer was not built for.
+    """
+    rels = getattr(graph, "relations", None)
+    if rels is None or not isinstance(x, Mapping):
+        raise GraphFormatError("a relational layer takes (graph, x_dict): a HeteroBlock or HeteroGraph and "
+                               "{node_type: features}")
+    if hasattr(graph, "src_nodes"):
+        num_src, num_dst = graph.num_src_nodes, graph.num_dst_nodes
+    else:
+        num_src = num_dst = dict(graph.num_nodes)
+    known = set(edge_types)
+    for et in rels:
+        if et not in known:
+            raise GraphFormatError(f"relation {et} is not one of the layer's edge types {list(edge_types)}; "
+                                   f"build the layer with the graph's metadata")
+    for t, v in x.items():
+        if t not in num_src:
+            raise FeatureShapeError(f"x names node type {t!r}, which is not in the graph ({sorted(num_src)})")
+        if v.dim() != 2 or v.shape[0] != num_src[t]:
+            raise FeatureShapeError(f"x[{t!r}] has shape {tuple(v.shape)} but node type {t!r} has {num_src[t]} "
+                                    f"source rows in this layer; pass (num_src_nodes[{t!r}], F)")
+    for et in rels:
+        if et[0] not in x and rels[et].num_edges:
+            raise FeatureShapeError(f"relation {et} reads node type {et[0]!r}, which has no rows in x")
+    return num_src, num_dst

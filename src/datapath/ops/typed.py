@@ -1,0 +1,186 @@
+"""Typed ops for relational layers: relations merged per destination type, compact source sets, typed linears.
+
+Hector's compact materialisation: a relational layer transforms each (node, relation) pair once --
+the distinct sources of a relation, gathered and multiplied by the relation's weight -- never each
+edge, then aggregates over the relations *merged* into one CSR per destination type, whose columns
+index the concatenation of the relations' compact tables.  One `datapath.ops.aggregate` /
+`edge_softmax` / `sddmm` launch then covers every relation into a type (a softmax across relations
+needs exactly that), accumulating in float32 for half-precision rows.
+
+    into = relations_into(block, "paper")               # kept with the block: built once
+    h = typed_linear([x[s][src] for s, src in zip(into.src_types, into.sources)], into.weights(w))
+    out = aggregate(into.csr, h, "sum", edge_weight=alpha)
+
+Graphs are `datapath.sampling.HeteroBlock`s (sampled layers) or `datapath.graph.HeteroGraph`s (whole
+graphs: a node's sources are all nodes of the type).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from datapath.graph.csr import CSRGraph
+from datapath.ops.errors import FeatureShapeError, GraphFormatError
+
+EdgeType = tuple[str, str, str]
+
+
+@dataclass(eq=False)
+class TypedRelations:
+    """The relations into one destination type, merged into one CSR over their compact source tables.
+
+    Attributes:
+        dst_type: the destination node type.
+        edge_types: the relations ``(src, name, dst_type)``, in the graph's order; ``rel`` ids index this list.
+        sources: per relation, (U_r,) int64 rows of the source type's inputs that the relation reads
+            (distinct and sorted with ``compact``; all rows otherwise).
+        offsets: (R+1,) host ints; relation r's rows of the concatenated table are ``offsets[r]:offsets[r+1]``.
+        csr: a trusted CSR of the destination rows over the concatenated table (``num_src = offsets[-1]``);
+            each row lists its edges relation by relation.
+        edge_rel: (E,) int64 relation id of each merged edge.
+        edge_dst: (E,) int64 destination row of each merged edge.
+        num_dst: destination rows.
+    """
+
+    dst_type: str
+    edge_types: list[EdgeType]
+    sources: list[torch.Tensor]
+    offsets: list[int]
+    csr: CSRGraph
+    edge_rel: torch.Tensor
+    edge_dst: torch.Tensor
+    num_dst: int
+
+    @property
+    def src_types(self) -> list[str]:
+        return [et[0] for et in self.edge_types]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.sources, self.csr.indptr, self.csr.indices, self.edge_rel, self.edge_dst]
+
+
+def _relations(graph: Any) -> tuple[dict[EdgeType, Any], dict[str, int], dict[str, int]]:
+    """(relations, num_src per type, num_dst per type) of a HeteroBlock or a HeteroGraph."""
+    rels = getattr(graph, "relations", None)
+    if rels is None:
+        raise GraphFormatError(f"expected a HeteroBlock or HeteroGraph, got {type(graph).__name__}")
+    if hasattr(graph, "src_nodes"):
+        return rels, graph.num_src_nodes, graph.num_dst_nodes
+    return rels, dict(graph.num_nodes), dict(graph.num_nodes)
+
+
+def relations_into(graph: Any, dst_type: str, compact: bool = True) -> TypedRelations:
+    """The relations of ``graph`` into ``dst_type``, merged (see `TypedRelations`); kept with the graph.
+
+    ``compact``: each relation's table holds only the sources it reads (one ``torch.unique`` per
+    relation, a host synchronisation on the GPU; built once per block, e.g. in a loader's ``prepare``).
+    """
+    key = ("typed_relations", dst_type, bool(compact))
+    keep = getattr(graph, "derived", None)
+    make = lambda: _merge(graph, dst_type, compact)  # noqa: E731
+    return keep(key, make) if keep is not None else make()
+
+
+def _merge(graph: Any, dst_type: str, compact: bool) -> TypedRelations:
+    rels, num_src, num_dst = _relations(graph)
+    if dst_type not in num_dst:
+        raise GraphFormatError(f"node type {dst_type!r} is not in the graph; its types are {sorted(num_dst)}")
+    ets = [et for et in rels if et[2] == dst_type]
+    n = int(num_dst[dst_type])
+    dev = next(iter(rels.values())).indices.device
+    sources, degs, ptrs, idxs = [], [], [], []
+    offsets = [0]
+    for et in ets:
+        r = rels[et]
+        ptr = r.indptr.to(torch.int64)
+        idx = r.indices.to(torch.int64)
+        if compact:
+            src, inv = torch.unique(idx, sorted=True, return_inverse=True)
+        else:
+            src, inv = torch.arange(num_src[et[0]], device=dev), idx
+        sources.append(src)
+        offsets.append(offsets[-1] + src.numel())
+        degs.append(ptr[1:] - ptr[:-1])
+        ptrs.append(ptr)
+        idxs.append(inv)
+    deg_all = torch.stack(degs).sum(0) if degs else torch.zeros(n, dtype=torch.int64, device=dev)
+    indptr = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(deg_all, 0, out=indptr[1:])
+    e_all = sum(int(i.numel()) for i in idxs)
+    indices = torch.empty(e_all, dtype=torch.int64, device=dev)
+    edge_rel = torch.empty(e_all, dtype=torch.int64, device=dev)
+    edge_dst = torch.empty(e_all, dtype=torch.int64, device=dev)
+    before = indptr[:-1].clone()  # where relation r's edges of each row start in the merged row
+    for r, (ptr, inv, deg) in enumerate(zip(ptrs, idxs, degs)):
+        e = inv.numel()
+        row = torch.repeat_interleave(torch.arange(n, device=dev), deg, output_size=e)
+        pos = before[row] + (torch.arange(e, device=dev) - ptr[row])
+        indices[pos] = inv + offsets[r]
+        edge_rel[pos] = r
+        edge_dst[pos] = row
+        before += deg
+    max_deg = None
+    hints = [getattr(rels[et], "max_degree", None) for et in ets]
+    if ets and all(isinstance(h, int) for h in hints):
+        max_deg = sum(hints)
+    csr = CSRGraph(indptr, indices, offsets[-1], n, trusted=True)
+    csr.max_degree = max_deg  # type: ignore[attr-defined] - read by datapath.ops for trusted graphs
+    return TypedRelations(dst_type, ets, sources, offsets, csr, edge_rel, edge_dst, n)
+
+
+def typed_linear(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
+                 biases: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """The concatenation of ``xs[i] @ weights[i] (+ biases[i])``: a segment matmul over rows grouped by type.
+
+    Args:
+        xs: per type (N_i, K) rows (one dtype and device).
+        weights: per type (K, M).
+        biases: optional per type (M,) or None.
+
+    Returns:
+        (sum N_i, M) in the inputs' dtype (cuBLAS accumulates half precision in float32); differentiable.
+    """
+    if len(xs) != len(weights) or (biases is not None and len(biases) != len(xs)):
+        raise FeatureShapeError(f"typed_linear needs one weight (and bias) per type, got {len(xs)} inputs, "
+                                f"{len(weights)} weights")
+    if not xs:
+        raise FeatureShapeError("typed_linear needs at least one type")
+    outs = []
+    for i, (x, w) in enumerate(zip(xs, weights)):
+        if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+            raise FeatureShapeError(f"type {i}: rows {tuple(x.shape)} cannot multiply weight {tuple(w.shape)}")
+        b = biases[i] if biases is not None else None
+        outs.append(torch.addmm(b, x, w) if b is not None else x @ w)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def compact_linear(into: TypedRelations, x: dict[str, torch.Tensor], weights: Sequence[torch.Tensor],
+                   biases: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Transform each (source node, relation) pair of ``into`` once: ``cat_r(x[src_r][sources_r] @ weights[r])``.
+
+    Args:
+        into: `relations_into` of the layer's graph and destination type.
+        x: ``{node_type: (N_t, K)}`` the layer's source rows.
+        weights: per relation of ``into`` (K, M); biases optional per relation (M,).
+
+    Returns:
+        (into.offsets[-1], M): the concatenated table the merged CSR's columns index.
+    """
+    for t in into.src_types:
+        if t not in x:
+            raise FeatureShapeError(f"no input rows for node type {t!r}, a source of {into.edge_types}")
+    xs = [x[et[0]].index_select(0, src) for et, src in zip(into.edge_types, into.sources)]
+    return typed_linear(xs, weights, biases)
+
+
+def relation_mean(graph: Any, edge_types: Sequence[EdgeType], x: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Per relation of ``edge_types``: the mean of its sources' rows per destination ((num_dst, K) each, 0 for
+    rows without edges), by `datapath.ops.aggregate` on the relation's own CSR (float32 sums): a relational
+    layer's aggregate-then-transform order, which materialises one row per (destination, relation)."""
+    from datapath.ops.aggregate import aggregate  # noqa: PLC0415
+
+    rels = graph.relations
+    return [aggregate(rels[et], x[et[0]], "mean") for et in edge_types]
