@@ -122,11 +122,12 @@ def register(sub: Any) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the per-epoch numbers to this JSON file")
     p.set_defaults(func=train_gnn)
 
-    q = sub.add_parser("prepare-dataset", help="generate a synthetic dataset preset into a directory of .npy files",
+    q = sub.add_parser("prepare-dataset", help="generate a synthetic preset, or import your graph (--from), into a "
+                                               "dataset directory of .npy files",
                        description="Write preset NAME (tiny, reddit, products, papers) to DIR; "
                                    "`datapath train-gnn --dataset DIR` then loads it memory-mapped. The dataset is "
                                    "written into a temporary sibling directory and renamed into place when complete.")
-    q.add_argument("name", help="tiny, reddit, products or papers")
+    q.add_argument("name", metavar="NAME|SRC", help="tiny, reddit, products or papers; with --from: the source")
     q.add_argument("directory", type=Path)
     q.add_argument("--memory-gb", type=_positive(float, 1e-9), default=None,
                    help="papers only: host memory for features + graph [a quarter of RAM]")
@@ -137,15 +138,23 @@ def register(sub: Any) -> None:
                    help="write the features as N shard files (features.shard-R-of-N.npy), one per rank of a "
                         "train-gnn --shard-features job of N ranks; a machine then needs only its ranks' shard "
                         "files beside the other files [one features.npy]")
+    from datapath.apps.prepare import add_import_arguments  # noqa: PLC0415
+
+    add_import_arguments(q)
     q.set_defaults(func=prepare)
 
 
 def prepare(args: argparse.Namespace) -> int:
+    from datapath.apps.prepare import check_import_arguments, run_import  # noqa: PLC0415
     from datapath.graph import prepare_dataset  # noqa: PLC0415
 
+    if args.source_kind is not None:
+        args.name_or_source = args.name
+        return run_import(args)
+    check_import_arguments(args)
     t0 = time.perf_counter()
     d = prepare_dataset(args.name, args.directory, memory_gb=args.memory_gb, seed=args.seed, device=args.device,
-                        overwrite=args.overwrite, shards=args.shards)
+                        overwrite=args.overwrite, shards=args.shards, progress=not args.no_progress)
     meta = json.loads((d / "meta.json").read_text())
     shards = f" in {args.shards} shards" if args.shards else ""
     print(f"wrote {meta['name']} to {d}: {meta['num_nodes']:,} nodes, {meta['num_edges']:,} edges, "

@@ -63,6 +63,21 @@ class Dataset:
     def num_features(self) -> int:
         return int(self.features.shape[1])
 
+    @classmethod
+    def from_pyg(cls, data: Any, name: str = "pyg", split: dict[str, Any] | None = None) -> "Dataset":
+        """From a PyTorch Geometric ``Data``: ``edge_index``, ``x``, ``y`` and ``train_mask``/``val_mask``/``test_mask``
+        (or ``split={"train": ids, "valid": ids, "test": ids}``, as OGB's ``get_idx_split()`` gives)."""
+        from datapath.graph.importers import dataset_from_pyg  # noqa: PLC0415 - importers build Datasets
+
+        return dataset_from_pyg(data, name, split)
+
+    @classmethod
+    def from_dgl(cls, g: Any, name: str = "dgl", split: dict[str, Any] | None = None) -> "Dataset":
+        """From a DGL graph with ``ndata`` ``feat``, ``label`` and ``train_mask``/``val_mask``/``test_mask``."""
+        from datapath.graph.importers import dataset_from_dgl  # noqa: PLC0415
+
+        return dataset_from_dgl(g, name, split)
+
     def save(self, directory: str | Path, *, overwrite: bool = False, shards: int | None = None) -> Path:
         """Write the dataset as a directory of ``.npy`` files plus ``meta.json``, all at once.
 

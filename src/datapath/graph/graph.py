@@ -180,6 +180,20 @@ class Graph:
             indices = indices.astype(np.int64)
         return cls(torch.from_numpy(indptr), torch.from_numpy(indices), num_src_nodes=csr.shape[1])
 
+    @classmethod
+    def from_pyg(cls, data: Any) -> "Graph":
+        """From a PyTorch Geometric ``Data`` (its ``edge_index`` and ``num_nodes``); see `from_edge_index`."""
+        from datapath.graph.importers import graph_from_pyg  # noqa: PLC0415 - importers build Graphs
+
+        return graph_from_pyg(data)
+
+    @classmethod
+    def from_dgl(cls, g: Any) -> "Graph":
+        """From a homogeneous DGL graph (``g.edges()``); see `from_edge_index`."""
+        from datapath.graph.importers import graph_from_dgl  # noqa: PLC0415
+
+        return graph_from_dgl(g)
+
     # -- files ----------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
         """Write ``indptr.npy``, ``indices.npy`` (and ``edge_ids.npy``) plus ``graph.json`` into ``directory``.

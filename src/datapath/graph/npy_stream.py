@@ -1,0 +1,214 @@
+""".npy arrays read and written a block of rows at a time: tables larger than memory pass through in chunks.
+
+`NpyWriter` writes a ``.npy`` file whose shape is known up front by appending rows (plain
+file writes: nothing is memory-mapped, so the written pages never count towards the process's
+resident memory).  `NpyReader` reads rows of a ``.npy`` file, or of an array inside an ``.npz``
+archive (stored or deflated), in order, with the same guarantee; a (2, E) edge array stored
+C-ordered is read as two streams (one per row).
+"""
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from datapath.graph.errors import DatasetError
+
+#: Bytes a chunked read or write moves at once when the caller does not say.
+DEFAULT_BLOCK_BYTES = 64 << 20
+
+
+class NpyWriter:
+    """Write a ``.npy`` file of ``shape`` / ``dtype`` by `write` calls of whole rows, in order.
+
+    ``close`` raises `DatasetError` (and removes the file) unless exactly ``shape[0]`` rows were
+    written; used as a context manager, an exception inside removes the partial file.
+    """
+
+    def __init__(self, path: str | Path, shape: tuple[int, ...], dtype: Any) -> None:
+        self.path = Path(path)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.rows = 0
+        self._f: BinaryIO | None = open(self.path, "wb")  # noqa: SIM115 - closed by close()
+        np.lib.format.write_array_header_1_0(self._f, {"descr": np.lib.format.dtype_to_descr(self.dtype),
+                                                       "fortran_order": False, "shape": self.shape})
+
+    def write(self, rows: np.ndarray) -> None:
+        """Append ``rows`` (shape ``(k, *shape[1:])``, cast to ``dtype``)."""
+        if self._f is None:
+            raise DatasetError(f"{self.path}: write after close")
+        a = np.ascontiguousarray(rows, dtype=self.dtype)
+        if a.shape[1:] != self.shape[1:]:
+            raise DatasetError(f"{self.path}: rows of shape {a.shape[1:]} written to an array of rows "
+                               f"{self.shape[1:]}")
+        if self.rows + a.shape[0] > self.shape[0]:
+            raise DatasetError(f"{self.path}: more than the {self.shape[0]:,} rows declared")
+        self._f.write(a.data if a.size else b"")
+        self.rows += a.shape[0]
+
+    def close(self) -> None:
+        """Flush and close; `DatasetError` if fewer rows than declared were written."""
+        if self._f is None:
+            return
+        f, self._f = self._f, None
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        if self.rows != self.shape[0]:
+            self.path.unlink(missing_ok=True)
+            raise DatasetError(f"{self.path}: {self.rows:,} rows written, {self.shape[0]:,} declared")
+
+    def abort(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "NpyWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _read_into(f: BinaryIO, out: np.ndarray, where: str) -> None:
+    """Fill ``out`` (C-contiguous) from ``f``; `DatasetError` if the file ends first."""
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    got = 0
+    while got < view.nbytes:
+        n = f.readinto(view[got:])
+        if not n:
+            raise DatasetError(f"{where} ends early: the file is truncated ({got:,} of {view.nbytes:,} bytes read)")
+        got += n
+
+
+class NpyReader:
+    """Read the rows of a ``.npy`` file, or of array ``member`` of an ``.npz`` archive, a block at a time.
+
+    ``shape``, ``dtype`` and ``fortran_order`` come from the array's header; ``name`` says where
+    it is (``"raw/data.npz:edge_index"``) for error messages.  Any problem reading it raises
+    `DatasetError` naming it.
+    """
+
+    def __init__(self, path: str | Path, member: str | None = None) -> None:
+        self.path = Path(path)
+        self.member = member
+        self.name = f"{self.path}:{member}" if member else str(self.path)
+        with self._open() as f:
+            self.shape, self.fortran_order, self.dtype = self._header(f)
+            self.offset = f.tell()
+
+    def _open(self) -> BinaryIO:
+        try:
+            if self.member is None:
+                return open(self.path, "rb")  # noqa: SIM115 - the caller closes it
+            z = zipfile.ZipFile(self.path)
+        except FileNotFoundError:
+            raise DatasetError(f"{self.path} is missing") from None
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise DatasetError(f"{self.path} cannot be read as an .npz archive ({exc})") from exc
+        names = z.namelist()
+        entry = f"{self.member}.npy"
+        if entry not in names:
+            keys = sorted(n[:-4] for n in names if n.endswith(".npy"))
+            z.close()
+            raise DatasetError(f"{self.path} has no array {self.member!r}; it holds {', '.join(keys) or 'none'}")
+        return _ZipMember(z, entry)
+
+    def _header(self, f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype]:
+        try:
+            version = np.lib.format.read_magic(f)
+            read = {(1, 0): np.lib.format.read_array_header_1_0,
+                    (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if read is None:
+                raise ValueError(f"unsupported .npy format version {version}")
+            shape, fortran, dtype = read(f)
+        except ValueError as exc:
+            raise DatasetError(f"{self.name} is not a .npy array ({exc})") from exc
+        if dtype.hasobject:
+            raise DatasetError(f"{self.name} holds Python objects; only numeric arrays can be read")
+        return tuple(int(s) for s in shape), bool(fortran), dtype
+
+    @property
+    def num_rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+    def rows(self, block_rows: int, start_byte: int = 0, count: int | None = None) -> Iterator[np.ndarray]:
+        """Yield the rows (C order) in blocks of at most ``block_rows``.
+
+        ``start_byte`` / ``count``: start that many bytes into the data and read ``count`` single
+        values (a part of a larger array, e.g. one row of a C-ordered (2, E) array).
+        """
+        if self.fortran_order and len(self.shape) > 1:
+            raise DatasetError(f"{self.name} is stored in Fortran order; save it C-ordered "
+                               f"(np.ascontiguousarray) to read it a block of rows at a time")
+        row_shape = self.row_shape if count is None else ()
+        total = self.num_rows if count is None else count
+        row_bytes = int(np.prod(row_shape, dtype=np.int64)) * self.dtype.itemsize
+        block_rows = max(1, int(block_rows))
+        with self._open() as f:
+            f.seek(self.offset + start_byte)
+            done = 0
+            while done < total:
+                k = min(block_rows, total - done)
+                out = np.empty((k, *row_shape), self.dtype)
+                _read_into(f, out, self.name)
+                yield out
+                done += k
+
+    def read_all(self) -> np.ndarray:
+        """The whole array (for small arrays: labels of a split, node counts)."""
+        if self.fortran_order and len(self.shape) > 1:
+            out = np.empty(self.shape[::-1], self.dtype)
+            with self._open() as f:
+                f.seek(self.offset)
+                _read_into(f, out, self.name)
+            return out.T
+        parts = list(self.rows(max(1, self.num_rows)))
+        return parts[0].reshape(self.shape) if parts else np.empty(self.shape, self.dtype)
+
+
+class _ZipMember(io.RawIOBase):
+    """A member of a zip file that closes the archive with itself and seeks (forward) in it."""
+
+    def __init__(self, z: zipfile.ZipFile, name: str) -> None:
+        super().__init__()
+        self._z = z
+        self._f = z.open(name)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        return self._f.read(n)
+
+    def readinto(self, b: Any) -> int:
+        return self._f.readinto(b)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self._f.seek(pos, whence)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
+            self._z.close()
+        super().close()
