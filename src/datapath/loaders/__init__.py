@@ -16,9 +16,13 @@ from typing import Any
 from datapath.loaders.batch import Batch
 from datapath.loaders.distributed import DistributedNeighborLoader, RankBatch
 from datapath.loaders.errors import LoaderError
+from datapath.loaders.hetero import HeteroBatch, HeteroNeighborLoader, hetero_hotness
 from datapath.loaders.loader import NeighborLoader
 
-__all__ = ["Batch", "DistributedNeighborLoader", "LoaderError", "NeighborLoader", "RankBatch"]
+__all__ = [
+    "Batch", "DistributedNeighborLoader", "HeteroBatch", "HeteroNeighborLoader", "LoaderError", "NeighborLoader",
+    "RankBatch", "hetero_hotness",
+]
 
 
 def __getattr__(name: str) -> Any:  # old paths (datapath.loaders.Graph, .train_epoch, ...), one more release

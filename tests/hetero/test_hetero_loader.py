@@ -1,0 +1,50 @@
+"""HeteroNeighborLoader: each node type's rows from its own table, labels of the seeds, every seed once per epoch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from datapath.loaders import HeteroNeighborLoader, LoaderError, hetero_hotness
+from datapath.sampling import HeteroNeighborSampler
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_batches_carry_each_types_rows(hetero, prefetch) -> None:
+    hg, n, _ = hetero(11, scale=2)
+    g = torch.Generator().manual_seed(0)
+    feats = {"paper": torch.randn(n["paper"], 6, generator=g), "author": torch.randn(n["author"], 3, generator=g)}
+    labels = torch.randint(0, 5, (n["paper"],), generator=g)
+    seeds = torch.randperm(n["paper"], generator=g)[:50]
+    loader = HeteroNeighborLoader(hg, ("paper", seeds), [3, 2], batch_size=16, shuffle=True, features=feats,
+                                  labels=labels, device="cpu", prefetch=prefetch)
+    seen = []
+    for batch in loader:
+        assert set(batch.x) == {"paper", "author"}
+        for t, x in batch.x.items():
+            assert torch.equal(x, feats[t][batch.input_nodes[t]])
+        assert torch.equal(batch.y, labels[batch.seeds])
+        assert torch.equal(batch.blocks[-1].dst_nodes("paper"), batch.seeds)
+        seen.append(batch.seeds)
+    assert len(seen) == len(loader) == 4
+    assert sorted(torch.cat(seen).tolist()) == sorted(seeds.tolist())
+
+
+def test_bad_tables_are_named(hetero) -> None:
+    hg, n, _ = hetero(12)
+    seeds = ("paper", torch.arange(5))
+    with pytest.raises(LoaderError, match="'author'"):
+        HeteroNeighborLoader(hg, seeds, [2], features={"author": torch.randn(n["author"] + 1, 2)}, device="cpu")
+    with pytest.raises(LoaderError, match="'venue'"):
+        HeteroNeighborLoader(hg, seeds, [2], features={"venue": torch.randn(3, 2)}, device="cpu")
+    with pytest.raises(LoaderError, match="'paper'"):
+        HeteroNeighborLoader(hg, seeds, [2], labels=torch.zeros(3, dtype=torch.long), device="cpu")
+
+
+def test_hotness_counts_presampled_reads(hetero) -> None:
+    hg, n, _ = hetero(13, scale=2)
+    hot = hetero_hotness(hg, ("paper", torch.arange(40)), HeteroNeighborSampler([3, 2]), batch_size=8, batches=3)
+    assert set(hot) == set(n) and all(hot[t].shape == (n[t],) for t in n)
+    deg = sum(torch.bincount(hg[et].indices.long(), minlength=n["paper"]) for et in hg.edge_types if et[0] == "paper")
+    read = hot["paper"] // (int(deg.max()) + 1)  # the presample counts (ties broken by degree below them)
+    assert torch.equal(hot["paper"] % (int(deg.max()) + 1), deg)
+    assert (read > 0).sum() >= 24 and int(read.max()) <= 3  # 3 batches of 8 distinct seeds, each read at most 3 times
