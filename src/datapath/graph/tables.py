@@ -284,7 +284,7 @@ def check_ids(table: Table, first: int, a: np.ndarray, bound: int | None, what: 
         bad = ~np.isfinite(a) | (a != np.round(a))
         if bad.any():
             r, c = np.argwhere(bad)[0]
-            raise table.error(first + int(r), int(c), f"{a[r, c]!r} is not an integer {what}")
+            raise table.error(first + int(r), int(c), f"{a[r, c].item()!r} is not an integer {what}")
         a = a.astype(np.int64)
     elif a.dtype.kind not in "iu":
         raise DatasetError(f"{table.name} holds {a.dtype} values; {what}s must be integers")
