@@ -4,5 +4,6 @@ Catch `DatapathError` for anything datapath raises on purpose; every message say
 went wrong and what to do.
 """
 from datapath._runtime.errors import CudaUnavailableError, DatapathError, KernelLoadError, PinnedMemoryError
+from datapath._runtime.optional import MissingDependencyError
 
-__all__ = ["CudaUnavailableError", "DatapathError", "KernelLoadError", "PinnedMemoryError"]
+__all__ = ["CudaUnavailableError", "DatapathError", "KernelLoadError", "MissingDependencyError", "PinnedMemoryError"]
