@@ -2,6 +2,7 @@
 
     from datapath.memory import placement_of, kind_of, gather_rows, kernel_view
     placement_of(t)          # "cuda" | "unified" | "cpu"
+    is_unified(t)            # a tensor on a HostRecord (UnifiedTensor): pinned buffer, read-only flag, device view
     kind_of(t)               # "cuda" | "unified" | "pinned" | "shared" | "mmap" | "pageable"
     rows = gather_rows(table, cuda_idx)   # zero copy from unified/pinned host memory, or from GPU memory
     scatter_rows(table, cuda_idx, rows)   # the write direction
@@ -21,6 +22,7 @@ from datapath._runtime.pinned import (
 )
 from datapath.memory.bounds import ErrorFlag, check_errors, deferred_flag
 from datapath.memory.config import GATHER_MODES, GatherConfig, config_from_env, gather_config
+from datapath.memory.host_record import HostRecord, ReadOnlyTableError
 from datapath.memory.huge_pages import free_hugetlb_pages, huge_page_bytes, huge_pinned_empty, thp_mode
 from datapath.memory.placement import (
     PLACEMENTS,
@@ -35,7 +37,7 @@ from datapath.memory.placement import (
     placement_of,
     to_placement,
 )
-from datapath.memory.rows import ReadOnlyTableError, gather_rows, gather_tiered, pending_host_reads, scatter_rows
+from datapath.memory.rows import gather_rows, gather_tiered, pending_host_reads, scatter_rows
 
 __all__ = [
     "HostRegistration", "PinnedMemoryError", "cuda_alias", "pending_host_reads", "pin_limit_bytes", "pinned_empty",
@@ -45,5 +47,5 @@ __all__ = [
     "NativeLauncher", "native_launcher",
     "PLACEMENTS", "Kind", "Placement", "PlacementError", "host_of", "is_read_only", "is_unified", "kernel_view",
     "kind_of", "placement_of", "to_placement",
-    "ReadOnlyTableError", "gather_rows", "gather_tiered", "scatter_rows",
+    "HostRecord", "ReadOnlyTableError", "gather_rows", "gather_tiered", "scatter_rows",
 ]

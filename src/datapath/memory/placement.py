@@ -9,7 +9,7 @@ Kinds (`kind_of`), finest first:
 
 ==============  ===========================================================
 ``"cuda"``      GPU memory
-``"unified"``   a `datapath.unified_tensor.UnifiedTensor` (pinned, mapped)
+``"unified"``   a `HostRecord` tensor (`datapath.unified_tensor.UnifiedTensor`: pinned, mapped)
 ``"pinned"``    a plain CPU tensor in page-locked memory (``pin_memory()``)
 ``"shared"``    pageable memory mapped from a RAM-backed file (``/dev/shm``)
 ``"mmap"``      pageable memory mapped from a file on disk (``np.load(mmap_mode=...)``)
@@ -30,6 +30,7 @@ import torch
 
 from datapath._runtime.errors import DatapathError
 from datapath._runtime.pinned import cuda_alias, mapping_file, mapping_of, mount_type, pinned_empty
+from datapath.memory.host_record import HostRecord
 
 Placement = Literal["cpu", "unified", "cuda"]
 Kind = Literal["cuda", "unified", "pinned", "shared", "mmap", "pageable"]
@@ -41,25 +42,10 @@ class PlacementError(DatapathError, ValueError):
     """A tensor is in memory the requested path cannot use (wrong device, pageable where pinned is needed)."""
 
 
-_UNIFIED: list[type] = []
-
-
-def unified_type() -> type:
-    """`datapath.unified_tensor.UnifiedTensor` (imported on first use: unified_tensor builds on memory)."""
-    return _UNIFIED[0] if _UNIFIED else _unified_type()
-
-
-def _unified_type() -> type:
-    if not _UNIFIED:
-        from datapath.unified_tensor.tensor import UnifiedTensor  # noqa: PLC0415 - unified_tensor builds on memory
-
-        _UNIFIED.append(UnifiedTensor)
-    return _UNIFIED[0]
-
-
 def is_unified(t: object) -> bool:
-    """True for a `datapath.unified_tensor.UnifiedTensor` (it reports ``device.type == "cpu"``)."""
-    return isinstance(t, _unified_type())
+    """True for a tensor on a `HostRecord` (`datapath.unified_tensor.UnifiedTensor`; it reports
+    ``device.type == "cpu"``): the one answer, also behind ``Tensor.is_unified``."""
+    return isinstance(t, HostRecord)
 
 
 def kind_of(t: torch.Tensor) -> Kind:
@@ -97,9 +83,8 @@ def placement_of(t: torch.Tensor) -> Placement:
 
 def split(t: torch.Tensor) -> tuple[Placement, torch.Tensor]:
     """(`placement_of` ``t``, the tensor a kernel or the CPU reads: ``t`` or, for a unified tensor, `host_of` ``t``)."""
-    ut = _UNIFIED[0] if _UNIFIED else _unified_type()
-    if isinstance(t, ut):
-        return "unified", t._host  # type: ignore[attr-defined]
+    if isinstance(t, HostRecord):
+        return "unified", t._host
     if t.is_cuda:
         return "cuda", t
     return placement_of(t), t
@@ -109,8 +94,8 @@ def is_read_only(t: torch.Tensor) -> bool:
     """True when writing into ``t``'s memory would fault: a read-only unified tensor (`as_unified` of a
     non-writable array or a read-only mapping), or a CPU tensor over a read-only mapping
     (``np.load(path, mmap_mode="r")``).  Reads ``/proc/self/maps`` for CPU tensors (about 0.1 ms)."""
-    if is_unified(t):
-        return bool(getattr(t, "_readonly", False))
+    if isinstance(t, HostRecord):
+        return t._readonly
     if t.device.type != "cpu" or t.untyped_storage().nbytes() == 0:
         return False
     m = mapping_of(t.untyped_storage().data_ptr())
@@ -119,8 +104,8 @@ def is_read_only(t: torch.Tensor) -> bool:
 
 def host_of(t: torch.Tensor) -> torch.Tensor:
     """The plain CPU tensor holding ``t``'s data (same memory, no copy) for cpu and unified tensors."""
-    if is_unified(t):
-        return t._host  # type: ignore[attr-defined]
+    if isinstance(t, HostRecord):
+        return t._host
     if t.device.type == "cpu":
         return t
     raise PlacementError(f"host_of needs a tensor in host memory, got one on {t.device}")

@@ -23,19 +23,15 @@ import threading
 
 import torch
 
-from datapath._runtime.errors import DatapathError
 from datapath._runtime.pinned import cuda_alias, in_flight
 from datapath._runtime.pinned import pending_host_reads as _pending_runtime
 from datapath.memory import _launch, _order, _plans
 from datapath.memory.bounds import ErrorFlag, current_flag, deferred_flag, raise_deferred, thread_flag
 from datapath.memory.config import GATHER_MODES, gather_config
+from datapath.memory.host_record import HostRecord, ReadOnlyTableError
 from datapath.memory.placement import (
-    PlacementError, host_of, is_read_only, is_unified, placement_of, split, unified_type,
+    PlacementError, host_of, is_read_only, is_unified, placement_of, split,
 )
-
-
-class ReadOnlyTableError(DatapathError):
-    """A write into a table whose memory is read-only (a read-only mapping or a non-writable array)."""
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -128,12 +124,12 @@ def _gather_known_unified(table: torch.Tensor, idx: torch.Tensor, error_flag: Er
     `_plans.FastGather`; the host time before the launch is what a small call from an idle
     GPU waits for (B1).
     """
-    if type(table) is not unified_type() or type(idx) is not torch.Tensor:
+    if not isinstance(table, HostRecord) or type(idx) is not torch.Tensor:
         return None
     dev = idx.get_device()  # -1 on the CPU
     if dev < 0 or idx.stride() != (1,):
         return None
-    rec = _plans.known_host_table(table._host)  # type: ignore[attr-defined]
+    rec = _plans.known_host_table(table._host)
     idx_dtype = idx.dtype
     if rec is None or (idx_dtype is not torch.int64 and idx_dtype is not torch.int32):
         return None
@@ -186,7 +182,7 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # noqa: SLF0
 _current_device = getattr(torch._C, "_cuda_getDevice", None)  # noqa: SLF001
 
 
-def take_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
+def take_rows(table: HostRecord, idx: torch.Tensor) -> torch.Tensor | None:
     """``table[idx]`` for `UnifiedTensor.__getitem__` (``gather_rows(table, idx)``); None when ``idx`` is not a
     CUDA integer tensor (the caller indexes as PyTorch does).
 
@@ -198,7 +194,7 @@ def take_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
     """
     if type(idx) is not torch.Tensor:
         return None
-    host = table._host  # type: ignore[attr-defined]
+    host = table._host
     rec = _tables.get(id(host))
     if rec is not None:
         fast = rec.last

@@ -27,6 +27,7 @@ import torch
 
 from datapath._runtime.errors import DatapathError
 from datapath._runtime.pinned import pinned_empty
+from datapath.memory.placement import is_unified
 
 NAME = "unified"
 _lock = threading.Lock()
@@ -138,7 +139,7 @@ def install_to_unified() -> None:
     pays for one Python call around the C method: about 0.2-0.5 us (``benchmarks/tensor_to.py``
     measures it per call form).  ``UnifiedTensor.to`` handles the unified tensor's own moves.
     """
-    from datapath.unified_tensor.tensor import UnifiedTensor, to_unified  # noqa: PLC0415
+    from datapath.unified_tensor.tensor import to_unified  # noqa: PLC0415
 
     if getattr(torch.Tensor.to, "_datapath_routed", False):
         return
@@ -157,7 +158,7 @@ def install_to_unified() -> None:
     to._datapath_routed = True  # type: ignore[attr-defined]
     to.__doc__ = orig_to.__doc__
     torch.Tensor.to = to  # type: ignore[method-assign]
-    _set_is_unified(UnifiedTensor)
+    _set_is_unified()
 
 
 def _names_unified(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -175,9 +176,10 @@ def _to_unified(t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], 
     return to_unified(t, dtype)
 
 
-def _set_is_unified(cls: type) -> None:
+def _set_is_unified() -> None:
+    """``Tensor.is_unified``: `datapath.memory.is_unified`, the one answer."""
     torch.Tensor.is_unified = property(  # type: ignore[attr-defined]
-        lambda self: isinstance(self, cls), doc="True for a tensor in unified (pinned, GPU-mapped) host memory."
+        is_unified, doc="True for a tensor in unified (pinned, GPU-mapped) host memory."
     )
 
 
@@ -187,14 +189,12 @@ def register_device() -> None:
     Read the module docstring first: in PyTorch >= 2.8 this breaks CUDA autograd in
     the whole process.
     """
-    from datapath.unified_tensor.tensor import UnifiedTensor  # noqa: PLC0415
-
     if "is_unified" in vars(torch.Tensor) and not _library:
         delattr(torch.Tensor, "is_unified")  # PyTorch generates its own; ours is put back below
     try:
         register()
     finally:
-        _set_is_unified(UnifiedTensor)
+        _set_is_unified()
 
 
 def register() -> None:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from datapath._runtime.pinned import HostRegisterError, pinnable_in_place, register_in_place
+from datapath.memory import ReadOnlyTableError
 from datapath.memory.placement import is_read_only
 from datapath.memory.placement import is_unified as is_unified  # noqa: F401 - the one answer, re-exported here
 from datapath.unified_tensor.tensor import Affinity, UnifiedTensor, to_unified
@@ -74,9 +75,19 @@ def as_unified(t: torch.Tensor | np.ndarray, affinity: Affinity = "host") -> Uni
 
 
 def host_tensor(u: torch.Tensor) -> torch.Tensor:
-    """The CPU tensor (pinned when CUDA is present) holding ``u``'s data: same memory, no copy."""
+    """The CPU tensor (pinned when CUDA is present) holding ``u``'s data: same memory, no copy.
+
+    Raises:
+        ReadOnlyTableError: ``u`` is read-only (a tensor has no read-only flag, and a write into a
+            read-only mapping crashes the process): read it through ``u.numpy()`` (an array that is not
+            writeable) or copy it with ``u.cpu()``.
+    """
     if not isinstance(u, UnifiedTensor):
         raise TypeError(f"host_tensor needs a unified tensor, got one on {u.device}")
+    if u.read_only:
+        raise ReadOnlyTableError(
+            "host_tensor(u) would hand out a writable tensor over read-only memory; read it with u.numpy() "
+            "(not writeable) or copy it with u.cpu()")
     return u._host
 
 

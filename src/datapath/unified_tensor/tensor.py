@@ -33,6 +33,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from datapath._runtime.pinned import HostRegistration, cuda_alias, in_flight, pinned_empty
+from datapath.memory.host_record import HostRecord
 
 Affinity = str  # "host" | "gpu"
 _AFFINITIES = ("host", "gpu")
@@ -47,18 +48,16 @@ _ATOMIC_INPLACE = {
 }
 
 
-class UnifiedTensor(torch.Tensor):
+class UnifiedTensor(torch.Tensor, HostRecord):
     """A tensor in pinned host memory that GPU kernels read directly (device ``"unified"``).
 
     Make one with ``t.to("unified")``, ``torch.empty(..., device="unified")`` or
     ``datapath.unified_tensor.as_unified(t)``; see the module docstring for where
-    its operations run.
+    its operations run.  The memory (host buffer, read-only flag, device view) is a
+    `datapath.memory.HostRecord`; this type adds the affinity and the placement rules.
     """
 
-    _host: torch.Tensor
     _affinity: str
-    _keep: tuple[Any, ...]
-    _readonly: bool
 
     @staticmethod
     def __new__(cls, host: torch.Tensor, affinity: Affinity = "host",
@@ -103,14 +102,10 @@ class UnifiedTensor(torch.Tensor):
         """A new unified tensor over the same memory with affinity ``value`` (no data moves)."""
         return UnifiedTensor(self._host, value, self._keep, self._readonly)
 
-    @property
-    def read_only(self) -> bool:
-        """True when the memory is read-only (writes raise `datapath.memory.ReadOnlyTableError`)."""
-        return self._readonly
-
     # --- conversions PyTorch users expect ---------------------------------------------
-    def numpy(self, *, force: bool = False) -> Any:  # noqa: D102 - same as torch.Tensor.numpy
-        return self._host.numpy(force=force)
+    def numpy(self, *, force: bool = False) -> Any:
+        """``torch.Tensor.numpy``: an array over the same memory, not writeable when the tensor is read-only."""
+        return self.host_array(force=force)
 
     def tolist(self) -> Any:  # noqa: D102 - same as torch.Tensor.tolist
         return self._host.tolist()
@@ -180,12 +175,7 @@ def _refuse_read_only_write(func: Any, args: tuple[Any, ...], kwargs: dict[str, 
         v = args[i] if i < len(args) else kwargs.get(name)
         for x in (v if isinstance(v, (list, tuple)) else (v,)):
             if isinstance(x, UnifiedTensor) and x._readonly:
-                from datapath.memory import ReadOnlyTableError  # noqa: PLC0415 - memory imports this module
-
-                raise ReadOnlyTableError(
-                    f"{func} would write a read-only unified tensor (made from a read-only memory mapping or a "
-                    f"numpy array that is not writeable); copy it first with t.to('unified'), or load the array "
-                    f"writable (np.load without mmap_mode='r')")
+                x.refuse_write(str(func))
 
 
 def _rebuild(host: torch.Tensor, affinity: str) -> UnifiedTensor:
