@@ -18,6 +18,8 @@
 #             B4_TIMEOUT=575 B4_ARGS="--models llama,gpt2 --steps 7 --warmup 2 --time-budget 265" (390 s) and
 #             B4_TIMEOUT=300 B4_ARGS="--models gpt-h8192 --steps 5 --warmup 2 --time-budget 250" (190 s))
 #   rok       ROK curve                          benchmarks/rok.py                           (~2.5 min)
+#   fuzz      differential kernel fuzz           benchmarks/kernel_fuzz.py: >= 10,000 cases, then 500 under
+#             compute-sanitizer memcheck and a racecheck subset (~9 min; FUZZ_ARGS / T_FUZZ override)
 #   two-gpu   the tests that need 2 GPUs (offload FSDP2/DDP/Megatron TP2, data-parallel loaders, sharded store,
 #             two torchrun nodes)                                     (nvidia-h200-x2 only; ~4 min with tests/features)
 #   b5        B5 features sharded over 2 nodes: its GPU tests, then products 1 GPU vs 2 torchrun nodes
@@ -111,6 +113,7 @@ for s in "${suites[@]}"; do
     b3) bench 260 aggregate --repeat 5; bench 120 full_graph ;;
     b4) bench "${B4_TIMEOUT:-560}" offload ${B4_ARGS:---time-budget 170} ;;
     rok) bench 160 rok ;;
+    fuzz) bench "${T_FUZZ:-590}" kernel_fuzz ${FUZZ_ARGS:-} ;;
     two-gpu)
       timeout "${T_TESTS:-500}" python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
         tests/offload/test_offload_parallel_gpu.py tests/offload/test_offload_distributed.py \
