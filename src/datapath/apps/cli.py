@@ -60,7 +60,9 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--dataset", default="tiny",
                    help="preset (tiny, reddit, products, papers) or a directory from prepare-dataset [tiny]")
-    p.add_argument("--model", choices=("sage", "gat"), default="sage", help="GNN [sage]")
+    p.add_argument("--model", choices=("sage", "gat", "rgat", "rgcn", "hgt"), default="sage",
+                   help="GNN; rgat/rgcn/hgt: relational models on a heterogeneous dataset (igbh-tiny, igbh-small, mag) "
+                        "[sage]")
     p.add_argument("--epochs", type=_positive(int, 0), default=4, help="epochs [4]")
     p.add_argument("--batch-size", type=_positive(int), default=512, help="seed nodes per batch (per GPU) [512]")
     p.add_argument("--fanouts", type=_fanouts, default=(10, 5),
@@ -153,6 +155,15 @@ def prepare(args: argparse.Namespace) -> int:
         return run_import(args)
     check_import_arguments(args)
     t0 = time.perf_counter()
+    from datapath.graph.hetero_synthetic import HETERO_PRESETS, generate_hetero  # noqa: PLC0415
+
+    if args.name in HETERO_PRESETS:  # a heterogeneous preset (IGBH- or MAG-shaped)
+        if args.directory.exists() and any(args.directory.iterdir()) and not args.overwrite:
+            raise ValueError(f"{args.directory} is not empty; pass --overwrite to replace it")
+        data = generate_hetero(args.name, seed=args.seed, device=args.device or ("cuda" if _cuda() else "cpu"))
+        data.save(args.directory)
+        print(f"wrote {args.name} to {args.directory}: {data.graph} ({time.perf_counter() - t0:.1f} s)")
+        return 0
     d = prepare_dataset(args.name, args.directory, memory_gb=args.memory_gb, seed=args.seed, device=args.device,
                         overwrite=args.overwrite, shards=args.shards, progress=not args.no_progress)
     meta = json.loads((d / "meta.json").read_text())
@@ -183,7 +194,9 @@ def train_gnn(args: argparse.Namespace) -> int:
     if not Path(args.dataset).is_dir():
         from datapath.graph import PRESETS  # noqa: PLC0415
 
-        if args.dataset not in PRESETS and args.dataset != "papers":
+        from datapath.graph.hetero_synthetic import HETERO_PRESETS  # noqa: PLC0415
+
+        if args.dataset not in PRESETS and args.dataset != "papers" and args.dataset not in HETERO_PRESETS:
             raise ValueError(f"--dataset {args.dataset!r} is neither a dataset directory nor a preset "
                              f"({', '.join(sorted([*PRESETS, 'papers']))})")
     try:
@@ -192,6 +205,12 @@ def train_gnn(args: argparse.Namespace) -> int:
         _tell_torchrun(exc)
         raise
     return 0
+
+
+def _cuda() -> bool:
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.is_available()
 
 
 def _tell_torchrun(exc: BaseException) -> None:

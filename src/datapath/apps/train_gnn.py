@@ -46,7 +46,7 @@ from datapath.sampling import NeighborSampler
 log = logging.getLogger("datapath.apps.train_gnn")
 
 OPTIMIZERS = ("adam", "sgd")
-MODELS = ("sage", "gat")
+MODELS = ("sage", "gat", "rgat", "rgcn", "hgt")  # the last three: relational models on heterogeneous datasets
 
 
 @dataclass
@@ -274,6 +274,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     cfg.validate()
+    from datapath.apps.train_hetero import is_hetero_run, train_hetero  # noqa: PLC0415
+
+    if is_hetero_run(cfg):  # relational models on a heterogeneous dataset: one process
+        return train_hetero(cfg)
     ctx = init_distributed(cfg.device, timeout_s=cfg.dist_timeout_s)
     if ctx.device.type == "cpu" and ctx.world_size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.local_world_size))
