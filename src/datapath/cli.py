@@ -41,6 +41,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="datapath", description="Fast training when the data does not fit on the GPU.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks on errors")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMAND_MODULES:
         try:
@@ -51,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         mod.register(sub)
     return parser
+
+
+def _version() -> str:
+    import torch  # noqa: PLC0415
+
+    from datapath import __version__  # noqa: PLC0415
+
+    return f"datapath {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

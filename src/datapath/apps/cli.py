@@ -122,6 +122,12 @@ def register(sub: Any) -> None:
                         "then per process (global batch = N x batch). Under torchrun the job's processes are used "
                         "(RANK/WORLD_SIZE/LOCAL_RANK); --gpus may be left out")
     p.add_argument("--json", type=Path, default=None, help="also write the per-epoch numbers to this JSON file")
+    p.add_argument("--save", default=None, metavar="DIR",
+                   help="after each epoch write a checkpoint to DIR/checkpoint.pt (model, optimizer, epoch, random "
+                        "states, settings)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run saved in DIR at its next epoch, up to --epochs in all (the settings that "
+                        "shape the model and data must match); keeps saving to DIR unless --save names another")
     p.set_defaults(func=train_gnn)
 
     q = sub.add_parser("prepare-dataset", help="generate a synthetic preset, or import your graph (--from), into a "
@@ -185,7 +191,8 @@ def train_gnn(args: argparse.Namespace) -> int:
                       shard_features=args.shard_features, cache_scope=args.cache_scope,
                       dist_timeout_s=args.dist_timeout,
                       memory_gb=args.memory_gb, seed=args.seed, prefetch=args.prefetch,
-                      progress=not args.no_progress, json=str(args.json) if args.json is not None else None)
+                      progress=not args.no_progress, json=str(args.json) if args.json is not None else None,
+                      save=args.save, resume=args.resume)
     cfg.validate()
     if args.device == "cuda":
         from datapath._runtime.device import require_cuda  # noqa: PLC0415

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from datapath.apps import checkpoint
 from datapath.apps.errors import DistributedError
 from datapath.apps.launch import (
     DistContext, _leave_together, all_gather_objects, in_launched_job, init_distributed, launch, rank_error,
@@ -70,6 +71,8 @@ class TrainConfig:
     fails.  ``eval_nodes``: validation/test
     nodes evaluated after each epoch and at the end (0: no evaluation).  ``max_batches``:
     steps per epoch at most.  ``return_state``: rank 0's result carries the final parameters.
+    ``save``: write a checkpoint (`datapath.apps.checkpoint`) into that directory after each epoch;
+    ``resume``: continue the run saved there at its next epoch (and keep saving there unless ``save``).
     """
 
     dataset: str = "tiny"
@@ -100,6 +103,8 @@ class TrainConfig:
     progress: bool = False
     json: str | None = None
     return_state: bool = False
+    save: str | None = None
+    resume: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting (before any data is built)."""
@@ -153,6 +158,10 @@ class TrainConfig:
             raise ValueError("features_on/graph_on 'cuda' need device 'cuda'")
         if self.memory_gb is not None and not self.memory_gb > 0:
             raise ValueError(f"memory_gb must be > 0, got {self.memory_gb!r}")
+        if self.save is not None and Path(self.save).exists() and not Path(self.save).is_dir():
+            raise ValueError(f"save: {self.save} is a file; give a directory for the checkpoint")
+        if self.resume is not None and not (Path(self.resume) / checkpoint.FILE).is_file():
+            raise ValueError(f"resume: {self.resume} holds no {checkpoint.FILE} (written by train-gnn --save DIR)")
         if self.json is not None:
             parent = Path(self.json).expanduser().resolve().parent
             if not parent.is_dir() or not os.access(parent, os.W_OK):
@@ -319,8 +328,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         f"{ctx.world_size} x {ctx.device.type}{f' ({ctx.backend})' if ctx.world_size > 1 else ''}, batch "
         f"{cfg.batch_size}{' per process' if ctx.world_size > 1 else ''}, {len(loader)} steps per epoch, "
         f"sampling on {loader.sample_device.type}; chance accuracy {1 / ds.num_classes:.3f}", flush=True)
-    history = []
-    for epoch in range(cfg.epochs):
+    history: list[dict[str, Any]] = []
+    start = 0
+    if cfg.resume:  # last before the loop: it sets the random states the next epoch draws from
+        start, history = checkpoint.resume_into(cfg.resume, cfg, ctx, net, opt, [loader, val_loader])
+        say(f"resumed from {cfg.resume} at epoch {start} of {cfg.epochs}", flush=True)
+    for epoch in range(start, cfg.epochs):
         n_steps = len(loader) if cfg.max_batches is None else min(len(loader), cfg.max_batches)
         with tqdm(total=n_steps, desc=f"epoch {epoch}", unit="batch", leave=False,
                   disable=not (cfg.progress and ctx.is_main)) as bar:
@@ -342,6 +355,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             f"{agg['epoch_s']:.2f} s (sample {agg['sample_s']:.2f}, gather {agg['gather_s']:.2f}, train "
             f"{agg['train_s']:.2f}, waiting for data {agg['wait_s']:.2f})  {agg['seeds_per_s']:,.0f} seeds/s{per_rank}  "
             f"CPU {agg['cpu_s']:.2f} s  peak GPU memory {_fmt_bytes(agg['peak_gpu_bytes'])}", flush=True)
+        if cfg.save or cfg.resume:
+            checkpoint.save_epoch(cfg.save or cfg.resume, cfg, ctx, net, opt, epoch, history)
     test = _accuracy(ctx, net, test_loader)
     if test is not None:
         say(f"test accuracy {test:.3f} (chance {1 / ds.num_classes:.3f})")
