@@ -27,6 +27,8 @@
 #             committed multi_node.json: --no-tests --bench "multi_node --datasets products --caches none,own:50%
 #             --name multi_node_products --data-dir bench-disk --timeout 80", then multi_node.py --merge)
 #   (scripts/gpu_fsdp2_diag.py: an FSDP2 step's memory at every layer boundary, keep vs offloaded; 2 GPUs, ~40 s)
+#   hetero    relational layers vs PyG + R-GAT igbh-small epoch, 25% GPU cache vs resident: benchmarks/hetero.py
+#             after tests/hetero's GPU tests (~5 min; HETERO_ARGS=--quick for a trial)
 #   b5-papers B5 on the papers shape (6 GiB)                               (nvidia-h200-x2 only; ~8 min)
 #             then here: benchmarks/multi_node.py --merge OUT1/multi_node_products.json OUT2/multi_node_papers.json
 #
@@ -127,6 +129,11 @@ for s in "${suites[@]}"; do
       echo "B5 GPU tests rc=$rc"; grep -E "^(FAILED|ERROR)|passed|failed" "$L/b5_tests.log" | tail -n 20
       bench 420 multi_node --datasets products --caches none,own:50% --name multi_node_products \
         --data-dir "$PWD/bench-disk" ;;
+    hetero)  # relational layers vs PyG, R-GAT epoch with a 25% GPU cache vs resident (issue 41; ~4 min)
+      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/hetero > "$L/hetero_gpu_tests.log" 2>&1
+      rc=$?; [ "$rc" = 0 ] || status=1
+      echo "hetero GPU tests rc=$rc"; tail -n 3 "$L/hetero_gpu_tests.log"
+      bench "${T_HETERO:-420}" hetero ${HETERO_ARGS:-} ;;
     b5-papers) bench 560 multi_node --datasets papers --papers-gb 6 --caches none,own:25% --name multi_node_papers \
         --data-dir "$PWD/bench-disk" ;;
     *) echo "unknown suite: $s" >&2; status=2 ;;

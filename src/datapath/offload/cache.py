@@ -27,7 +27,7 @@ from datapath._runtime import pin_limit_bytes
 from datapath.offload.budget import BudgetPolicy
 from datapath.offload.cheap_recompute import set_cheap_recompute
 from datapath.offload.config import OffloadConfig, parse_memory_budget
-from datapath.offload.entry import Entry
+from datapath.offload.entry import Entry, Releases
 from datapath.offload.errors import OffloadConfigError, OffloadError, OffloadWarning
 from datapath.offload.file_store import FileStore
 from datapath.offload.hooks import SavedTensorHooks
@@ -93,6 +93,7 @@ class TensorCache:
         self.config = config
         self.stats = OffloadStats()
         self.lock = threading.RLock()
+        self.releases = Releases(self.drop_handle)  # dead handles, released in the main flow
         self.max_storage_bytes = 0
         self._param_keys: set[tuple[str, int, int]] = set()
         self._params_stale = False  # a forward began: refresh the keys before the next check (`is_parameter`)
@@ -447,6 +448,7 @@ class TensorCache:
 
     def wait_io(self) -> None:
         """Block until every queued store and load has finished; raise a pending `OffloadError`."""
+        self.releases.drain()
         self.transfers.wait_idle()
         with self.lock:
             self.transfers.raise_pending()

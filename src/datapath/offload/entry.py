@@ -9,9 +9,10 @@ An entry moves through these states::
 """
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -65,25 +66,60 @@ class Entry:
         return self.slot.store
 
 
-class Releaser(Protocol):
-    def drop_handle(self, e: Entry) -> None: ...
+class _HandleRef(weakref.ref):
+    """A weak reference to a `Handle` that remembers its entry (the handle is gone when it is read)."""
+
+    __slots__ = ("entry",)
+
+
+class Releases:
+    """Handles autograd let go of, released in the main flow.
+
+    A dying handle runs no Python code: its weak reference's callback is a C-level ``deque.append`` that
+    queues it, and `drain` -- called by the hooks, at a root forward, at the end of a backward and when the
+    cache closes -- releases its entry through ``drop``.  A Ctrl-C can then never land inside a finalizer,
+    where Python prints "Exception ignored" and the interrupt is lost.
+    """
+
+    __slots__ = ("drop", "_dead", "_refs")
+
+    def __init__(self, drop: Callable[[Entry], None]) -> None:
+        self.drop = drop
+        self._dead: collections.deque[_HandleRef] = collections.deque()
+        self._refs: set[_HandleRef] = set()  # keeps each reference alive until its handle dies
+
+    def track(self, handle: "Handle") -> None:
+        ref = _HandleRef(handle, self._dead.append)
+        ref.entry = handle.entry
+        self._refs.add(ref)
+
+    def drain(self) -> None:
+        """Release the entries of the handles that died since the last call (main flow only)."""
+        dead = self._dead
+        while dead:
+            try:
+                ref = dead.popleft()
+            except IndexError:  # another thread drained it
+                return
+            self._refs.discard(ref)
+            self.drop(ref.entry)
+
+    def __len__(self) -> int:
+        """Handles that died and are not released yet."""
+        return len(self._dead)
 
 
 class Handle:
-    """What autograd keeps instead of an offloaded tensor: the entry and the view to rebuild."""
+    """What autograd keeps instead of an offloaded tensor: the entry and the view to rebuild.
 
-    __slots__ = ("owner", "entry", "spec", "tref", "version", "__weakref__")
+    It has no ``__del__``: `Releases` notices when it dies (see there)."""
 
-    def __init__(self, owner: Releaser, entry: Entry, t: torch.Tensor) -> None:
-        self.owner = owner
+    __slots__ = ("entry", "spec", "tref", "version", "__weakref__")
+
+    def __init__(self, releases: Releases, entry: Entry, t: torch.Tensor) -> None:
         self.entry = entry
         self.spec = ViewSpec.of(t)
         self.tref = weakref.ref(t)
         self.version = t._version
         entry.handles += 1
-
-    def __del__(self) -> None:
-        try:
-            self.owner.drop_handle(self.entry)
-        except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter shutdown)
-            pass
+        releases.track(self)

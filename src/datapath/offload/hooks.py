@@ -95,6 +95,7 @@ class SavedTensorHooks:
 
     # ------------------------------------------------------------------ pack
     def pack(self, t: torch.Tensor) -> Any:
+        self.c.releases.drain()
         ops = self.ops
         if ops is None or in_backward():
             return self._pack_one(t)
@@ -154,7 +155,7 @@ class SavedTensorHooks:
                         seg = scopes.current_segment(rec)
                         if e not in seg.entries:
                             seg.entries.append(e)
-                    return Handle(c, e, t)
+                    return Handle(c.releases, e, t)
             nbytes = storage.nbytes()
             if nbytes < c.config.select.min_bytes:
                 st.bytes_kept_small += view_bytes
@@ -188,10 +189,11 @@ class SavedTensorHooks:
             rec.live += 1
             rec.entries_made += 1
             c.transfers.submit_store(e)
-            return Handle(c, e, t)
+            return Handle(c.releases, e, t)
 
     # ---------------------------------------------------------------- unpack
     def unpack(self, obj: Any) -> torch.Tensor:
+        self.c.releases.drain()
         if isinstance(obj, torch.Tensor):
             return obj
         if isinstance(obj, Recipe):

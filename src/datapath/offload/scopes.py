@@ -292,6 +292,7 @@ class ScopeTracker:
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._on_backward_end, rec))
 
     def _on_backward_end(self, rec: Record) -> None:
+        self.c.releases.drain()  # the handles the backward let go of (record_done before on_backward_end)
         with self.c.lock:
             self.c.policy.on_backward_end(rec)
 
@@ -306,6 +307,7 @@ class ScopeTracker:
         if in_backward():
             return
         c = self.c
+        c.releases.drain()
         with c.lock:
             c.transfers.raise_pending()
             c.params_may_have_moved()
