@@ -151,3 +151,32 @@ def test_bad_inputs_name_the_type(hetero) -> None:
         layer(block, x)
     with pytest.raises(GraphFormatError, match="cites"):
         RGCNConv(8, 4, hg.edge_types[1:])(block, _inputs(block, 8, dtype=torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-2)])
+def test_layers_on_gpu_match_float64(hetero, cuda_device, dtype, tol) -> None:
+    hg, _, _ = hetero(7, scale=20)
+    blocks = HeteroNeighborSampler([6, 4], seed=2).sample(hg.to("unified"), ("paper", torch.arange(0, 600, 7).to(cuda_device)))
+    block = blocks[0]
+    cpu_block = block.to("cpu")
+    for layer in (RGCNConv(16, 16, hg.edge_types, num_bases=3), RGATConv(16, 8, hg.edge_types, heads=2),
+                  HGTConv(16, 16, hg.metadata, heads=4)):
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(0, 0.3)
+        x = _inputs(block, 16, dtype=torch.float64, seed=8)
+        ref = layer.double()(cpu_block, x)
+        (sum((v * v).sum() for v in ref.values())).backward()
+        ref_grads = {t: v.grad.clone() for t, v in x.items() if v.grad is not None}
+        xg = {t: v.detach().to(cuda_device, dtype).requires_grad_() for t, v in x.items()}
+        out = layer.to(cuda_device, dtype)(block, xg)
+        assert set(out) == set(ref)
+        for t in out:
+            assert out[t].dtype == dtype
+            torch.testing.assert_close(out[t].double().cpu(), ref[t], rtol=tol, atol=tol)
+        (sum((v.float() * v.float()).sum() for v in out.values())).backward()
+        for t, g in ref_grads.items():
+            scale = max(1.0, float(g.abs().max()))
+            torch.testing.assert_close(xg[t].grad.double().cpu() / scale, g / scale, rtol=tol * 3, atol=tol * 3)
+        layer.cpu()
