@@ -51,6 +51,8 @@ def child(args: argparse.Namespace) -> int:
         def write(res: Any) -> None:
             f.write(json.dumps(res.as_dict()) + "\n")
             f.flush()
+            if res.case.index + 1 == args.abort_at:  # the harness's own test: a child dying mid-case
+                os.abort()
 
         if args.filter == "racecheck":
             i, done = args.start, 0
@@ -85,60 +87,78 @@ def _read(jsonl: Path) -> list[dict[str, Any]]:
 
 
 def run_phase(name: str, seed: int, count: int, chunk: int, scale: str | None, budget: float, workdir: Path,
-              tool: str | None = None, filt: str | None = None, ops: str | None = None,
-              device: str = "cuda") -> dict[str, Any]:
-    """Cases 0.. of run ``seed`` in child processes (under ``compute-sanitizer --tool tool`` if given) until
-    ``count`` are done or ``budget`` seconds pass; a child that dies is recorded and the next starts after it."""
-    jsonl = workdir / f"{name}.jsonl"
-    jsonl.unlink(missing_ok=True)
+              tool: str | None = None, filt: str | None = None, ops: str | None = None, device: str = "cuda",
+              parallel: int = 1, abort_at: int = -1) -> dict[str, Any]:
+    """Cases 0.. of run ``seed`` in chunks of ``chunk``, each in a child process (``parallel`` at a time; under
+    ``compute-sanitizer --tool tool`` if given) until ``count`` are done or ``budget`` seconds pass.  A child
+    that stops at an illegal address, or dies mid-case (that case is recorded as a crash), has the rest of its
+    chunk run by a new child from the case after."""
     t0 = time.perf_counter()
-    start, done, crashes, sanitizer_errors, logs = 0, 0, [], 0, []
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 4) // max(1, parallel))))
     prefix: list[str] = []
     if tool:
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
         prefix = [_sanitizer(), "--tool", tool, "--report-api-errors", "no", "--print-limit", "30"]
         if tool == "memcheck":
             prefix += ["--leak-check", "no"]
-    while done < count and time.perf_counter() - t0 < budget:
+    if filt:  # a filter scans indices without bound: the children take disjoint index ranges
+        queue = collections.deque((k * 1_000_000, min(chunk, count - k * chunk))
+                                  for k in range(-(-count // chunk)))
+    else:
+        queue = collections.deque((s0, min(chunk, count - s0)) for s0 in range(0, count, chunk))
+    running: dict[Any, tuple[int, int, Path, int]] = {}
+    crashes: list[dict[str, Any]] = []
+    files: list[Path] = []
+    sanitizer_errors, logs, launched = 0, [], 0
+    while queue or running:
         left = budget - (time.perf_counter() - t0)
-        n = min(chunk, count - done)
-        cmd = prefix + [sys.executable, str(Path(__file__).resolve()), "--child", "--seed", str(seed),
-                        "--start", str(start), "--count", str(n), "--jsonl", str(jsonl),
-                        "--time-limit", str(max(5.0, left - 10)), "--device", device]
-        cmd += ["--scale", scale] if scale else []
-        cmd += ["--filter", filt] if filt else []
-        cmd += ["--ops", ops] if ops else []
-        before = len(_read(jsonl))
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(30.0, left + 30))
-            rc, text = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            rc, text = -9, f"timed out: {exc}"
-        rows = _read(jsonl)
-        new = rows[before:]
-        if tool:
-            found = re.findall(r"ERROR SUMMARY: (\d+) error", text)
-            errs = sum(int(v) for v in found)
-            sanitizer_errors += errs
-            if errs or not found:
+        while queue and len(running) < parallel and left > 5:
+            start, n = queue.popleft()
+            jsonl = workdir / f"{name}_{launched}.jsonl"
+            launched += 1
+            files.append(jsonl)
+            cmd = prefix + [sys.executable, str(Path(__file__).resolve()), "--child", "--seed", str(seed),
+                            "--start", str(start), "--count", str(n), "--jsonl", str(jsonl),
+                            "--time-limit", str(max(5.0, left - 10)), "--device", device]
+            cmd += ["--scale", scale] if scale else []
+            cmd += ["--filter", filt] if filt else []
+            cmd += ["--ops", ops] if ops else []
+            cmd += ["--abort-at", str(abort_at)] if abort_at >= 0 else []
+            log = open(workdir / f"{jsonl.stem}.log", "w")
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+            running[proc] = (start, n, jsonl, time.perf_counter())
+        if not running:
+            break
+        time.sleep(0.2)
+        for proc in [p for p in running if p.poll() is not None or time.perf_counter() - t0 > budget + 60]:
+            start, n, jsonl, _ = running.pop(proc)
+            if proc.poll() is None:  # far past its time limit: stop it
+                proc.kill()
+                proc.wait()
+            rc = proc.returncode
+            text = (workdir / f"{jsonl.stem}.log").read_text(errors="replace")
+            rows = _read(jsonl)
+            if tool:
+                found = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+                errs = sum(int(v) for v in found)
+                sanitizer_errors += errs
+                if errs or not found:
+                    logs.append(text[-6000:])
+            last = max([r["case"]["index"] for r in rows if "case" in r] + [r["skipped"] for r in rows if "skipped" in r]
+                       + [start - 1])
+            done = sum(1 for r in rows if "case" in r)
+            if rc not in (0, 3):  # the child died mid-case (an abort, a kill): that case is a crash
+                crashes.append({"index": last + 1, "rc": rc, "tail": text[-3000:],
+                                "reproduction": reproduction(make_case(seed, last + 1, device, scale=scale))})
                 logs.append(text[-6000:])
-        last = max([r["case"]["index"] for r in new if "case" in r] + [r["skipped"] for r in new if "skipped" in r]
-                   + [start - 1])
-        done += sum(1 for r in new if "case" in r)
-        if rc not in (0, 3) and rc != -9:  # the child died mid-case (an abort): that case is a crash
-            crashes.append({"index": last + 1, "rc": rc, "tail": text[-3000:],
-                            "reproduction": reproduction(make_case(seed, last + 1, device, scale=scale))})
-            last += 1
-            logs.append(text[-6000:])
-        if rc == -9:
-            break
-        start = last + 1
-        if not new and rc == 0:
-            break
-    results = [r for r in _read(jsonl) if "case" in r]
+                last, done = last + 1, done + 1
+            if done < n and rc != 0 and time.perf_counter() - t0 < budget - 5:  # rc 0 short: out of time
+                queue.appendleft((last + 1, n - done))
+    results = [r for f in files for r in _read(f) if "case" in r]
+    results.sort(key=lambda r: r["case"]["index"])
     return {"name": name, "tool": tool, "results": results, "crashes": crashes, "sanitizer_errors": sanitizer_errors,
-            "seconds": time.perf_counter() - t0, "logs": logs}
+            "seconds": time.perf_counter() - t0, "logs": logs, "children": launched}
 
 
 def _sanitizer() -> str:
@@ -164,7 +184,7 @@ def _summary(phase: dict[str, Any]) -> dict[str, Any]:
         d["worst_ratio"] = "inf" if w == "inf" or d["worst_ratio"] == "inf" else max(d["worst_ratio"], w)
         d["seconds"] += r["seconds"]
     status = collections.Counter(r["status"] for r in res)
-    return {"cases": len(res), "mismatches": status["mismatch"], "errors": status["error"],
+    return {"cases": len(res) + len(phase["crashes"]), "mismatches": status["mismatch"], "errors": status["error"],
             "unclear_errors": status["unclear_error"],
             "illegal_address": status["illegal_address"] + len(phase["crashes"]), "crashes": phase["crashes"],
             "sanitizer_errors": phase["sanitizer_errors"], "seconds": round(phase["seconds"], 1), "per_op": per_op,
@@ -221,7 +241,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--chunk", type=int, default=2_500, help="cases per child process of the main loop")
+    ap.add_argument("--chunk", type=int, default=1_250, help="cases per child process of the main loop")
+    ap.add_argument("--parallel", type=int, default=4, help="child processes at a time (one GPU, the CPU references)")
     ap.add_argument("--time-budget", type=float, default=330.0, help="seconds for the main loop")
     ap.add_argument("--sanitizer-cases", type=int, default=500)
     ap.add_argument("--sanitizer-budget", type=float, default=150.0)
@@ -238,6 +259,7 @@ def main() -> int:
     ap.add_argument("--scale", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--filter", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--time-limit", type=float, default=1e9, help=argparse.SUPPRESS)
+    ap.add_argument("--abort-at", type=int, default=-1, help="(testing the harness) a child aborts at this case")
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -248,7 +270,7 @@ def main() -> int:
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="kernel_fuzz_"))
     main_phase = run_phase("main", args.seed, args.cases, args.chunk, None, args.time_budget, work, ops=ops,
-                           device=args.device)
+                           device=args.device, parallel=args.parallel, abort_at=args.abort_at)
     phases = {"main": _summary(main_phase)}
     print(f"main: {phases['main']['cases']} cases in {main_phase['seconds']:.0f} s", flush=True)
     for name, tool, n, budget, filt in (("memcheck", "memcheck", args.sanitizer_cases, args.sanitizer_budget, None),
@@ -257,7 +279,8 @@ def main() -> int:
         if n <= 0 or args.device != "cuda":
             continue
         try:
-            ph = run_phase(name, args.seed + 1, n, n, "cpu", budget, work, tool=tool, filt=filt, ops=ops)
+            ph = run_phase(name, args.seed + 1, n, -(-n // args.parallel), "cpu", budget, work, tool=tool, filt=filt,
+                           ops=ops, parallel=args.parallel)
         except FileNotFoundError as exc:
             print(f"{name}: {exc}")
             phases[name] = {"cases": 0, "error": str(exc)}

@@ -159,10 +159,12 @@ def _loader_block(rng: random.Random, dev: torch.device, scale: str, edge_budget
 
 def edge_lists(graph: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(src, dst)`` int64 CPU tensors of ``graph``'s edges in CSR order (for the float64 references)."""
-    from datapath.memory import host_of  # noqa: PLC0415
+    from datapath.memory import host_of, placement_of  # noqa: PLC0415
 
-    ip = host_of(graph.indptr).cpu().long()
-    ix = host_of(graph.indices).cpu().long()
+    def cpu(t: torch.Tensor) -> torch.Tensor:
+        return (host_of(t) if placement_of(t) == "unified" else t).cpu().long()
+
+    ip, ix = cpu(graph.indptr), cpu(graph.indices)
     num_dst = ip.numel() - 1
     dst = torch.repeat_interleave(torch.arange(num_dst), ip[1:] - ip[:-1], output_size=ix.numel())
     return ix, dst
