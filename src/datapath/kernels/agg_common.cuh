@@ -32,6 +32,23 @@ typedef long long I;
 typedef int I;
 #endif
 constexpr int VEC = DP_VEC;
+
+// Kernel preconditions, checked in debug builds only (-DDP_DEBUG, `datapath.ops.debug_checks`): a failed check
+// prints what failed and traps (the launch fails with an error instead of reading or writing out of bounds).
+#ifdef DP_DEBUG
+#define DP_CHECK(cond, what)                                                                             \
+    do {                                                                                                 \
+        if (!(cond)) {                                                                                   \
+            printf("datapath kernel precondition failed: %s (block %d, thread %d)\n", what, (int)blockIdx.x, \
+                   (int)threadIdx.x);                                                                    \
+            __trap();                                                                                    \
+        }                                                                                                \
+    } while (0)
+#else
+#define DP_CHECK(cond, what) \
+    do {                     \
+    } while (0)
+#endif
 constexpr int WBYTES = VEC * (int)sizeof(T);
 
 namespace {

@@ -200,13 +200,16 @@ extern "C" __global__ void agg_rows(const long long* __restrict__ indptr, const 
         beg = indptr[row] + (piece - first + 1) * cut;
         end = min(indptr[row + 1], beg + cut);
         chunk = static_cast<int>(team % chunks);
+        DP_CHECK(beg < end, "agg_rows: a tail piece past its row's end (tail_cum does not match indptr)");
     } else {
         long long slot;
         if (!team_slot(blockIdx.x - tail_blocks, dw, n_rows, chunks, by_columns, slot, chunk)) return;
         row = order != nullptr ? order[slot] : slot;
+        DP_CHECK(row >= 0 && row < n_rows, "agg_rows: a row of `order` outside [0, n_rows)");
         beg = indptr[row];
         end = min(indptr[row + 1], beg + cut);
     }
+    DP_CHECK(beg >= 0 && beg <= end && end <= indptr[n_rows], "agg_rows: a row's edges outside [0, indptr[n_rows])");
     int col[CF];
     team_columns(chunk, dw, lane, col);
     A acc[CF][VEC];
@@ -218,7 +221,10 @@ extern "C" __global__ void agg_rows(const long long* __restrict__ indptr, const 
 #pragma unroll
         for (int i = 0; i < VEC; ++i) acc[q][i] *= rs;
     const long long deg = indptr[row + 1] - indptr[row];
+    DP_CHECK(deg <= cut || part != nullptr, "agg_rows: a row longer than `cut` in a launch planned without long rows "
+                                           "(a graph's max_degree bound does not hold)");
     if (deg > cut && part != nullptr) {  // a long row (a launch without tail blocks has none: max_degree <= cut)
+        DP_CHECK(long_slot[row] >= 0, "agg_rows: a long row without a buffer slot");
         add_piece(row, deg, cut, long_slot[row], chunk, chunks, F, dw, lane, mask, col, acc, part, count, out);
         return;
     }
@@ -272,6 +278,7 @@ extern "C" __global__ void agg_rows_multi(const long long* __restrict__ indptr, 
     };
     const long long beg = indptr[first];
     const long long end = indptr[last];
+    DP_CHECK(beg >= 0 && beg <= end && end <= indptr[n_rows], "agg_rows_multi: rows' edges outside [0, E)");
     for (long long k0 = beg; k0 < end; k0 += dw) {
         const int nb = static_cast<int>(min(static_cast<long long>(dw), end - k0));
         long long s_l = 0;
@@ -280,6 +287,7 @@ extern "C" __global__ void agg_rows_multi(const long long* __restrict__ indptr, 
         if (lane < nb) {
             load_position(k0 + lane, indices, perm, src_map, w, nbr_scale, s_l, c_l);
             r_l = edge_row[k0 + lane];
+            DP_CHECK(r_l >= cur && r_l < last, "agg_rows_multi: edge_row does not match indptr");
         }
         for (int j = 0; j < nb; j += UNROLL) {
             long long s[UNROLL];

@@ -45,8 +45,27 @@ class _FullGraphModel(nn.Module):
 
     def _layer(self, i: int, graph: Any, h: torch.Tensor) -> torch.Tensor:
         if self.backend == "pyg":
+            if i == 0:
+                self._pyg_graph_changes(graph)
             return self.convs[i](h, self.edge_index(graph))
         return self.convs[i](graph, h)
+
+    def _pyg_graph_changes(self, graph: Any) -> None:
+        """PyG's ``cached=True`` layers keep the first graph's normalised adjacency, unkeyed: on another graph
+        (or the same one modified in place) they are told to recompute it."""
+        ptr = getattr(graph, "indptr", None)
+        key = (ptr._version, graph.indices._version) if ptr is not None else None
+        seen = self.__dict__.get("_pyg_graph")
+        if seen is not None and seen[0]() is graph and seen[1] == key:
+            return
+        for conv in self.convs:
+            for attr in ("_cached_edge_index", "_cached_adj_t"):
+                if hasattr(conv, attr):
+                    setattr(conv, attr, None)
+        try:
+            self.__dict__["_pyg_graph"] = (weakref.ref(graph), key)
+        except TypeError:  # not weakly referenceable: recomputed every call
+            self.__dict__.pop("_pyg_graph", None)
 
     def forward(self, graph: Any, x: torch.Tensor) -> torch.Tensor:
         """(num_nodes, F) features -> (num_nodes, out_channels) logits."""

@@ -48,12 +48,14 @@ class GINConv(nn.Module):
         eps = self.eps
         if isinstance(eps, torch.nn.Parameter) or (torch.is_grad_enabled() and eps.requires_grad):
             return 1 + eps
-        key = (eps.data_ptr(), eps._version, eps.device, eps.dtype)
+        # keyed by the buffer itself, its version counter (in-place writes) and its storage's address (``.data``
+        # swaps): the buffer and its storage are held, so neither a replaced buffer nor a swapped-out storage can
+        # have its id or address passed to a successor while the entry lives
         kept = self.__dict__.get("_one_plus_kept")
-        if kept is None or kept[0] != key:
-            kept = (key, 1 + eps.detach())
+        if kept is None or kept[0] is not eps or kept[1] != eps._version or kept[3] != eps.data_ptr():
+            kept = (eps, eps._version, eps.untyped_storage(), eps.data_ptr(), 1 + eps.detach())
             self.__dict__["_one_plus_kept"] = kept
-        return kept[1]
+        return kept[4]
 
     def _projects_first(self, x_width: int) -> bool:
         """``nn`` is one Linear not widening the rows: project, then aggregate (the same function, no more bytes)."""

@@ -10,6 +10,7 @@ is kept in a cache keyed weakly by the graph object, never on the object itself.
     out = datapath.ops.aggregate(block, table, src_ids=block_src)  # fused gather + aggregate
     plan = datapath.ops.plan_aggregation(graph, 128, probe=True)    # time the kernels once, keep the best
 """
+from datapath.ops._checks import debug_checks, debug_checks_enabled, set_debug_checks
 from datapath.ops._graph import CSRView, add_self_loops, as_csr, cached_keys
 from datapath.ops.aggregate import aggregate, aggregate_transposed, prepare_aggregation, transposed_aggregator
 from datapath.ops.attention import edge_softmax, sddmm
@@ -25,5 +26,6 @@ from datapath.ops.plan import KERNELS, AggregationPlan, plan_aggregation
 __all__ = [
     "KERNELS", "AggregationPlan", "CSRView", "DeviceMismatchError", "FeatureShapeError", "GraphFormatError",
     "GraphIndexError", "UnsupportedDtypeError", "add_self_loops", "aggregate", "aggregate_transposed", "as_csr",
-    "cached_keys", "edge_softmax", "plan_aggregation", "prepare_aggregation", "sddmm", "transposed_aggregator",
+    "cached_keys", "debug_checks", "debug_checks_enabled", "edge_softmax", "plan_aggregation", "prepare_aggregation",
+    "sddmm", "set_debug_checks", "transposed_aggregator",
 ]

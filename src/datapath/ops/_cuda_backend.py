@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from datapath.ops import _launch, _spmm, _tune
+from datapath.ops import _checks, _launch, _spmm, _tune
 from datapath.ops import _torch_backend as _ref
 from datapath.ops._graph import CSRView
 from datapath.ops._launch import ptr as _p
@@ -44,7 +44,7 @@ def available() -> bool:
 
 
 def _fn(name: str, dtype: torch.dtype, vec: int, idx_dtype: torch.dtype) -> Any:
-    return _launch.function(_SOURCE, name, _launch.options(dtype, vec, idx_dtype))
+    return _launch.function(_SOURCE, name, _launch.options(dtype, vec, idx_dtype, *_checks.kernel_options()))
 
 
 def _go(kern: Any, grid: int, block: int, args: tuple, device: torch.device, shared_mem: int = 0) -> None:
@@ -125,6 +125,18 @@ def _push_order(view: CSRView, row_map: torch.Tensor) -> _Groups:
     return _Groups(order.to(torch.int32), view.indptr.index_select(0, order), n, n, 1)
 
 
+def _kept_push_order(t: CSRView, ids: torch.Tensor) -> _Groups:
+    """`_push_order` of ``ids`` over ``t``, kept while ``ids`` lives and is unmodified: keyed by the ids tensor
+    itself (weakly: the entry goes with it), never by its address, which a later ids tensor may reuse."""
+    kept = t.cached("push_orders", weakref.WeakKeyDictionary)
+    hit = kept.get(ids)
+    if hit is not None and hit[0] == ids._version:
+        return hit[1]
+    order = _push_order(t, ids)
+    kept[ids] = (ids._version, order)
+    return order
+
+
 def _plan_of(spec: AggSpec, feat: int) -> AggregationPlan:
     if spec.plan.feat_dim != feat:
         raise ValueError(f"the plan is for width {spec.plan.feat_dim} but the features have {feat} columns")
@@ -153,12 +165,14 @@ def _pull_launch(view: CSRView, dtype: torch.dtype, feat: int, heads: int, plan:
         teams = tpb // dw
         combine = 1 if grp.max_per_row > 1 else 0
         smem = (tpb * vec * acc.itemsize + teams * 4) if combine else 0
-        args = (_p(view.indptr), _p(view.indices), _p(view.edge_perm), _p(grp.row), _p(grp.beg), np.int64(grp.n_arg),
+        # the view's CSR and the groups passed as tensors: the launch holds what it reads (see PackedLaunch)
+        args = (view.indptr, view.indices, view.edge_perm, grp.row, grp.beg, np.int64(grp.n_arg),
                 np.int32(plan.ngs), None, None, None, np.int32(heads), np.int32(feat // heads), None, None, None,
                 np.int32(feat), np.int32(dw), np.int32(combine))
         fn = _fn("agg_pull", dtype, vec, view.indices.dtype)
         return _launch.PackedLaunch(fn, (-(-grp.count // teams),), tpb, args, (7, 8, 9, 12, 13, 14), smem), True
-    return view.cached(("pull_launch", dtype, feat, heads, plan.ngs, vec, dw, plan.threads_per_block), make)
+    return view.cached(("pull_launch", dtype, feat, heads, plan.ngs, vec, dw, plan.threads_per_block,
+                        _checks.kernel_options()), make)
 
 
 def _pull(view: CSRView, x: torch.Tensor, src_map: torch.Tensor | None, w: torch.Tensor | None, heads: int,
@@ -168,6 +182,12 @@ def _pull(view: CSRView, x: torch.Tensor, src_map: torch.Tensor | None, w: torch
     out = torch.zeros(view.num_dst, feat, dtype=acc_dtype(x.dtype), device=x.device)  # rows of several groups add
     if feat == 0 or view.num_dst == 0:
         return out
+    if src_map is None and x.shape[0] != view.num_src:
+        raise _checks.rows_error(x, (view.num_src, feat), x.dtype, "aggregation rows")
+    if _checks._DEBUG[0]:  # noqa: SLF001
+        _checks.validate_csr(view.indptr, view.indices, view.num_src, view.num_dst, view.edge_perm, "the pull's CSR")
+        if src_map is not None:
+            _checks.validate_ids(src_map[: view.num_src], x.shape[0], "src_map")
     vec, dw = _vec_dw(plan, feat, feat // heads, x.element_size(), x)
     launch, ok = _pull_launch(view, x.dtype, feat, heads, plan, vec, dw)
     if ok:
@@ -181,6 +201,13 @@ def _push(view: CSRView, num_out: int, x: torch.Tensor, row_map: torch.Tensor | 
     """(num_out, F) accumulation-dtype result of the scatter kernel: every row of ``view`` pushes
     ``in_scale[r] * x[map(r)]`` to its neighbours (atomics)."""
     feat = x.shape[1]
+    if num_out != view.num_src or (row_map is None and x.shape[0] != view.num_dst) or (
+            row_map is not None and row_map.numel() < view.num_dst):
+        raise _checks.rows_error(x, (view.num_dst, feat), x.dtype, f"scatter rows (into {num_out} outputs)")
+    if _checks._DEBUG[0]:  # noqa: SLF001
+        _checks.validate_csr(view.indptr, view.indices, view.num_src, view.num_dst, view.edge_perm, "the push's CSR")
+        if row_map is not None:
+            _checks.validate_ids(row_map[: view.num_dst], x.shape[0], "src_ids")
     acc = acc_dtype(x.dtype)
     out = torch.zeros(num_out, feat, dtype=acc, device=x.device)
     if grp is None:
@@ -229,8 +256,7 @@ def _fused(csr: CSRView, x: torch.Tensor, w: torch.Tensor | None, spec: AggSpec)
         return sum_forward(csr, x, w, spec.col_scale, spec.row_scale, plan.replace(kernel="rows"), spec.heads,
                            src_map=spec.src_ids)
     t = csr.transposed()
-    ids = spec.src_ids
-    order = t.cached(("push_order", ids.data_ptr(), ids._version, ids.numel()), lambda: _push_order(t, ids))
+    order = _kept_push_order(t, spec.src_ids)
     out = _push(t, csr.num_dst, x, ids, w, spec.heads, None, spec.col_scale, plan, _PUSH_NGS, align=True, grp=order)
     if spec.row_scale is not None:
         out.mul_(spec.row_scale.unsqueeze(1))
@@ -275,6 +301,12 @@ def _max(csr: CSRView, x: torch.Tensor, w: torch.Tensor | None, spec: AggSpec,
     argmax = torch.empty(csr.num_dst, feat, dtype=torch.int64, device=x.device)
     if csr.num_dst == 0 or feat == 0:
         return out, argmax
+    if spec.src_ids is None and x.shape[0] != csr.num_src:
+        raise _checks.rows_error(x, (csr.num_src, feat), x.dtype, "max-aggregation rows")
+    if _checks._DEBUG[0]:  # noqa: SLF001
+        _checks.validate_csr(csr.indptr, csr.indices, csr.num_src, csr.num_dst, None, "the max's CSR")
+        if spec.src_ids is not None:
+            _checks.validate_ids(spec.src_ids[: csr.num_src], x.shape[0], "src_ids")
     vec, dw = _vec_dw(plan, feat, feat // spec.heads, x.element_size(), x)
     tpb = max(plan.threads_per_block, dw)
     teams = tpb // dw
@@ -297,9 +329,10 @@ def transposed_runner(csr: CSRView, spec: AggSpec, feat: int, dtype: torch.dtype
         g = torch.randn(csr.num_dst, feat, device=csr.device).to(dtype) if allow else None
         plan = _tune.choose(t, feat, dtype, spec.variant, False, 1, allow_probe=allow,
                             run=_tune.public_call(t, g, "sum", None) if allow else None)
-    # the forward's row scale applies to the transpose's sources, its column scale to the transpose's rows
-    return _kept_runner(csr, ("t_runner", feat, dtype, spec.variant), plan,
-                        lambda: _bound(t, plan, feat, dtype, spec.row_scale, spec.col_scale))
+    # the forward's row scale applies to the transpose's sources, its column scale to the transpose's rows; the
+    # runner holds the transposed view (it is kept with csr and by autograd nodes, which may outlive csr)
+    return _kept_runner(csr, ("t_runner", feat, dtype, spec.variant, _checks.kernel_options()), plan,
+                        lambda: _bound(t, plan, feat, dtype, spec.row_scale, spec.col_scale, strong=True))
 
 
 def _kept_runner(csr: CSRView, key: tuple, plan: AggregationPlan, make: Any) -> Any:
@@ -313,17 +346,18 @@ def _kept_runner(csr: CSRView, key: tuple, plan: AggregationPlan, make: Any) -> 
 
 
 def _bound(view: CSRView, plan: AggregationPlan, feat: int, dtype: torch.dtype, nbr: torch.Tensor | None,
-           row: torch.Tensor | None) -> Any:
-    run = _spmm.bound(view, plan, feat, dtype, nbr, row)
+           row: torch.Tensor | None, strong: bool = False) -> Any:
+    """``run(x)`` by ``plan`` over ``view``; ``strong``: the runner holds the view (see `_spmm.view_ref`)."""
+    run = _spmm.bound(view, plan, feat, dtype, nbr, row, strong)
     if run is not None:
         return run
-    vref = weakref.ref(view)  # kept in the view's own cache: no reference cycle
+    get = _spmm.view_ref(view, strong)
     if plan.kernel == "groups" and view.num_dst > 0 and feat > 0:
-        return _bound_pull(view, vref, plan, feat, dtype, nbr, row)
-    return lambda x: sum_forward(vref(), x, None, nbr, row, plan)
+        return _bound_pull(view, get, plan, feat, dtype, nbr, row)
+    return lambda x: sum_forward(get(), x, None, nbr, row, plan)
 
 
-def _bound_pull(view: CSRView, vref: Any, plan: AggregationPlan, feat: int, dtype: torch.dtype,
+def _bound_pull(view: CSRView, get: Any, plan: AggregationPlan, feat: int, dtype: torch.dtype,
                 nbr: torch.Tensor | None, row: torch.Tensor | None) -> Any:
     """``run(x)`` of the neighbor-group pull for aligned rows, its launch resolved here: a call allocates the
     output and launches (a short call on a small graph is bound by this host work).  Where every row is one
@@ -335,10 +369,16 @@ def _bound_pull(view: CSRView, vref: Any, plan: AggregationPlan, feat: int, dtyp
     zero = view.max_degree is None or view.max_degree > plan.ngs
     alloc = torch.zeros if zero else torch.empty
     cast = acc != dtype
+    shape = torch.Size((view.num_src, feat))
 
     def run(x: torch.Tensor) -> torch.Tensor:
+        if x.shape != shape or x.dtype != dtype or not x.is_contiguous():
+            raise _checks.rows_error(x, tuple(shape), dtype, "aggregation rows")
         if x.data_ptr() % align or not ok:
-            return sum_forward(vref(), x, None, nbr, row, plan)
+            return sum_forward(get(), x, None, nbr, row, plan)
+        if _checks._DEBUG[0]:  # noqa: SLF001
+            v = get()
+            _checks.validate_csr(v.indptr, v.indices, v.num_src, n, v.edge_perm, "the pull's CSR")
         out = alloc((n, feat), dtype=acc, device=dev)
         launch_(dev.index, x, None, None, nbr, row, out)
         return out.to(dtype) if cast else out
@@ -384,6 +424,10 @@ def _sddmm(csr: CSRView, a: torch.Tensor, b: torch.Tensor, b_map: torch.Tensor |
     out = torch.empty(csr.num_edges, heads, dtype=a.dtype, device=a.device)
     if csr.num_edges == 0:
         return out.to(out_dtype)
+    if a.shape[0] != csr.num_dst or b.shape[1] != feat or (b_map is None and b.shape[0] != csr.num_src):
+        raise _checks.rows_error(b, (csr.num_src, feat), b.dtype, f"SDDMM rows (a: {tuple(a.shape)})")
+    if _checks._DEBUG[0]:  # noqa: SLF001
+        _checks.validate_csr(csr.indptr, csr.indices, csr.num_src, csr.num_dst, None, "the SDDMM's CSR")
     plan = plan_for(csr.num_edges, csr.num_dst, feat, a.element_size())
     grp = _groups(csr, plan.ngs)
     dw = min(32, 1 << max(0, (d - 1).bit_length()))
@@ -418,6 +462,8 @@ def edge_softmax(csr: CSRView, scores: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(scores)
     if csr.num_edges == 0 or csr.num_dst == 0:
         return out
+    if scores.dim() != 2 or scores.shape[0] != csr.num_edges or not scores.is_contiguous():
+        raise _checks.rows_error(scores, (csr.num_edges, -1), scores.dtype, "edge softmax scores")
     kern = _fn("edge_softmax_fwd", scores.dtype, 1, csr.indices.dtype)
     _go(kern, -(-csr.num_dst // 4), 128, (
         _p(csr.indptr), np.int64(csr.num_dst), np.int32(scores.shape[1]), _p(scores), _p(out)), scores.device)
@@ -430,6 +476,8 @@ def edge_softmax_backward(csr: CSRView, p: torch.Tensor, grad: torch.Tensor) -> 
     if csr.num_edges == 0 or csr.num_dst == 0:
         return out
     g = grad.to(p.dtype).contiguous()
+    if p.dim() != 2 or p.shape[0] != csr.num_edges or g.shape != p.shape or not p.is_contiguous():
+        raise _checks.rows_error(p, (csr.num_edges, -1), p.dtype, "edge softmax probabilities")
     kern = _fn("edge_softmax_bwd", p.dtype, 1, csr.indices.dtype)
     _go(kern, -(-csr.num_dst // 4), 128, (
         _p(csr.indptr), np.int64(csr.num_dst), np.int32(p.shape[1]), _p(p), _p(g), _p(out)), p.device)

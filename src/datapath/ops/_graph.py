@@ -32,6 +32,7 @@ import torch
 
 from datapath import memory
 from datapath.graph import CSRGraph
+from datapath.ops import _checks
 from datapath.ops.errors import DeviceMismatchError, GraphFormatError, GraphIndexError
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -61,6 +62,27 @@ def _count(obj: Any, name: str) -> int | None:
     if isinstance(v, torch.Tensor):
         v = int(v.item())
     return int(v)
+
+
+class Ref:
+    """A cache-key part standing for one object itself (a tensor, say): hashed by its identity, equal only to a
+    `Ref` of the same object, and holding it, so that while the key lives its id cannot pass to a new object
+    (a bare ``id()`` or ``data_ptr()`` in a key can: a freed tensor's successor may land at its address).  For
+    keys of caches kept with the object's owner (a view's cache keyed by the view's own scale vectors)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Ref) and other.obj is self.obj
+
+    def __repr__(self) -> str:
+        return f"Ref({type(self.obj).__name__} at {id(self.obj):#x})"
 
 
 @dataclass(eq=False)
@@ -290,6 +312,12 @@ def as_csr(graph: Any) -> CSRView:
     if trusted:  # its maker vouches for its values, and for its bound on the row length if it gives one
         hint = getattr(graph, "max_degree", None)
         max_degree = int(hint) if isinstance(hint, int) and not isinstance(hint, bool) and hint >= 0 else None
+        if _checks.debug_checks_enabled():  # debug mode: what the maker vouches for is checked too
+            longest = _check_values(indptr, indices, num_src, num_dst)
+            if max_degree is not None and longest > max_degree:
+                raise GraphFormatError(
+                    f"{type(graph).__name__} says no row is longer than max_degree={max_degree}, but one has "
+                    f"{longest} edges; the kernels planned by that bound would sum such a row in part")
     else:
         max_degree = _check_values(indptr, indices, num_src, num_dst)
     if indptr.dtype != torch.int64:

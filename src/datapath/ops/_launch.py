@@ -104,16 +104,23 @@ class PackedLaunch:
     """One kernel's launch with its arguments packed in a buffer: the static ones written once.
 
     ``args`` are numpy scalars (np.int32 arguments occupy the low half of their 8-byte slot:
-    the kernel reads 4 bytes there).  `__call__` writes the ``dynamic`` slots (pointers, from
-    tensors or None) and launches on the current stream; a lock keeps concurrent callers apart.
-    Where CuPy does not take packed pointers, every argument is converted per call instead.
+    the kernel reads 4 bytes there), tensors or None.  A tensor among the static arguments is
+    written as its address and *held by the launch* for as long as the launch lives: an address
+    baked into a kept launch must never outlive its memory (a launch kept past its graph would
+    otherwise read freed memory the caching allocator has handed to another tensor).  Pass
+    tensors, never `ptr` values, for static pointer arguments.  `__call__` writes the ``dynamic``
+    slots (pointers, from tensors or None) and launches on the current stream; a lock keeps
+    concurrent callers apart.  Where CuPy does not take packed pointers, every argument is
+    converted per call instead.
     """
 
     def __init__(self, fn: Any, grid: tuple[int, ...], block: int, args: Sequence[Any], dynamic: Sequence[int],
                  shared_mem: int = 0) -> None:
         self.fn, self.grid, self.block, self.shared_mem = fn, grid, (int(block),), shared_mem
         self.dynamic = tuple(dynamic)
-        self.static = list(args)
+        self.kept = tuple(a for a in args if isinstance(a, torch.Tensor))  # what the static addresses point into
+        self.static = [ptr(a) if isinstance(a, torch.Tensor) else a for a in args]
+        args = self.static
         self.buf: np.ndarray | None = None
         cp = _cpointer()
         if cp is not None and not isinstance(fn, _Fallback):

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from datapath.ops import _launch
-from datapath.ops._graph import CSRView
+from datapath.ops import _checks, _launch
+from datapath.ops._graph import CSRView, Ref
 from datapath.ops._launch import aligned_vec, launch, ptr
 from datapath.ops._sgt import Translation, translate
 from datapath.ops.plan import AggregationPlan, _next_pow2, widest_vec
@@ -80,21 +80,30 @@ class _RowsLaunch:
     pieces add into a float32 (float64) buffer of one row per long row, with a counter per row and column chunk,
     that the kernel leaves zero; a pair is kept per CUDA stream (calls on one stream run one after another)."""
 
-    __slots__ = ("head", "multi", "slots", "chunks", "feat", "acc", "buffers")
+    __slots__ = ("head", "multi", "slots", "chunks", "feat", "acc", "buffers", "n", "num_src", "dtype", "in_shape",
+                 "csr", "schedule", "tail_pieces")
 
     def __init__(self, view: CSRView, dtype: torch.dtype, f: int, vec: int, dw: int, cf: int,
                  plan: AggregationPlan) -> None:
-        """``vec``, ``dw``, ``cf``: the plan's, or narrower ones for a misaligned x; the rest from ``plan``."""
+        """``vec``, ``dw``, ``cf``: the plan's, or narrower ones for a misaligned x; the rest from ``plan``.
+
+        Every tensor the launch reads besides a call's own (the view's CSR, the row order, the long-row
+        schedule) is passed to its `PackedLaunch` as a tensor, which holds it: the launch stays valid however
+        long it is kept, whatever happens to the view (a backward may run after its graph was dropped)."""
         n, cut, rows_per_team = view.num_dst, plan.cut, plan.rows_per_team
+        self.n, self.num_src, self.dtype = n, view.num_src, dtype
+        self.in_shape = torch.Size((view.num_src, f))
+        self.csr = (view.indptr, view.indices, view.edge_perm)
+        self.schedule: tuple = ()
+        self.tail_pieces = 0
         self.chunks = chunks = -(-f // (dw * vec * cf))
         self.feat, self.acc = f, torch.float64 if dtype == torch.float64 else torch.float32
         self.multi = multi = rows_per_team > 1  # several rows a team, every edge of them: no tail pieces
         tail = not multi and n > 0 and (view.max_degree is None or view.max_degree > cut)
         opts = _launch.options(dtype, vec, view.indices.dtype, f"-DDP_CF={cf}",
-                               f"-DDP_UNROLL={plan.unroll or ROWS_UNROLL[cf]}")
+                               f"-DDP_UNROLL={plan.unroll or ROWS_UNROLL[cf]}", *_checks.kernel_options())
         teams_per_block = ROWS_THREADS // dw
-        prefix = (ptr(view.indptr), ptr(view.indices), ptr(view.edge_perm), np.int64(n), np.int32(chunks),
-                  np.int64(cut))
+        prefix = (view.indptr, view.indices, view.edge_perm, np.int64(n), np.int32(chunks), np.int64(cut))
         call = (None,) * 6 + (np.int32(f), np.int32(dw))  # x, src_map, w, nbr_scale, row_scale, out; F, dw
         by_columns = np.int32(plan.sweep == "columns")
         self.slots, self.buffers = 0, {}
@@ -102,20 +111,23 @@ class _RowsLaunch:
             if n >= 2**31:
                 raise ValueError(f"rows_per_team > 1 takes graphs of fewer than 2**31 rows, not {n}")
             slots = -(-n // rows_per_team)
+            edge_row = _edge_row(view)
+            self.schedule = (edge_row,)
             self.head = _launch.PackedLaunch(
                 _launch.function("spmm_rows.cu", "agg_rows_multi", opts), (-(-(slots * chunks) // teams_per_block),),
-                ROWS_THREADS, prefix[:5] + (np.int32(rows_per_team), ptr(_edge_row(view)), by_columns) + call,
-                range(8, 14))
+                ROWS_THREADS, prefix[:5] + (np.int32(rows_per_team), edge_row, by_columns) + call, range(8, 14))
             return
         order = _row_order(view) if plan.row_order == "degree" else None
         tail_blocks, long_args = 0, (None, None)
         if tail:
             long_slot, self.slots = _long_rows(view, cut, f * self.acc.itemsize)
             tail_blocks = -(-((view.num_edges // cut) * chunks) // teams_per_block)
-            long_args = (ptr(_tail_cum(view, cut)), ptr(long_slot))
+            self.tail_pieces = tail_blocks * teams_per_block // chunks  # the pieces the tail blocks cover
+            long_args = (_tail_cum(view, cut), long_slot)
+        self.schedule = (order, cut) + long_args
         grid = tail_blocks + -(-(n * chunks) // teams_per_block)
         self.head = _launch.PackedLaunch(_launch.function("spmm_rows.cu", "agg_rows", opts), (grid,), ROWS_THREADS,
-                                         prefix + (ptr(order), by_columns) + call + (np.int64(tail_blocks),)
+                                         prefix + (order, by_columns) + call + (np.int64(tail_blocks),)
                                          + long_args + (None, None), (*range(8, 14), 19, 20))
 
     def _long_buffers(self, dev: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -131,9 +143,45 @@ class _RowsLaunch:
                                      torch.zeros(self.slots * self.chunks, dtype=torch.int32, device=dev))
         return buf
 
+    def validate(self, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torch.Tensor | None,
+                 row_scale: torch.Tensor | None, src_map: torch.Tensor | None) -> None:
+        """Debug mode: every value the launch reads is in bounds (synchronises; see `datapath.ops._checks`)."""
+        indptr, indices, perm = self.csr
+        _checks.validate_csr(indptr, indices, self.num_src, self.n, perm, "the row-split launch's CSR")
+        e = indices.numel()
+        if src_map is not None:
+            _checks.validate_length(src_map, self.num_src, "src_map")
+            _checks.validate_ids(src_map[: self.num_src], x.shape[0], "src_map")
+        _checks.validate_length(w, e, "the edge weights")
+        _checks.validate_length(nbr_scale, self.num_src, "the neighbour scale")
+        _checks.validate_length(row_scale, self.n, "the row scale")
+        if self.multi:
+            (edge_row,) = self.schedule
+            want = torch.repeat_interleave(torch.arange(self.n, device=indptr.device, dtype=torch.int32),
+                                           indptr[1:] - indptr[:-1], output_size=e)
+            if not torch.equal(edge_row, want):
+                raise RuntimeError("the row-split launch's edge rows no longer match its CSR")
+        elif self.slots:
+            _order, cut, tail_cum, long_slot = self.schedule
+            deg = indptr[1:] - indptr[:-1]
+            pieces = int(tail_cum[-1]) if self.n else 0
+            longs = int((deg > cut).sum())
+            if pieces > self.tail_pieces or longs > self.slots or int(long_slot.max()) >= self.slots:
+                raise RuntimeError(f"the row-split launch covers {self.tail_pieces} tail pieces and {self.slots} long "
+                                   f"rows but its CSR has {pieces} and {longs}")
+
     def run(self, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torch.Tensor | None,
-            row_scale: torch.Tensor | None, src_map: torch.Tensor | None, n: int) -> torch.Tensor:
-        out = x.new_empty((n, x.shape[1]))
+            row_scale: torch.Tensor | None, src_map: torch.Tensor | None, n: int | None = None) -> torch.Tensor:
+        """(rows, F) aggregation of ``x``: (num_src, F) of the launch's dtype, contiguous (a table of any number of
+        rows with ``src_map``).  ``n``, if given, must be the launch's row count."""
+        if ((x.shape != self.in_shape if src_map is None else x.dim() != 2 or x.shape[1] != self.feat)
+                or x.dtype != self.dtype or not x.is_contiguous()):
+            raise _checks.rows_error(x, tuple(self.in_shape), self.dtype, "aggregation rows")
+        if n is not None and n != self.n:
+            raise ValueError(f"this launch writes {self.n} rows, not {n}")
+        if _checks._DEBUG[0]:  # noqa: SLF001
+            self.validate(x, w, nbr_scale, row_scale, src_map)
+        out = x.new_empty((self.n, x.shape[1]))
         if self.multi:
             self.head(x.device.index, x, src_map, w, nbr_scale, row_scale, out)
         else:
@@ -156,14 +204,14 @@ def rows(view: CSRView, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torc
         vec = aligned_vec(vec, f, x.element_size(), x)
         nv = f // vec
         dw, cf = min(32, _next_pow2(nv)), (2 if nv > 32 else 1)
-    return rows_launch(view, x.dtype, f, vec, dw, cf, plan).run(x, w, nbr_scale, row_scale, src_map, n)
+    return rows_launch(view, x.dtype, f, vec, dw, cf, plan).run(x, w, nbr_scale, row_scale, src_map)
 
 
 def rows_launch(view: CSRView, dtype: torch.dtype, f: int, vec: int, dw: int, cf: int,
                 plan: AggregationPlan) -> _RowsLaunch:
     """The row-split launch for this view and layout (compiled and kept with the view on first use)."""
     key = ("rows_launch", dtype, f, vec, dw, cf, plan.cut, plan.unroll, plan.row_order, plan.sweep,
-           plan.rows_per_team)
+           plan.rows_per_team, _checks.kernel_options())
     launch_ = view.cache.get(key)
     if launch_ is None:
         launch_ = view.cache[key] = _RowsLaunch(view, dtype, f, vec, dw, cf, plan)
@@ -189,6 +237,8 @@ def tensor_core(view: CSRView, x: torch.Tensor, w: torch.Tensor | None, nbr_scal
     n, f = view.num_dst, x.shape[1]
     if not tensor_core_ok(x.dtype):
         raise ValueError(f"the tensor-core kernel takes float16/bfloat16 (float32 with tf32 allowed), not {x.dtype}")
+    if x.dim() != 2 or x.shape[0] != view.num_src or not x.is_contiguous():
+        raise _checks.rows_error(x, (view.num_src, f), x.dtype, "tensor-core aggregation rows")
     if n == 0 or f == 0:
         return torch.zeros(n, f, dtype=x.dtype, device=x.device)
     sgt = translation(view, x.dtype)
@@ -240,7 +290,7 @@ def _matrix(view: CSRView, values: torch.Tensor) -> torch.Tensor:
 def matrix(view: CSRView, dtype: torch.dtype, nbr_scale: torch.Tensor | None,
            row_scale: torch.Tensor | None) -> torch.Tensor:
     """The unweighted view with both scales as a ``dtype`` CSR matrix (built once, kept with the view)."""
-    key = ("cusparse_matrix", dtype, id(nbr_scale), id(row_scale))
+    key = ("cusparse_matrix", dtype, Ref(nbr_scale), Ref(row_scale))  # the scales themselves, not their ids
     mat = view.cache.get(key)
     if mat is None:
         mat = view.cache[key] = _matrix(view, _values(view, None, nbr_scale, row_scale, dtype))
@@ -255,22 +305,46 @@ def cusparse(view: CSRView, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: 
     return torch.sparse.mm(_matrix(view, _values(view, w, nbr_scale, row_scale, x.dtype)), x)
 
 
+def view_ref(view: CSRView, strong: bool) -> Callable[[], CSRView]:
+    """``get()`` giving ``view`` back: holding it (``strong``: a runner kept anywhere but in the view's own cache,
+    e.g. a transposed view's runner kept with the forward's view, or by an autograd node) or weakly (a runner kept
+    in the view's own cache: no reference cycle; it is only called by a caller holding the view)."""
+    if strong:
+        return lambda: view
+    ref = weakref.ref(view)
+
+    def get() -> CSRView:
+        v = ref()
+        if v is None:  # a weak runner called without its view: a bug of the caller, never a read of freed memory
+            raise RuntimeError("an aggregation runner was called after its graph's view was freed; keep the graph "
+                               "(or the runner's owner) alive while the runner may be called")
+        return v
+    return get
+
+
 def bound(view: CSRView, plan: AggregationPlan, feat: int, dtype: torch.dtype, nbr_scale: torch.Tensor | None,
-          row_scale: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+          row_scale: torch.Tensor | None, strong: bool = False) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``run(x)``: the unweighted aggregation of contiguous (view.num_src, feat) ``dtype`` rows by ``plan``'s
     kernel (``rows`` or ``cusparse``; None for the others), everything but the call resolved here (the launch,
-    the matrix): the least host work per call."""
+    the matrix): the least host work per call.  The launch and the matrix hold what they read; ``strong``: the
+    runner holds the view too (see `view_ref`)."""
     if plan.kernel == "rows" and view.num_dst > 0:
         launch_ = rows_launch(view, dtype, feat, plan.vec, plan.dw, plan.cf, plan)
-        align, n = plan.vec * dtype.itemsize, view.num_dst
-        vref = weakref.ref(view)  # the runner may be kept in the view's own cache: no reference cycle
+        align = plan.vec * dtype.itemsize
+        get = view_ref(view, strong)
 
         def run(x: torch.Tensor) -> torch.Tensor:
             if x.data_ptr() % align:
-                return rows(vref(), x, None, nbr_scale, row_scale, plan)
-            return launch_.run(x, None, nbr_scale, row_scale, None, n)
+                return rows(get(), x, None, nbr_scale, row_scale, plan)
+            return launch_.run(x, None, nbr_scale, row_scale, None)
         return run
     if plan.kernel == "cusparse":
         mat = matrix(view, dtype, nbr_scale, row_scale)
-        return lambda x: torch.sparse.mm(mat, x)
+        shape = torch.Size((view.num_src, feat))
+
+        def run_library(x: torch.Tensor) -> torch.Tensor:
+            if x.shape != shape or x.dtype != dtype:
+                raise _checks.rows_error(x, tuple(shape), dtype, "aggregation rows")
+            return torch.sparse.mm(mat, x)
+        return run_library
     return None

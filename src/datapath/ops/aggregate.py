@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from datapath.ops import _inputs
+from datapath.ops import _checks, _inputs
 from datapath.ops._graph import CSRView, as_csr
 from datapath.ops._torch_backend import AggSpec
 from datapath.ops.errors import FeatureShapeError, UnsupportedDtypeError
@@ -206,9 +206,15 @@ def aggregate_transposed(graph: Any, y: torch.Tensor, reduce: str = "sum", norm:
 
 def _runner(csr: CSRView, spec: AggSpec, feat: int, dtype: torch.dtype, backend: Any) -> Any:
     make = getattr(backend, "transposed_runner", None)
-    if make is not None:
+    if make is not None:  # its launches check the rows they are given
         return make(csr, spec, feat, dtype)
-    return lambda g: backend.backward_x(csr, g, None, spec, None, dtype)
+    shape = torch.Size((csr.num_dst, feat))
+
+    def run(g: torch.Tensor) -> torch.Tensor:
+        if g.shape != shape or g.dtype != dtype:
+            raise _checks.rows_error(g, tuple(shape), dtype, "the transposed aggregation's rows")
+        return backend.backward_x(csr, g, None, spec, None, dtype)
+    return run
 
 
 def _transposed(csr: CSRView, feat: int, dtype: torch.dtype, reduce: str, norm: str | None) -> Any:

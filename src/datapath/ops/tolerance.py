@@ -20,6 +20,10 @@ float32 in float32 (float64 in float64), so their tolerance barely grows with th
 the operands' own precision (float16 / bfloat16 error grows as ``sqrt(L) u``); ``tensor_core`` multiplies
 float16 / bfloat16 (tf32 for float32) operands and accumulates in float32.
 
+``depth``: rounding stages chained between the inputs and the result (1 for one op; a layer projects, aggregates,
+adds its root term and bias: about 4; attention layers more): the errors of chained stages add, so both numbers
+scale with it.
+
 ``row_len``: the most terms behind one output element -- a row's edges for the forward, a source's out-degree
 for the gradient of x (the transposed rows), and for a layer add the inner width of its matmuls (``in + out``
 features) and, for a weight's gradient, the rows summed over.  Overestimating costs only a little tightness
@@ -71,14 +75,15 @@ def _acc_dtype(dtype: torch.dtype, kernel: str | None) -> torch.dtype:
     return torch.float32
 
 
-def tolerance(dtype: torch.dtype, row_len: int = 1, kernel: str | None = None) -> Tolerance:
+def tolerance(dtype: torch.dtype, row_len: int = 1, kernel: str | None = None, depth: int = 1) -> Tolerance:
     """The `Tolerance` of ``kernel`` (None: ours, float32 accumulation) on ``dtype`` rows for sums of at most
-    ``row_len`` terms.
+    ``row_len`` terms, through ``depth`` chained rounding stages.
 
     Args:
         dtype: the result's (and the inputs') dtype: float16, bfloat16, float32 or float64.
         row_len: the most terms summed into one output element (>= 0; see the module docstring).
         kernel: ``"rows"``, ``"groups"``, ``"push"``, ``"tensor_core"``, ``"cusparse"``, ``"reference"`` or None.
+        depth: chained rounding stages (>= 1): 1 for an op, about 4 for a conv layer.
     Returns:
         ``Tolerance(rtol, atol)``, atol in units of ``max(1, max |ref|)``.
     """
@@ -87,6 +92,8 @@ def tolerance(dtype: torch.dtype, row_len: int = 1, kernel: str | None = None) -
                          f"got {kernel!r}")
     if row_len < 0:
         raise ValueError(f"row_len must be >= 0, got {row_len}")
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
     u_out = unit_roundoff(dtype)
     u_acc = unit_roundoff(_acc_dtype(dtype, kernel))
     atol = 2 * u_out + u_acc * (4 + math.sqrt(row_len))
@@ -95,7 +102,7 @@ def tolerance(dtype: torch.dtype, row_len: int = 1, kernel: str | None = None) -
         if kernel == "tensor_core" and dtype == torch.float32:
             op = torch.float16  # tf32 keeps float16's 10 mantissa bits
         atol += 4 * unit_roundoff(op)
-    return Tolerance(2 * u_out, atol)
+    return Tolerance(2 * u_out * depth, atol * depth)
 
 
 def max_error(got: torch.Tensor, ref: torch.Tensor) -> float:
