@@ -122,7 +122,8 @@ def huge_pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype,
     """An uninitialised, pinned, GPU-mapped host tensor on 2 MiB pages, or None where none can be had.
 
     Args:
-        shape, dtype: of the tensor (a CPU tensor; wrap it with ``as_unified`` for the unified device).
+        shape: of the tensor (a CPU tensor; wrap it with ``as_unified`` for the unified device).
+        dtype: of the tensor.
         how: ``"hugetlb"``, ``"thp"`` or ``"auto"`` (hugetlb where enough pages are reserved, else THP).
 
     Raises:
