@@ -207,6 +207,7 @@ def make_case(seed: int, index: int, device: str = "cpu", *, scale: str | None =
     if op == "aggregate":
         if p["weighted"] and rng.random() < 0.2:
             p["heads"] = rng.randint(2, 4)
+        p["noncontig"] = rng.random() < 0.1
         kernels = ["rows", "groups", "cusparse"] + (["tensor_core"] if p["dtype"] in ("float16", "bfloat16") else [])
         mode = _pick(rng, ("default", "plan", "probe"), (40, 50, 10 if gpu else 0))
         if mode != "default" and p["reduce"] != "max":

@@ -128,7 +128,10 @@ def check_aggregate(params: dict[str, Any], device: Any, out: Checks) -> None:
     e = _Edges(g)
     gen = _gen(params)
     shape = (e.num_src, heads, width) if heads > 1 else (e.num_src, width)
-    x = values(gen, shape, dtype, device, distinct=reduce == "max").clone().requires_grad_(params.get("grad_x", True))
+    x = values(gen, shape, dtype, device, distinct=reduce == "max").clone()
+    if params.get("noncontig") and x.dim() == 2 and x.shape[0] > 1:  # the same values, every other row of a buffer
+        x = torch.stack([x, torch.zeros_like(x)], 1).reshape(2 * x.shape[0], -1)[::2]
+    x.requires_grad_(params.get("grad_x", True))
     w = None
     if params.get("weighted"):
         wshape = (e.src.numel(), heads) if heads > 1 else (e.src.numel(),)

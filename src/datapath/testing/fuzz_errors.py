@@ -63,6 +63,8 @@ def _scenarios(gen: torch.Generator, device: Any, table: str) -> dict[str, tuple
         "src_ids_too_high": ("src_ids", lambda: ops.aggregate(g, tab, src_ids=high_ids)),
         "src_ids_wrong_length": ("src_ids", lambda: ops.aggregate(g, tab, src_ids=ids[:-1])),
         "src_ids_float": ("src_ids", lambda: ops.aggregate(g, tab, src_ids=ids.float())),
+        "table_noncontiguous": ("contiguous", lambda: ops.aggregate(
+            g, table_for(_x(gen, 60, 16, "cpu"), table, device)[:, ::2], src_ids=ids)),
         "x_wrong_rows": ("x", lambda: ops.aggregate(g, x[:-1])),
         "x_int": ("x", lambda: ops.aggregate(g, x.long())),
         "x_1d": ("x", lambda: ops.aggregate(g, x[:, 0])),
@@ -91,7 +93,8 @@ def _scenarios(gen: torch.Generator, device: Any, table: str) -> dict[str, tuple
     return s
 
 
-SCENARIOS = ("src_ids_negative", "src_ids_too_high", "src_ids_wrong_length", "src_ids_float", "x_wrong_rows", "x_int",
+SCENARIOS = ("src_ids_negative", "src_ids_too_high", "src_ids_wrong_length", "src_ids_float", "table_noncontiguous",
+             "x_wrong_rows", "x_int",
              "x_1d", "edge_weight_wrong_length", "edge_weight_int", "indices_negative", "indices_too_high",
              "indptr_decreasing", "indptr_wrong_end", "indices_float", "reduce_unknown", "sddmm_b_rows",
              "sddmm_dtypes", "edge_softmax_length", "transposed_y_rows", "sage_x_width", "sage_x_rows",
