@@ -184,3 +184,18 @@ def test_edge_list_alone_is_a_graph_directory(tmp_path) -> None:
     g = Graph.load(out)
     ref = Graph.from_edge_index(torch.from_numpy(s["edge_index"]), num_nodes=N)
     assert torch.equal(g.indptr, ref.indptr) and torch.equal(g.indices, ref.indices)
+
+
+def test_dgl_graph() -> None:
+    dgl = pytest.importorskip("dgl")
+    s = _random_source(8)
+    g = dgl.graph((torch.from_numpy(s["edge_index"][0]), torch.from_numpy(s["edge_index"][1])), num_nodes=N)
+    g.ndata["feat"], g.ndata["label"] = torch.from_numpy(s["x"]), torch.from_numpy(s["y"])
+    for k, v in (("train", "train"), ("val", "valid"), ("test", "test")):
+        m = torch.zeros(N, dtype=torch.bool)
+        m[torch.from_numpy(s[v])] = True
+        g.ndata[f"{k}_mask"] = m
+    ds = Dataset.from_dgl(g)
+    ref = Graph.from_edge_index(torch.from_numpy(s["edge_index"]), num_nodes=N)
+    assert torch.equal(ds.graph.indptr, ref.indptr) and torch.equal(ds.graph.indices, ref.indices)
+    assert torch.equal(ds.features, torch.from_numpy(s["x"])) and torch.equal(ds.test_idx, torch.from_numpy(s["test"]))
