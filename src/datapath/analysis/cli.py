@@ -181,10 +181,11 @@ def _cmd_ssd_plan(args: argparse.Namespace) -> int:
 
 
 def _plot_sweep(path: str, param: str, values: list[float], plans: list[Any]) -> None:
-    import matplotlib
+    from datapath._runtime.optional import require  # noqa: PLC0415
 
+    matplotlib = require("matplotlib", extra="plot", purpose="--png")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, ax1 = plt.subplots(figsize=(7, 4.5))
     ax1.plot(values, [q.write_bandwidth_gbps for q in plans], "o-", color="tab:blue")

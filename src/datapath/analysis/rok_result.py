@@ -144,10 +144,11 @@ class RokResult:
 
     def plot(self, path: str | Path, budget_bytes: float | None = None, title: str | None = None) -> Path:
         """Save the ROK curve (`plot_on`) as a PNG at ``path``."""
-        import matplotlib
+        from datapath._runtime.optional import require  # noqa: PLC0415
 
+        matplotlib = require("matplotlib", extra="plot", purpose="plotting a ROK curve")
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415
 
         fig, ax = plt.subplots(figsize=(7.5, 5))
         self.plot_on(ax, budget_bytes, title)

@@ -168,7 +168,9 @@ class Graph:
         ``A[i, j] != 0`` is an edge ``j -> i``; for PyG's convention (``A[src, dst]``) pass ``A.T``.
         A non-square matrix gives a bipartite graph with ``A.shape[1]`` source nodes.
         """
-        import scipy.sparse as sp  # noqa: PLC0415
+        from datapath._runtime.optional import require  # noqa: PLC0415
+
+        sp = require("scipy.sparse", extra="io", purpose="Graph.from_scipy")
 
         if not sp.issparse(matrix):
             raise InvalidGraphError(f"expected a scipy sparse matrix, got {type(matrix).__name__}")

@@ -21,11 +21,9 @@ from torch import nn
 
 
 def _pyg_nn() -> Any:
-    try:
-        import torch_geometric.nn as pyg_nn  # noqa: PLC0415
-    except ImportError as exc:
-        raise ImportError("backend='pyg' needs torch_geometric: pip install torch_geometric") from exc
-    return pyg_nn
+    from datapath._runtime.optional import require  # noqa: PLC0415
+
+    return require("torch_geometric.nn", extra="pyg", purpose="backend='pyg'")
 
 
 class _BlockModel(nn.Module):
