@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from datapath.features import BOUNCE_BUFFERS, BOUNCE_BYTES, DiskOptions, FeatureStore, TableFile, presample_hotness, probe_disk, write_table
+from datapath.features import DiskOptions, FeatureStore, presample_hotness, TableFile, write_table
+from datapath.features.scan import BOUNCE_BUFFERS, BOUNCE_BYTES, probe_disk
 from datapath.apps import train_epoch
 from datapath.loaders import NeighborLoader
 from datapath.memory import gather_rows, host_of

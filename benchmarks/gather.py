@@ -39,7 +39,7 @@ import datapath  # noqa: F401  (registers the unified device)
 from benchmarks._common import (
     RESULTS_DIR, cuda_time_ms, host_us_per_call, index_set_count, print_table, warm_gpu, write_result,
 )
-from datapath.apps import device_label, require_cuda
+from datapath.apps.machine import device_label, require_cuda
 from datapath.memory import cuda_alias, gather_config, native_launcher, pinned_empty
 from datapath.unified_tensor import as_unified, check_errors, gather
 

@@ -36,17 +36,10 @@ from typing import Any
 import torch
 
 from benchmarks._common import RESULTS_DIR, print_table, write_result
-from datapath.apps import (
-    DistContext,
-    all_gather_objects,
-    global_mean_loss,
-    init_distributed,
-    launch,
-    memory_footprint,
-    shared_dataset,
-    train_epoch,
-    wrap_ddp,
-)
+from datapath.apps import init_distributed, launch, shared_dataset, train_epoch
+from datapath.apps.launch import all_gather_objects, DistContext
+from datapath.apps.shared_data import memory_footprint
+from datapath.apps.train_gnn import global_mean_loss, wrap_ddp
 from datapath.graph import SyntheticSpec, generate, preset_spec
 from datapath.loaders import DistributedNeighborLoader
 from datapath.sampling import NeighborSampler

@@ -155,7 +155,9 @@ def worker(args: argparse.Namespace) -> None:
     """One process of a run: train (joins the torchrun job, if any), then measure the all_to_all bandwidth."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    from datapath.apps import TrainConfig, device_label, shutdown_distributed, train  # noqa: PLC0415
+    from datapath.apps import train, TrainConfig  # noqa: PLC0415
+    from datapath.apps.launch import shutdown_distributed  # noqa: PLC0415
+    from datapath.apps.machine import device_label  # noqa: PLC0415
 
     cfg = TrainConfig(**json.loads(args.cfg))
     try:

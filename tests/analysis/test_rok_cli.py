@@ -44,11 +44,12 @@ def test_old_import_paths_warn_and_work() -> None:
     import importlib
     import sys
 
-    for name in ("rok", "ssd_plan", "presets"):
+    for name, attr in (("rok", "sweep"), ("ssd_plan", "plan"), ("presets", "get_preset")):
         sys.modules.pop(f"datapath.offload.{name}", None)
+        mod = importlib.import_module(f"datapath.offload.{name}")
         with pytest.warns(DeprecationWarning, match=f"datapath.analysis.{name}"):
-            mod = importlib.import_module(f"datapath.offload.{name}")
-        assert mod is importlib.import_module(f"datapath.analysis.{name}")
+            old = getattr(mod, attr)
+        assert old is getattr(importlib.import_module(f"datapath.analysis.{name}"), attr)
     import datapath.offload as off
 
     with pytest.warns(DeprecationWarning, match="moved to datapath.analysis"):

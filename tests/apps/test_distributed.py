@@ -12,18 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from datapath.apps import (
-    DistContext,
-    DistributedError,
-    TrainConfig,
-    global_mean_loss,
-    init_distributed,
-    launch,
-    make_optimizer,
-    shared_dataset,
-    train,
-    train_epoch,
-)
+from datapath.apps import DistributedError, init_distributed, launch, shared_dataset, train, train_epoch, TrainConfig
+from datapath.apps.launch import DistContext
+from datapath.apps.train_gnn import global_mean_loss, make_optimizer
 from datapath.graph import SyntheticSpec, generate, load_dataset
 from datapath.loaders import DistributedNeighborLoader, LoaderError, NeighborLoader, RankBatch
 from datapath.memory import to_placement

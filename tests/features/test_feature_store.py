@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from datapath.features import (
-    DiskOptions, DiskReadError, FeatureStore, FeatureStoreError, TableFile, degree_hotness, parse_budget,
-    native_aio_available, place_graph, plan_reads, presample_hotness, rank,
+    DiskOptions, DiskReadError, FeatureStore, FeatureStoreError, TableFile, degree_hotness, parse_budget, place_graph,
+    presample_hotness,
 )
+from datapath.features.disk import native_aio_available, plan_reads
+from datapath.features.hotness import rank
 from datapath.graph import generate
 
 ENGINES = ["threads"] + (["aio"] if native_aio_available() is None else [])

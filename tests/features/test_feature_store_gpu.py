@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from datapath.features import DiskOptions, FeatureStore, native_aio_available, presample_hotness
+from datapath.features import DiskOptions, FeatureStore, presample_hotness
+from datapath.features.disk import native_aio_available
 from datapath.graph import generate
 from datapath.loaders import NeighborLoader
 from datapath.memory import check_errors

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from datapath.apps import DistributedError, init_distributed, launch
-from datapath.features import FeatureStore, FeatureStoreError, ShardedTier, new_exchange_group, sharded_store
+from datapath.features import FeatureStore, FeatureStoreError, new_exchange_group, sharded_store
+from datapath.features.sharded import ShardedTier
 from datapath.graph import DatasetError, ShardLayout, SyntheticSpec, generate, load_dataset, shard_file
 from datapath.loaders import DistributedNeighborLoader, NeighborLoader
 

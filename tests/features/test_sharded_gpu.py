@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from datapath.apps import global_mean_loss, init_distributed, launch, wrap_ddp
+from datapath.apps import init_distributed, launch
+from datapath.apps.train_gnn import global_mean_loss, wrap_ddp
 from datapath.features import new_exchange_group, presample_hotness, sharded_store
 from datapath.graph import ShardLayout, SyntheticSpec, generate
 from datapath.loaders import DistributedNeighborLoader

@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from datapath.features import (
-    BOUNCE_BUFFERS, GAPS, SCAN, DiskCosts, DiskOptions, DiskReader, DiskReadError, FeatureStore, FeatureStoreError, TableFile,
-    choose_gap, native_aio_available, plan_reads, probe_disk, read_rows, write_table,
-)
+from datapath.features import DiskOptions, DiskReadError, FeatureStore, FeatureStoreError, TableFile, write_table
+from datapath.features.disk import DiskReader, native_aio_available, plan_reads
+from datapath.features.scan import BOUNCE_BUFFERS, choose_gap, DiskCosts, GAPS, probe_disk, read_rows, SCAN
 from datapath.graph import generate
 from datapath.loaders import NeighborLoader
 

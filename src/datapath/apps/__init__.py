@@ -5,26 +5,26 @@ multi-process launcher, the shared dataset copy, and machine facts.
     run_training(TrainConfig(dataset="products", epochs=2))          # what `datapath train-gnn` runs
 
 `train_epoch` / `evaluate` are the building blocks for a training loop of your own over a
-`datapath.loaders.NeighborLoader`.
+`datapath.loaders.NeighborLoader`; `launch` / `init_distributed` start one process per GPU;
+`shared_dataset` holds one copy of a dataset in shared memory for every rank.
+
+The rest lives in documented submodules, imported from there: `training` (EpochStats,
+profile_batches, check_cuda_autograd), `train_gnn` (wrap_ddp, make_optimizer, global_mean_loss),
+`launch` (DistContext, shutdown_distributed, all_gather_objects, stop_requested, ...),
+`shared_data` (SharedDataset, share_dataset, attach_dataset, memory_footprint), `machine`
+(cuda_available, device_label, require_cuda, use_blocking_sync, machine_info), `errors`.
 """
-from datapath._runtime.cuda_sched import use_blocking_sync
-from datapath._runtime.device import cuda_available, device_label, machine_info, require_cuda
-from datapath.apps.errors import CudaAutogradUnavailableError, DistributedError
-from datapath.apps.launch import (
-    DistContext, all_gather_objects, exit_if_stopped, in_launched_job, init_distributed, launch, new_prefix,
-    shutdown_distributed, stop_requested,
-)
-from datapath.apps.shared_data import (
-    SharedDataset, attach_dataset, memory_footprint, segment_bytes, share_dataset, shared_dataset,
-)
-from datapath.apps.train_gnn import TrainConfig, global_mean_loss, make_optimizer, run_training, train, wrap_ddp
-from datapath.apps.training import EpochStats, check_cuda_autograd, evaluate, profile_batches, train_epoch
+from datapath._deprecated import forward
+from datapath.apps.errors import DistributedError
+from datapath.apps.launch import init_distributed, launch
+from datapath.apps.machine import machine_info
+from datapath.apps.shared_data import shared_dataset
+from datapath.apps.train_gnn import TrainConfig, run_training, train
+from datapath.apps.training import evaluate, train_epoch
 
 __all__ = [
-    "CudaAutogradUnavailableError", "DistContext", "DistributedError", "EpochStats", "SharedDataset", "TrainConfig",
-    "all_gather_objects", "attach_dataset", "check_cuda_autograd", "cuda_available", "device_label", "evaluate", "exit_if_stopped",
-    "global_mean_loss",
-    "in_launched_job", "init_distributed", "launch", "machine_info", "make_optimizer", "memory_footprint",
-    "new_prefix", "profile_batches", "require_cuda", "run_training", "segment_bytes", "share_dataset", "shared_dataset",
-    "shutdown_distributed", "stop_requested", "train", "train_epoch", "use_blocking_sync", "wrap_ddp",
+    "DistributedError", "TrainConfig", "evaluate", "init_distributed", "launch", "machine_info", "run_training",
+    "shared_dataset", "train", "train_epoch",
 ]
+
+__getattr__ = forward(__name__)  # the wider face of 0.1: names from their submodules, one more release

@@ -7,32 +7,28 @@
     loader = NeighborLoader(graph, train_idx, [15, 10, 5], features=feats, labels=labels)
     feats.stats()   # {"gpu_cache": {"rows", "bytes", "seconds", "hit_rate"}, "host": ..., "disk": ...}
 
-Modules: `store` (FeatureStore), `tiers` (TierStats, FetchTier: the interface a further tier,
-e.g. a remote shard, implements), `disk` (the disk tier and its O_DIRECT engines),
-`scan` (the disk's costs, `probe_disk`; `choose_gap`: random reads or a scan; `read_rows`), `superbatch`
-(`Schedule`: the disk rows of many batches read at once, Ginex), `table_file` (TableFile, `write_table`), `hotness` (what to cache), `budget` (``"25%"``, ``"16GB"``),
-`placement` (the graph's place), `sharded` (the rows cut over the ranks of a torch.distributed job:
-`sharded_store`, `ShardedTier`).
+This package exports what a user calls.  The parts behind it are documented submodules, imported
+from there: `store` (FeatureStore, PendingGather), `tiers` (TierStats, FetchTier: the interface a
+further tier, e.g. a remote shard, implements), `disk` (the disk tier, its O_DIRECT engines,
+`plan_reads`), `scan` (the disk's costs, `probe_disk`; `choose_gap`: random reads or a scan;
+`read_rows`; `BOUNCE_BUFFERS`, `GAPS`, `SCAN`), `superbatch` (`Schedule`: the disk rows of many
+batches read at once, Ginex), `table_file` (TableFile, `write_table`), `hotness` (what to cache,
+`rank`), `budget` (``"25%"``, ``"16GB"``), `placement` (the graph's place), `sharded` (the rows cut
+over the ranks of a torch.distributed job: `sharded_store`, `ShardedTier`, `CACHE_SCOPES`).
 """
+from datapath._deprecated import forward
 from datapath.features.budget import format_bytes, parse_budget
-from datapath.features.disk import ENGINES, DiskReader, DiskTier, ReadPlan, native_aio_available, plan_reads
 from datapath.features.errors import DiskReadError, FeatureStoreError, ShardExchangeError
-from datapath.features.hotness import degree_hotness, presample_hotness, rank
-from datapath.features.placement import GPU_RESERVE_BYTES, gpu_budget, graph_bytes, place_graph
-from datapath.features.sharded import CACHE_SCOPES, ShardedTier, new_exchange_group, sharded_store
-from datapath.features.scan import (
-    BOUNCE_BUFFERS, BOUNCE_BYTES, GAPS, SCAN, DiskCosts, GapChoice, ReadResult, choose_gap, probe_disk, read_rows,
-    run_groups,
-)
-from datapath.features.store import DiskOptions, FeatureStore, PendingGather
-from datapath.features.superbatch import Schedule, StagingPool
+from datapath.features.hotness import degree_hotness, presample_hotness
+from datapath.features.placement import gpu_budget, place_graph
+from datapath.features.sharded import new_exchange_group, sharded_store
+from datapath.features.store import DiskOptions, FeatureStore
 from datapath.features.table_file import TableFile, write_table
-from datapath.features.tiers import FetchTier, TierStats
 
 __all__ = [
-    "BOUNCE_BUFFERS", "BOUNCE_BYTES", "CACHE_SCOPES", "DiskCosts", "DiskOptions", "GAPS", "GapChoice", "ReadResult", "SCAN", "Schedule", "StagingPool",
-    "choose_gap", "probe_disk", "read_rows", "run_groups", "write_table", "DiskReadError", "DiskReader", "DiskTier", "ENGINES", "FeatureStore", "FeatureStoreError", "PendingGather",
-    "FetchTier", "GPU_RESERVE_BYTES", "ReadPlan", "ShardExchangeError", "ShardedTier", "TableFile", "TierStats",
-    "degree_hotness", "format_bytes", "gpu_budget", "graph_bytes", "native_aio_available", "new_exchange_group",
-    "parse_budget", "place_graph", "plan_reads", "presample_hotness", "rank", "sharded_store",
+    "DiskOptions", "DiskReadError", "FeatureStore", "FeatureStoreError", "ShardExchangeError", "TableFile",
+    "degree_hotness", "format_bytes", "gpu_budget", "new_exchange_group", "parse_budget", "place_graph",
+    "presample_hotness", "sharded_store", "write_table",
 ]
+
+__getattr__ = forward(__name__)  # the wider face of 0.1 (disk internals, tiers): from the submodules, one release

@@ -11,8 +11,7 @@ The graph lives in `datapath.graph`, the sampler in `datapath.sampling`, the row
 `datapath.memory`; this package only puts them together (and hands batches over from
 background threads).  Blocks convert to PyG's form with ``block.to_pyg()``.
 """
-from typing import Any
-
+from datapath._deprecated import forward
 from datapath.loaders.batch import Batch
 from datapath.loaders.distributed import DistributedNeighborLoader, RankBatch
 from datapath.loaders.errors import LoaderError
@@ -24,8 +23,4 @@ __all__ = [
     "RankBatch", "hetero_hotness",
 ]
 
-
-def __getattr__(name: str) -> Any:  # old paths (datapath.loaders.Graph, .train_epoch, ...), one more release
-    from datapath._deprecated import moved  # noqa: PLC0415
-
-    return moved(__name__, name)
+__getattr__ = forward(__name__)  # old paths (datapath.loaders.Graph, .train_epoch, ...), one more release

@@ -1,8 +1,4 @@
-"""Deprecated module path: ``datapath.loaders.graph`` moved to `datapath.graph`; kept for one release."""
-from typing import Any
+"""Deprecated module path: ``datapath.loaders.graph`` moved to `datapath.graph`; kept for one release (see `datapath._deprecated`)."""
+from datapath._deprecated import forward
 
-
-def __getattr__(name: str) -> Any:
-    from datapath._deprecated import moved_module  # noqa: PLC0415
-
-    return moved_module(__name__, "datapath.graph", name)
+__getattr__ = forward(__name__)

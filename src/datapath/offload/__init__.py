@@ -16,10 +16,7 @@ or recomputed, whichever fits fastest.
 model (the units of ``units="blocks"``, what ``compile=True`` compiles one by one).  Workload modelling (ROK curves,
 the SSD plan, presets) lives in `datapath.analysis`.
 """
-import importlib
-import warnings
-from typing import Any
-
+from datapath._deprecated import forward
 from datapath.offload.budget_planner import BudgetPlan, BudgetProfile, SegmentCost, plan_budget
 from datapath.offload.cache import TensorCache
 from datapath.offload.cheap_recompute import is_cheap, set_cheap_recompute
@@ -48,20 +45,4 @@ __all__ = [
     "set_cheap_recompute", "set_recompute", "uncompile_blocks",
 ]
 
-# workload modelling moved to datapath.analysis: the old names work for one more release
-_MOVED = {
-    "PRESETS": "presets", "TransformerConfig": "presets", "Workload": "presets", "build_workload": "presets",
-    "get_preset": "presets", "STRATEGIES": "rok", "RokError": "rok", "RokPoint": "rok_result",
-    "RokResult": "rok_result", "sweep": "rok", "Drive": "ssd_plan", "GpuSpec": "ssd_plan",
-    "Parallelism": "ssd_plan", "PlanError": "ssd_plan", "SsdPlan": "ssd_plan", "TransformerShape": "ssd_plan",
-    "activation_breakdown": "ssd_plan", "activation_bytes_per_step": "ssd_plan",
-    "model_flops_per_step": "ssd_plan", "plan": "ssd_plan",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        warnings.warn(f"datapath.offload.{name} moved to datapath.analysis.{name}; import it from there "
-                      f"(the old name goes in the next release)", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(f"datapath.analysis.{_MOVED[name]}"), name)
-    raise AttributeError(f"module 'datapath.offload' has no attribute {name!r}")
+__getattr__ = forward(__name__)  # workload modelling moved to datapath.analysis: old names for one more release

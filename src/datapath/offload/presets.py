@@ -1,9 +1,4 @@
-"""Deprecated alias of `datapath.analysis.presets` (moved there; this alias goes in the next release)."""
-import sys
-import warnings
+"""Deprecated module path: ``datapath.offload.presets`` moved to `datapath.analysis.presets`; kept for one release (see `datapath._deprecated`)."""
+from datapath._deprecated import forward
 
-from datapath.analysis import presets as _moved
-
-warnings.warn("datapath.offload.presets moved to datapath.analysis.presets; import it from there "
-              "(the old name goes in the next release)", DeprecationWarning, stacklevel=2)
-sys.modules[__name__] = _moved
+__getattr__ = forward(__name__)

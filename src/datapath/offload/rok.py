@@ -1,9 +1,4 @@
-"""Deprecated alias of `datapath.analysis.rok` (moved there; this alias goes in the next release)."""
-import sys
-import warnings
+"""Deprecated module path: ``datapath.offload.rok`` moved to `datapath.analysis.rok`; kept for one release (see `datapath._deprecated`)."""
+from datapath._deprecated import forward
 
-from datapath.analysis import rok as _moved
-
-warnings.warn("datapath.offload.rok moved to datapath.analysis.rok; import it from there "
-              "(the old name goes in the next release)", DeprecationWarning, stacklevel=2)
-sys.modules[__name__] = _moved
+__getattr__ = forward(__name__)

@@ -1,9 +1,4 @@
-"""Deprecated alias of `datapath.analysis.ssd_plan` (moved there; this alias goes in the next release)."""
-import sys
-import warnings
+"""Deprecated module path: ``datapath.offload.ssd_plan`` moved to `datapath.analysis.ssd_plan`; kept for one release (see `datapath._deprecated`)."""
+from datapath._deprecated import forward
 
-from datapath.analysis import ssd_plan as _moved
-
-warnings.warn("datapath.offload.ssd_plan moved to datapath.analysis.ssd_plan; import it from there "
-              "(the old name goes in the next release)", DeprecationWarning, stacklevel=2)
-sys.modules[__name__] = _moved
+__getattr__ = forward(__name__)
