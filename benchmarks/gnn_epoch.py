@@ -44,13 +44,15 @@ from typing import Any
 
 import torch
 
-from datapath.apps import use_blocking_sync  # noqa: E402
+from datapath.apps.machine import use_blocking_sync  # noqa: E402
 
 BLOCKING_SYNC = use_blocking_sync() if torch.cuda.is_available() else False  # before CUDA starts
 
 from benchmarks import _gnn_tiers as tiers  # noqa: E402
 from benchmarks._common import RESULTS_DIR, print_table, write_result  # noqa: E402
-from datapath.apps import check_cuda_autograd, device_label, evaluate, profile_batches, train_epoch  # noqa: E402
+from datapath.apps import evaluate, train_epoch  # noqa: E402
+from datapath.apps.machine import device_label  # noqa: E402
+from datapath.apps.training import check_cuda_autograd, profile_batches  # noqa: E402
 from datapath.features import FeatureStore, place_graph  # noqa: E402
 from datapath.graph import Graph, SyntheticSpec, generate, papers_spec, preset_spec  # noqa: E402
 from datapath.loaders import NeighborLoader  # noqa: E402
@@ -186,8 +188,7 @@ def setup_way(way: str, model_name: str, ds: Any, placed: dict[str, Any], args: 
                             prefetch=args.prefetch, num_workers=args.loader_workers,
                             stream_priority=args.loader_priority,
                             prepare=None if args.no_prepare else model.prepare_batch)
-    loader._overlap_gather = not args.serial_gather
-    loader._gather_stream = args.gather_stream
+    loader.gather_stream = "serial" if args.serial_gather else args.gather_stream
     gen = torch.Generator().manual_seed(args.seed)
     val = ds.val_idx[torch.randperm(ds.val_idx.numel(), generator=gen)[: args.eval_nodes]]
     val_loader = NeighborLoader(graph, val, NeighborSampler(fanouts, seed=args.seed + 1), args.batch_size,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from datapath.apps import use_blocking_sync
+from datapath.apps.machine import use_blocking_sync
 
 BLOCKING = use_blocking_sync() if torch.cuda.is_available() else False
 
@@ -99,7 +99,7 @@ def main() -> int:
         loader = NeighborLoader(placed["graph"], ds.train_idx, NeighborSampler([15, 10, 5], seed=0), 1024,
                                 shuffle=True, features=placed["features"], labels=placed["labels"], device=dev,
                                 prefetch=1, prepare=model.prepare_batch)
-        loader._overlap_gather = mode != "datapath-serial"
+        loader.gather_stream = "serial" if mode == "datapath-serial" else "sample"
         train_epoch(model, loader, opt, max_batches=8)
         t = time.perf_counter()
         plain = train_epoch(model, loader, opt, max_batches=30)

@@ -164,6 +164,24 @@ def test_bad_configuration() -> None:
         NeighborLoader(graph, seeds, [2], features=feats[:10], device="cpu")
     with pytest.raises(LoaderError, match="batch_size"):
         NeighborLoader(graph, seeds, [2], batch_size=0, device="cpu")
+    with pytest.raises(LoaderError, match="gather_stream must be 'sample', 'own' or 'serial', got 'fast'"):
+        NeighborLoader(graph, seeds, [2], device="cpu", gather_stream="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gather_stream", ["sample", "own", "serial"])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_gpu_every_gather_stream_gives_the_cpu_batches(cuda_device, gather_stream: str, workers: int) -> None:
+    graph, feats, labels, seeds = _data(n=3000, e=50000, f=20, seed=13)
+    mk = lambda g, f, l, dev, **kw: NeighborLoader(g, seeds, NeighborSampler([6, 3], seed=4), 200,  # noqa: E731
+                                                   shuffle=True, features=f, labels=l, device=dev, **kw)
+    ref = _collect(mk(graph, feats, labels, "cpu", prefetch=0))
+    loader = mk(graph.to("unified"), to_placement(feats, "unified"), to_placement(labels, "unified"), "cuda",
+                prefetch=2, num_workers=workers, gather_stream=gather_stream)
+    assert loader.gather_stream == gather_stream
+    for (s0, b0, x0, y0), (s1, b1, x1, y1) in zip(ref, _collect(loader), strict=True):
+        assert torch.equal(s0, s1) and torch.equal(x0, x1) and torch.equal(y0, y1)
+        assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(b0, b1))
 
 
 @pytest.mark.gpu

@@ -1,9 +1,11 @@
 """The loader's background producers: batches made in threads on side CUDA streams, handed over in order.
 
-The threads run a `_Producer`, which holds the loader and the queues but not the
-iterator the consumer holds: when the consumer drops or closes the iterator (a
-``break`` out of ``for batch in loader``), the producers are told to stop and are
-joined, so no thread outlives the loop that used it.
+A producer knows a loader only through `BatchSteps`: the callables that make a batch (whole, or
+in its three stages: queue the sampling, collect the gathers, run ``prepare``) and the settings
+of its threads.  The threads run a `_Producer`, which holds those steps and the queues but not
+the iterator the consumer holds: when the consumer drops or closes the iterator (a ``break``
+out of ``for batch in loader``), the producers are told to stop and are joined, so no thread
+outlives the loop that used it.
 """
 from __future__ import annotations
 
@@ -12,16 +14,14 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
 from datapath._runtime.pinned import gpu_wait_seconds
 from datapath.loaders.batch import Batch, GatherCheck
-
-if TYPE_CHECKING:
-    from datapath.loaders.loader import NeighborLoader
 
 SAMPLE_AHEAD = 2
 """Batches whose sampling the GPU producer keeps queued ahead of the one it prepares."""
@@ -64,21 +64,58 @@ class Started:
 
 
 
+GatherStream = Literal["sample", "own", "serial"]
+
+
+@dataclass
+class BatchSteps:
+    """What a producer needs from a loader: the steps that make a batch, and the settings of its threads.
+
+    Attributes:
+        make: ``make(seeds, step, schedule, defer) -> Batch``: one whole batch on the current stream,
+            waited for (the CPU path and ``gather_stream="serial"``).
+        start: ``start(seeds, step) -> Started``: queue one batch's sampling on the current stream.
+        collect: ``collect(started, gather_stream, schedule, defer) -> Batch``: wait for the sample, launch
+            the feature and label gathers (on ``gather_stream`` if given, not waited for).
+        prepare: ``prepare(batch, stream)``: run the ``prepare`` hook (on ``stream`` if given).
+        abort: a collective feature store's ``abort(exc)`` (tells the other ranks), or None.
+        device: where batches go; workers, depth: threads and batches queued ahead by each.
+        gather_stream: ``"sample"`` (the gather queued on the sampling stream), ``"own"`` (a stream of its
+            own) or ``"serial"`` (each batch made whole and waited for, no pipelining).
+        exchange: the collective gathers are finished in order by a stage of their own (`_Exchange`).
+        stream_priority: CUDA priority of the sampling and prepare streams.
+        streams: the loader's streams per worker (``-1``: the exchange stage), kept across epochs.
+    """
+
+    make: Callable[[torch.Tensor, int, Any, bool], Batch]
+    start: Callable[[torch.Tensor, int], "Started"]
+    collect: Callable[["Started", "torch.cuda.Stream | None", Any, bool], Batch]
+    prepare: Callable[[Batch, "torch.cuda.Stream | None"], None]
+    abort: Callable[[BaseException], None] | None
+    device: torch.device
+    workers: int = 1
+    depth: int = 1
+    gather_stream: GatherStream = "sample"
+    exchange: bool = False
+    stream_priority: int = 0
+    streams: dict[int, tuple[torch.cuda.Stream, ...]] = field(default_factory=dict)
+
+
 class _Producer:
-    """The producer threads' side: the loader, one queue per worker, and the stop flag.
+    """The producer threads' side: the batch steps, one queue per worker, and the stop flag.
 
     Worker ``i`` makes batches ``i, i + k, i + 2k, ...`` and puts them into queue ``i``; the
     consumer reads the queues round-robin, so batches arrive in order however many workers.
     """
 
-    def __init__(self, loader: "NeighborLoader", work: list[tuple[torch.Tensor, int]], schedule: Any = None) -> None:
-        self.loader = loader
+    def __init__(self, steps: BatchSteps, work: list[tuple[torch.Tensor, int]], schedule: Any = None) -> None:
+        self.steps = steps
         self.schedule = schedule  # the feature store's superbatches of this epoch (closed with the producer)
         self.stop = threading.Event()
-        self.cuda = loader.device.type == "cuda"
+        self.cuda = steps.device.type == "cuda"
         self.queue_wait_s = 0.0  # producers' time blocked on a full queue (waiting for the consumer)
-        k = max(1, min(loader.num_workers, len(work)))
-        self.queues: list[queue.Queue] = [queue.Queue(maxsize=loader.prefetch) for _ in range(k)]
+        k = max(1, min(steps.workers, len(work)))
+        self.queues: list[queue.Queue] = [queue.Queue(maxsize=steps.depth) for _ in range(k)]
         self.threads = [
             threading.Thread(target=self._run, args=(i, work[i::k]), daemon=True,
                              name=f"datapath-neighbor-loader-{i}")
@@ -87,7 +124,7 @@ class _Producer:
         # a collective feature store: one worker hands its batches to the exchange stage, which finishes their
         # gathers (the exchange with the other ranks) in order, while the worker samples the next batches
         self.exchange: _Exchange | None = None
-        if k == 1 and loader._defers_exchange():
+        if k == 1 and steps.exchange:
             self.exchange = _Exchange(self, self.queues[0])
             self.threads.append(self.exchange.thread)
 
@@ -125,22 +162,23 @@ class _Producer:
 
     def _streams(self, i: int) -> tuple[torch.cuda.Stream, ...]:
         """Worker ``i``'s (sampling, gather, prepare) streams, made once per loader."""
-        loader = self.loader
-        streams = loader._streams.get(i)
+        steps = self.steps
+        streams = steps.streams.get(i)
         if streams is None:
-            dev, prio = loader.device, loader.stream_priority
+            dev, prio = steps.device, steps.stream_priority
             # the gather stream has the lowest priority: bulk PCIe reads
             streams = (torch.cuda.Stream(dev, priority=prio), torch.cuda.Stream(dev),
                        torch.cuda.Stream(dev, priority=prio))
-            loader._streams[i] = streams
+            steps.streams[i] = streams
         return streams
 
     def _run(self, i: int, work: list[tuple[torch.Tensor, int]]) -> None:
         q = self.queues[i] if self.exchange is None else self.exchange.inbox
         try:
+            make = self.steps.make
             if self.cuda:
-                torch.cuda.set_device(self.loader.device)
-                if self.loader._overlap_gather:
+                torch.cuda.set_device(self.steps.device)
+                if self.steps.gather_stream != "serial":
                     self._run_pipelined(q, work, self._streams(i))
                     return
                 stream = self._streams(i)[0]
@@ -149,9 +187,9 @@ class _Producer:
                     return
                 if self.cuda:
                     with torch.cuda.stream(stream):
-                        batch = self.loader._make(seeds, step, self.schedule, self.exchange is not None)
+                        batch = make(seeds, step, self.schedule, self.exchange is not None)
                 else:
-                    batch = self.loader._make(seeds, step, self.schedule, self.exchange is not None)
+                    batch = make(seeds, step, self.schedule, self.exchange is not None)
                 if not self._put(q, batch):
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
@@ -170,9 +208,9 @@ class _Producer:
         the graph over PCIe.  An error of a later batch reaches the consumer after the batches
         before it.
         """
-        loader = self.loader
+        steps = self.steps
         sample_stream, gather_stream, prepare_stream = streams
-        if loader._gather_stream == "sample":
+        if steps.gather_stream == "sample":
             gather_stream = sample_stream
         checks: list[GatherCheck] = []
         pending: collections.deque = collections.deque()
@@ -180,7 +218,7 @@ class _Producer:
         def launch(j: int) -> "Started | BaseException":
             with torch.cuda.stream(sample_stream):
                 try:
-                    return loader._start(*work[j])
+                    return steps.start(*work[j])
                 except Exception as exc:  # noqa: BLE001 - raised when its turn comes
                     return exc
 
@@ -195,7 +233,7 @@ class _Producer:
             if isinstance(st, BaseException):
                 raise st
             with torch.cuda.stream(sample_stream):
-                batch = loader._collect(st, gather_stream, self.schedule, defer=self.exchange is not None)
+                batch = steps.collect(st, gather_stream, self.schedule, self.exchange is not None)
             j = k + SAMPLE_AHEAD
             if j < len(work) and not any(isinstance(p, BaseException) for p in pending):
                 sw = Stopwatch()
@@ -205,7 +243,7 @@ class _Producer:
                     nxt.sample_s = nxt.cpu_s = nxt.wait_s = 0.0
                 pending.append(nxt)
             if self.exchange is None:
-                loader._prepare(batch, prepare_stream)
+                steps.prepare(batch, prepare_stream)
             if batch._check is not None:
                 checks.append(batch._check)
             if not self._put(q, batch):
@@ -229,7 +267,7 @@ class _Exchange:
     def __init__(self, producer: _Producer, out: queue.Queue) -> None:
         self.producer = producer
         self.out = out
-        self.inbox: queue.Queue = queue.Queue(maxsize=max(1, producer.loader.prefetch))
+        self.inbox: queue.Queue = queue.Queue(maxsize=max(1, producer.steps.depth))
         self.thread = threading.Thread(target=self._run, daemon=True, name="datapath-neighbor-loader-exchange")
 
     def _get(self) -> object:
@@ -241,33 +279,34 @@ class _Exchange:
         return _DONE
 
     def _run(self) -> None:
-        p, loader = self.producer, self.producer.loader
+        p, steps = self.producer, self.producer.steps
         try:
             stream = prepare_stream = None
             if p.cuda:
-                torch.cuda.set_device(loader.device)
+                torch.cuda.set_device(steps.device)
                 # high priority, as the exchange group's NCCL stream: its short kernels go before the sampling's
-                if -1 not in loader._streams:  # made once per loader, as the workers' streams
+                if -1 not in steps.streams:  # made once per loader, as the workers' streams
                     high = torch.cuda.Stream.priority_range()[1]
-                    loader._streams[-1] = (torch.cuda.Stream(loader.device, priority=high),)
-                stream = loader._streams[-1][0]
-                prepare_stream = p._streams(0)[2] if loader._overlap_gather else None
+                    steps.streams[-1] = (torch.cuda.Stream(steps.device, priority=high),)
+                stream = steps.streams[-1][0]
+                prepare_stream = p._streams(0)[2] if steps.gather_stream != "serial" else None
             while True:
                 item = self._get()
                 if item is _DONE:
                     p._put(self.out, _DONE)
                     return
                 if isinstance(item, BaseException):
-                    loader.features.abort(item)  # this batch's exchange: the other ranks raise, naming this one
+                    if steps.abort is not None:  # this batch's exchange: the other ranks raise, naming this one
+                        steps.abort(item)
                     p._put(self.out, item)
                     return
                 batch: Batch = item
                 self._finish(batch, stream)
                 if stream is not None and prepare_stream is None:
                     with torch.cuda.stream(stream):  # after the exchange, off the training's stream
-                        loader._prepare(batch, None)
+                        steps.prepare(batch, None)
                 else:
-                    loader._prepare(batch, prepare_stream)
+                    steps.prepare(batch, prepare_stream)
                 if not p._put(self.out, batch):
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
@@ -302,14 +341,13 @@ class PrefetchIter:
     threads.
     """
 
-    def __init__(self, loader: "NeighborLoader", work: list[tuple[torch.Tensor, int]], schedule: Any = None) -> None:
-        self._producer = _Producer(loader, work, schedule)
+    def __init__(self, steps: BatchSteps, work: list[tuple[torch.Tensor, int]], schedule: Any = None) -> None:
+        self._producer = _Producer(steps, work, schedule)
         self._n = len(work)
         self._next = 0
         self._cuda = self._producer.cuda
-        self._device = loader.device
+        self._device = steps.device
         self._finalizer = weakref.finalize(self, _Producer.close, self._producer)
-        loader._iterators.add(self)
         self._producer.start()
 
     @property

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from datapath._deprecated import forward
 from datapath.graph import Graph
-from datapath.loaders._prefetch import PrefetchIter
 from datapath.loaders.batch import Batch
 from datapath.loaders.errors import LoaderError
 from datapath.loaders.loader import NeighborLoader, Table
@@ -115,10 +115,7 @@ class DistributedNeighborLoader(NeighborLoader):
             work.append((order[start:start + cnt], epoch * g + i))
         if self.prefetch == 0:
             return (self._make(b, s) for b, s in work)
-        return PrefetchIter(self, work)
+        return self._prefetched(work)
 
 
-def __getattr__(name: str) -> Any:  # the training job moved to datapath.apps; old paths for one more release
-    from datapath._deprecated import moved  # noqa: PLC0415
-
-    return moved(__name__, name)
+__getattr__ = forward(__name__)  # the training job moved to datapath.apps; old paths for one more release

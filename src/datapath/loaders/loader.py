@@ -24,9 +24,11 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from datapath.features import FeatureStore, PendingGather, Schedule
+from datapath.features import FeatureStore
+from datapath.features.store import PendingGather
+from datapath.features.superbatch import Schedule
 from datapath.graph import Graph
-from datapath.loaders._prefetch import PrefetchIter, Started, Stopwatch
+from datapath.loaders._prefetch import BatchSteps, GatherStream, PrefetchIter, Started, Stopwatch
 from datapath.loaders.batch import Batch, GatherCheck
 from datapath.loaders.errors import LoaderError
 from datapath.memory import gather_rows, placement_of
@@ -78,6 +80,10 @@ class NeighborLoader:
         stream_priority: CUDA priority of the loader's sampling and prepare streams (lower is higher;
             PyTorch's streams default to 0, the lowest).  High priority lets the loader's long-lived,
             PCIe-bound sampling and gather blocks take their SM slots while training runs.
+        gather_stream: where a GPU producer gathers features and labels: ``"sample"`` (queued on the
+            sampling stream: PCIe used by one of them at a time; the default), ``"own"`` (a stream of its
+            own, concurrent with the next batches' sampling) or ``"serial"`` (each batch sampled,
+            gathered and waited for in turn: no pipelining, for A/B measurements).  Also an attribute.
 
     Sampling runs on the GPU when ``device`` is cuda and the graph is in unified or cuda
     memory; otherwise on the CPU.  Each ``iter(loader)`` is one epoch.
@@ -88,7 +94,7 @@ class NeighborLoader:
                  features: Table | None = None, labels: Table | None = None,
                  device: str | torch.device | None = None, seed: int = 0, prefetch: int = 1,
                  num_workers: int = 1, prepare: Callable[[Batch], Iterable[torch.Tensor] | None] | None = None,
-                 stream_priority: int = 0) -> None:
+                 stream_priority: int = 0, gather_stream: GatherStream = "sample") -> None:
         if not isinstance(sampler, NeighborSampler):
             sampler = NeighborSampler(sampler, seed=seed)
         if batch_size < 1:
@@ -97,6 +103,8 @@ class NeighborLoader:
             raise LoaderError(f"prefetch must be >= 0, got {prefetch}")
         if num_workers < 1:
             raise LoaderError(f"num_workers must be >= 1, got {num_workers}")
+        if gather_stream not in ("sample", "own", "serial"):
+            raise LoaderError(f"gather_stream must be 'sample', 'own' or 'serial', got {gather_stream!r}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -114,10 +122,7 @@ class NeighborLoader:
         self.num_workers = int(num_workers)
         self.stream_priority = int(stream_priority)
         self.prepare = prepare
-        self._overlap_gather = True  # False: gather on the sampling stream and wait for it (A/B diagnostics)
-        # "sample": the gather is queued on the sampling stream (PCIe used by one of them at a time);
-        # "own": on a stream of its own, concurrent with the next batches' sampling
-        self._gather_stream = "sample"
+        self.gather_stream: GatherStream = gather_stream
         # each worker's CUDA streams, kept across epochs: the caching allocator keeps freed memory per
         # stream, so new streams every epoch would make every epoch's first batches allocate afresh
         self._streams: dict[int, tuple[torch.cuda.Stream, ...]] = {}
@@ -174,7 +179,19 @@ class NeighborLoader:
         steps = [epoch * len(self) + i for i in range(len(batches))]
         if self.prefetch == 0:
             return (self._make(b, s) for b, s in zip(batches, steps))
-        return PrefetchIter(self, list(zip(batches, steps)), self._schedule(batches, steps))
+        return self._prefetched(list(zip(batches, steps)), self._schedule(batches, steps))
+
+    def _prefetched(self, work: list[tuple[torch.Tensor, int]], schedule: Schedule | None = None) -> PrefetchIter:
+        """One epoch of ``work`` ((seeds, step) pairs) made by background threads from this loader's steps."""
+        features = self.features
+        steps = BatchSteps(
+            make=self._make, start=self._start, collect=self._collect, prepare=self._prepare,
+            abort=features.abort if isinstance(features, FeatureStore) else None, device=self.device,
+            workers=self.num_workers, depth=self.prefetch, gather_stream=self.gather_stream,
+            exchange=self._defers_exchange(), stream_priority=self.stream_priority, streams=self._streams)
+        it = PrefetchIter(steps, work, schedule)
+        self._iterators.add(it)
+        return it
 
     def _schedule(self, batches: list[torch.Tensor], steps: list[int]) -> Schedule | None:
         """The feature store's superbatches for this epoch (None unless ``features`` is a store that makes them):

@@ -217,3 +217,6 @@ def register() -> None:
         lib.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
         lib.impl("empty_strided", _empty_strided, "PrivateUse1")
         _library.append(lib)
+        from datapath.unified_tensor.tensor import use_unified_device  # noqa: PLC0415
+
+        use_unified_device()

@@ -182,14 +182,17 @@ def _rebuild(host: torch.Tensor, affinity: str) -> UnifiedTensor:
     return _wrap_new(host, affinity)
 
 
-_CPU = torch.device("cpu")
+_DEVICE = [torch.device("cpu")]  # what a unified tensor reports as its device
 
 
 def _unified_device() -> torch.device:
-    """``unified:0`` once the device name is registered, else ``cpu`` (see `_device`)."""
-    from datapath.unified_tensor._device import device_registered  # noqa: PLC0415
+    """``unified:0`` once `_device.register` has named the device (it calls `use_unified_device`), else ``cpu``."""
+    return _DEVICE[0]
 
-    return torch.device("unified", 0) if device_registered() else _CPU
+
+def use_unified_device() -> None:
+    """Make new unified tensors report ``unified:0`` (called once the PrivateUse1 device is named)."""
+    _DEVICE[0] = torch.device("unified", 0)
 
 
 def to_unified(t: torch.Tensor, dtype: torch.dtype | None = None,
