@@ -43,6 +43,7 @@ def test_recompute_gives_the_same_gradients(name: str) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_sweep_keep_recompute_cpu() -> None:
     res = sweep("bert-tiny", ["keep", "recompute"], [1, 4], steps=1, warmup=1, device="cpu")
     assert [(p.strategy, p.micro_batch, p.status) for p in res.points] == [
@@ -134,6 +135,7 @@ def test_bad_requests_raise() -> None:
         load_model_factory("surely_not_a_module_xyz:f")
 
 
+@pytest.mark.slow
 def test_cli_rok_tiny_preset(tmp_path, capsys) -> None:
     js, png = tmp_path / "rok.json", tmp_path / "rok.png"
     rc = main(["rok", "--preset", "gpt-tiny", "--strategies", "keep,recompute", "--micro-batches", "1,2",
@@ -185,6 +187,7 @@ def test_gpu_keep_recompute_and_oom() -> None:
     assert torch.cuda.memory_allocated() < 1e9  # nothing leaked by the failed point
 
 
+@pytest.mark.slow
 def test_offload_strategies_cpu(tmp_path) -> None:
     """The offload strategies through `datapath.offload` on CPU tensors (offload_cpu_tensors)."""
     cfg = get_preset("bert:h=128,l=3,s=64,v=1024")

@@ -58,6 +58,7 @@ def test_a_damaged_dataset_names_the_file(tmp_path: Path, capsys: pytest.Capture
     assert str(d / "indices.npy") in text
 
 
+@pytest.mark.slow
 def test_verbose_shows_the_traceback() -> None:
     src = Path(__file__).resolve().parents[2] / "src"
     env = {**os.environ, "PYTHONPATH": str(src)}

@@ -84,6 +84,7 @@ def _reference(dataset_dir: Path, cfg: TrainConfig, device: str = "cpu") -> tupl
     return {k: v.cpu() for k, v in net.state_dict().items()}, losses
 
 
+@pytest.mark.slow
 def test_two_ranks_train_like_one_process_with_the_global_batch(two_rank_run: list[dict], dataset_dir: Path) -> None:
     cfg = _cfg(dataset_dir)
     ref_state, ref_losses = _reference(dataset_dir, cfg)
@@ -184,6 +185,7 @@ def _fail_after_sharing(dataset_dir: str) -> None:
     torch.distributed.barrier()  # rank 0 waits for a rank that never comes
 
 
+@pytest.mark.slow
 def test_a_failed_rank_stops_the_job_and_leaves_no_shared_files(dataset_dir: Path, shm: Path) -> None:
     t0 = time.perf_counter()
     with pytest.raises(DistributedError, match="(?s)rank [01] of 2 failed.*-- rank 1:.*rank 1 breaks down"):
@@ -198,6 +200,7 @@ def _share_and_die(dataset_dir: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)  # no clean-up runs (as for a rank killed under torchrun)
 
 
+@pytest.mark.slow
 def test_tables_of_a_killed_owner_are_removed_by_the_next_job(dataset_dir: Path, shm: Path) -> None:
     p = mp.get_context("spawn").Process(target=_share_and_die, args=(str(dataset_dir),))
     p.start()
@@ -233,6 +236,7 @@ def test_gpu_two_ranks_nccl_match_one_process(dataset_dir: Path, shm: Path) -> N
     assert list(shm.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_train_gnn_cli_spawns_the_ranks(tmp_path: Path, shm: Path, capfd: pytest.CaptureFixture[str]) -> None:
     from datapath.cli import main
 
@@ -250,6 +254,7 @@ def test_train_gnn_cli_spawns_the_ranks(tmp_path: Path, shm: Path, capfd: pytest
     assert list(shm.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_train_gnn_under_torchrun(tmp_path: Path, shm: Path) -> None:
     import json
     import subprocess

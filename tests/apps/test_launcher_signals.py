@@ -63,6 +63,7 @@ def _assert_clean(ranks: list[psutil.Process], shm: Path, tmp: Path, out: str) -
     assert _leftovers(tmp) == [], f"temporary files left behind: {_leftovers(tmp)}\n{out}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + signal.SIGTERM)])
 def test_a_signal_to_the_launcher_alone_stops_the_ranks_and_cleans_up(tmp_path: Path, sig: int, code: int) -> None:
     proc, shm, tmp = _start(tmp_path, "--epochs", "1000")
@@ -80,6 +81,7 @@ def test_a_signal_to_the_launcher_alone_stops_the_ranks_and_cleans_up(tmp_path: 
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_failed_job_leaves_no_error_files(tmp_path: Path) -> None:
     """A job whose ranks fail (a dataset directory they cannot read) ends with one line and nothing left."""
     bad = tmp_path / "not-a-dataset"
@@ -116,6 +118,7 @@ print("kept running", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_stop_signal_swallowed_by_a_callback_still_stops_the_loop(tmp_path: Path) -> None:
     """A rank's SIGTERM landing in a weakref callback (its SystemExit ignored there) still ends the rank at the
     training loop's next check, with 143 and without Python's 'Exception ignored' report."""

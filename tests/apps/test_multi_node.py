@@ -102,6 +102,7 @@ def _shm(tmp: Path) -> list[str]:
     return sorted(p.name for p in (tmp / "shm").iterdir())
 
 
+@pytest.mark.slow
 def test_two_nodes_train_like_one_process_with_the_whole_table(prepared: Path, tmp_path: Path) -> None:
     dirs = [_node_dir(prepared, tmp_path, r) for r in (0, 1)]
     assert not (dirs[0] / shard_file(1, 2)).exists() and not (dirs[1] / shard_file(0, 2)).exists()
@@ -143,6 +144,7 @@ def _break(kind: str, prepared: Path, tmp: Path) -> list[Path]:
     return dirs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,node0,node1", [
     ("missing", r"rank 0 of 2 stops: rank 1 could not load its part of the dataset: DatasetError: .*node1/"
                 r"features\.shard-1-of-2\.npy is missing",
@@ -166,6 +168,7 @@ def test_bad_input_stops_every_rank_naming_the_rank(kind: str, node0: str, node1
     assert _left_in_tmp(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_epoch_stops_the_other_node(prepared: Path, tmp_path: Path) -> None:
     dirs = [_node_dir(prepared, tmp_path, r) for r in (0, 1)]
     procs = _launch(dirs, tmp_path, ["--epochs", "100", "--batch-size", "128", "--hidden", "32", "--fanouts", "8,4",

@@ -15,6 +15,7 @@ def _run(tmp_path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_default_job_learns(tmp_path, capsys) -> None:
     res = _run(tmp_path, "--epochs", "2", "--device", "cpu")
     text = capsys.readouterr().out
@@ -34,6 +35,7 @@ def test_gat_and_dataset_directory(tmp_path) -> None:
     assert res["test_acc"] > 0.25
 
 
+@pytest.mark.slow
 def test_dataset_beyond_host_memory_with_superbatches(tmp_path) -> None:
     """--host-memory below the features: the rest is read from features.npy a superbatch at a time, and the
     run trains exactly as with every row in host memory (same losses: the rows read are the table's)."""

@@ -21,6 +21,7 @@ def _run(*args: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 def test_example_trains_with_offloading() -> None:
     out = _run("--steps", "4")
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
@@ -29,6 +30,7 @@ def test_example_trains_with_offloading() -> None:
     assert offloaded > 0
 
 
+@pytest.mark.slow
 def test_example_with_a_memory_budget(tmp_path: Path) -> None:
     out = _run("--steps", "6", "--memory-budget", "6MB", "--target", "ssd", "--path", str(tmp_path))
     assert re.search(r"plan for 0\.006 GB: offload [0-9.]+ MB per step", out), out

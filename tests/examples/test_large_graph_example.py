@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_large_graph_example_trains_from_disk(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, str(ROOT / "examples" / "large_graph.py"), "--preset", "tiny", "--device", "cpu",

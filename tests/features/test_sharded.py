@@ -64,6 +64,7 @@ def _fetch_like_the_table() -> dict:
             "after": after, "lo_hi": (lo, hi), "own": own.stats()["remote"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_rank_gets_the_rows_of_the_whole_table(world: int) -> None:
     t0 = time.perf_counter()
@@ -119,6 +120,7 @@ def _loader_beside_all_reduce() -> list[bool]:
     return ok
 
 
+@pytest.mark.slow
 def test_loader_exchanges_in_its_producer_thread_beside_all_reduce() -> None:
     for ok in launch(_loader_beside_all_reduce, 2):
         assert ok == [True] * 14
@@ -132,6 +134,7 @@ def _bad_shard() -> None:
     sharded_store(_table()[lo:hi - (3 if rank == 1 else 0)], layout, device="cpu")
 
 
+@pytest.mark.slow
 def test_a_shard_of_the_wrong_size_stops_every_rank_naming_it() -> None:
     t0 = time.perf_counter()
     with pytest.raises(DistributedError, match=r"(?s)rank 1: its shard has shape \(497, 7\).*rows 500\.\.999"):
@@ -155,6 +158,7 @@ def _fail_before_the_exchange() -> list[str]:
     return said
 
 
+@pytest.mark.slow
 def test_a_rank_failing_before_the_exchange_stops_the_others_naming_it() -> None:
     r0, r1 = launch(_fail_before_the_exchange, 2)
     assert r0[0] == r1[0] == "ok" and r0[2] == r1[2] == "ok"  # the group still pairs up afterwards

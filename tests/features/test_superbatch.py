@@ -153,6 +153,7 @@ def _graph_store(tmp_path, superbatch: str, buffers: int = 1, host: str = "75%")
     return ds, t, fs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("buffers", [1, 2])
 def test_superbatches_serve_every_batch_from_staging(tmp_path, buffers: int) -> None:
     pct = 30 * buffers  # every batch's disk rows fit a buffer
@@ -183,6 +184,7 @@ def test_superbatches_serve_every_batch_from_staging(tmp_path, buffers: int) -> 
     fs.close()
 
 
+@pytest.mark.slow
 def test_an_abandoned_epoch_and_other_loaders(tmp_path) -> None:
     ds, t, fs = _graph_store(tmp_path, "30%")
     loader = NeighborLoader(ds.graph, ds.train_idx, [10, 5], 256, shuffle=True, features=fs, device="cpu")

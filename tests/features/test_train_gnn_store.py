@@ -15,6 +15,7 @@ def _run(tmp_path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_store_options_train_from_disk(tmp_path, capsys) -> None:
     assert main(["prepare-dataset", "tiny", str(tmp_path / "tiny"), "--device", "cpu"]) == 0
     res = _run(tmp_path, "--dataset", str(tmp_path / "tiny"), "--epochs", "2", "--device", "cpu",

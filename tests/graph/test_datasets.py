@@ -44,6 +44,7 @@ def test_large_graphs_deduplicate_in_destination_ranges(small) -> None:
     assert torch.equal(pieces.graph.indices, small.graph.indices)
 
 
+@pytest.mark.slow
 def test_structure(small) -> None:
     g = small.graph
     ei = g.edge_index()
@@ -136,6 +137,7 @@ prepare_dataset("tiny", sys.argv[1], seed=0, device="cpu", progress=False, overw
 """
 
 
+@pytest.mark.slow
 def test_an_overwrite_killed_midway_leaves_the_old_dataset(tmp_path) -> None:
     """The data-loss case: prepare-dataset into a directory that holds a dataset, killed with SIGKILL."""
     import os

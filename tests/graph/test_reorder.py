@@ -37,6 +37,7 @@ def test_reorder_is_a_relabelling(method: str, device: str) -> None:
         assert torch.equal(row, torch.sort(row).values)
 
 
+@pytest.mark.slow
 def test_rcm_narrows_the_bandwidth_of_a_shuffled_band() -> None:
     n = 2000
     i = torch.arange(n - 3)

@@ -57,6 +57,7 @@ def _assert_same(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> 
         assert torch.equal(ref[k], got[k]), f"{k}: max diff {(ref[k] - got[k]).abs().max().item()}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_trainer_with_offload_callback_is_bit_identical(tmp_path, accumulate: int) -> None:
     base = _model()
@@ -76,6 +77,7 @@ def test_trainer_with_offload_callback_is_bit_identical(tmp_path, accumulate: in
     assert cb.cache.stats.bytes_offloaded == before
 
 
+@pytest.mark.slow
 def test_trainer_memory_budget_plans_across_steps_and_holds(tmp_path) -> None:
     """Evaluation between steps (no_grad forwards on the hooked model) must not disturb the plan."""
     base = _model()

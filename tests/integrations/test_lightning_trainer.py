@@ -64,6 +64,7 @@ def _assert_same(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> 
         assert torch.equal(ref[k], got[k]), f"{k}: max diff {(ref[k] - got[k]).abs().max().item()}"
 
 
+@pytest.mark.slow
 def test_lightning_with_offload_callback_is_bit_identical(tmp_path) -> None:
     base = _gpt2()
     ref = _fit(copy.deepcopy(base), [], str(tmp_path))

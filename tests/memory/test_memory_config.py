@@ -27,6 +27,7 @@ def test_a_bad_environment_value_names_the_variable(env: dict[str, str], name: s
         config_from_env(env)
 
 
+@pytest.mark.slow
 def test_the_environment_reaches_a_new_process() -> None:
     src = Path(__file__).resolve().parents[2] / "src"
     code = "from datapath.memory import gather_config as c; print(c.sync_bounds_check, c.gather_mode)"
@@ -84,6 +85,7 @@ def test_every_assignment_bumps_the_version() -> None:
     assert cfg == GatherConfig(blocks_per_sm=3, sort_min_rows=1000)  # the version is not a setting
 
 
+@pytest.mark.slow
 def test_a_bad_launcher_names_the_variable() -> None:
     src = Path(__file__).resolve().parents[2] / "src"
     proc = subprocess.run([sys.executable, "-c", "import datapath.memory"], capture_output=True, text=True,

@@ -13,6 +13,7 @@ pytest.importorskip("torch_geometric")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["gcn", "gin"])
 def test_matches_pyg_and_trains(name: str, device: str) -> None:

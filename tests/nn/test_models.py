@@ -46,6 +46,7 @@ def test_datapath_and_pyg_backends_agree(name: str, device: str) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [GraphSAGE, GAT])
 def test_models_train_on_batches(cls) -> None:
     batch = _batch()

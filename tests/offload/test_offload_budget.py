@@ -24,6 +24,7 @@ def _keep_peak(model: nn.Module, batch: torch.Tensor) -> int:
     return cpu_keep_peak(model, _lm_loss, batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["host", "ssd", "tiered"])
 @pytest.mark.parametrize("fraction", [0.75, 0.45])
 def test_budget_holds_and_gradients_identical(target: str, fraction: float, tmp_path) -> None:
@@ -48,6 +49,7 @@ def test_budget_holds_and_gradients_identical(target: str, fraction: float, tmp_
     cache.close()
 
 
+@pytest.mark.slow
 def test_budget_above_keep_offloads_nothing() -> None:
     torch.manual_seed(1)
     model = GPT(vocab=64, h=64, heads=4, layers=3, dropout=0.1, tied=False)
@@ -71,6 +73,7 @@ def _hooks_on_stack() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
+@pytest.mark.slow
 def test_plan_storing_nothing_runs_without_saved_tensor_hooks() -> None:
     """A planned step that stores nothing (and makes no elementwise recipe) runs its forward without the pack hook:
     no Python call per saved tensor, the same gradients; the hooks are back on the stack for every step that
@@ -154,6 +157,7 @@ def _gpt_at_60_percent(seed: int, dropout: float, steps: int) -> tuple[nn.Module
     return model, batches, ref, TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
 
 
+@pytest.mark.slow
 def test_budget_trial_keeps_the_fastest_measured_plan() -> None:
     """A plan that offloads is tried against plans that offload less; the fastest measured step that held the
     budget is kept, and every step's gradients (dropout on, plans switching between steps) stay identical."""
@@ -232,6 +236,7 @@ def test_unknown_option_is_a_type_error() -> None:
         TensorCache("host", min_byte=3)
 
 
+@pytest.mark.slow
 def test_recompute_replays_dropout_bit_identically() -> None:
     """A block under datapath's recomputation draws the same dropout masks in backward."""
     torch.manual_seed(3)
@@ -247,6 +252,7 @@ def test_recompute_replays_dropout_bit_identically() -> None:
     assert list(model.state_dict()) == list(copy.deepcopy(model).state_dict())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slow_store", [False, True], ids=["offload", "recompute"])
 def test_hf_llama_budget_on_cpu(slow_store: bool) -> None:
     """use_cache left on (the config's default): recomputed layers run without the KV cache, as in HF."""
@@ -276,6 +282,7 @@ def test_hf_llama_budget_on_cpu(slow_store: bool) -> None:
     cache.close()
 
 
+@pytest.mark.slow
 def test_slow_store_budget_recomputes_blocks_inside_the_cache(tmp_path) -> None:
     """A store far slower than the compute: the plan recomputes blocks; dropout masks and gradients hold."""
     model, batches, ref, cache = _gpt_at_60_percent(seed=5, dropout=0.2, steps=7)

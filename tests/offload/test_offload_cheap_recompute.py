@@ -44,6 +44,7 @@ def _saved_bytes(model: nn.Module, ids: torch.Tensor) -> int:
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cheap_recompute_is_bit_identical(family: str, dtype: torch.dtype) -> None:
@@ -71,6 +72,7 @@ def test_cheap_recompute_saves_fewer_bytes() -> None:
     assert before - after >= 3 * gelu_in * 2, (before, after)
 
 
+@pytest.mark.slow
 def test_cheap_recompute_under_autocast_and_in_the_cache() -> None:
     torch.manual_seed(2)
     model = _llama()

@@ -53,6 +53,7 @@ def _start(tmp_path: Path, install_previous: bool) -> tuple[subprocess.Popen, st
     return proc, directory
 
 
+@pytest.mark.slow
 def test_sigterm_removes_the_activation_files(tmp_path: Path) -> None:
     proc, directory = _start(tmp_path, install_previous=False)
     proc.send_signal(signal.SIGTERM)
@@ -61,6 +62,7 @@ def test_sigterm_removes_the_activation_files(tmp_path: Path) -> None:
     assert not os.path.exists(directory)
 
 
+@pytest.mark.slow
 def test_sigterm_chains_to_the_previous_handler(tmp_path: Path) -> None:
     proc, directory = _start(tmp_path, install_previous=True)
     proc.send_signal(signal.SIGTERM)
@@ -69,6 +71,7 @@ def test_sigterm_chains_to_the_previous_handler(tmp_path: Path) -> None:
     assert not os.path.exists(directory)
 
 
+@pytest.mark.slow
 def test_a_dead_process_directory_is_reclaimed_whatever_its_path(tmp_path: Path) -> None:
     code = textwrap.dedent(f"""
         import os, torch

@@ -41,6 +41,7 @@ def _compiled_reference(model: nn.Module, batches: list[torch.Tensor]) -> list:
         assert all("forward" not in b.__dict__ for b in m.model.layers)
 
 
+@pytest.mark.slow
 def test_offloaded_and_recomputed_compiled_blocks_are_bit_identical_to_the_compiled_model() -> None:
     """The budget's two tools on compiled blocks: offload (policy "all") and checkpointing around the compiled
     forward (what the plan switches on per block).  (A budget on the CPU measures with a dispatch mode, under
@@ -63,6 +64,7 @@ def test_offloaded_and_recomputed_compiled_blocks_are_bit_identical_to_the_compi
     assert "forward" not in model.lm_head.__dict__
 
 
+@pytest.mark.slow
 def test_compile_with_policy_all_offloads_and_matches() -> None:
     model = _llama(2)
     batches = [torch.randint(0, 128, (4, 32)) for _ in range(3)]
@@ -115,6 +117,7 @@ class _TiedInside(nn.Module):
         return self.head(x)
 
 
+@pytest.mark.slow
 def test_output_head_compiled_only_outside_the_blocks() -> None:
     torch.manual_seed(3)
     m = _TiedInside()
@@ -160,6 +163,7 @@ def test_output_head_matmuls_padded_unless_the_user_chose(monkeypatch: pytest.Mo
         assert head == [given] and blocks == [given]
 
 
+@pytest.mark.slow
 def test_hf_output_head_compiled_and_restored() -> None:
     model = _llama(2).eval()  # no dropout: the compiled and eager logits must agree
     ids = torch.randint(0, 128, (2, 16))
@@ -173,6 +177,7 @@ def test_hf_output_head_compiled_and_restored() -> None:
     assert "forward" not in model.lm_head.__dict__ and "_loss_function" not in model.__dict__
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_training_with_the_default_kv_cache_compiles_one_graph_for_every_layer(family: str) -> None:
     """Configs default to use_cache=True: a layer's cache update would make each layer compile its own graph (past

@@ -260,6 +260,7 @@ def test_max_prefetch_bytes_loads_less_ahead_same_gradients() -> None:
     assert bounded.peak_prefetch_bytes <= 2 * 64 * 64 * 4  # about one segment (one layer's saved input)
 
 
+@pytest.mark.slow
 def test_adaptive_plan_backs_off_when_the_backward_waits_for_loads(tmp_path) -> None:
     """A disk that reads slower than the profile saw: the backward waits, so the next steps offload less."""
     import time as _time
@@ -318,6 +319,7 @@ def test_disk_probe_leaves_the_global_rng_alone(tmp_path) -> None:
     cache.close()
 
 
+@pytest.mark.slow
 def test_adaptive_ssd_plans_when_the_disk_probe_has_no_room(tmp_path) -> None:
     torch.manual_seed(8)
     model = mlp(64, 4)

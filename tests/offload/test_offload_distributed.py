@@ -103,6 +103,7 @@ def _check(results: list[dict], base: Path, kinds: list[str], exact: bool) -> No
     assert all(list((base / r).iterdir()) == [] for r in ("rank0", "rank1"))
 
 
+@pytest.mark.slow
 def test_ddp_and_fsdp2_gradients_unchanged_by_per_rank_offloading(tmp_path: Path) -> None:
     kinds = ["ddp", "fsdp2"]  # FSDP (v1) needs an accelerator: tested on the GPUs below
     results = launch(_grads_worker, 2, (kinds, str(tmp_path), "cpu"))
@@ -120,6 +121,7 @@ def _crash_mid_step(base: str) -> None:
         os._exit(0)  # the rank dies: no clean-up runs
 
 
+@pytest.mark.slow
 def test_a_dead_rank_leaves_no_files_after_the_restart(tmp_path: Path) -> None:
     p = mp.get_context("spawn").Process(target=_crash_mid_step, args=(str(tmp_path),))
     p.start()

@@ -68,6 +68,7 @@ def test_gpt_block_fused_qkv_views(target: str, tmp_path) -> None:
     assert not waits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("units", ["leaves", "blocks"])
 def test_gpt_blocks_leaf_units_and_bounded_prefetch(units: str, tmp_path) -> None:
     """Scopes at every Linear/LayerNorm (and the lowest-memory options): still bit-identical."""
@@ -79,6 +80,7 @@ def test_gpt_blocks_leaf_units_and_bounded_prefetch(units: str, tmp_path) -> Non
     assert cache.stats.bytes_offloaded > 0 and cache.stats.bytes_loaded > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["host", "ssd"])
 def test_tied_weights_gpt(target: str, tmp_path) -> None:
     torch.manual_seed(2)
@@ -89,6 +91,7 @@ def test_tied_weights_gpt(target: str, tmp_path) -> None:
     assert cache.stats.bytes_kept_param > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["host", "tiered"])
 def test_transformer_encoder(target: str, tmp_path) -> None:
     torch.manual_seed(3)
@@ -98,6 +101,7 @@ def test_transformer_encoder(target: str, tmp_path) -> None:
     _check(model, batches, lambda m, x: m(x).square().mean(), target, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("target", ["host", "ssd"])
 def test_checkpoint_inside(mode: str, target: str, tmp_path) -> None:
@@ -109,6 +113,7 @@ def test_checkpoint_inside(mode: str, target: str, tmp_path) -> None:
         assert cache.stats.bytes_kept_backward > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["host", "ssd"])
 def test_huggingface_gpt2(target: str, tmp_path) -> None:
     transformers = pytest.importorskip("transformers")

@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from datapath.offload.spill_dir import SpillDir, clean_stale
 
 
@@ -27,6 +29,7 @@ def _child(tmp_path: Path, code: str) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow
 def test_removed_at_interpreter_exit(tmp_path: Path) -> None:
     path = _child(tmp_path, f"""
         from datapath.offload.spill_dir import SpillDir
@@ -37,6 +40,7 @@ def test_removed_at_interpreter_exit(tmp_path: Path) -> None:
     assert path and not os.path.exists(path)
 
 
+@pytest.mark.slow
 def test_crashed_process_directory_removed_on_next_start(tmp_path: Path) -> None:
     path = _child(tmp_path, f"""
         import os, torch

@@ -38,6 +38,7 @@ def _child(name: str, shm: str, q: "mp.Queue") -> None:
     t[0] = torch.full((t.shape[1],), -7.0)  # visible to the parent: same pages
 
 
+@pytest.mark.slow
 def test_share_attach_across_processes() -> None:
     x = torch.randn(64, 9)
     u = share(x, "feats")

@@ -57,6 +57,7 @@ print("registered-ok")
 """
 
 
+@pytest.mark.slow
 def test_registered_device_table() -> None:
     """With the opt-in registration, the device string works everywhere (checked in a fresh process)."""
     import os
