@@ -66,6 +66,7 @@ def _assert_same(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> 
 
 def test_hf_trainer_budget_held_and_weights_identical(tmp_path) -> None:
     _require_cuda()
+    pytest.importorskip("accelerate")  # transformers.Trainer needs it
     from datapath.integrations import HFOffloadCallback
     base = _llama()
     keep: list[int] = []
