@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
 from datapath.apps import TrainConfig, run_training
@@ -69,3 +70,18 @@ def test_version(capsys) -> None:
     except SystemExit as exc:
         assert exc.code == 0
     assert capsys.readouterr().out.startswith(f"datapath {datapath.__version__} (torch ")
+
+
+@pytest.mark.gpu
+def test_resume_on_the_gpu(tmp_path) -> None:
+    """On CUDA the CUDA random states are saved too; the continuation follows the uninterrupted run (to float
+    tolerance: the GPU's aggregation kernels may add in another order)."""
+    whole = run_training(_cfg(device="cuda", epochs=3))[0]
+    run_training(_cfg(device="cuda", epochs=1, save=str(tmp_path / "ck")))
+    ck = torch.load(tmp_path / "ck" / "checkpoint.pt", weights_only=False)
+    assert ck["rng"][0]["cuda"] is not None
+    rest = run_training(_cfg(device="cuda", epochs=3, resume=str(tmp_path / "ck")))[0]
+    a, b = _losses(whole), _losses(rest)
+    assert len(a) == len(b) == 3
+    assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5), (a, b)
+    print("exact" if a == b else "within tolerance", a, b)
