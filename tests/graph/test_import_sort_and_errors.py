@@ -155,6 +155,14 @@ def test_cli_errors_are_one_line(tmp_path, capsys) -> None:
     assert "already holds" in capsys.readouterr().err
 
 
+def test_help_lists_the_import_options(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["prepare-dataset", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "--from KIND" in text and "[25%]" in text and "--add-reverse-edges" in text
+
+
 def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch) -> None:
     import sys
 

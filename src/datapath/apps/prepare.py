@@ -29,7 +29,7 @@ def add_import_arguments(q: Any) -> None:
                         "(src,dst rows; an .npz with edge_index [x, y, *_mask], or an .npy (2, E) / (E, 2))")
     q.add_argument("--memory", default=None, metavar="SIZE",
                    help=f"with --from: resident memory the whole command may use ('4GB', '25%%' of RAM): edge "
-                        f"lists larger than it are sorted on disk in runs [{DEFAULT_MEMORY}]")
+                        f"lists larger than it are sorted on disk in runs [{DEFAULT_MEMORY.replace('%', '%%')}]")
     q.add_argument("--split", default=None, metavar="NAME|DIR",
                    help="with --from ogb: the split scheme under split/ [the only one]; csv/parquet/npz: a folder "
                         "with train, valid (or val) and test id files (.npy, .csv, .csv.gz) [random 80/10/10 by "
