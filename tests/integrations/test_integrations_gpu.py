@@ -137,3 +137,22 @@ def test_lightning_budget_held_and_weights_identical(tmp_path) -> None:
           f"peaks {[round(p / 1e9, 3) for p in rec.peaks]}, plan {cb.cache.plan}")
     assert cb.cache.plan is not None and planned
     assert max(planned[-3:]) <= 1.03 * budget, (planned, budget)
+
+
+def test_hf_trainer_everything_offloaded_is_identical_and_lower(tmp_path) -> None:
+    """policy="all": every activation through the pinned host store and back; weights bit-identical, peak lower."""
+    _require_cuda()
+    pytest.importorskip("accelerate")
+    from datapath.integrations import HFOffloadCallback
+    base = _llama()
+    keep: list[int] = []
+    ref = _hf_train(copy.deepcopy(base), str(tmp_path / "ref"), [_peaks_callback(keep, [])])
+    peaks: list[int] = []
+    cb = HFOffloadCallback(policy="all")
+    got = _hf_train(base, str(tmp_path / "off"), [cb, _peaks_callback(peaks, [])])
+    _assert_same(ref, got)
+    st = cb.cache.stats
+    print(f"keep peak {max(keep[1:]) / 1e9:.3f} GB, offloaded peak {max(peaks[1:]) / 1e9:.3f} GB, "
+          f"{st.bytes_offloaded / 1e9:.2f} GB offloaded over {STEPS} steps")
+    assert st.bytes_offloaded > 0 and st.bytes_loaded == st.bytes_offloaded
+    assert max(peaks[1:]) < 0.8 * max(keep[1:])
