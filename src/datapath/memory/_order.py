@@ -9,9 +9,9 @@ picks how:
 - ``"buckets"``: a counting sort into about one bucket per key, in one cooperative launch
   (`bucket_order_fused`); where the driver refuses a cooperative launch, the four-launch form.
 - ``"buckets_unfused"``: the same counting sort in four launches (`bucket_order`): zero
-  the histogram, count, cumulative sum, place.  Its ~100 us of host time is what a gather
-  from an idle GPU waits for.
-- ``"torch"``: ``torch.sort`` (exact; 110 us of GPU time for 262K int64 keys on an H100).
+  the histogram, count, cumulative sum, place.  Its host time is what a gather from an idle
+  GPU waits for.
+- ``"torch"``: ``torch.sort`` (exact; several times the counting sort's GPU time).
 """
 from __future__ import annotations
 
@@ -55,10 +55,8 @@ def bucket_shift(n_keys: int, m: int) -> tuple[int, int]:
     """(shift, buckets): key k of ``m`` keys in [0, n_keys) goes to bucket ``k >> shift``.
 
     About as many buckets as keys (a power of two, at most ``MAX_BUCKETS``), so that a bucket
-    holds a key or two and the grouped order is nearly the sorted one.  (A B1 run with coarser
-    buckets, 64 KiB of table each, gave 3-7% less than the exact sort's run before it on dense
-    calls, 1M of 4M rows, where neighbouring rows of the visit share pages; the next run, with
-    these, matched it.  On 65K-262K-row calls the two measured alike, interleaved.)
+    holds a key or two and the grouped order is nearly the sorted one (coarser buckets read
+    dense calls more slowly; see the CHANGELOG).
     """
     buckets = min(MAX_BUCKETS, 1 << max(0, (m - 1).bit_length()))
     rows = max(1, -(-n_keys // buckets))

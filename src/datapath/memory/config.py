@@ -60,28 +60,21 @@ class GatherConfig:
             ``"auto"``: when the table is in host memory, has at least ``sort_min_table_bytes``, and the call
             moves at least ``sort_min_rows_short`` rows of fewer than ``sort_short_row_bytes`` bytes,
             ``sort_min_rows`` rows of fewer than ``sort_max_row_bytes`` bytes, or longer rows: at least
-            ``sort_min_rows_long`` of them and ``sort_min_bytes_long`` bytes in all (2 KB rows from 262K
-            rows, 8 KB and longer from 65K: H200, sorted 8-16 KB rows from 65K rows read 0.6-1.4%
-            faster than ``index_select`` in three interleaved probes, 2-4 KB ones -0.4% to +0.4%).
-            Random rows of a multi-GB table each cost an
-            address-translation miss, which limits short rows far below PCIe bandwidth; sorted,
-            neighbouring warps share translations.  The sort costs tens of microseconds of host
-            and GPU time, which only calls of enough rows win back (H200, 2026-11-26, calls timed
-            from an idle GPU, sorted against the caller's order: 8K rows of 256 / 512 B 9% / 21%
-            faster, 16K rows 32% / 37%; 4K rows of 256 B 11% slower, 8K-16K rows of 1 KB 3-8% slower).
+            ``sort_min_rows_long`` of them and ``sort_min_bytes_long`` bytes in all.  Random rows of a
+            multi-GB table each cost an address-translation miss, which limits short rows far below
+            PCIe bandwidth; sorted, neighbouring warps share translations.  The sort costs tens of
+            microseconds of host and GPU time, which only calls of enough rows win back: the
+            thresholds are where sorted calls measured faster (CHANGELOG, B1).
         sort_method: how a sorted visit orders the indices: ``"buckets"`` (the default: a
             counting sort into about one bucket per index, buckets ascending, in one cooperative
-            launch; 28 us of GPU time for 262K int64 indices where ``torch.sort`` takes 110 us,
-            H100), ``"buckets_unfused"`` (the same in four launches, ~100 us of host time that an
-            idle GPU waits for; used by ``"buckets"`` where the driver refuses a cooperative
-            launch) or ``"torch"`` (``torch.sort``, exact).
+            launch; a fraction of ``torch.sort``'s GPU time), ``"buckets_unfused"`` (the same in four
+            launches, whose host time an idle GPU waits for; used by ``"buckets"`` where the driver
+            refuses a cooperative launch) or ``"torch"`` (``torch.sort``, exact).
         host_window_bytes: the span of table that the rows in flight of a sorted host gather
             of short rows (fewer than ``sort_max_row_bytes``) may cover; a call of sparse rows
             (large table, few rows) gets a smaller grid so that they stay within it (0: the full
             grid always).  Long rows keep the full grid: a row of half a page or more shares its
-            translation among its own loads, and more of them in flight read faster (H200:
-            sorted 2-16 KB rows from 8-16 GiB tables, 262K rows a call, 52.0-53.1 GB/s with the
-            full grid, 51.6-52.3 with the window, 51.1-51.3 unsorted).
+            translation among its own loads, and more of them in flight read faster.
         host_min_inflight_bytes: the bytes a shrunken grid still keeps in flight (PCIe latency).
         launcher: how a row kernel is launched: ``"native"`` (the plain gather of a known host
             table checked, allocated and launched in one C++ call, `datapath._runtime.native`, built

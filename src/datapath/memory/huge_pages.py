@@ -16,14 +16,10 @@ unpinned and unmapped when the last tensor over it is freed.  ``huge_pinned_empt
 returns None where neither way works (no CUDA, not Linux, THP off): the caller falls
 back to ordinary pinned memory.
 
-Measured (H100 PCIe Gen5 in a VM, 16 GiB table, 262K random rows per call, 2026-11-23, a
-development probe of the gather work): no gain.  256/512/1024/4096-byte rows reached 11.6/23.7/45.3/50.3
-GB/s (sorted visit) from cudaHostAlloc memory, 11.2/23.5/44.5/50.4 from THP and 11.6/23.1/45.2/50.6
-from hugetlbfs pages (all 16 GiB verified on 2 MiB pages): the translation cost of random rows
-lies on the GPU's side of the mapping, which host pages do not change.  Host memory from the CUDA
-virtual-memory API (``cuMemCreate`` on a host location, mapped at its 2 MiB granularity) was no
-faster either (512 B rows from 16 GiB: 24.5 vs 24.6 GB/s, 2026-11-23).  So no allocator of
-datapath uses these by default; ``benchmarks/gather.py --huge-tables`` measures them again.
+Measured, they read random rows no faster than ordinary pinned memory: the translation cost
+of random rows lies on the GPU's side of the mapping, which host pages do not change (the
+figures are in the CHANGELOG).  So no allocator of datapath uses these by default;
+``benchmarks/gather.py --huge-tables`` measures them again.
 """
 from __future__ import annotations
 
