@@ -21,6 +21,7 @@ def _losses(result: dict) -> list[list[float]]:
     return [h["ranks"][0]["losses"] for h in result["history"]]
 
 
+@pytest.mark.slow
 def test_two_epochs_saved_and_resumed_equal_four_uninterrupted(tmp_path) -> None:
     whole = run_training(_cfg())[0]
     first = run_training(_cfg(epochs=2, save=str(tmp_path / "ck")))[0]
