@@ -11,6 +11,7 @@ from torch import nn
 
 from datapath.graph import CSRGraph
 from datapath.nn import GCNConv, GINConv, SAGEConv
+from datapath.ops.tolerance import assert_close, tolerance
 from datapath.testing import power_law_csr
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -76,18 +77,19 @@ def test_one_node_layer_matches_reference(device: str, kind: str, shape: str) ->
     if isinstance(ref, SAGEConv) and ref.normalize:
         want = nn.functional.normalize(want, dim=-1)
     want.backward(gy.cpu().double())
-    kw = {"rtol": 1e-4, "atol": 1e-4}
-    torch.testing.assert_close(out.detach().cpu().double(), want.detach(), **kw)
+    # a layer: projection, aggregation, root term, bias (depth 4); a weight's gradient sums over every row
+    tol = tolerance(torch.float32, g.indices.numel() + g.num_src_nodes + 2 * 24, depth=4)
+    assert_close(out, want, tol, f"{kind} {shape} forward")
     if xs.requires_grad:
-        torch.testing.assert_close(xs.grad.cpu().double(), rxs.grad, **kw)
+        assert_close(xs.grad, rxs.grad, tol, f"{kind} {shape} grad x_src")
     if xd is not None:
         assert (xd.grad is None) == (rxd.grad is None)  # None: x_dst unused (no root weight)
         if xd.grad is not None:
-            torch.testing.assert_close(xd.grad.cpu().double(), rxd.grad, **kw)
+            assert_close(xd.grad, rxd.grad, tol, f"{kind} {shape} grad x_dst")
     got_p, want_p = dict(layer.named_parameters()), dict(ref.named_parameters())
     assert set(got_p) == set(want_p)
     for name, p in got_p.items():
-        torch.testing.assert_close(p.grad.cpu().double(), want_p[name].grad, **kw, msg=name)
+        assert_close(p.grad, want_p[name].grad, tol, f"{kind} {shape} grad {name}")
 
 
 def test_one_node_layer_refuses_double_backward_and_keeps_other_paths() -> None:

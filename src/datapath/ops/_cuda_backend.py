@@ -256,7 +256,8 @@ def _fused(csr: CSRView, x: torch.Tensor, w: torch.Tensor | None, spec: AggSpec)
         return sum_forward(csr, x, w, spec.col_scale, spec.row_scale, plan.replace(kernel="rows"), spec.heads,
                            src_map=spec.src_ids)
     t = csr.transposed()
-    order = _kept_push_order(t, spec.src_ids)
+    ids = spec.src_ids
+    order = _kept_push_order(t, ids)
     out = _push(t, csr.num_dst, x, ids, w, spec.heads, None, spec.col_scale, plan, _PUSH_NGS, align=True, grp=order)
     if spec.row_scale is not None:
         out.mul_(spec.row_scale.unsqueeze(1))
@@ -346,19 +347,20 @@ def _kept_runner(csr: CSRView, key: tuple, plan: AggregationPlan, make: Any) -> 
 
 
 def _bound(view: CSRView, plan: AggregationPlan, feat: int, dtype: torch.dtype, nbr: torch.Tensor | None,
-           row: torch.Tensor | None, strong: bool = False) -> Any:
-    """``run(x)`` by ``plan`` over ``view``; ``strong``: the runner holds the view (see `_spmm.view_ref`)."""
-    run = _spmm.bound(view, plan, feat, dtype, nbr, row, strong)
+           row: torch.Tensor | None, strong: bool = False, check: bool = True) -> Any:
+    """``run(x)`` by ``plan`` over ``view``; ``strong``: the runner holds the view (see `_spmm.view_ref`);
+    ``check``: it checks each x (see `_spmm.bound`)."""
+    run = _spmm.bound(view, plan, feat, dtype, nbr, row, strong, check)
     if run is not None:
         return run
     get = _spmm.view_ref(view, strong)
     if plan.kernel == "groups" and view.num_dst > 0 and feat > 0:
-        return _bound_pull(view, get, plan, feat, dtype, nbr, row)
+        return _bound_pull(view, get, plan, feat, dtype, nbr, row, check)
     return lambda x: sum_forward(get(), x, None, nbr, row, plan)
 
 
 def _bound_pull(view: CSRView, get: Any, plan: AggregationPlan, feat: int, dtype: torch.dtype,
-                nbr: torch.Tensor | None, row: torch.Tensor | None) -> Any:
+                nbr: torch.Tensor | None, row: torch.Tensor | None, check: bool = True) -> Any:
     """``run(x)`` of the neighbor-group pull for aligned rows, its launch resolved here: a call allocates the
     output and launches (a short call on a small graph is bound by this host work).  Where every row is one
     group (no row longer than ``ngs``), each row is written once by its own team: no zero-fill."""
@@ -372,7 +374,7 @@ def _bound_pull(view: CSRView, get: Any, plan: AggregationPlan, feat: int, dtype
     shape = torch.Size((view.num_src, feat))
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        if x.shape != shape or x.dtype != dtype or not x.is_contiguous():
+        if check and (x.shape != shape or x.dtype != dtype or not x.is_contiguous()):
             raise _checks.rows_error(x, tuple(shape), dtype, "aggregation rows")
         if x.data_ptr() % align or not ok:
             return sum_forward(get(), x, None, nbr, row, plan)
@@ -387,8 +389,9 @@ def _bound_pull(view: CSRView, get: Any, plan: AggregationPlan, feat: int, dtype
 
 def _forward_runner(csr: CSRView, spec: AggSpec, plan: AggregationPlan, feat: int, dtype: torch.dtype) -> Any:
     """The unweighted forward by ``plan``, bound once per (width, dtype, variant, plan) and kept with ``csr``."""
-    return _kept_runner(csr, ("f_runner", feat, dtype, spec.variant), plan,
-                        lambda: _bound(csr, plan, feat, dtype, spec.col_scale, spec.row_scale))
+    # its rows are aggregate's, validated there (rows, width, contiguity; the dtype is in the key): no check per call
+    return _kept_runner(csr, ("f_runner", feat, dtype, spec.variant, _checks.kernel_options()), plan,
+                        lambda: _bound(csr, plan, feat, dtype, spec.col_scale, spec.row_scale, check=False))
 
 
 def backward_x(csr: CSRView, grad_out: torch.Tensor, weight: torch.Tensor | None, spec: AggSpec,

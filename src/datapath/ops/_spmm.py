@@ -170,15 +170,19 @@ class _RowsLaunch:
                 raise RuntimeError(f"the row-split launch covers {self.tail_pieces} tail pieces and {self.slots} long "
                                    f"rows but its CSR has {pieces} and {longs}")
 
-    def run(self, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torch.Tensor | None,
-            row_scale: torch.Tensor | None, src_map: torch.Tensor | None, n: int | None = None) -> torch.Tensor:
-        """(rows, F) aggregation of ``x``: (num_src, F) of the launch's dtype, contiguous (a table of any number of
-        rows with ``src_map``).  ``n``, if given, must be the launch's row count."""
-        if ((x.shape != self.in_shape if src_map is None else x.dim() != 2 or x.shape[1] != self.feat)
+    def check(self, x: torch.Tensor, src_map: torch.Tensor | None) -> None:
+        """Raise unless ``x`` is what the launch reads: (num_src, F) rows of its dtype, contiguous (a table of F-wide
+        rows with ``src_map``, of at least num_src ids)."""
+        if ((x.shape != self.in_shape if src_map is None else
+             x.dim() != 2 or x.shape[1] != self.feat or src_map.numel() < self.num_src)
                 or x.dtype != self.dtype or not x.is_contiguous()):
             raise _checks.rows_error(x, tuple(self.in_shape), self.dtype, "aggregation rows")
-        if n is not None and n != self.n:
-            raise ValueError(f"this launch writes {self.n} rows, not {n}")
+
+    def run(self, x: torch.Tensor, w: torch.Tensor | None, nbr_scale: torch.Tensor | None,
+            row_scale: torch.Tensor | None, src_map: torch.Tensor | None, check: bool = True) -> torch.Tensor:
+        """(rows, F) aggregation of ``x`` (see `check`; ``check=False`` only for rows a public op validated)."""
+        if check:
+            self.check(x, src_map)
         if _checks._DEBUG[0]:  # noqa: SLF001
             self.validate(x, w, nbr_scale, row_scale, src_map)
         out = x.new_empty((self.n, x.shape[1]))
@@ -323,11 +327,13 @@ def view_ref(view: CSRView, strong: bool) -> Callable[[], CSRView]:
 
 
 def bound(view: CSRView, plan: AggregationPlan, feat: int, dtype: torch.dtype, nbr_scale: torch.Tensor | None,
-          row_scale: torch.Tensor | None, strong: bool = False) -> Callable[[torch.Tensor], torch.Tensor] | None:
+          row_scale: torch.Tensor | None, strong: bool = False,
+          check: bool = True) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``run(x)``: the unweighted aggregation of contiguous (view.num_src, feat) ``dtype`` rows by ``plan``'s
     kernel (``rows`` or ``cusparse``; None for the others), everything but the call resolved here (the launch,
     the matrix): the least host work per call.  The launch and the matrix hold what they read; ``strong``: the
-    runner holds the view too (see `view_ref`)."""
+    runner holds the view too (see `view_ref`); ``check``: the runner checks each x's shape, dtype and layout
+    (False only for a runner called with rows its public op validated: the forward of `aggregate`)."""
     if plan.kernel == "rows" and view.num_dst > 0:
         launch_ = rows_launch(view, dtype, feat, plan.vec, plan.dw, plan.cf, plan)
         align = plan.vec * dtype.itemsize
@@ -336,10 +342,12 @@ def bound(view: CSRView, plan: AggregationPlan, feat: int, dtype: torch.dtype, n
         def run(x: torch.Tensor) -> torch.Tensor:
             if x.data_ptr() % align:
                 return rows(get(), x, None, nbr_scale, row_scale, plan)
-            return launch_.run(x, None, nbr_scale, row_scale, None)
+            return launch_.run(x, None, nbr_scale, row_scale, None, check)
         return run
     if plan.kernel == "cusparse":
         mat = matrix(view, dtype, nbr_scale, row_scale)
+        if not check:
+            return lambda x: torch.sparse.mm(mat, x)
         shape = torch.Size((view.num_src, feat))
 
         def run_library(x: torch.Tensor) -> torch.Tensor:
