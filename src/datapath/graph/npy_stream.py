@@ -122,6 +122,10 @@ class NpyReader:
             keys = sorted(n[:-4] for n in names if n.endswith(".npy"))
             z.close()
             raise DatasetError(f"{self.path} has no array {self.member!r}; it holds {', '.join(keys) or 'none'}")
+        info = z.getinfo(entry)
+        if info.compress_type == zipfile.ZIP_STORED:  # np.savez: the bytes lie in the file as they are
+            z.close()
+            return _Slice(self.path, _data_offset(self.path, info), info.file_size)
         return _ZipMember(z, entry)
 
     def _header(self, f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype]:
@@ -211,4 +215,52 @@ class _ZipMember(io.RawIOBase):
         if not self.closed:
             self._f.close()
             self._z.close()
+        super().close()
+
+
+def _data_offset(path: Path, info: zipfile.ZipInfo) -> int:
+    """Where the data of a stored zip member starts: after its local header (30 bytes, name and extra field)."""
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        head = f.read(30)
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        raise DatasetError(f"{path}: a damaged zip entry {info.filename}")
+    return info.header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
+
+
+class _Slice(io.RawIOBase):
+    """``size`` bytes of a file from ``start``, read (and seeked) as a file of their own."""
+
+    def __init__(self, path: Path, start: int, size: int) -> None:
+        super().__init__()
+        self._f = open(path, "rb")  # noqa: SIM115 - closed by close()
+        self._start, self._size = start, size
+        self._f.seek(start)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._f.tell() - self._start
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.tell(), 2: self._size}[whence]
+        self._f.seek(self._start + min(max(base + pos, 0), self._size))
+        return self.tell()
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        left = self._size - self.tell()
+        return self._f.readinto(view[:max(0, min(len(view), left))]) if left > 0 else 0
+
+    def read(self, n: int = -1) -> bytes:
+        left = self._size - self.tell()
+        return self._f.read(left if n < 0 else max(0, min(n, left)))
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
         super().close()
