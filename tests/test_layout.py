@@ -75,7 +75,9 @@ def test_the_private_check_would_catch_one(tmp_path: Path) -> None:
     ("memory", ("datapath.loaders", "datapath.sampling", "datapath.features", "datapath.ops", "datapath.nn",
                 "datapath.apps", "datapath.offload", "datapath.unified_tensor")),
     ("ops", ("datapath.loaders", "datapath.nn", "datapath.apps", "datapath.offload")),
-    ("offload", ("datapath.loaders", "datapath.nn", "datapath.ops", "datapath.apps", "datapath.analysis")),
+    ("offload", ("datapath.loaders", "datapath.nn", "datapath.ops", "datapath.apps", "datapath.analysis",
+                 "datapath.integrations")),
+    ("integrations", ("datapath.loaders", "datapath.nn", "datapath.ops", "datapath.apps", "datapath.graph")),
     ("features", ("datapath.loaders", "datapath.nn", "datapath.apps")),
 ])
 def test_layers_import_downward_only(layer: str, forbidden: tuple[str, ...]) -> None:
@@ -273,7 +275,8 @@ def test_no_source_file_is_oversized() -> None:
 
 
 @pytest.mark.parametrize("package", ["memory", "unified_tensor", "graph", "sampling", "loaders", "features", "ops",
-                                     "nn", "offload", "analysis", "apps", "testing", "errors"])
+                                     "nn", "offload", "integrations", "analysis", "apps", "testing",
+                                     "errors"])
 def test_every_package_exports_what_it_lists(package: str) -> None:
     mod = importlib.import_module(f"datapath.{package}")
     names = getattr(mod, "__all__", None)
