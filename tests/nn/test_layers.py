@@ -265,3 +265,23 @@ def test_gin_fixed_eps_follows_state_dict_and_reset(device: str, width: tuple[in
         ref = RefGIN(layer, g)
         assert float(layer.eps) == 0.0
         assert torch.allclose(layer(g, x).double().cpu(), ref(g, x.double().cpu()), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["sage", "gcn", "gin", "gat"])
+def test_layers_name_x_of_the_wrong_width_or_device(kind: str) -> None:
+    """x of another width than in_channels, or on another device than the graph, is refused naming x before any
+    matmul (not torch's shape or device error from inside the layer)."""
+    from datapath.ops import DeviceMismatchError, FeatureShapeError
+
+    g = power_law_csr(40, 40, 160, seed=2)
+    layer = {"sage": lambda: SAGEConv(8, 4), "gcn": lambda: GCNConv(8, 4),
+             "gin": lambda: GINConv(nn.Sequential(nn.Linear(8, 4), nn.ReLU())), "gat": lambda: GATConv(8, 4)}[kind]()
+    with pytest.raises(FeatureShapeError, match="7 features but the layer takes 8"):
+        layer(g, torch.randn(40, 7))
+    if kind != "gcn":
+        with pytest.raises(FeatureShapeError, match="x_dst has 9 features"):
+            layer(g, (torch.randn(40, 8), torch.randn(40, 9)))
+    assert layer(g, torch.randn(40, 8)).shape[0] == 40
+    meta = torch.randn(40, 8, device="meta")
+    with pytest.raises(DeviceMismatchError, match="x is on meta"):
+        layer(g, meta)

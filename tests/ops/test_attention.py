@@ -100,3 +100,20 @@ def test_validation() -> None:
         sddmm(g, torch.randn(10, 4), torch.randn(12, 5))
     with pytest.raises(ValueError, match="op"):
         sddmm(g, torch.randn(10, 4), torch.randn(12, 4), op="max")
+
+
+@pytest.mark.parametrize("heads", [None, 3])
+def test_edge_softmax_of_a_graph_without_edges(heads: int | None) -> None:
+    """No edges: an empty result of the scores' shape (2-D scores with heads included), and GATConv runs."""
+    from datapath.graph import CSRGraph
+    from datapath.nn import GATConv
+
+    g = CSRGraph(torch.zeros(6, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 5, 5)
+    scores = torch.randn(0) if heads is None else torch.randn(0, heads)
+    out = edge_softmax(g, scores)
+    assert out.shape == scores.shape
+    gat = GATConv(4, 2, heads=heads or 1)
+    x = torch.randn(5, 4, requires_grad=True)
+    y = gat(g, x)
+    y.sum().backward()
+    assert y.shape == (5, 2 * (heads or 1)) and x.grad is not None

@@ -59,7 +59,7 @@ class GATConv(nn.Module):
 
     def forward(self, graph: Any, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                 src_ids: torch.Tensor | None = None) -> torch.Tensor:
-        inp = layer_inputs(graph, x, src_ids)
+        inp = layer_inputs(graph, x, src_ids, self.in_channels)
         h_, c = self.heads, self.out_channels
         x_src = inp.materialized_src()
         paired = isinstance(x, tuple)

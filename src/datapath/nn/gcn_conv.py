@@ -60,7 +60,7 @@ class GCNConv(nn.Module):
                 raise ValueError("GCNConv(add_self_loops=True) with edge weights is not supported; add the loops "
                                  "and their weights to the graph yourself")
             graph = _add_self_loops(graph)
-        inp = layer_inputs(graph, x, src_ids)
+        inp = layer_inputs(graph, x, src_ids, self.in_channels)
         norm = "gcn" if self.normalize else None
         if not inp.fused and fusable(inp.x_src, edge_weight):  # one autograd node for the layer
             return project_aggregate(inp.csr, inp.x_src, self.lin.weight, norm=norm, bias=self.bias)

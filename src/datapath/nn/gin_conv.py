@@ -57,6 +57,11 @@ class GINConv(nn.Module):
             self.__dict__["_one_plus_kept"] = kept
         return kept[4]
 
+    def _in_width(self) -> int | None:
+        """The width ``nn`` takes where it says (a Linear, or a Sequential starting with one), else None."""
+        first = self.nn[0] if isinstance(self.nn, torch.nn.Sequential) and len(self.nn) else self.nn
+        return first.in_features if isinstance(first, torch.nn.Linear) else None
+
     def _projects_first(self, x_width: int) -> bool:
         """``nn`` is one Linear not widening the rows: project, then aggregate (the same function, no more bytes)."""
         lin = self.nn
@@ -77,7 +82,7 @@ class GINConv(nn.Module):
 
     def forward(self, graph: Any, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                 src_ids: torch.Tensor | None = None, edge_weight: torch.Tensor | None = None) -> torch.Tensor:
-        inp = layer_inputs(graph, x, src_ids)
+        inp = layer_inputs(graph, x, src_ids, self._in_width())
         if not inp.fused and fusable(inp.x_src, edge_weight) and self._projects_first(inp.x_src.shape[-1]):
             lin = self.nn  # the layer as one autograd node: AGG(x W^T) + (1 + eps) x_dst W^T + b
             pair = isinstance(x, tuple)

@@ -60,7 +60,7 @@ class SAGEConv(nn.Module):
 
     def forward(self, graph: Any, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                 src_ids: torch.Tensor | None = None, edge_weight: torch.Tensor | None = None) -> torch.Tensor:
-        inp = layer_inputs(graph, x, src_ids)
+        inp = layer_inputs(graph, x, src_ids, self.in_channels)
         if inp.fused:
             h = self.lin_l(aggregate(inp.csr, inp.x_src, self.aggr, edge_weight, src_ids=inp.src_ids))
         elif self.aggr != "max" and self.in_channels > self.out_channels and fusable(inp.x_src, edge_weight):

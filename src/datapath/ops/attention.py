@@ -115,6 +115,6 @@ def edge_softmax(graph: Any, scores: torch.Tensor) -> torch.Tensor:
         raise FeatureShapeError(
             f"scores must be (E,) or (E, H) with E={csr.num_edges} (the graph's edges), got {tuple(scores.shape)}"
         )
-    s2 = scores.reshape(csr.num_edges, -1).contiguous()
+    s2 = scores.reshape(csr.num_edges, scores.shape[1] if scores.dim() == 2 else 1).contiguous()  # E may be 0
     out = _EdgeSoftmaxFn.apply(s2, csr, _inputs.backend_for(scores.device))
     return out.view(scores.shape)
