@@ -190,8 +190,8 @@ def _summary(phase: dict[str, Any]) -> dict[str, Any]:
             "sanitizer_errors": phase["sanitizer_errors"], "seconds": round(phase["seconds"], 1), "per_op": per_op,
             "failures": [{"index": r["case"]["index"], "op": r["case"]["op"], "status": r["status"],
                           "worst": r["worst"], "checks": [c for c in r["checks"] if c[1] == "inf" or c[1] > 1],
-                          "message": r["message"][:800], "reproduction": reproduction_of(r)}
-                         for r in res if r["status"] != "ok"][:60]}
+                          "message": r["message"][:400], "reproduction": reproduction_of(r)}
+                         for r in res if r["status"] != "ok"][:400]}
 
 
 def reproduction_of(row: dict[str, Any]) -> str:

@@ -50,12 +50,13 @@ def ratio(got: torch.Tensor | None, want: torch.Tensor | None, tol: Tolerance,
 _PRECISION = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
-def tol(dtype: torch.dtype, got: torch.Tensor | None, row_len: int, kernel: str | None = None) -> Tolerance:
+def tol(dtype: torch.dtype, got: torch.Tensor | None, row_len: int, kernel: str | None = None,
+        depth: int = 1) -> Tolerance:
     """`datapath.ops.tolerance` for the coarser of the case's dtype and the compared tensor's (a float32 edge
     weight's gradient in a float64 case is rounded to float32)."""
     if got is not None and got.dtype in _PRECISION and _PRECISION.index(got.dtype) < _PRECISION.index(dtype):
         dtype = got.dtype
-    return tolerance(dtype, max(0, int(row_len)), kernel)
+    return tolerance(dtype, max(0, int(row_len)), kernel, depth=depth)
 
 
 def _gen(params: dict[str, Any], salt: int = 0) -> torch.Generator:
@@ -198,7 +199,7 @@ def check_aggregate_fused(params: dict[str, Any], device: Any, out: Checks) -> N
     w64 = w.detach().double().cpu().requires_grad_() if w is not None else None
     want = ref.aggregate(e.src, e.dst, e.num_dst, x64, reduce, w64, norm)
     out.append(("forward", ratio(got, want, tolerance(dtype, e.max_in))))
-    if w is not None and w.requires_grad:
+    if w is not None and w.requires_grad and got.requires_grad:
         gy = values(gen, tuple(got.shape), dtype, "cpu")
         if reduce == "max":
             gy = gy.masked_fill(ref.max_ties(e.src, e.dst, e.num_dst, x64, w64), 0)
@@ -283,6 +284,19 @@ def _layer(params: dict[str, Any]) -> nn.Module:
                                       dropout=0.5)
 
 
+LAYER_STAGES = {"sage": 4, "gcn": 4, "gin": 4, "gat": 6, "full_gcn": 4, "full_gin": 4}
+"""Rounding stages one layer chains, `datapath.ops.tolerance`'s ``depth`` (projection, aggregation, root term,
+bias; GAT: projection, attention dots, edge scores, softmax, weighted aggregation, head mean)."""
+
+
+def stages(params: dict[str, Any]) -> int:
+    """The rounding stages behind a layer case's outputs and gradients (`LAYER_STAGES` per layer, plus the
+    normalization and a second Linear, times the layers of a full-graph model)."""
+    n = LAYER_STAGES[params["op"]] + int(bool(params.get("normalize")) and params["op"] == "sage") + \
+        int(bool(params.get("mlp"))) * 2
+    return n * max(1, params.get("layers", 1))
+
+
 def check_layer(params: dict[str, Any], device: Any, out: Checks) -> None:
     """SAGEConv / GCNConv / GINConv / GATConv / the full-graph GCN and GIN against their float64 definitions."""
     op, dtype = params["op"], DTYPES[params["dtype"]]
@@ -339,7 +353,7 @@ def check_layer(params: dict[str, Any], device: Any, out: Checks) -> None:
         want = ref.full_graph(src, dst, e.num_dst, x_ref, ref_conv)
     depth = params.get("layers", 1)
     row = e.max_in + e.max_out + params["in"] + params["out"] + params.get("hidden", 0) + e.num_src
-    t = tolerance(dtype, row * depth, _half_lib(dtype, None, e.max_in + e.max_out))
+    t = tolerance(dtype, row * depth, _half_lib(dtype, None, e.max_in + e.max_out), depth=stages(params))
     out.append(("forward", ratio(got, want, t)))
     if not got.requires_grad:
         return
@@ -351,7 +365,7 @@ def check_layer(params: dict[str, Any], device: Any, out: Checks) -> None:
     if xd_dst is not None:
         out.append(("grad_x_dst", ratio(xd_dst.grad, x64_dst.grad, t)))
     if w is not None:
-        out.append(("grad_edge_weight", ratio(w.grad, w64.grad, tol(dtype, w.grad, row * depth))))
+        out.append(("grad_edge_weight", ratio(w.grad, w64.grad, tol(dtype, w.grad, row * depth, depth=stages(params)))))
     theirs = dict(ref_conv.named_parameters())
     for name, p in conv.named_parameters():
         out.append((f"grad_{name}", ratio(p.grad, theirs[name].grad, t)))
