@@ -238,6 +238,7 @@ def hetero_hotness(graph: HeteroGraph, seeds: tuple[str, torch.Tensor], sampler:
         deg = torch.zeros(graph.num_nodes[nt], dtype=torch.int64)
         for et, g in graph.relations.items():
             if et[0] == nt:  # how often the node is some relation's source
-                deg += torch.bincount(host_of(g.indices).long(), minlength=graph.num_nodes[nt])
+                idx = host_of(g.indices) if g.placement == "unified" else g.indices
+                deg += torch.bincount(idx.long(), minlength=graph.num_nodes[nt]).cpu()
         out[nt] = c.cpu() * (int(deg.max()) + 1 if deg.numel() else 1) + deg
     return out

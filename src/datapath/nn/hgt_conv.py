@@ -11,7 +11,7 @@ from torch import nn
 
 from datapath.nn._hetero_inputs import EdgeType, hetero_inputs
 from datapath.ops import aggregate, edge_softmax, sddmm
-from datapath.ops.typed import compact_linear, relations_into
+from datapath.ops.typed import compact_linear, concat_inputs, relations_into
 
 
 class _DictLinear(nn.Module):
@@ -64,6 +64,7 @@ class HGTConv(nn.Module):
         self.node_types, self.edge_types = node_types, edge_types
         self.rel_id = {et: i for i, et in enumerate(edge_types)}
         self.dst_node_types = {et[2] for et in edge_types}
+        self._id_cache: dict[Any, torch.Tensor] = {}
         d = out_channels // heads
         self.kqv_lin = _DictLinear(self.in_channels, 3 * out_channels)
         self.out_lin = _DictLinear({t: out_channels for t in node_types}, out_channels)
@@ -82,26 +83,56 @@ class HGTConv(nn.Module):
         for p in (*self.skip.values(), *self.p_rel.values()):
             nn.init.ones_(p)
 
-    def _folded(self, src: str, et: EdgeType, part: int, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(in, F) weight and (F,) bias of ``x -> (x W_{part,src} + b) W_rel`` per head (part 0: k, 2: v)."""
+    def _folded(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per relation r (S -> T): the (in, 2F) weight and (2F,) bias of ``x -> [k_r | v_r]``, i.e. the node-type
+        linear ``x W_{k,S} + b`` followed by the relation's per-head ``W^k_r`` (scaled by ``p_r / sqrt(D)``), and
+        likewise for v: (R, in, 2F), (R, 2F), all relations at once (None when the source widths differ)."""
         f, hh = self.out_channels, self.heads
-        d = f // hh
-        lin = self.kqv_lin.lins[src]
-        w = lin.weight[part * f:(part + 1) * f].t().reshape(-1, hh, d)      # (in, H, D)
-        b = lin.bias[part * f:(part + 1) * f].view(hh, d)                   # (H, D)
-        rel = (self.k_rel if part == 0 else self.v_rel).weight
-        r, nr = self.rel_id[et], len(self.edge_types)
-        wr = rel[torch.arange(hh, device=rel.device) * nr + r]              # (H, D, D)
-        if scale is not None:
-            wr = wr * scale.view(hh, 1, 1)
-        w = torch.einsum("ihd,hde->ihe", w, wr).reshape(-1, f)
-        b = torch.einsum("hd,hde->he", b, wr).reshape(f)
-        return w, b
+        d, nr = f // hh, len(self.edge_types)
+        srcs = [et[0] for et in self.edge_types]
+        if len({self.in_channels[s] for s in srcs}) != 1:
+            return None
+        w = torch.stack([self.kqv_lin.lins[s].weight for s in srcs])            # (R, 3F, in)
+        b = torch.stack([self.kqv_lin.lins[s].bias for s in srcs])              # (R, 3F)
+        dev = w.device
+        idx = torch.arange(hh, device=dev)[None, :] * nr + torch.arange(nr, device=dev)[:, None]  # (R, H): h*R + r
+        scale = torch.stack([self.p_rel["__".join(et)].view(hh) for et in self.edge_types]) / math.sqrt(d)
+        rk = self.k_rel.weight[idx] * scale[:, :, None, None]                  # (R, H, D, D)
+        rv = self.v_rel.weight[idx]
+        rel = torch.stack([rk, rv], 1)                                         # (R, 2, H, D, D)
+        wkv = torch.stack([w[:, :f], w[:, 2 * f:]], 1).view(nr, 2, hh, d, -1)  # (R, 2, H, D, in)
+        bkv = torch.stack([b[:, :f], b[:, 2 * f:]], 1).view(nr, 2, hh, 1, d)   # (R, 2, H, 1, D)
+        fw = torch.matmul(wkv.transpose(-1, -2), rel)                          # (R, 2, H, in, D)
+        fb = torch.matmul(bkv, rel)                                            # (R, 2, H, 1, D)
+        return fw.permute(0, 3, 1, 2, 4).reshape(nr, -1, 2 * f), fb.reshape(nr, 2 * f)
+
+    def _ids(self, ets: list[EdgeType], device: torch.device) -> torch.Tensor:
+        """The relation ids of ``ets`` as an int64 tensor on ``device`` (made once: no copy per step)."""
+        key = (tuple(ets), device)
+        ids = self._id_cache.get(key)
+        if ids is None:
+            ids = self._id_cache[key] = torch.tensor([self.rel_id[et] for et in ets], device=device)
+        return ids
+
+    def _folded_one(self, et: EdgeType) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_folded` for one relation (sources of their own width)."""
+        f, hh = self.out_channels, self.heads
+        d, nr, r = f // hh, len(self.edge_types), self.rel_id[et]
+        lin = self.kqv_lin.lins[et[0]]
+        idx = torch.arange(hh, device=lin.weight.device) * nr + r
+        scale = self.p_rel["__".join(et)].view(hh) / math.sqrt(d)
+        ws, bs = [], []
+        for part, rel in ((0, self.k_rel.weight[idx] * scale[:, None, None]), (2, self.v_rel.weight[idx])):
+            w = lin.weight[part * f:(part + 1) * f].view(hh, d, -1).transpose(-1, -2)   # (H, in, D)
+            ws.append(torch.matmul(w, rel).transpose(0, 1).reshape(-1, f))
+            bs.append(torch.matmul(lin.bias[part * f:(part + 1) * f].view(hh, 1, d), rel).reshape(f))
+        return torch.cat(ws, 1), torch.cat(bs)
 
     def forward(self, graph: Any, x: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         _, num_dst = hetero_inputs(graph, x, self.edge_types)
         f, hh = self.out_channels, self.heads
         d = f // hh
+        folded = x_all = None
         out: dict[str, torch.Tensor] = {}
         for t, n in num_dst.items():
             if n == 0 or t not in x or t not in self.dst_node_types:
@@ -111,17 +142,19 @@ class HGTConv(nn.Module):
             q = F.linear(x_dst, lin.weight[f:2 * f], lin.bias[f:2 * f]).view(n, hh, d)
             into = relations_into(graph, t)
             if into.edge_types:
-                kw, kb, vw, vb = [], [], [], []
-                for et in into.edge_types:
-                    scale = self.p_rel["__".join(et)].view(hh) / math.sqrt(d)
-                    w, b = self._folded(et[0], et, 0, scale)
-                    kw.append(w)
-                    kb.append(b)
-                    w, b = self._folded(et[0], et, 2, None)
-                    vw.append(w)
-                    vb.append(b)
-                k = compact_linear(into, x, kw, kb).view(-1, hh, d)     # (sum U_r, H, D): per (node, relation)
-                v = compact_linear(into, x, vw, vb).view(-1, hh, d)
+                if folded is None:
+                    folded = self._folded() or False
+                if folded:  # the relations into t picked at once (one gather, one backward node)
+                    ids = self._ids(into.edge_types, folded[0].device)
+                    ws = folded[0].index_select(0, ids).unbind(0)
+                    bs = folded[1].index_select(0, ids).unbind(0)
+                else:
+                    ws, bs = zip(*(self._folded_one(et) for et in into.edge_types))
+                if x_all is None:
+                    same = len({v.shape[1] for v in x.values()}) == 1
+                    x_all = concat_inputs(graph, x) if folded and same else x
+                kv = compact_linear(into, x_all, ws, bs)                      # (sum U_r, 2F): per (node, relation) once
+                k, v = (part.reshape(-1, hh, d) for part in kv.split(f, 1))
                 alpha = edge_softmax(into.csr, sddmm(into.csr, q, k, op="dot"))   # (E, H)
                 h = aggregate(into.csr, v, "sum", edge_weight=alpha).reshape(n, f)  # float32 sums
             else:

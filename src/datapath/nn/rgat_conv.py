@@ -11,7 +11,7 @@ from torch import nn
 from datapath.nn._hetero_inputs import EdgeType, hetero_inputs
 from datapath.nn.rgcn_conv import _glorot
 from datapath.ops import aggregate, edge_softmax
-from datapath.ops.typed import compact_linear, relations_into
+from datapath.ops.typed import compact_linear, concat_inputs, relations_into
 
 
 class RGATConv(nn.Module):
@@ -82,19 +82,20 @@ class RGATConv(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def relation_weights(self, ids: list[int]) -> list[torch.Tensor]:
-        """Dense (in, H*out) weights of the relations ``ids``."""
+    def relation_weights(self) -> torch.Tensor:
+        """(R, in, H*out) dense weights of every relation (basis-combined, or the block-diagonal blocks laid out)."""
         if self.num_bases is not None:
-            w = (self.att[ids] @ self.basis.view(self.num_bases, -1)).view(len(ids), self.in_channels, -1)
-            return list(w.unbind(0))
+            return (self.att @ self.basis.view(self.num_bases, -1)).view(-1, self.in_channels,
+                                                                       self.heads * self.out_channels)
         if self.num_blocks is not None:
-            return [torch.block_diag(*self.weight[i].unbind(0)) for i in ids]
-        return [self.weight[i] for i in ids]
+            return torch.stack([torch.block_diag(*w.unbind(0)) for w in self.weight.unbind(0)])
+        return self.weight
 
     def forward(self, graph: Any, x: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         _, num_dst = hetero_inputs(graph, x, self.edge_types)
         hh, c = self.heads, self.out_channels
         out: dict[str, torch.Tensor] = {}
+        w_all = wq_all = x_all = None
         for t, n in num_dst.items():
             if n == 0 or t not in x:
                 continue
@@ -103,13 +104,19 @@ class RGATConv(nn.Module):
                 h = x[t].new_zeros(n, hh * c if self.concat else c)
                 out[t] = h + self.bias if self.bias is not None else h
                 continue
-            ws = self.relation_weights([self.rel_id[et] for et in into.edge_types])
-            table = compact_linear(into, x, ws)                        # (sum U_r, H*C): each (node, relation) once
-            k_src = table @ self.k                                     # (sum U_r, H)
-            wq = torch.cat([w @ self.q for w in ws], 1)                # (in, R_t*H): W_r q folded
-            q_dst = (x[t][:n] @ wq).view(n * len(ws), hh)              # row d*R_t + r
-            score = (q_dst.index_select(0, into.edge_dst * len(ws) + into.edge_rel)
-                     + k_src.index_select(0, into.csr.indices))          # (E, H)
+            if w_all is None:
+                w_all = self.relation_weights()                             # (R, in, H*C)
+                wq_all = torch.matmul(w_all, self.q)                        # (R, in, H): W_r q folded
+            ids = [self.rel_id[et] for et in into.edge_types]
+            r_t = len(ids)
+            if x_all is None:
+                x_all = concat_inputs(graph, x)
+            table = compact_linear(into, x_all, [w_all[i] for i in ids])       # (sum U_r, H*C): each (node, relation) once
+            k_src = table @ self.k                                          # (sum U_r, H)
+            wq = wq_all[ids[0]] if r_t == 1 else torch.cat([wq_all[i] for i in ids], 1)   # (in, R_t*H)
+            q_dst = (x[t][:n] @ wq).view(n * r_t, hh)                      # row d*R_t + r
+            score = (q_dst.index_select(0, into.query_rows)
+                     + k_src.index_select(0, into.csr.indices))             # (E, H)
             alpha = edge_softmax(into.csr, F.leaky_relu(score, self.negative_slope))
             alpha = F.dropout(alpha, p=self.dropout, training=self.training)
             h = aggregate(into.csr, table.view(-1, hh, c), "sum", edge_weight=alpha)  # (n, H, C), float32 sums
@@ -119,3 +126,4 @@ class RGATConv(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, heads={self.heads}, num_relations={len(self.edge_types)}"
+

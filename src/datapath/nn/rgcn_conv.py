@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from datapath.nn._hetero_inputs import EdgeType, hetero_inputs
-from datapath.ops.typed import relation_mean
+from datapath.ops.typed import concat_inputs, relations_into, stacked_mean
 
 
 def _glorot(t: torch.Tensor) -> None:
@@ -65,6 +65,7 @@ class RGCNConv(nn.Module):
             self.register_parameter("comp", None)
         self.root = nn.Parameter(torch.empty(in_channels, out_channels)) if root_weight else None
         self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None
+        self._id_cache: dict[Any, torch.Tensor] = {}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -82,30 +83,41 @@ class RGCNConv(nn.Module):
             return (self.comp @ self.weight.view(self.num_bases, -1)).view(-1, self.in_channels, self.out_channels)
         return self.weight
 
+    def _ids(self, ets: list[EdgeType], device: torch.device) -> torch.Tensor:
+        key = (tuple(ets), device)
+        ids = self._id_cache.get(key)
+        if ids is None:
+            ids = self._id_cache[key] = torch.tensor([self.rel_id[et] for et in ets], device=device)
+        return ids
+
     def forward(self, graph: Any, x: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         _, num_dst = hetero_inputs(graph, x, self.edge_types)
         dense = None if self.num_blocks is not None else self.relation_weights()
+        x_all = None
         out: dict[str, torch.Tensor] = {}
         for t, n in num_dst.items():
             if n == 0 or t not in x:
                 continue
             x_dst = x[t][:n]
-            ets = [et for et in graph.relations if et[2] == t]
-            h = x_dst @ self.root if self.root is not None else None
-            if ets:
-                means = relation_mean(graph, ets, x)  # (n, in) per relation
-                ids = [self.rel_id[et] for et in ets]
-                if dense is not None:
-                    w = dense[ids].reshape(len(ids) * self.in_channels, self.out_channels)
-                    agg = torch.cat(means, 1) @ w if len(ids) > 1 else means[0] @ w
+            into = relations_into(graph, t)
+            if self.root is not None:
+                h = torch.addmm(self.bias, x_dst, self.root) if self.bias is not None else x_dst @ self.root
+            else:
+                h = self.bias.expand(n, -1) if self.bias is not None else x_dst.new_zeros(n, self.out_channels)
+            if into.edge_types:
+                if x_all is None:
+                    x_all = concat_inputs(graph, x)
+                z = stacked_mean(into, x_all)                            # (n, R_t * in): every (node, relation)
+                ids = self._ids(into.edge_types, z.device)
+                if dense is not None:  # one matmul over the relations stacked along the input width
+                    agg = z @ dense.index_select(0, ids).reshape(-1, self.out_channels)
                 else:
                     nb = self.num_blocks
-                    z = torch.stack(means).view(len(ids), n, nb, -1)          # (R_t, n, B, in/B)
-                    agg = torch.einsum("rnbi,rbio->nbo", z, self.weight[ids]).reshape(n, self.out_channels)
-                h = agg if h is None else h + agg
-            if h is None:
-                h = x_dst.new_zeros(n, self.out_channels)
-            out[t] = h + self.bias if self.bias is not None else h
+                    z = z.view(n, len(ids), nb, -1)                       # (n, R_t, B, in/B)
+                    agg = torch.einsum("nrbi,rbio->nbo", z, self.weight.index_select(0, ids))
+                    agg = agg.reshape(n, self.out_channels)
+                h = h + agg
+            out[t] = h
         return out
 
     def extra_repr(self) -> str:

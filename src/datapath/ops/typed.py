@@ -16,8 +16,9 @@ graphs: a node's sources are all nodes of the type).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -43,6 +44,11 @@ class TypedRelations:
         edge_rel: (E,) int64 relation id of each merged edge.
         edge_dst: (E,) int64 destination row of each merged edge.
         num_dst: destination rows.
+        table_rows: (offsets[-1],) int64 rows of `concat_inputs` that the concatenated table transforms
+            (relation r's ``sources`` shifted by its source type's offset): one gather for every relation.
+        stacked: a trusted CSR of ``num_dst * R`` rows, row ``d * R + r`` listing relation r's sources of d as
+            rows of `concat_inputs`: one aggregation gives every (destination, relation) pair's row.
+        type_offsets: ``{node_type: first row}`` of each type's inputs in `concat_inputs`.
     """
 
     dst_type: str
@@ -53,13 +59,23 @@ class TypedRelations:
     edge_rel: torch.Tensor
     edge_dst: torch.Tensor
     num_dst: int
+    table_rows: torch.Tensor
+    stacked: CSRGraph
+    type_offsets: dict[str, int]
 
     @property
     def src_types(self) -> list[str]:
         return [et[0] for et in self.edge_types]
 
+    @cached_property
+    def query_rows(self) -> torch.Tensor:
+        """(E,) int64 ``edge_dst * R + edge_rel``: each merged edge's row in a (num_dst * R, ...) table of per
+        (destination, relation) values, e.g. R-GAT's queries ``x_i W_r q``."""
+        return self.edge_dst * len(self.edge_types) + self.edge_rel
+
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.sources, self.csr.indptr, self.csr.indices, self.edge_rel, self.edge_dst]
+        return [*self.sources, self.csr.indptr, self.csr.indices, self.edge_rel, self.edge_dst, self.table_rows,
+                self.stacked.indptr, self.stacked.indices]
 
 
 def _relations(graph: Any) -> tuple[dict[EdgeType, Any], dict[str, int], dict[str, int]]:
@@ -122,13 +138,52 @@ def _merge(graph: Any, dst_type: str, compact: bool) -> TypedRelations:
         edge_rel[pos] = r
         edge_dst[pos] = row
         before += deg
-    max_deg = None
+    type_offsets, acc = {}, 0
+    for t, cnt in num_src.items():
+        type_offsets[t] = acc
+        acc += int(cnt)
+    table_rows = (torch.cat([src + type_offsets[et[0]] for et, src in zip(ets, sources)]) if ets
+                  else torch.zeros(0, dtype=torch.int64, device=dev))
+    # the stacked CSR: row d*R + r holds relation r's sources of d (rows of concat_inputs)
+    nr = len(ets)
+    counts = torch.stack(degs, 1).reshape(-1) if ets else torch.zeros(0, dtype=torch.int64, device=dev)
+    s_ptr = torch.zeros(n * nr + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(counts, 0, out=s_ptr[1:])
+    s_idx = torch.empty(e_all, dtype=torch.int64, device=dev)
+    for r, (et, ptr, deg) in enumerate(zip(ets, ptrs, degs)):
+        e = int(rels[et].indices.numel())
+        row = torch.repeat_interleave(torch.arange(n, device=dev), deg, output_size=e)
+        pos = s_ptr[row * nr + r] + (torch.arange(e, device=dev) - ptr[row])
+        s_idx[pos] = rels[et].indices.to(torch.int64) + type_offsets[et[0]]
     hints = [getattr(rels[et], "max_degree", None) for et in ets]
-    if ets and all(isinstance(h, int) for h in hints):
-        max_deg = sum(hints)
+    known = bool(ets) and all(isinstance(h, int) for h in hints)
     csr = CSRGraph(indptr, indices, offsets[-1], n, trusted=True)
-    csr.max_degree = max_deg  # type: ignore[attr-defined] - read by datapath.ops for trusted graphs
-    return TypedRelations(dst_type, ets, sources, offsets, csr, edge_rel, edge_dst, n)
+    csr.max_degree = sum(hints) if known else None  # type: ignore[attr-defined] - read by datapath.ops
+    stacked = CSRGraph(s_ptr, s_idx, acc, n * nr, trusted=True)
+    stacked.max_degree = max(hints) if known else None  # type: ignore[attr-defined]
+    return TypedRelations(dst_type, ets, sources, offsets, csr, edge_rel, edge_dst, n, table_rows, stacked,
+                          type_offsets)
+
+
+def concat_inputs(graph: Any, x: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Every node type's input rows of ``graph``, concatenated in the graph's type order ((sum N_t, F), one copy).
+
+    The merged relations' ``table_rows`` and ``stacked`` index it; a type with rows but no entry in ``x`` is
+    an error naming it (all types need one width).
+    """
+    _, num_src, _ = _relations(graph)
+    parts = []
+    for t, cnt in num_src.items():
+        if t not in x:
+            if cnt:
+                raise FeatureShapeError(f"no input rows for node type {t!r} ({cnt} in the graph)")
+            continue
+        parts.append(x[t])
+    widths = {p.shape[1] for p in parts}
+    if len(widths) > 1:
+        raise FeatureShapeError(f"the node types' inputs have different widths {sorted(widths)}; project them "
+                                f"to one width first")
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def typed_linear(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
@@ -157,30 +212,33 @@ def typed_linear(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def compact_linear(into: TypedRelations, x: dict[str, torch.Tensor], weights: Sequence[torch.Tensor],
+def compact_linear(into: TypedRelations, x_all: torch.Tensor | Mapping[str, torch.Tensor], weights: Sequence[torch.Tensor],
                    biases: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
     """Transform each (source node, relation) pair of ``into`` once: ``cat_r(x[src_r][sources_r] @ weights[r])``.
 
     Args:
         into: `relations_into` of the layer's graph and destination type.
-        x: ``{node_type: (N_t, K)}`` the layer's source rows.
+        x_all: (sum N_t, K) `concat_inputs` of the layer's inputs, or the ``{node_type: (N_t, K_t)}`` inputs
+            themselves (types of different widths, each relation's weight fitting its source type).
         weights: per relation of ``into`` (K, M); biases optional per relation (M,).
 
     Returns:
-        (into.offsets[-1], M): the concatenated table the merged CSR's columns index.
+        (into.offsets[-1], M): the concatenated table the merged CSR's columns index (one gather, then a
+        segment matmul over the relations' row ranges).
     """
-    for t in into.src_types:
-        if t not in x:
-            raise FeatureShapeError(f"no input rows for node type {t!r}, a source of {into.edge_types}")
-    xs = [x[et[0]].index_select(0, src) for et, src in zip(into.edge_types, into.sources)]
-    return typed_linear(xs, weights, biases)
+    if isinstance(x_all, Mapping):  # per-type inputs (of different widths): one gather per relation
+        parts = [x_all[et[0]].index_select(0, src) for et, src in zip(into.edge_types, into.sources)]
+        return typed_linear(parts, weights, biases)
+    rows = x_all.index_select(0, into.table_rows)
+    o = into.offsets
+    parts = rows.split([o[i + 1] - o[i] for i in range(len(into.edge_types))]) if len(o) > 2 else [rows]
+    return typed_linear(parts, weights, biases)
 
 
-def relation_mean(graph: Any, edge_types: Sequence[EdgeType], x: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """Per relation of ``edge_types``: the mean of its sources' rows per destination ((num_dst, K) each, 0 for
-    rows without edges), by `datapath.ops.aggregate` on the relation's own CSR (float32 sums): a relational
-    layer's aggregate-then-transform order, which materialises one row per (destination, relation)."""
+def stacked_mean(into: TypedRelations, x_all: torch.Tensor) -> torch.Tensor:
+    """(num_dst, R * K): for every destination the mean of each relation's sources, relations side by side (0 for
+    none) -- one `datapath.ops.aggregate` over ``into.stacked`` (float32 sums), ready for one matmul with the
+    relations' weights stacked along K: R-GCN's aggregate-then-transform order, one row per (node, relation)."""
     from datapath.ops.aggregate import aggregate  # noqa: PLC0415
 
-    rels = graph.relations
-    return [aggregate(rels[et], x[et[0]], "mean") for et in edge_types]
+    return aggregate(into.stacked, x_all, "mean").view(into.num_dst, -1)
