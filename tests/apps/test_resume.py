@@ -86,3 +86,13 @@ def test_resume_on_the_gpu(tmp_path) -> None:
     assert len(a) == len(b) == 3
     assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5), (a, b)
     print("exact" if a == b else "within tolerance", a, b)
+
+
+@pytest.mark.slow
+def test_resume_data_parallel_on_cpus(tmp_path) -> None:
+    """Two processes (gloo): each rank's random states are saved and restored; the losses follow the uninterrupted run."""
+    whole = run_training(_cfg(epochs=2, max_batches=2, eval_nodes=0), nprocs=2)[0]
+    run_training(_cfg(epochs=1, max_batches=2, eval_nodes=0, save=str(tmp_path / "ck")), nprocs=2)
+    assert len(torch.load(tmp_path / "ck" / "checkpoint.pt", weights_only=False)["rng"]) == 2
+    rest = run_training(_cfg(epochs=2, max_batches=2, eval_nodes=0, resume=str(tmp_path / "ck")), nprocs=2)[0]
+    assert [h["aggregate"]["loss"] for h in rest["history"]] == [h["aggregate"]["loss"] for h in whole["history"]]
