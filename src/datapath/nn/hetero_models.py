@@ -73,8 +73,6 @@ class HeteroGNN(nn.Module):
     def prepare(self, blocks: Sequence[Any]) -> list[torch.Tensor]:
         """Build the merged relations of every layer now (e.g. in a loader's thread); their tensors."""
         out: list[torch.Tensor] = []
-        if self.kind == "rgcn":
-            return out
         for block in blocks:
             for t in block.dst_types:
                 out += relations_into(block, t).tensors()
