@@ -199,3 +199,21 @@ def test_dgl_graph() -> None:
     ref = Graph.from_edge_index(torch.from_numpy(s["edge_index"]), num_nodes=N)
     assert torch.equal(ds.graph.indptr, ref.indptr) and torch.equal(ds.graph.indices, ref.indices)
     assert torch.equal(ds.features, torch.from_numpy(s["x"])) and torch.equal(ds.test_idx, torch.from_numpy(s["test"]))
+
+
+def test_random_split_of_the_labelled_nodes(tmp_path) -> None:
+    """No split given: 80/10/10 of the labelled nodes by a hash of (node, seed); unlabelled nodes in none."""
+    s = _random_source(9)
+    y = s["y"].astype(np.float64)
+    y[::7] = np.nan
+    np.savez(tmp_path / "g.npz", edge_index=s["edge_index"], x=s["x"], y=y)
+    a = load_dataset(import_dataset("npz", tmp_path / "g.npz", tmp_path / "a", memory=1 << 16, progress=False))
+    b = load_dataset(import_dataset("npz", tmp_path / "g.npz", tmp_path / "b", memory=1 << 20, progress=False))
+    c = load_dataset(import_dataset("npz", tmp_path / "g.npz", tmp_path / "c", memory=1 << 20, seed=1,
+                                    progress=False))
+    parts = [a.train_idx, a.val_idx, a.test_idx]
+    labelled = torch.from_numpy(np.flatnonzero(~np.isnan(y)))
+    assert torch.equal(torch.sort(torch.cat(parts)).values, labelled)  # disjoint, every labelled node once
+    assert abs(len(a.train_idx) / len(labelled) - 0.8) < 0.05 and len(a.val_idx) > 0.05 * len(labelled)
+    assert torch.equal(a.train_idx, b.train_idx) and not torch.equal(a.train_idx, c.train_idx)
+    assert a.meta["unlabelled_nodes"] == len(y[::7]) and a.meta["split"].startswith("random")

@@ -240,7 +240,7 @@ def write_source(src: Source, directory: str | Path, *, memory: int, overwrite: 
 
     The edges are sorted into the CSR within ``memory`` bytes (`edges_to_csr`); features are
     written as float32 ``features.npy`` and labels as int64 ``labels.npy`` a block at a time.
-    Without splits, a random 80/10/10 split by ``seed``.  NaN labels (unlabelled nodes) are
+    Without splits, a random 80/10/10 split of the labelled nodes by ``seed`` (`split_of`).  NaN labels (unlabelled nodes) are
     stored as 0 and may not be in a split.  All into a temporary sibling swapped into place.
     """
     if (src.features is None) != (src.labels is None):
@@ -255,14 +255,17 @@ def write_source(src: Source, directory: str | Path, *, memory: int, overwrite: 
                 "sort": {"runs": csr.runs, "run_s": round(csr.run_s, 3), "merge_s": round(csr.merge_s, 3),
                          "memory": memory}}
         if src.features is not None and src.labels is not None:
-            splits = src.splits if src.splits is not None else _random_split(n, seed)
-            for k, v in splits.items():
+            for k, v in (src.splits or {}).items():
                 if v.size and int(v.max()) >= n:
                     raise DatasetError(f"the {k} split holds node id {int(v.max())} but the graph has {n:,} nodes")
             width = _write_features(src.features, tmp / "features.npy", n, read_budget(memory))
-            num_classes, unlabelled = _write_labels(src.labels, tmp / "labels.npy", n, read_budget(memory), splits)
-            for k, v in splits.items():
-                save_npy(tmp / f"{k}_idx.npy", v.astype(np.int64))
+            num_classes, unlabelled, labelled = _write_labels(src.labels, tmp / "labels.npy", n, read_budget(memory),
+                                                              src.splits)
+            if src.splits is None:
+                _write_random_split(tmp, seed, labelled)
+            else:
+                for k, v in src.splits.items():
+                    save_npy(tmp / f"{k}_idx.npy", v.astype(np.int64))
             from datapath.graph.datasets import _write_meta  # noqa: PLC0415 - the one writer of meta.json
 
             _write_meta(tmp, {**meta, "num_classes": num_classes, "num_features": width,
@@ -271,10 +274,38 @@ def write_source(src: Source, directory: str | Path, *, memory: int, overwrite: 
     return Path(directory)
 
 
-def _random_split(n: int, seed: int) -> dict[str, np.ndarray]:
-    perm = np.random.default_rng(seed).permutation(n)
-    a, b = int(0.8 * n), int(0.9 * n)
-    return {"train": np.sort(perm[:a]), "val": np.sort(perm[a:b]), "test": np.sort(perm[b:])}
+def split_of(ids: np.ndarray, seed: int) -> np.ndarray:
+    """The random split of each node id (0 train, 1 val, 2 test; 80/10/10): a hash of (id, seed), so a split is
+    made a block of nodes at a time and is the same for a node whatever the graph's size."""
+    x = ids.astype(np.uint64) + np.uint64((seed * 0x9E3779B97F4A7C15) % 2**64)
+    with np.errstate(over="ignore"):  # splitmix64: wrapping arithmetic
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    u = (x >> np.uint64(11)).astype(np.float64) / 2.0**53
+    return (u >= 0.8).astype(np.int8) + (u >= 0.9)
+
+
+def _write_random_split(d: Path, seed: int, labelled: list[tuple[int, int, np.ndarray]]) -> None:
+    """``{train,val,test}_idx.npy`` of the labelled nodes by `split_of`, two passes over blocks of node ids."""
+    counts = np.zeros(3, np.int64)
+    for first, k, bits in labelled:
+        ids = np.arange(first, first + k)[np.unpackbits(bits, count=k).view(bool)]
+        counts += np.bincount(split_of(ids, seed), minlength=3)
+    writers = [NpyWriter(d / f"{name}_idx.npy", (int(c),), np.int64) for name, c in zip(("train", "val", "test"),
+                                                                                       counts)]
+    try:
+        for first, k, bits in labelled:
+            ids = np.arange(first, first + k)[np.unpackbits(bits, count=k).view(bool)]
+            which = split_of(ids, seed)
+            for i, w in enumerate(writers):
+                w.write(ids[which == i])
+        for w in writers:
+            w.close()
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
 
 
 def _write_features(t: Table, path: Path, n: int, budget: int) -> int:
@@ -292,15 +323,18 @@ def _write_features(t: Table, path: Path, n: int, budget: int) -> int:
     return t.num_cols
 
 
-def _write_labels(t: Table, path: Path, n: int, budget: int, splits: dict[str, np.ndarray]) -> tuple[int, int]:
-    """Stream the labels into ``path``; returns (num_classes, nodes without a label)."""
+def _write_labels(t: Table, path: Path, n: int, budget: int, splits: dict[str, np.ndarray] | None
+                  ) -> tuple[int, int, list[tuple[int, int, np.ndarray]]]:
+    """Stream the labels into ``path``; returns (num_classes, nodes without a label, and without ``splits`` which
+    nodes have one: ``(first, count, packed bits)`` per block)."""
     if t.num_cols != 1:
         raise DatasetError(f"{t.name} has {t.num_cols} columns; one class label a node is expected (multi-task "
                            f"labels are not supported)")
     if t.num_rows is not None and t.num_rows != n:
         raise DatasetError(f"{t.name} has {t.num_rows:,} rows but the graph has {n:,} nodes: one label a node")
-    in_split = np.unique(np.concatenate([v.reshape(-1) for v in splits.values()]))
+    in_split = np.unique(np.concatenate([v.reshape(-1) for v in splits.values()])) if splits else np.empty(0, np.int64)
     top, unlabelled = -1, 0
+    labelled: list[tuple[int, int, np.ndarray]] = []
     with NpyWriter(path, (n,), np.int64) as w:
         for first, a in t.blocks(budget):
             if first + len(a) > n:
@@ -314,6 +348,8 @@ def _write_labels(t: Table, path: Path, n: int, budget: int, splits: dict[str, n
                     raise t.error(int(hit[0]), 0, f"node {int(hit[0])} is in a split but has no label (NaN)")
                 unlabelled += int(missing.sum())
                 v = np.where(missing, 0, v)
+            if splits is None:
+                labelled.append((first, len(v), np.packbits(~missing)))
             v = check_ids(t, first, v.reshape(-1, 1), None, "class label")[:, 0]
             if v.size:
                 top = max(top, int(v.max()))
@@ -322,7 +358,7 @@ def _write_labels(t: Table, path: Path, n: int, budget: int, splits: dict[str, n
             raise DatasetError(f"{t.name} has {w.rows:,} labels but the graph has {n:,} nodes: one label a node")
     if top < 0:
         raise DatasetError(f"{t.name} holds no label")
-    return top + 1, unlabelled
+    return top + 1, unlabelled, labelled
 
 
 def import_dataset(kind: str, src: str | Path, directory: str | Path, *, memory: int, split: str | None = None,
