@@ -184,10 +184,12 @@ def _summary(phase: dict[str, Any]) -> dict[str, Any]:
         d["worst_ratio"] = "inf" if w == "inf" or d["worst_ratio"] == "inf" else max(d["worst_ratio"], w)
         d["seconds"] += r["seconds"]
     status = collections.Counter(r["status"] for r in res)
+    reuse = collections.Counter(k for r in res for k in r.get("reused", []))
     return {"cases": len(res) + len(phase["crashes"]), "mismatches": status["mismatch"], "errors": status["error"],
             "unclear_errors": status["unclear_error"],
             "illegal_address": status["illegal_address"] + len(phase["crashes"]), "crashes": phase["crashes"],
             "sanitizer_errors": phase["sanitizer_errors"], "seconds": round(phase["seconds"], 1), "per_op": per_op,
+            "graphs_at_reused_addresses": dict(reuse),
             "failures": [{"index": r["case"]["index"], "op": r["case"]["op"], "status": r["status"],
                           "worst": r["worst"], "checks": [c for c in r["checks"] if c[1] == "inf" or c[1] > 1],
                           "message": r["message"][:400], "reproduction": reproduction_of(r)}
@@ -272,7 +274,8 @@ def main() -> int:
     main_phase = run_phase("main", args.seed, args.cases, args.chunk, None, args.time_budget, work, ops=ops,
                            device=args.device, parallel=args.parallel, abort_at=args.abort_at)
     phases = {"main": _summary(main_phase)}
-    print(f"main: {phases['main']['cases']} cases in {main_phase['seconds']:.0f} s", flush=True)
+    print(f"main: {phases['main']['cases']} cases in {main_phase['seconds']:.0f} s; graphs whose id / indptr / "
+          f"indices address an earlier case's had: {phases['main']['graphs_at_reused_addresses']}", flush=True)
     for name, tool, n, budget, filt in (("memcheck", "memcheck", args.sanitizer_cases, args.sanitizer_budget, None),
                                         ("racecheck", "racecheck", args.racecheck_cases, args.racecheck_budget,
                                          "racecheck")):

@@ -78,6 +78,9 @@ class CaseResult:
     checks: list[tuple[str, float]] = field(default_factory=list)
     message: str = ""
     seconds: float = 0.0
+    reused: list[str] = field(default_factory=list)
+    """What of this case's graph an earlier case of the same run had too: ``"id"`` (the Python object's id),
+    ``"indptr"`` / ``"indices"`` (the tensors' addresses) -- a cache keyed by them would hit stale entries."""
 
     @property
     def ok(self) -> bool:
@@ -330,11 +333,18 @@ def run_fuzz(seed: int = 0, count: int = 300, device: str = "cpu", *, start: int
     a new process) or when ``time_limit`` seconds have passed.  ``on_result`` sees each result as it comes.
     """
     results: list[CaseResult] = []
+    seen: dict[str, set[int]] = {"id": set(), "indptr": set(), "indices": set()}
     rng = random.Random(seed)
     t0 = time.perf_counter()
     cuda = torch.device(device).type == "cuda"
     for i in range(start, start + count):
+        C.LAST_GRAPH.clear()
         res = run_case(make_case(seed, i, device, scale=scale, ops=ops))
+        if C.LAST_GRAPH:
+            for key, value in zip(("id", "indptr", "indices"), C.LAST_GRAPH):
+                if value in seen[key]:
+                    res.reused.append(key)
+                seen[key].add(value)
         results.append(res)
         if on_result is not None:
             on_result(res)

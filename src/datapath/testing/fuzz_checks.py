@@ -81,8 +81,14 @@ def values(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, dev
 def graph_of(params: dict[str, Any], device: Any, width: int = 1) -> tuple[Any, dict[str, Any]]:
     """The case's graph (`fuzz_graph` from ``params["graph_seed"]``)."""
     budget = max(16, params["edge_budget"] // max(1, width))
-    return fuzz_graph(random.Random(params["graph_seed"]), params["graph"], device, scale=params["scale"],
-                      edge_budget=budget)
+    g, info = fuzz_graph(random.Random(params["graph_seed"]), params["graph"], device, scale=params["scale"],
+                         edge_budget=budget)
+    LAST_GRAPH[:] = [id(g), int(g.indptr.data_ptr()), int(g.indices.data_ptr())]
+    return g, info
+
+
+LAST_GRAPH: list[int] = []
+"""``[id, indptr address, indices address]`` of the graph the last check made (the fuzz counts reused ones)."""
 
 
 class _Edges:
