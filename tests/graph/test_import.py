@@ -102,6 +102,9 @@ def test_ogb_folder(tmp_path, layout) -> None:
     import_dataset("ogb", src, tmp_path / "small", memory=1 << 16, progress=False)
     _assert_equals_source(tmp_path / "small", s)
     assert load_dataset(tmp_path / "small").meta["sort"]["runs"] > 1
+    if layout == "npz":  # the imported dataset trains
+        assert main(["train-gnn", "--dataset", str(tmp_path / "out"), "--device", "cpu", "--epochs", "1",
+                     "--max-batches", "2", "--batch-size", "64", "--eval-nodes", "50", "--no-progress"]) == 0
 
 
 def test_ogb_reverse_edges_and_unlabelled_nodes(tmp_path) -> None:
