@@ -170,6 +170,7 @@ def _layer_params(rng: random.Random, op: str, p: dict[str, Any], gpu: bool) -> 
     p["table"] = _pick(rng, ("cuda", "unified", "as_unified", "pinned") if gpu else ("cpu", "unified"))
     p["weighted"] = rng.random() < 0.25
     p["bias"] = rng.random() < 0.8
+    p["temp_graph"] = _pick(rng, (None, "same", "clone"), (60, 20, 20))  # conv(block.to("cuda"), x): issue 35
     if op == "sage":  # normalize only rows of >= 16 outputs: a short row's norm can be ~0, where it amplifies errors
         p.update(aggr=_pick(rng, ("mean", "sum", "max")), root=rng.random() < 0.8,
                  normalize=p["out"] >= 16 and rng.random() < 0.2)
@@ -221,6 +222,7 @@ def make_case(seed: int, index: int, device: str = "cpu", *, scale: str | None =
         if p["weighted"] and rng.random() < 0.2:
             p["heads"] = rng.randint(2, 4)
         p["noncontig"] = rng.random() < 0.1
+        p["temp_graph"] = _pick(rng, (None, "same", "clone"), (60, 20, 20))
         kernels = ["rows", "groups", "cusparse"] + (["tensor_core"] if p["dtype"] in ("float16", "bfloat16") else [])
         mode = _pick(rng, ("default", "plan", "probe"), (40, 50, 10 if gpu else 0))
         if mode != "default" and p["reduce"] != "max":
