@@ -90,7 +90,7 @@ def test_resume_on_the_gpu(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_resume_data_parallel_on_cpus(tmp_path) -> None:
-    """Two processes (gloo): each rank's random states are saved and restored; the losses follow the uninterrupted run."""
+    """Two processes (gloo): each rank's random states are saved and restored; the losses follow the whole run."""
     whole = run_training(_cfg(epochs=2, max_batches=2, eval_nodes=0), nprocs=2)[0]
     run_training(_cfg(epochs=1, max_batches=2, eval_nodes=0, save=str(tmp_path / "ck")), nprocs=2)
     assert len(torch.load(tmp_path / "ck" / "checkpoint.pt", weights_only=False)["rng"]) == 2

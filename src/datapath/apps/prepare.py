@@ -73,12 +73,11 @@ def working_memory(budget: int, what: str = "--memory") -> int:
 def check_import_arguments(args: argparse.Namespace) -> None:
     """Reject options that do not fit ``--from KIND`` before any work starts."""
     kind = args.source_kind
-    only = {"--features": (args.features, ("csv", "parquet", "npz")), "--labels": (args.labels, ("csv", "parquet", "npz")),
+    lists = ("csv", "parquet", "npz")
+    only = {"--features": (args.features, lists), "--labels": (args.labels, lists),
             "--header": (args.header, ("csv",)), "--columns": (args.columns, ("parquet",)),
-            "--num-nodes": (args.num_nodes, ("csv", "parquet", "npz")),
-            "--add-reverse-edges": (args.add_reverse_edges, ("ogb", "csv", "parquet", "npz")),
-            "--split": (args.split, ("ogb", "csv", "parquet", "npz")),
-            "--memory": (args.memory, ("ogb", "csv", "parquet", "npz"))}
+            "--num-nodes": (args.num_nodes, lists), "--add-reverse-edges": (args.add_reverse_edges, ("ogb", *lists)),
+            "--split": (args.split, ("ogb", *lists)), "--memory": (args.memory, ("ogb", *lists))}
     if kind is None:
         given = [k for k, (v, _) in only.items() if v]
         if given:

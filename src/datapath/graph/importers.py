@@ -39,7 +39,7 @@ _SPLIT_KEYS = {"train": ("train_idx", "train_mask"), "val": ("val_idx", "valid_i
 
 # -- in memory ------------------------------------------------------------------------------------
 def graph_from_pyg(data: Any) -> Any:
-    """`Graph` of a PyG ``Data`` (its ``edge_index``, ``num_nodes``): row ``v`` lists the sources of edges into ``v``."""
+    """`Graph` of a PyG ``Data`` (``edge_index``, ``num_nodes``): row ``v`` lists the sources of edges into ``v``."""
     from datapath.graph.graph import Graph  # noqa: PLC0415
 
     ei = getattr(data, "edge_index", None)
@@ -240,14 +240,17 @@ def write_source(src: Source, directory: str | Path, *, memory: int, overwrite: 
 
     The edges are sorted into the CSR within ``memory`` bytes (`edges_to_csr`); features are
     written as float32 ``features.npy`` and labels as int64 ``labels.npy`` a block at a time.
-    Without splits, a random 80/10/10 split of the labelled nodes by ``seed`` (`split_of`).  NaN labels (unlabelled nodes) are
-    stored as 0 and may not be in a split.  All into a temporary sibling swapped into place.
+    Without splits, a random 80/10/10 split of the labelled nodes by ``seed`` (`split_of`).  NaN
+    labels (unlabelled nodes) are stored as 0 and may not be in a split.  All into a temporary
+    sibling swapped into place.
     """
     if (src.features is None) != (src.labels is None):
         raise DatasetError("give both node features and labels (a dataset), or neither (a graph directory)")
     with atomic_directory(Path(directory), overwrite, "dataset") as tmp:
+        rows = src.edges.num_rows
         csr = edges_to_csr(edge_chunks(src.edges, src.num_nodes, src.reverse), tmp, memory=memory,
-                           num_nodes=src.num_nodes, tmp_dir=tmp, progress=progress)
+                           num_nodes=src.num_nodes, tmp_dir=tmp, progress=progress,
+                           total_edges=None if rows is None else rows * (1 + src.reverse))
         n = csr.num_nodes
         (tmp / "graph.json").write_text(json.dumps({"num_src_nodes": n, "num_dst_nodes": n,
                                                     "num_edges": csr.num_edges}))
