@@ -223,6 +223,7 @@ def make_case(seed: int, index: int, device: str = "cpu", *, scale: str | None =
             p["heads"] = rng.randint(2, 4)
         p["noncontig"] = rng.random() < 0.1
         p["temp_graph"] = _pick(rng, (None, "same", "clone"), (60, 20, 20))
+        p["prepare"] = rng.random() < 0.2
         kernels = ["rows", "groups", "cusparse"] + (["tensor_core"] if p["dtype"] in ("float16", "bfloat16") else [])
         mode = _pick(rng, ("default", "plan", "probe"), (40, 50, 10 if gpu else 0))
         if mode != "default" and p["reduce"] != "max":

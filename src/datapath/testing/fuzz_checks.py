@@ -164,6 +164,8 @@ def check_aggregate(params: dict[str, Any], device: Any, out: Checks) -> None:
                                                                              torch.float32).to(device)
         w.requires_grad_(params.get("grad_w", True))
     plan, kernel = _plan(params, g, width * heads, dtype, reduce, norm, w is not None)
+    if params.get("prepare") and heads == 1 and w is None:  # what a loader thread builds ahead of the step
+        ops.prepare_aggregation(g, width, dtype, backward=True, plan=plan, reduce=reduce, norm=norm)
     if params.get("temp_graph") and plan is None and not params.get("mode", "").startswith("probe"):
         got = ops.aggregate(fresh(g, params["temp_graph"] == "clone"), x, reduce, edge_weight=w, norm=norm)
         gc.collect()
