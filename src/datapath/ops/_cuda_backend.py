@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from datapath.ops import _checks, _launch, _spmm, _tune
 from datapath.ops import _torch_backend as _ref
@@ -127,8 +127,9 @@ def _push_order(view: CSRView, row_map: torch.Tensor) -> _Groups:
 
 def _kept_push_order(t: CSRView, ids: torch.Tensor) -> _Groups:
     """`_push_order` of ``ids`` over ``t``, kept while ``ids`` lives and is unmodified: keyed by the ids tensor
-    itself (weakly: the entry goes with it), never by its address, which a later ids tensor may reuse."""
-    kept = t.cached("push_orders", weakref.WeakKeyDictionary)
+    itself (weakly, by identity: the entry goes with it), never by its address, which a later ids tensor may reuse.
+    (A plain WeakKeyDictionary compares tensor keys with ``==``, elementwise: it cannot hold tensors.)"""
+    kept = t.cached("push_orders", WeakIdKeyDictionary)
     hit = kept.get(ids)
     if hit is not None and hit[0] == ids._version:
         return hit[1]
