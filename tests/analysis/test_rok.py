@@ -29,6 +29,7 @@ def _grads(w: Workload, batch: tuple, seed: int) -> list[torch.Tensor]:
     return [p.grad.clone() for p in w.model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bert-tiny", "gpt-tiny", "t5-tiny"])
 def test_recompute_gives_the_same_gradients(name: str) -> None:
     w = build_workload(get_preset(name), "cpu", torch.float32, seed=3)
@@ -89,6 +90,7 @@ def _mlp_workload(device: torch.device | str, dtype: torch.dtype, oom_from: int 
                     name="mlp")
 
 
+@pytest.mark.slow
 def test_out_of_memory_stops_the_point_cleanly() -> None:
     w = _mlp_workload("cpu", torch.float32, oom_from=2)
     res = sweep(w, ["keep", "recompute"], [1, 2, 4], steps=1, warmup=0, device="cpu")
@@ -150,6 +152,7 @@ def test_cli_rok_tiny_preset(tmp_path, capsys) -> None:
     assert png.stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_cli_rok_model_factory(tmp_path, monkeypatch, capsys) -> None:
     (tmp_path / "my_rok_model.py").write_text(textwrap.dedent("""
         import torch

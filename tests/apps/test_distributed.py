@@ -108,6 +108,7 @@ def test_two_ranks_train_like_one_process_with_the_global_batch(two_rank_run: li
     assert r0["history"][-1]["aggregate"]["seeds"] == N_TRAIN
 
 
+@pytest.mark.slow
 def test_one_shared_copy_of_the_data_and_removed_after_the_job(two_rank_run: list[dict], dataset_dir: Path,
                                                                  shm: Path) -> None:
     ds = load_dataset(dataset_dir)

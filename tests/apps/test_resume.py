@@ -44,6 +44,7 @@ def test_two_epochs_saved_and_resumed_equal_four_uninterrupted(tmp_path) -> None
     assert _losses(other)[2] != _losses(whole)[2]
 
 
+@pytest.mark.slow
 def test_cli_save_resume_and_mismatch(tmp_path, capsys) -> None:
     args = ["train-gnn", "--device", "cpu", "--max-batches", "3", "--eval-nodes", "0", "--hidden", "16",
             "--no-progress"]

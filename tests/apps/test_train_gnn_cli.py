@@ -27,6 +27,7 @@ def test_default_job_learns(tmp_path, capsys) -> None:
     assert last["epoch_s"] > 0 and last["cpu_s"] > 0 and last["batches"] == 20
 
 
+@pytest.mark.slow
 def test_gat_and_dataset_directory(tmp_path) -> None:
     assert main(["prepare-dataset", "tiny", str(tmp_path / "tiny"), "--device", "cpu"]) == 0
     res = _run(tmp_path, "--dataset", str(tmp_path / "tiny"), "--model", "gat", "--epochs", "1",

@@ -18,6 +18,7 @@ KNOWN: dict[int, str] = {}
 """case index -> why it fails now (see /work/notes/issue35.md of the session that found it)."""
 
 
+@pytest.mark.slow
 def test_cpu_fuzz_cases_match_the_reference() -> None:
     results = run_fuzz(seed=0, count=CASES, device="cpu")
     assert len(results) == CASES

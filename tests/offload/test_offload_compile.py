@@ -132,6 +132,7 @@ def test_output_head_compiled_only_outside_the_blocks() -> None:
     uncompile_blocks(list(m.layers[:2]))
 
 
+@pytest.mark.slow
 def test_output_head_matmuls_padded_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
     """The head is compiled with Inductor's shape padding forced, the blocks with the options as given; a mode
     (torch.compile takes no options with one), another backend or the user's own value: left as given.  (Each
@@ -236,6 +237,7 @@ class _MaskedBlock(nn.Module):
         return h * torch.sigmoid(h) + x + picked.sum()
 
 
+@pytest.mark.slow
 def test_whole_model_compile_never_traces_the_offloader() -> None:
     """torch.compile(model) around the offloader: the hooks run as plain Python (TorchDynamo compiled them, and what
     they call, when an eager op saved tensors: a crash in Inductor on a GPU Llama), and gradients still match."""

@@ -65,6 +65,7 @@ def _leftover_files(tmp_path: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
 
 
+@pytest.mark.slow
 def test_sigint_while_an_entry_is_released_reaches_the_loop(tmp_path: Path) -> None:
     p = _child(tmp_path, steps=8, arm=ARM_AT_RELEASE)
     out, err = p.communicate(timeout=180)

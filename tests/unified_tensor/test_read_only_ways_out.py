@@ -37,6 +37,7 @@ sys.exit(3)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("way", ["u.numpy()", "np.asarray(u)", "u[1:3].numpy()", "u.t().numpy()"])
 def test_writing_a_read_only_tables_array_raises_and_does_not_crash(tmp_path: Path, way: str) -> None:
     x = np.random.default_rng(0).standard_normal((6, 5)).astype(np.float32)
