@@ -48,3 +48,29 @@ def test_hotness_counts_presampled_reads(hetero) -> None:
     read = hot["paper"] // (int(deg.max()) + 1)  # the presample counts (ties broken by degree below them)
     assert torch.equal(hot["paper"] % (int(deg.max()) + 1), deg)
     assert (read > 0).sum() >= 24 and int(read.max()) <= 3  # 3 batches of 8 distinct seeds, each read at most 3 times
+
+
+def test_feature_stores_serve_the_same_batches(hetero) -> None:
+    from datapath.features import FeatureStore
+
+    hg, n, _ = hetero(14, scale=3)
+    g = torch.Generator().manual_seed(2)
+    feats = {t: torch.randn(c, 8, generator=g) for t, c in n.items()}
+    hot = hetero_hotness(hg, ("paper", torch.arange(90)), HeteroNeighborSampler([3, 2]), batch_size=16, batches=4)
+    stores = {t: FeatureStore(x.clone(), gpu_cache="25%", hotness=hot[t], device="cpu") for t, x in feats.items()}
+    kw = dict(batch_size=16, shuffle=True, device="cpu", seed=5)
+    plain = HeteroNeighborLoader(hg, ("paper", torch.arange(90)), [3, 2], features=feats, **kw)
+    tiered = HeteroNeighborLoader(hg, ("paper", torch.arange(90)), [3, 2], features=stores, **kw)
+    for a, b in zip(plain, tiered, strict=True):
+        assert a.x.keys() == b.x.keys()
+        for t in a.x:
+            assert torch.equal(a.x[t], b.x[t])
+
+
+def test_relational_models_train_in_one_process(monkeypatch) -> None:
+    from datapath.apps.train_gnn import TrainConfig
+    from datapath.apps.train_hetero import train_hetero
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="one process"):
+        train_hetero(TrainConfig(dataset="igbh-tiny", model="rgat"))

@@ -8,6 +8,7 @@ the rest in pinned host memory -- or read from the dataset directory's ``feature
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,9 @@ def _accuracy(model: torch.nn.Module, loader: HeteroNeighborLoader) -> float:
 
 def train_hetero(cfg: Any) -> dict[str, Any]:
     """Train ``cfg.model`` on the heterogeneous ``cfg.dataset`` in this process; per-epoch numbers and accuracy."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or getattr(cfg, "shard_features", False):
+        raise ValueError("relational models (--model rgat|rgcn|hgt) train in one process for now: leave out --gpus, "
+                         "torchrun and --shard-features")
     if cfg.device == "cuda" or (cfg.device is None and torch.cuda.is_available()):
         device = torch.device("cuda", torch.cuda.current_device())
     else:
