@@ -161,7 +161,7 @@ def layer_records(quick: bool, width: int, heads: int, reps: int) -> list[dict[s
     return recs
 
 
-def epoch_records(quick: bool, epochs: int) -> list[dict[str, Any]]:
+def epoch_records(quick: bool, epochs: int, workers: int = 1) -> list[dict[str, Any]]:
     from datapath.apps.train_gnn import TrainConfig  # noqa: PLC0415
     from datapath.apps.train_hetero import train_hetero  # noqa: PLC0415
 
@@ -172,7 +172,7 @@ def epoch_records(quick: bool, epochs: int) -> list[dict[str, Any]]:
     for way, kw in (("resident", {"features_on": "cuda", "graph_on": "cuda"}),
                     ("cache25", {"gpu_cache": "25%", "graph_on": "cuda"})):
         print(f"== R-GAT {dataset} {way}", flush=True)
-        runs[way] = train_hetero(TrainConfig(**common, **kw))
+        runs[way] = train_hetero(TrainConfig(**common, **kw), num_workers=workers)
         torch.cuda.empty_cache()
 
     def epoch_s(r: dict) -> float:  # the epochs after the first (warm-up: kernel builds, allocator growth)
@@ -185,6 +185,8 @@ def epoch_records(quick: bool, epochs: int) -> list[dict[str, Any]]:
              "test_acc": cache["test_acc"], "resident_test_acc": res["test_acc"],
              "epochs": epochs, "epoch_s_all": [h["epoch_s"] for h in cache["history"]],
              "resident_epoch_s_all": [h["epoch_s"] for h in res["history"]],
+             "wait_s_all": [h["wait_s"] for h in cache["history"]],
+             "resident_wait_s_all": [h["wait_s"] for h in res["history"]], "loader_workers": workers,
              "feature_bytes": cache["feature_bytes"], "device": torch.cuda.get_device_name()}]
 
 
@@ -227,13 +229,14 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--loader-workers", type=int, default=1, help="producer threads of the epochs' loader")
     ap.add_argument("--name", default="hetero")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/hetero.py needs a CUDA GPU")
         return 1
     layers = [] if args.skip_layers else layer_records(args.quick, args.width, args.heads, args.reps)
-    epochs = [] if args.skip_epochs else epoch_records(args.quick, args.epochs)
+    epochs = [] if args.skip_epochs else epoch_records(args.quick, args.epochs, args.loader_workers)
     summary: dict[str, Any] = {}
     if layers:
         print_table(layers, ["layer", "graph", "dtype", "pyg_ms", "datapath_ms", "speedup", "pyg_peak_gb",

@@ -8,15 +8,15 @@ from datapath.loaders import HeteroNeighborLoader, LoaderError, hetero_hotness
 from datapath.sampling import HeteroNeighborSampler
 
 
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_batches_carry_each_types_rows(hetero, prefetch) -> None:
+@pytest.mark.parametrize("prefetch,workers", [(0, 1), (2, 1), (1, 3)])
+def test_batches_carry_each_types_rows(hetero, prefetch, workers) -> None:
     hg, n, _ = hetero(11, scale=2)
     g = torch.Generator().manual_seed(0)
     feats = {"paper": torch.randn(n["paper"], 6, generator=g), "author": torch.randn(n["author"], 3, generator=g)}
     labels = torch.randint(0, 5, (n["paper"],), generator=g)
     seeds = torch.randperm(n["paper"], generator=g)[:50]
     loader = HeteroNeighborLoader(hg, ("paper", seeds), [3, 2], batch_size=16, shuffle=True, features=feats,
-                                  labels=labels, device="cpu", prefetch=prefetch)
+                                  labels=labels, device="cpu", prefetch=prefetch, num_workers=workers)
     seen = []
     for batch in loader:
         assert set(batch.x) == {"paper", "author"}
@@ -27,6 +27,9 @@ def test_batches_carry_each_types_rows(hetero, prefetch) -> None:
         seen.append(batch.seeds)
     assert len(seen) == len(loader) == 4
     assert sorted(torch.cat(seen).tolist()) == sorted(seeds.tolist())
+    again = HeteroNeighborLoader(hg, ("paper", seeds), [3, 2], batch_size=16, shuffle=True, features=feats,
+                                 labels=labels, device="cpu", prefetch=0)
+    assert [b.seeds.tolist() for b in again] == [s.tolist() for s in seen]  # in order, whatever the workers
 
 
 def test_bad_tables_are_named(hetero) -> None:

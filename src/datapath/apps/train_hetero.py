@@ -80,8 +80,11 @@ def _accuracy(model: torch.nn.Module, loader: HeteroNeighborLoader) -> float:
     return ok / max(n, 1)
 
 
-def train_hetero(cfg: Any) -> dict[str, Any]:
-    """Train ``cfg.model`` on the heterogeneous ``cfg.dataset`` in this process; per-epoch numbers and accuracy."""
+def train_hetero(cfg: Any, num_workers: int = 1) -> dict[str, Any]:
+    """Train ``cfg.model`` on the heterogeneous ``cfg.dataset`` in this process; per-epoch numbers and accuracy.
+
+    ``num_workers``: the training loader's producer threads (`HeteroNeighborLoader`).
+    """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or getattr(cfg, "shard_features", False):
         raise ValueError("relational models (--model rgat|rgcn|hgt) train in one process for now: leave out --gpus, "
                          "torchrun and --shard-features")
@@ -105,7 +108,7 @@ def train_hetero(cfg: Any) -> dict[str, Any]:
     sampler = HeteroNeighborSampler(list(cfg.fanouts), seed=cfg.seed)
     kw = dict(features=data.features, labels=data.labels, device=device, seed=cfg.seed, prefetch=cfg.prefetch)
     loader = HeteroNeighborLoader(hg, (data.target, data.train_idx), sampler, cfg.batch_size, shuffle=True,
-                                  prepare=model.prepare_batch, **kw)
+                                  prepare=model.prepare_batch, num_workers=num_workers, **kw)
     gen = torch.Generator().manual_seed(cfg.seed)
 
     def eval_loader(idx: torch.Tensor) -> HeteroNeighborLoader | None:
@@ -123,7 +126,9 @@ def train_hetero(cfg: Any) -> dict[str, Any]:
             torch.cuda.reset_peak_memory_stats()
         t1 = time.perf_counter()
         losses, ok, n, steps = 0.0, 0, 0, 0
+        sample_s = gather_s = wait_s = 0.0
         for b in loader:
+            sample_s, gather_s, wait_s = sample_s + b.sample_s, gather_s + b.gather_s, wait_s + b.wait_s
             out = model(b.blocks, b.x)
             loss = F.cross_entropy(out, b.y)
             opt.zero_grad(set_to_none=True)
@@ -140,11 +145,13 @@ def train_hetero(cfg: Any) -> dict[str, Any]:
         epoch_s = time.perf_counter() - t1
         val = _accuracy(model, val_loader) if val_loader is not None else None
         row = {"epoch": epoch, "epoch_s": epoch_s, "batches": steps, "loss": float(losses) / max(steps, 1),
-               "train_acc": float(ok) / max(n, 1), "val_acc": val,
+               "train_acc": float(ok) / max(n, 1), "val_acc": val, "sample_s": sample_s, "gather_s": gather_s,
+               "wait_s": wait_s,
                "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None}
         history.append(row)
         print(f"epoch {epoch}: loss {row['loss']:.4f}  train acc {row['train_acc']:.3f}  val acc "
-              f"{'-' if val is None else f'{val:.3f}'}  time {epoch_s:.2f} s  ({n / epoch_s:,.0f} seeds/s)", flush=True)
+              f"{'-' if val is None else f'{val:.3f}'}  time {epoch_s:.2f} s  ({n / epoch_s:,.0f} seeds/s; producers: sample "
+              f"{sample_s:.2f} s, gather {gather_s:.2f} s; waiting for data {wait_s:.2f} s)", flush=True)
     test = _accuracy(model, test_loader) if test_loader is not None else None
     if test is not None:
         print(f"test accuracy {test:.3f} (chance {1 / data.num_classes:.3f})")

@@ -42,7 +42,8 @@ class HeteroBatch:
         y: (B,) labels of the seeds, or None.
         seeds: (B,) int64 per-type ids of the seeds (of ``input_type``).
         input_type: the seeds' node type.
-        sample_s / gather_s: producer seconds spent sampling and fetching rows.
+        sample_s / gather_s: producer seconds spent sampling and fetching rows (and ``prepare``).
+        wait_s: seconds the consumer waited for this batch (the producers' lag).
     """
 
     blocks: list[HeteroBlock]
@@ -52,6 +53,7 @@ class HeteroBatch:
     input_type: str
     sample_s: float = 0.0
     gather_s: float = 0.0
+    wait_s: float = 0.0
     _event: Any = field(default=None, repr=False)
     _prepared: list[torch.Tensor] = field(default_factory=list, repr=False)
 
@@ -77,7 +79,9 @@ class HeteroNeighborLoader:
             (num_nodes[t], F_t) rows; types without a table get no ``x`` entry.
         labels: (num_nodes[input_type],) labels, a tensor or a `FeatureStore`.
         device: where batches go (cuda when available).
-        prefetch: batches a background thread prepares ahead (0: in the calling thread).
+        prefetch: batches each background thread prepares ahead (0: in the calling thread).
+        num_workers: background threads, each on a CUDA stream of its own, batches dealt round-robin and
+            handed over in order (while one waits for the GPU in sampling, another gathers rows).
         prepare: called with each batch in the producer (e.g. a model's ``prepare_batch``); the
             tensors it returns travel with the batch.
     """
@@ -87,13 +91,14 @@ class HeteroNeighborLoader:
                  batch_size: int = 1024, shuffle: bool = False, drop_last: bool = False, *,
                  features: Mapping[str, Table] | None = None, labels: Table | None = None,
                  device: str | torch.device | None = None, seed: int = 0, prefetch: int = 1,
-                 prepare: Callable[[HeteroBatch], Any] | None = None) -> None:
+                 num_workers: int = 1, prepare: Callable[[HeteroBatch], Any] | None = None) -> None:
         if not isinstance(graph, HeteroGraph):
             raise LoaderError(f"HeteroNeighborLoader loads a HeteroGraph, got {type(graph).__name__}")
         if not isinstance(sampler, HeteroNeighborSampler):
             sampler = HeteroNeighborSampler(sampler, seed=seed)
-        if batch_size < 1 or prefetch < 0:
-            raise LoaderError(f"batch_size must be >= 1 and prefetch >= 0, got {batch_size} and {prefetch}")
+        if batch_size < 1 or prefetch < 0 or num_workers < 1:
+            raise LoaderError(f"batch_size and num_workers must be >= 1 and prefetch >= 0, got {batch_size}, "
+                              f"{num_workers} and {prefetch}")
         if not (isinstance(seeds, tuple) and len(seeds) == 2):
             raise LoaderError("seeds must be (node_type, ids)")
         t, ids = seeds
@@ -118,7 +123,8 @@ class HeteroNeighborLoader:
         self.sample_device = (self.device if self.device.type == "cuda" and graph.placement in ("unified", "cuda")
                               else torch.device("cpu"))
         self.epoch = 0
-        self._stream: torch.cuda.Stream | None = None
+        self.num_workers = int(num_workers)
+        self._streams: list[torch.cuda.Stream] = []  # one per worker, kept across epochs
 
     def __len__(self) -> int:
         n = self.seeds.numel()
@@ -155,6 +161,7 @@ class HeteroNeighborLoader:
         batch = HeteroBatch(blocks, x, y, seeds, self.input_type, t1 - t0, time.perf_counter() - t1)
         if self.prepare is not None:
             batch._prepared = list(self.prepare(batch) or ())
+            batch.gather_s = time.perf_counter() - t1
         return batch
 
     def __iter__(self) -> Iterator[HeteroBatch]:
@@ -163,37 +170,43 @@ class HeteroNeighborLoader:
             for seeds, step in batches:
                 yield self.make(seeds, step)
             return
-        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
         cuda = self.device.type == "cuda"
-        if cuda and self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
+        workers = max(1, min(self.num_workers, len(batches)))
+        while cuda and len(self._streams) < workers:
+            self._streams.append(torch.cuda.Stream(self.device))
+        queues: list[queue.Queue] = [queue.Queue(maxsize=self.prefetch) for _ in range(workers)]
+        stop = threading.Event()
 
-        def produce() -> None:
+        def produce(w: int) -> None:  # batches w, w + W, w + 2W, ... on worker w's own stream
+            q = queues[w]
             try:
-                ctx = torch.cuda.stream(self._stream) if cuda else _nullcontext()
+                ctx = torch.cuda.stream(self._streams[w]) if cuda else _nullcontext()
                 with ctx:
-                    for seeds, step in batches:
+                    for seeds, step in batches[w::workers]:
                         if stop.is_set():
                             return
                         b = self.make(seeds, step)
                         if cuda:
                             b._event = torch.cuda.Event()
-                            b._event.record(self._stream)
+                            b._event.record(self._streams[w])
                         q.put(b)
                 q.put(_DONE)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 q.put(exc)
 
-        th = threading.Thread(target=produce, daemon=True, name="datapath-hetero-loader")
-        th.start()
+        threads = [threading.Thread(target=produce, args=(w,), daemon=True, name=f"datapath-hetero-loader-{w}")
+                   for w in range(workers)]
+        for th in threads:
+            th.start()
         try:
-            while True:
-                item = q.get()
+            for i in range(len(batches)):  # handed over in order: batch i from worker i % W
+                t0 = time.perf_counter()
+                item = queues[i % workers].get()
                 if item is _DONE:
                     return
                 if isinstance(item, BaseException):
                     raise item
+                item.wait_s = time.perf_counter() - t0
                 if item._event is not None:
                     cur = torch.cuda.current_stream(self.device)
                     cur.wait_event(item._event)
@@ -203,12 +216,13 @@ class HeteroNeighborLoader:
                 yield item
         finally:
             stop.set()
-            while th.is_alive():
-                try:
-                    q.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            th.join()
+            for q, th in zip(queues, threads):
+                while th.is_alive():
+                    try:
+                        q.get(timeout=0.05)
+                    except queue.Empty:
+                        pass
+                th.join()
 
 
 class _nullcontext:
