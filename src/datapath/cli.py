@@ -7,7 +7,8 @@ defines ``register(subparsers)`` adding its parsers, each with ``set_defaults(fu
 A user error (a bad argument, a missing file, a dataset that does not parse: any
 `datapath.errors.DatapathError`, ``ValueError`` or ``OSError``) prints one line,
 ``datapath <command>: error: <what to do>``, and exits with 2 (1 for other failures of
-the work itself); ``--verbose`` adds the traceback.  Ctrl-C exits with 130.
+the work itself); ``--verbose`` adds the traceback.  Ctrl-C exits with 130; SIGTERM, in a
+command that writes files (``prepare-dataset``), removes what it was writing and exits with 143.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from datapath._runtime.errors import DatapathError
+from datapath._runtime.interrupts import Terminated
 
 # Modules that add subcommands, in the order `datapath --help` lists them.
 COMMAND_MODULES = (
@@ -78,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:  # SIGTERM inside a command that cleans up after it (`terminate_raises`)
+        print(f"{prog}: terminated (SIGTERM); nothing was left behind", file=sys.stderr)
+        return Terminated.exit_code
     except USER_ERRORS as exc:
         if args.verbose:
             traceback.print_exc()

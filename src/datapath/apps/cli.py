@@ -153,6 +153,13 @@ def register(sub: Any) -> None:
 
 
 def prepare(args: argparse.Namespace) -> int:
+    from datapath._runtime.interrupts import terminate_raises  # noqa: PLC0415
+
+    with terminate_raises():  # SIGTERM: the temporary directory goes, as with Ctrl-C
+        return _prepare(args)
+
+
+def _prepare(args: argparse.Namespace) -> int:
     from datapath.apps.prepare import check_import_arguments, run_import  # noqa: PLC0415
     from datapath.graph import prepare_dataset  # noqa: PLC0415
 

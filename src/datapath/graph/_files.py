@@ -7,14 +7,22 @@ mix: the new one is built under ``.<name>.tmp-<pid>-<token>`` beside the target 
 exchanged with it by ``renameat2(RENAME_EXCHANGE)`` (one atomic step on Linux), or, where
 that call is missing, renamed in two steps (a crash between them leaves the target
 missing and both copies beside it, which `load_dataset` reports by name).  A crash
-before the swap leaves the old directory untouched; the temporary sibling is removed by
-the next write into the same target.
+before the swap leaves the old directory untouched; the temporary sibling is removed on
+every way out of the writer (an exception, Ctrl-C, SIGTERM through the CLI), and otherwise
+(SIGKILL, power loss) by the next write into the same target.
+
+A full disk never crashes a writer: `check_free_space` compares the bytes a dataset needs with
+what the filesystem has before anything is written, `reserve` allocates a memory-mapped file's
+blocks before a store into the mapping could raise SIGBUS, and `disk_full` turns ENOSPC, EDQUOT
+and EFBIG into one `DiskFullError` line naming the directory (or file), the bytes needed and free.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import ctypes.util
+import errno
+import io
 import logging
 import os
 import secrets
@@ -28,6 +36,75 @@ import numpy as np
 from datapath.graph.errors import DatasetError
 
 log = logging.getLogger("datapath.graph.files")
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class DiskFullError(DatasetError, OSError):
+    """No room to write a dataset: the disk (or quota) is full, or a file would pass ``ulimit -f``."""
+
+
+def npy_bytes(shape: tuple[int, ...], dtype: Any) -> int:
+    """The exact size of the ``.npy`` file `np.save` writes for an array of ``shape`` and ``dtype``."""
+    dt = np.dtype(dtype)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": np.lib.format.dtype_to_descr(dt), "fortran_order": False, "shape": tuple(shape)})
+    return len(header.getvalue()) + int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem holding ``directory``."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def check_free_space(directory: Path, needed: int, what: str = "dataset") -> None:
+    """Raise `DiskFullError` when the filesystem of ``directory`` has fewer than ``needed`` bytes free."""
+    free = free_bytes(directory)
+    if free < needed:
+        raise DiskFullError(f"no room for the {what} in {directory}: it needs {needed:,} bytes and "
+                            f"{free:,} are free; free space there or choose another directory")
+
+
+@contextlib.contextmanager
+def named(path: Path) -> Iterator[None]:
+    """An `OSError` raised inside the block that names no file names ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = str(path)
+        raise
+
+
+def reserve(path: Path, nbytes: int) -> None:
+    """Allocate the first ``nbytes`` of ``path`` on disk now (``posix_fallocate``), so that stores into a
+    memory mapping of it cannot hit a full disk (which raises SIGBUS, not an error)."""
+    with named(path):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+
+
+def disk_full(exc: OSError, directory: Path, needed: int, what: str = "dataset") -> DiskFullError | None:
+    """The one-line `DiskFullError` for ENOSPC / EDQUOT / EFBIG ``exc`` while writing into ``directory``
+    (None for any other error)."""
+    if exc.errno not in DISK_FULL_ERRNOS:
+        return None
+    if exc.errno == errno.EFBIG:
+        name = exc.filename or directory
+        return DiskFullError(f"cannot write {name}: the {what} needs {needed:,} bytes and the file would pass "
+                             f"this process's file-size limit (ulimit -f); raise the limit or write elsewhere")
+    try:
+        free = free_bytes(directory if directory.exists() else directory.parent)
+    except OSError:
+        free = -1
+    why = "the disk quota is exhausted" if exc.errno == errno.EDQUOT else "the disk is full"
+    return DiskFullError(f"no room for the {what} in {directory} ({why}): it needs {needed:,} bytes and "
+                         f"{max(free, 0):,} are free; free space there or choose another directory")
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -97,7 +174,12 @@ def atomic_directory(target: Path, overwrite: bool, what: str = "directory") -> 
     """
     target = Path(target).absolute()
     if target.exists() and not target.is_dir():
-        raise NotADirectoryError(f"cannot write a {what} to {target}: it is a file")
+        raise NotADirectoryError(f"cannot write a {what} to {target}: it is a file, not a directory")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise NotADirectoryError(f"cannot write a {what} to {target}: {parent} is a file, not a directory")
+            break
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise FileExistsError(f"{target} exists and is not empty; pass overwrite=True (--overwrite) to replace "
                               f"the {what} in it")
@@ -143,7 +225,7 @@ def save_npy(path: Path, array: np.ndarray) -> None:
     """Write ``array`` to ``path`` through a temporary file renamed into place (never a half-written file)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with named(path), open(tmp, "wb") as f:
             np.save(f, array, allow_pickle=False)
             f.flush()
             os.fsync(f.fileno())

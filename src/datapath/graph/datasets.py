@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from datapath.graph._files import atomic_directory, check_manifest, load_npy, manifest, save_npy
+from datapath.graph._files import (atomic_directory, check_free_space, check_manifest, disk_full, load_npy,
+                                   manifest, named, npy_bytes, reserve, save_npy)
 from datapath.graph.errors import DatasetError
 from datapath.graph.feature_shards import ShardLayout, check_job, concat_shards, read_shard, write_shards
 from datapath.graph.graph import Graph
@@ -90,19 +91,31 @@ class Dataset:
         if self.feature_shard is not None:
             raise DatasetError("this dataset holds one shard of its features; only a whole dataset can be saved")
         layout = None if shards is None else ShardLayout.even(self.graph.num_nodes, shards)
-        with atomic_directory(Path(directory), overwrite, "dataset") as tmp:
-            self.graph.save(tmp)
-            feats = host_of(self.features).cpu().numpy()
-            if layout is None:
-                save_npy(tmp / "features.npy", feats)
-            else:
-                write_shards(tmp, feats, layout)
-            for name in ("labels", "train_idx", "val_idx", "test_idx"):
-                save_npy(tmp / f"{name}.npy", host_of(getattr(self, name)).cpu().numpy())
-            _write_meta(tmp, {**self.meta, "name": self.name, "num_classes": self.num_classes,
-                              "num_nodes": self.graph.num_nodes, "num_edges": self.graph.num_edges,
-                              "num_features": self.num_features}, layout)
-        return Path(directory)
+        target = Path(directory)
+        arrays = [self.features, self.labels, self.train_idx, self.val_idx, self.test_idx, self.graph.indptr,
+                  self.graph.indices] + ([] if self.graph.edge_ids is None else [self.graph.edge_ids])
+        needed = sum(npy_bytes(tuple(a.shape), torch.empty(0, dtype=a.dtype).numpy().dtype) for a in arrays)
+        needed += _JSON_MARGIN
+        with atomic_directory(target, overwrite, "dataset") as tmp:
+            try:
+                check_free_space(target.absolute().parent, needed)
+                self._write(tmp, layout)
+            except OSError as exc:
+                raise _named_disk_full(exc, tmp, target, needed) from None
+        return target
+
+    def _write(self, tmp: Path, layout: ShardLayout | None) -> None:
+        self.graph.save(tmp)
+        feats = host_of(self.features).cpu().numpy()
+        if layout is None:
+            save_npy(tmp / "features.npy", feats)
+        else:
+            write_shards(tmp, feats, layout)
+        for name in ("labels", "train_idx", "val_idx", "test_idx"):
+            save_npy(tmp / f"{name}.npy", host_of(getattr(self, name)).cpu().numpy())
+        _write_meta(tmp, {**self.meta, "name": self.name, "num_classes": self.num_classes,
+                          "num_nodes": self.graph.num_nodes, "num_edges": self.graph.num_edges,
+                          "num_features": self.num_features}, layout)
 
 
 def _write_meta(d: Path, meta: dict[str, Any], layout: ShardLayout | None = None) -> None:
@@ -221,24 +234,65 @@ def prepare_dataset(name: str, directory: str | Path, *, memory_gb: float | None
 
     spec = preset_spec(name, memory_gb=memory_gb, seed=seed)
     layout = None if shards is None else ShardLayout.even(spec.num_nodes, shards)
-    with atomic_directory(Path(directory), overwrite, "dataset") as tmp:
-        feats = np.lib.format.open_memmap(tmp / "features.npy", mode="w+", dtype=np.float32,
-                                          shape=(spec.num_nodes, spec.num_features))
-        ds = generate(spec, device=device, progress=progress, features_out=feats)
-        feats.flush()
-        width = ds.num_features
-        if layout is not None:
-            write_shards(tmp, feats, layout)
-        del feats
-        if layout is not None:
-            (tmp / "features.npy").unlink()
-        ds.graph.save(tmp)
-        for split in ("labels", "train_idx", "val_idx", "test_idx"):
-            save_npy(tmp / f"{split}.npy", getattr(ds, split).numpy())
-        _write_meta(tmp, {**ds.meta, "name": ds.name, "num_classes": ds.num_classes,
-                          "num_nodes": ds.graph.num_nodes, "num_edges": ds.graph.num_edges,
-                          "num_features": width}, layout)
-    return Path(directory)
+    target = Path(directory)
+    shape = (spec.num_nodes, spec.num_features)
+    needed = npy_bytes(shape, np.float32) * (1 if layout is None else 2)  # refined once the graph is known
+    with atomic_directory(target, overwrite, "dataset") as tmp:
+        try:
+            check_free_space(target.absolute().parent, needed)
+
+            def features_out(graph: Graph) -> np.ndarray:
+                nonlocal needed
+                needed = _bytes_needed(spec, graph, layout)
+                check_free_space(target.absolute().parent, needed)  # before the first byte is written
+                path = tmp / "features.npy"
+                with named(path):
+                    feats = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
+                    reserve(path, npy_bytes(shape, np.float32))  # stores into the mapping never meet a full disk
+                return feats
+
+            ds = generate(spec, device=device, progress=progress, features_out=features_out)
+            feats = ds.features.numpy()
+            width = ds.num_features
+            if layout is not None:
+                write_shards(tmp, feats, layout)
+            del feats, ds.features
+            if layout is not None:
+                (tmp / "features.npy").unlink()
+            ds.graph.save(tmp)
+            for split in ("labels", "train_idx", "val_idx", "test_idx"):
+                save_npy(tmp / f"{split}.npy", getattr(ds, split).numpy())
+            _write_meta(tmp, {**ds.meta, "name": ds.name, "num_classes": ds.num_classes,
+                              "num_nodes": ds.graph.num_nodes, "num_edges": ds.graph.num_edges,
+                              "num_features": width}, layout)
+        except OSError as exc:
+            raise _named_disk_full(exc, tmp, target, needed) from None
+    return target
+
+
+def _named_disk_full(exc: OSError, tmp: Path, target: Path, needed: int) -> OSError:
+    """``exc`` as a `DiskFullError` naming ``target`` (not its temporary sibling) when the disk is full."""
+    if exc.filename is not None:
+        exc.filename = str(exc.filename).replace(str(tmp), str(target.absolute()))
+    full = disk_full(exc, target.absolute().parent, needed)
+    return exc if full is None else full
+
+
+def _bytes_needed(spec: Any, graph: Graph, layout: ShardLayout | None) -> int:
+    """The bytes of the files `prepare_dataset` writes for ``spec`` with ``graph`` (exact for the arrays; a
+    margin for the JSON files); twice the features with shards (the whole table is written first)."""
+    n = spec.num_nodes
+    n_train, n_val = int(spec.train_frac * n), int(spec.val_frac * n)
+    n_test = min(int(spec.test_frac * n), n - n_train - n_val)
+    feats = npy_bytes((n, spec.num_features), np.float32)
+    if layout is not None:
+        feats += feats + 128 * layout.shards
+    return (feats + npy_bytes((n + 1,), graph.indptr.numpy().dtype) + npy_bytes((graph.num_edges,),
+            graph.indices.numpy().dtype) + npy_bytes((n,), np.int64) + sum(npy_bytes((k,), np.int64)
+            for k in (n_train, n_val, n_test)) + _JSON_MARGIN)
+
+
+_JSON_MARGIN = 64 << 10  # meta.json and graph.json
 
 
 def get_dataset(name_or_dir: str | Path, *, device: str | None = None, progress: bool = True,

@@ -21,18 +21,19 @@ host memory.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import logging
 import math
-import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from datapath._runtime.interrupts import check, run_chunks
 from datapath.graph.datasets import Dataset
 from datapath.graph.errors import DatasetError
 from datapath.graph.graph import Graph
@@ -140,19 +141,46 @@ class _Communities:
         self.comm_lo = cs[starts]
         self.comm_hi = cs[ends]
 
-    def edges(self, m: int, homophily: float, g: torch.Generator) -> torch.Tensor:
-        """(2, m) int64 random edge ends (undirected, self loops possible)."""
+    def edges(self, m: int, homophily: float, g: torch.Generator, stop: threading.Event | None = None) -> torch.Tensor:
+        """(2, m) int64 random edge ends (undirected, self loops possible).
+
+        The random draws are made for all ``m`` edges first (they are the recipe); the ends are then computed
+        in pieces, between which a set ``stop`` ends the work (`Stopped`)."""
         dev = self.cum.device
         n = self.cum.numel()
-        u = torch.rand(m, generator=g, device=dev, dtype=torch.float64) * self.total
-        a = torch.searchsorted(self.cum, u).clamp_(max=n - 1)
-        same = torch.rand(m, generator=g, device=dev) < homophily
-        v = torch.rand(m, generator=g, device=dev, dtype=torch.float64)
-        comm = self.labels[a]
-        lo, hi = self.comm_lo[comm], self.comm_hi[comm]
-        b_same = self.order[torch.searchsorted(self.cum_sorted, lo + v * (hi - lo)).clamp_(max=n - 1)]
-        b_any = torch.searchsorted(self.cum, v * self.total).clamp_(max=n - 1)
-        return torch.stack([a, torch.where(same, b_same, b_any)])
+        u = _draw(m, torch.float64, g, stop).mul_(self.total)
+        same = _draw(m, torch.float32, g, stop) < homophily
+        v = _draw(m, torch.float64, g, stop)
+        out = torch.empty((2, m), dtype=torch.int64, device=dev)
+        for s in range(0, m, _PIECE):
+            check(stop)
+            e = min(m, s + _PIECE)
+            a = torch.searchsorted(self.cum, u[s:e]).clamp_(max=n - 1)
+            comm = self.labels[a]
+            lo, hi = self.comm_lo[comm], self.comm_hi[comm]
+            vs = v[s:e]
+            b_same = self.order[torch.searchsorted(self.cum_sorted, lo + vs * (hi - lo)).clamp_(max=n - 1)]
+            b_any = torch.searchsorted(self.cum, vs * self.total).clamp_(max=n - 1)
+            out[0, s:e] = a
+            out[1, s:e] = torch.where(same[s:e], b_same, b_any)
+        return out
+
+
+_PIECE = 1 << 20       # values computed between two looks at a stop request (a Ctrl-C lands within one piece)
+_CPU_SORT = 1 << 22    # edge keys deduplicated by one CPU sort (one uninterruptible call each)
+
+
+def _draw(m: int, dtype: torch.dtype, g: torch.Generator, stop: threading.Event | None) -> torch.Tensor:
+    """``torch.rand(m, generator=g, dtype=dtype)``, on the CPU drawn in pieces (the same numbers), `check`ing
+    ``stop`` between them (a GPU draws it at once: there the pieces would give other numbers)."""
+    if g.device.type != "cpu":
+        return torch.rand(m, generator=g, device=g.device, dtype=dtype)
+    out = torch.empty(m, dtype=dtype, device=g.device)
+    for s in range(0, m, _PIECE):
+        check(stop)
+        e = min(m, s + _PIECE)
+        out[s:e] = torch.rand(e - s, generator=g, device=g.device, dtype=dtype)
+    return out
 
 
 def _default_device() -> torch.device:
@@ -160,7 +188,7 @@ def _default_device() -> torch.device:
 
 
 def generate(spec: SyntheticSpec | str, *, device: str | torch.device | None = None, progress: bool = True,
-             features_out: np.ndarray | torch.Tensor | None = None, chunk_edges: int = 1 << 24,
+             features_out: np.ndarray | torch.Tensor | Callable[[Graph], Any] | None = None, chunk_edges: int = 1 << 24,
              chunk_rows: int = 1 << 18, sort_limit: int = 1 << 30) -> Dataset:
     """Generate the synthetic dataset ``spec`` (a `SyntheticSpec` or preset name) in host memory.
 
@@ -169,7 +197,8 @@ def generate(spec: SyntheticSpec | str, *, device: str | torch.device | None = N
             same for the same spec, seed and device type.
         progress: show tqdm bars.
         features_out: optional (N, F) float32 host array to write the features into
-            (a ``np.lib.format.open_memmap`` for datasets larger than RAM, or pinned memory).
+            (a ``np.lib.format.open_memmap`` for datasets larger than RAM, or pinned memory), or a
+            callable given the built `Graph` that returns one (to size the files before writing).
         chunk_edges: edges generated per parallel chunk.
         chunk_rows: feature rows generated per parallel chunk.
         sort_limit: most edge keys deduplicated by one sort (CUB sorts at most 2^31 items);
@@ -186,17 +215,20 @@ def generate(spec: SyntheticSpec | str, *, device: str | torch.device | None = N
     sizes = [min(chunk_edges, spec.num_edges - i * chunk_edges) for i in range(n_chunks)]
     keys_parts: list[torch.Tensor] = [torch.empty(0)] * n_chunks
 
-    def edge_chunk(i: int) -> None:
-        e = comm.edges(sizes[i], spec.homophily, _gen(spec.seed, 1, i, dev))
+    def edge_chunk(i: int, stop: threading.Event | None = None) -> None:
+        e = comm.edges(sizes[i], spec.homophily, _gen(spec.seed, 1, i, dev), stop)
+        check(stop)
         e = e[:, e[0] != e[1]]
         keys_parts[i] = torch.cat([e[1] * n + e[0], e[0] * n + e[1]])  # both directions, key = dst*n + src
 
     _run_chunks(edge_chunk, n_chunks, dev, f"{spec.name}: edges", progress)
-    indptr, indices = _csr_from_keys(keys_parts, n, sort_limit)
+    indptr, indices = _csr_from_keys(keys_parts, n, sort_limit if dev.type == "cuda" else min(sort_limit, _CPU_SORT))
     keys_parts.clear()
     graph = Graph(indptr.cpu(), indices.cpu(), validate=False)
     del indices, indptr
     # features, in parallel row chunks
+    if callable(features_out):
+        features_out = features_out(graph)
     if features_out is None:
         feats = torch.empty((n, spec.num_features), dtype=torch.float32)
     else:
@@ -206,12 +238,17 @@ def generate(spec: SyntheticSpec | str, *, device: str | torch.device | None = N
     centroids = torch.randn(spec.num_classes, spec.num_features, generator=_gen(spec.seed, 2, 0, dev), device=dev)
     n_row_chunks = max(1, -(-n // chunk_rows))
 
-    def feature_chunk(i: int) -> None:
+    def feature_chunk(i: int, stop: threading.Event | None = None) -> None:
         lo, hi = i * chunk_rows, min(n, (i + 1) * chunk_rows)
         g = _gen(spec.seed, 3, i, dev)
-        x = torch.randn(hi - lo, spec.num_features, generator=g, device=dev)
-        x.add_(centroids[comm.labels[lo:hi]], alpha=spec.signal)
-        feats[lo:hi].copy_(x)
+        # on the CPU drawn in pieces of whole 16-value groups: the same numbers as one draw of the chunk
+        step = max(16, _PIECE // max(1, spec.num_features) // 16 * 16) if dev.type == "cpu" else hi - lo
+        for s in range(lo, hi, step):
+            check(stop)
+            e = min(hi, s + step)
+            x = torch.randn(e - s, spec.num_features, generator=g, device=dev)
+            x.add_(centroids[comm.labels[s:e]], alpha=spec.signal)
+            feats[s:e].copy_(x)
 
     _run_chunks(feature_chunk, n_row_chunks, dev, f"{spec.name}: features", progress)
     labels = comm.labels.cpu()
@@ -270,15 +307,14 @@ def _csr_from_keys(parts: list[torch.Tensor], n: int, sort_limit: int) -> tuple[
 
 
 def _run_chunks(fn: Any, n: int, dev: torch.device, desc: str, progress: bool) -> None:
-    """Run ``fn(i)`` for i in range(n): a thread pool on the CPU (torch releases the GIL), in order on a GPU."""
+    """Run ``fn(i)`` for i in range(n): on a few threads on the CPU (torch releases the GIL), in order on a GPU.
+
+    A Ctrl-C or SIGTERM (`datapath._runtime.interrupts`) stops it within a fraction of a second, even in
+    the middle of a chunk."""
     with _progress(n, desc, progress) as bar:
-        if dev.type == "cuda":
+        if dev.type == "cuda":  # one chunk's kernels are queued in milliseconds: Ctrl-C lands between chunks
             for i in range(n):
                 fn(i)
                 bar.update(1)
             return
-        workers = min(n, max(1, os.cpu_count() or 1))
-        with cf.ThreadPoolExecutor(max_workers=workers) as pool:
-            for fut in cf.as_completed([pool.submit(fn, i) for i in range(n)]):
-                fut.result()
-                bar.update(1)
+        run_chunks(fn, n, on_done=lambda: bar.update(1))
