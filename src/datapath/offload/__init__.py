@@ -30,7 +30,7 @@ from datapath.offload.integrations import patch_schedules, restore_patches
 from datapath.offload.planner import OffloadPlan, SegmentProfile, StepProfile, TensorProfile, plan_offload
 from datapath.offload.recompute import set_recompute
 from datapath.offload.regional_compile import compile_blocks, uncompile_blocks
-from datapath.offload.scopes import auto_blocks
+from datapath.offload.models import auto_blocks
 from datapath.offload.spill_dir import SpillDir, clean_stale, reclaim_stale
 from datapath.offload.stats import OffloadStats
 from datapath.offload.store import Slot, Store

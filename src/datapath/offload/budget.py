@@ -46,7 +46,7 @@ from datapath.offload.budget_planner import (
 from datapath.offload.errors import OffloadConfigError
 from datapath.offload.policy import Policy, derived_bound
 from datapath.offload.recompute import already_recomputed, clear_recompute, set_recompute
-from datapath.offload.scopes import Record, Segment
+from datapath.offload.records import Record, Segment
 
 if TYPE_CHECKING:
     from datapath.offload.cache import TensorCache
@@ -149,7 +149,7 @@ class BudgetPolicy(Policy):
         # a planned step's peak is read, not reset: whoever measures the step after it still sees it
         peak = self.c.meter.lap() if rec.profiling else self.c.meter.peak()
         if rec.profiling:
-            self.c.scopes.close_lap(rec, peak)
+            rec.close_lap(peak)
             rec.mem_open = []
             rec.bwd_done = True
         elif rec.timing:

@@ -36,7 +36,8 @@ from datapath.offload.memory_meter import CpuMeter, MemoryMeter, meter_for
 from datapath.offload.policy import AdaptivePolicy, AllPolicy, Policy
 from datapath.offload.recompute import clear_recompute
 from datapath.offload.regional_compile import compile_blocks, uncompile_blocks
-from datapath.offload.scopes import ScopeTracker, auto_blocks, resolve_units
+from datapath.offload.models import auto_blocks, resolve_units
+from datapath.offload.scopes import ScopeTracker
 from datapath.offload.stats import OffloadStats
 from datapath.offload.store import Store
 from datapath.offload.tiered_store import TieredStore

@@ -20,7 +20,7 @@ from datapath.offload.store import Slot, Store
 from datapath.offload.views import ViewSpec
 
 if TYPE_CHECKING:
-    from datapath.offload.scopes import Record
+    from datapath.offload.records import Record
 
 PENDING, STORING, STORED, LOADING, RESIDENT, FAILED = "pending", "storing", "stored", "loading", "resident", "failed"
 

@@ -29,7 +29,7 @@ import torch
 
 from datapath.offload.entry import Entry, Handle
 from datapath.offload.op_recompute import OpRecipes, Recipe
-from datapath.offload.scopes import in_backward
+from datapath.offload.records import in_backward
 from datapath.offload.views import check_version, is_plain_strided, rebuild, storage_bytes
 
 if TYPE_CHECKING:

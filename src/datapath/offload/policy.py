@@ -20,7 +20,7 @@ import math
 from typing import TYPE_CHECKING
 
 from datapath.offload.planner import OffloadPlan, SegmentProfile, StepProfile, TensorProfile, plan_offload
-from datapath.offload.scopes import Record, Segment
+from datapath.offload.records import Record, Segment
 
 if TYPE_CHECKING:
     from datapath.offload.cache import TensorCache

@@ -34,7 +34,7 @@ from torch import nn
 
 from datapath.offload.errors import OffloadConfigError
 from datapath.offload.recompute import without_kv_cache
-from datapath.offload.scopes import auto_blocks
+from datapath.offload.models import auto_blocks
 
 _ORIGINAL = "_datapath_compiled_original"
 _COMPILE_KEYS = ("mode", "dynamic", "fullgraph", "backend", "options")
