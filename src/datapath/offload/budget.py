@@ -38,18 +38,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import TYPE_CHECKING
 
+from datapath.offload.bandwidth import StoreBandwidth
 from datapath.offload.budget_planner import (
     KEEP_ALL, BudgetPlan, BudgetProfile, SegmentCost, modelled_peak, plan_budget, shifted,
 )
+from datapath.offload.config import OffloadConfig
 from datapath.offload.errors import OffloadConfigError
-from datapath.offload.policy import Policy, derived_bound
+from datapath.offload.memory_meter import MemoryMeter
+from datapath.offload.models import AttachedModels
+from datapath.offload.policy import Backpressure, Policy, derived_bound
 from datapath.offload.recompute import already_recomputed, clear_recompute, set_recompute
-from datapath.offload.records import Record, Segment
-
-if TYPE_CHECKING:
-    from datapath.offload.cache import TensorCache
+from datapath.offload.records import Clock, Record, Segment
+from datapath.offload.stats import OffloadStats
 
 log = logging.getLogger("datapath.offload.budget")
 
@@ -72,12 +73,21 @@ def _gb(n: float) -> str:
 
 
 class BudgetPolicy(Policy):
-    """Keep / offload / recompute planned from a profiled step to fit ``budget`` bytes."""
+    """Keep / offload / recompute planned from a profiled step to fit ``budget`` bytes.
+
+    Besides a `Policy`'s collaborators: ``meter``, the device memory the budget is measured
+    against; ``models``, the attached models (their blocks are recomputed, their parameters
+    count against the budget); ``clock``, the time marks of the steps a trial compares.
+    """
 
     name = "budget"
 
-    def __init__(self, cache: "TensorCache", budget: int) -> None:
-        super().__init__(cache)
+    def __init__(self, config: OffloadConfig, flow: Backpressure, bandwidth: StoreBandwidth, stats: OffloadStats,
+                 *, budget: int, meter: MemoryMeter, models: AttachedModels, clock: Clock) -> None:
+        super().__init__(config, flow, bandwidth, stats)
+        self.meter = meter
+        self.models = models
+        self.clock = clock
         self.budget = int(budget)
         self.target = float(budget)      # the budget the planner aims at (lowered after an overshoot)
         self.plan: BudgetPlan | None = None
@@ -113,7 +123,7 @@ class BudgetPolicy(Policy):
         plan is made or corrected from what the last steps measured."""
         if self._error is not None:
             raise self._error
-        self.c.meter.lap()
+        self.meter.lap()
         rec = self._profiling
         if rec is not None and rec.backward_started and rec.bwd_done:
             self._profiling = None
@@ -147,13 +157,13 @@ class BudgetPolicy(Policy):
 
     def on_backward_end(self, rec: Record) -> None:
         # a planned step's peak is read, not reset: whoever measures the step after it still sees it
-        peak = self.c.meter.lap() if rec.profiling else self.c.meter.peak()
+        peak = self.meter.lap() if rec.profiling else self.meter.peak()
         if rec.profiling:
             rec.close_lap(peak)
             rec.mem_open = []
             rec.bwd_done = True
         elif rec.timing:
-            rec.t_end = self.c.scopes.mark()
+            rec.t_end = self.clock.mark()
             rec.bwd_done = True
         elif rec.plan is not None:
             if self.planned_at is None:
@@ -163,7 +173,7 @@ class BudgetPolicy(Policy):
             self._pending_peak = max(peak, self._pending_peak or 0)
             self._last_run = None
             if rec.t0 is not None:
-                rec.t_end = self.c.scopes.mark()
+                rec.t_end = self.clock.mark()
                 self._last_run = (rec.plan, peak, rec.t0, rec.t_end)
                 if self._trial_next is not None:
                     self._trial_runs.append(self._last_run)
@@ -173,7 +183,7 @@ class BudgetPolicy(Policy):
             return
         if peak > OVER * self.budget:
             self._overshot = True
-            self.c.stats.plan_corrections += 1
+            self.stats.plan_corrections += 1
             if self._at_floor:
                 self._floor_peaks.append(peak)
                 if self._drain:
@@ -199,29 +209,29 @@ class BudgetPolicy(Policy):
             self._replan()
 
     def _refuse(self, floor: int) -> None:
-        clear_recompute(self.c.scopes.blocks)
+        clear_recompute(self.models.blocks)
         self.plan = None
         self._error = OffloadConfigError(
             f"memory_budget={_gb(self.budget)} cannot be met: the measured minimum for this model and batch is "
             f"{_gb(floor)} (a step with every activation offloaded and every store drained before the next: "
-            f"parameters, gradients and optimizer state {_gb(self.c.static_bytes())} plus the smallest working "
+            f"parameters, gradients and optimizer state {_gb(self.models.static_bytes())} plus the smallest working "
             f"set). Raise the budget to at least {_gb(floor * 1.03)}, or lower the batch size.")
         raise self._error
 
     def on_record_start(self, rec: Record) -> None:
         # planned steps load ahead as far as the budget's memory allows (`prefetch_bound`): the offloaded
         # storages are the first ones, needed last, and their loads overlap the whole backward before them
-        rec.distance = self.c.config.flow.prefetch_distance if self.plan is None else 1 << 30
+        rec.distance = self.config.flow.prefetch_distance if self.plan is None else 1 << 30
         rec.plan = self.plan
         if self.plan is not None and not self._drain:
             # the plan offloads a prefix of segments: past it every storage is kept (the pack hook's quick way)
             rec.quiet_from = self.plan.cut_segment + (1 if self.plan.cut_bytes else 0)
         if self.plan is not None and (self._trial_due or self._trial_next is not None):
-            rec.t0 = self.c.scopes.mark()  # a step a trial measures
+            rec.t0 = self.clock.mark()  # a step a trial measures
         if self.plan is None:
             if self._memory is None and self._profiling is None:
                 rec.profiling = True
-                rec.mem_base = self.c.meter.allocated()
+                rec.mem_base = self.meter.allocated()
                 self._profiling = rec
             elif self._memory is not None and self._timing is None and self._want_timing:
                 # compute times without offloading's stalls, and each block's recompute cost: one step with
@@ -229,7 +239,7 @@ class BudgetPolicy(Policy):
                 rec.timing = True
                 rec.plan = KEEP_ALL
                 self._timing = rec
-                set_recompute(self.c.scopes.blocks, self._recomputable(self._memory))
+                set_recompute(self.models.blocks, self._recomputable(self._memory))
         self._records += 1
 
     def on_record_dropped(self, rec: Record) -> None:
@@ -252,9 +262,9 @@ class BudgetPolicy(Policy):
         return plan.offloads(seg.index, seg.offloaded_bytes)
 
     def admit(self, rec: Record, nbytes: int) -> float:
-        t = self.c.transfers
+        t = self.flow
         if rec.plan is None:  # the memory profile: the lowest memory, two storages in flight
-            return t.admit(nbytes, 2.0 * self.c.max_storage_bytes)
+            return t.admit(nbytes, 2.0 * self.max_storage_bytes)
         if self._drain:  # the floor: the store of every earlier storage is over before the next is queued
             return t.admit(nbytes, 0.0)
         return self._hold(rec)
@@ -262,7 +272,7 @@ class BudgetPolicy(Policy):
     def admit_kept(self, rec: Record, nbytes: int) -> float:
         # a kept storage adds to the memory too: past the offloaded segments, stores still in flight must
         # drain before the memory grows over the budget (the forward waits instead of the allocator growing)
-        if rec.plan is None or rec.timing or self.c.transfers.inflight_bytes == 0:
+        if rec.plan is None or rec.timing or self.flow.inflight_bytes == 0:
             return 0.0
         return self._hold(rec)
 
@@ -271,20 +281,20 @@ class BudgetPolicy(Policy):
         s = rec.segments[-1].index if rec.segments else 0
         heads = self._head_fwd
         mark = self.target - (heads[s] if s < len(heads) else max(heads, default=0))
-        meter = self.c.meter
+        meter = self.meter
         if meter.allocated() <= mark:
             return 0.0
         # the device holds more than the budget allows here: wait for stores to free memory
-        return self.c.transfers.admit_until(lambda: meter.allocated() <= mark)
+        return self.flow.admit_until(lambda: meter.allocated() <= mark)
 
     def prefetch_bound(self, rec: Record) -> float:
         if rec.plan is None:
-            return derived_bound(self.c, self.c.bandwidth()[1])
+            return derived_bound(self.max_storage_bytes, self.bandwidth.now()[1])
         # room for the largest working set still to come in this backward, and for a recomputed block's
         # activations, which all come back at once when its backward starts
         plan = rec.plan
         again = max((self._block_bytes.get(b, 0) for b in plan.recompute), default=0)
-        return max(0.0, self.target - self._head_bwd - again - self.c.meter.allocated())
+        return max(0.0, self.target - self._head_bwd - again - self.meter.allocated())
 
     def paces(self, rec: Record) -> bool:
         return not rec.timing and (rec.plan is None or rec.plan.offload_bytes > 0)
@@ -329,7 +339,7 @@ class BudgetPolicy(Policy):
         self._trial_next = None
         runs = []
         for plan, peak, t0, t1 in self._trial_runs:
-            runs.append((self.c.scopes.seconds(t0, t1), peak, plan))
+            runs.append((self.clock.seconds(t0, t1), peak, plan))
         self._trial_runs = []
         held = [r for r in runs if r[1] <= OVER * self.budget]
         best = min(held, key=lambda r: r[0]) if held else runs[0]
@@ -343,18 +353,18 @@ class BudgetPolicy(Policy):
 
     def _use(self, plan: BudgetPlan) -> None:
         self.plan = plan
-        set_recompute(self.c.scopes.blocks, plan.recompute)
+        set_recompute(self.models.blocks, plan.recompute)
 
     # ------------------------------------------------------------ planning
     def _recomputable(self, rec: Record) -> list[int]:
-        blocks = self.c.scopes.blocks
+        blocks = self.models.blocks
         return [b for b in sorted({s.block for s in rec.segments if s.block >= 0})
                 if b < len(blocks) and not already_recomputed(blocks[b])]
 
     def _set_profile(self, rec: Record, timing: Record | None) -> None:
         """The profile from the memory record ``rec`` (times from ``timing`` when given), moved by the change
         of the memory held at a step's start since ``rec`` began (optimizer state made after it, ...)."""
-        delta = self.c.meter.allocated() - rec.mem_base
+        delta = self.meter.allocated() - rec.mem_base
         self.profile = shifted(self._build_profile(rec, timing), delta)
         segs = rec.segments
         # what the forward allocates beyond what it holds at a segment's start, over the next few segments:
@@ -382,7 +392,7 @@ class BudgetPolicy(Policy):
             return  # the same step as before (a relaxed target that changes nothing): its measures stand
         self.plan = plan
         self._trial_due = (plan.offload_bytes > 0 and not self._at_floor and len(self.trials) < MAX_TRIAL_ROUNDS)
-        set_recompute(self.c.scopes.blocks, plan.recompute)
+        set_recompute(self.models.blocks, plan.recompute)
         log.info("memory budget %s (planning for %s): offload %s (%d segments), recompute %d block(s) %s, "
                  "predicted peak %s, predicted step %.1f ms", _gb(self.budget), _gb(self.target),
                  _gb(plan.offload_bytes), plan.cut_segment, len(plan.recompute), list(plan.recompute),
@@ -390,7 +400,7 @@ class BudgetPolicy(Policy):
 
     def _times(self, rec: Record) -> list[float]:
         """Forward compute time of each segment of ``rec`` (the time it waited for stores left out)."""
-        sc = self.c.scopes
+        sc = self.clock
         n = len(rec.segments)
         out = []
         for i, s in enumerate(rec.segments):
@@ -409,7 +419,7 @@ class BudgetPolicy(Policy):
         ratio = 2.0
         if timing is not None and len(timing.segments) == len(rec.segments):
             times = self._times(timing)
-            sc = self.c.scopes
+            sc = self.clock
             t_f = sum(times)
             t_b = sc.seconds(timing.t_bwd0, timing.t_end) if timing.t_bwd0 is not None and timing.t_end \
                 is not None else 0.0
@@ -418,12 +428,12 @@ class BudgetPolicy(Policy):
                 ratio = min(4.0, max(1.0, (t_b - recomputed) / t_f))
         segs = [SegmentCost(s.is_unit, s.block, t, s.mem_fwd, s.mem_bwd) for s, t in zip(rec.segments, times)]
         storages = [(si, nb) for si, nb, _ in rec.tensors]
-        w, r = self.c.bandwidth()
+        w, r = self.bandwidth.now()
         return BudgetProfile(segs, storages, rec.mem_tail, dict(rec.block_inputs), w, r, self._recomputable(rec),
                              backward_ratio=ratio, storage_inputs=list(rec.input_of))
 
     def close(self) -> None:
-        clear_recompute(self.c.scopes.blocks)
+        clear_recompute(self.models.blocks)
 
     @property
     def min_peak(self) -> float:

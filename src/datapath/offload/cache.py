@@ -1,42 +1,43 @@
 """`TensorCache`: saved activations leave device memory in forward and come back before backward.
 
-The cache composes five parts, each in its own module:
+A saved tensor flows one way through parts that each live in their own module::
 
-- `hooks.SavedTensorHooks`: the saved-tensor hooks (what is kept, what becomes a handle);
-- `scopes.ScopeTracker`: module hooks, forward records and segments, pacing, prefetching;
-- a policy (`policy.AllPolicy`, `policy.AdaptivePolicy`, `budget.BudgetPolicy`): what leaves
-  memory and how fast bytes may be in flight;
-- `transfers.Transfers`: entries, store/load jobs, forwarding, backpressure;
-- a store (`HostStore`, `FileStore`, `TieredStore`): where the bytes live meanwhile.
+    hooks (SavedTensorHooks: pack/unpack; ScopeTracker: module hooks, records, pacing, prefetch)
+      -> decide (a policy: AllPolicy, AdaptivePolicy, BudgetPolicy -- keep or offload, backpressure)
+      -> move (Transfers: entries, store/load jobs, forwarding) -> a Store (host, files, tiered)
 
-All their state is guarded by one lock, the cache's.
+Each part is built here with the collaborators it uses, passed in; none of them knows the
+cache.  The cache assembles them, owns the counters (`OffloadStats`), the lock that guards
+all their state, and the life cycle (attach/detach, context, close, release of the
+handles autograd lets go of).
 """
 from __future__ import annotations
 
 import logging
 import threading
-import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from datapath._runtime import pin_limit_bytes
+from datapath.offload.bandwidth import StoreBandwidth
 from datapath.offload.budget import BudgetPolicy
 from datapath.offload.cheap_recompute import set_cheap_recompute
 from datapath.offload.config import OffloadConfig, parse_memory_budget
 from datapath.offload.entry import Entry, Releases
-from datapath.offload.errors import OffloadConfigError, OffloadError, OffloadWarning
+from datapath.offload.errors import OffloadConfigError, OffloadError
 from datapath.offload.file_store import FileStore
 from datapath.offload.hooks import SavedTensorHooks
 from datapath.offload.host_store import HostStore
 from datapath.offload.memory_meter import CpuMeter, MemoryMeter, meter_for
+from datapath.offload.models import AttachedModels, auto_blocks, resolve_units
 from datapath.offload.policy import AdaptivePolicy, AllPolicy, Policy
 from datapath.offload.recompute import clear_recompute
+from datapath.offload.records import Clock
 from datapath.offload.regional_compile import compile_blocks, uncompile_blocks
-from datapath.offload.models import auto_blocks, resolve_units
 from datapath.offload.scopes import ScopeTracker
 from datapath.offload.stats import OffloadStats
 from datapath.offload.store import Store
@@ -95,61 +96,52 @@ class TensorCache:
         self.stats = OffloadStats()
         self.lock = threading.RLock()
         self.releases = Releases(self.drop_handle)  # dead handles, released in the main flow
-        self.max_storage_bytes = 0
-        self._param_keys: set[tuple[str, int, int]] = set()
-        self._params_stale = False  # a forward began: refresh the keys before the next check (`is_parameter`)
-        self._extra_params: list[weakref.ref[torch.Tensor]] = []
         self._hook_ctx: list[Any] = []
         self._closed = False
         self._shut = False
-        self._warned_full = False
-        self._probe: tuple[float, float] | None = None
-        self._probe_done = threading.Event()
-        self.store = make_store(config)
-        self.transfers = Transfers(self.store, self.lock, self.stats, config.on_error)
-        self.scopes = ScopeTracker(self)
-        self.saved = SavedTensorHooks(self)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
+        # the parts, from the bottom of the flow up: each gets what it uses
+        self.store = make_store(config)
+        self.transfers = Transfers(self.store, self.lock, self.stats, config.on_error)
+        self.store_bandwidth = StoreBandwidth(self.stats)
+        self.models = AttachedModels()
+        self.clock = Clock(self.models.cuda_model)
         self.meter: MemoryMeter = meter_for(device)
         self.policy = self._make_policy(config)
+        self.scopes = ScopeTracker(self.lock, config, self.policy, self.transfers, self.stats, self.meter,
+                                   self.clock, self.models, self.releases)
+        self.saved = SavedTensorHooks(self.lock, config.select, self.stats, self.models, self.scopes, self.policy,
+                                      self.transfers, self.store, self.clock, self.releases)
         self._start_probe(device)
         self._finalizer = weakref.finalize(self, TensorCache._final_cleanup, self.store, self.transfers)
 
     def _make_policy(self, config: OffloadConfig) -> Policy:
+        parts = (config, self.transfers, self.store_bandwidth, self.stats)
         if config.policy == "adaptive":
-            return AdaptivePolicy(self)
+            return AdaptivePolicy(*parts)
         if config.policy == "budget":
             assert config.memory_budget is not None
-            return BudgetPolicy(self, parse_memory_budget(config.memory_budget, self.meter.total()))
-        return AllPolicy(self)
+            return BudgetPolicy(*parts, budget=parse_memory_budget(config.memory_budget, self.meter.total()),
+                                meter=self.meter, models=self.models, clock=self.clock)
+        return AllPolicy(*parts)
+
+    def _use_meter(self, meter: MemoryMeter) -> None:
+        """Measure device memory with ``meter`` from now on (the parts that read it are given it)."""
+        self.meter = self.scopes.meter = meter
+        if isinstance(self.policy, BudgetPolicy):
+            self.policy.meter = meter
 
     def _start_probe(self, device: torch.device) -> None:
         """Measure the store's bandwidth once, in the store thread, before any activation is queued."""
-        cuda = device.type == "cuda"
-        nbytes = PROBE_BYTES_CUDA if cuda else PROBE_BYTES_CPU
+        nbytes = PROBE_BYTES_CUDA if device.type == "cuda" else PROBE_BYTES_CPU
         files = self.file_store
         if files is not None:  # a few chunks: the probe queues ahead of the first step's stores
             chunk = self.config.store.io_chunk_bytes
             nbytes = min(nbytes, 8 * chunk, files.max_disk_bytes // 4) // 4096 * 4096
-        if nbytes <= 0:
-            self._probe_done.set()
-            return
         store = self.store.host if isinstance(self.store, TieredStore) else self.store
-
-        def job() -> None:
-            try:
-                if cuda:
-                    torch.cuda.set_device(device)
-                streams = self.transfers.streams_for(device) if cuda else None
-                self._probe = store.probe(nbytes, streams)
-                log.debug("%s store probe: write %.2f GB/s, read %.2f GB/s", store.kind,
-                          self._probe[0] / 1e9, self._probe[1] / 1e9)
-            except (OSError, RuntimeError) as exc:  # a full disk must not fail training: plan on measurements
-                log.info("%s store bandwidth probe failed (%s); using measured transfers", store.kind, exc)
-            finally:
-                self._probe_done.set()
-        self.transfers._worker(self.transfers.store_workers, store.kind, "store", 4).submit(job)
+        self.store_bandwidth.start_probe(store, nbytes, device, self.transfers.streams_for,
+                                         self.transfers.run_in_store_worker)
 
     # ------------------------------------------------------------------ info
     @property
@@ -208,28 +200,24 @@ class TensorCache:
         """The budget in bytes (``memory_budget=``), else None."""
         return self.policy.budget if isinstance(self.policy, BudgetPolicy) else None
 
-    def bandwidth(self) -> tuple[float, float]:
-        """(write, read) bytes/s of the store: measured transfers once there are some, else the probe."""
-        st = self.stats
-        w, r = st.write_bandwidth, st.read_bandwidth
-        pw, pr = self._probe if self._probe is not None else (0.0, 0.0)
-        if st.bytes_offloaded + st.bytes_written_partial < (256 << 20):
-            w = pw or w
-        if st.bytes_loaded < (256 << 20):
-            r = pr or r
-        return (w or 1e9, r or w or 1e9)
+    @property
+    def bandwidth(self) -> Callable[[], tuple[float, float]]:
+        """``cache.bandwidth()``: (write, read) bytes/s of the store, measured transfers once there are some, else
+        the probe.  ``cache.bandwidth = fn``: the planners use ``fn()`` instead (a known disk, a test)."""
+        return self.store_bandwidth.now
+
+    @bandwidth.setter
+    def bandwidth(self, fn: Callable[[], tuple[float, float]]) -> None:
+        self.store_bandwidth.source = fn
 
     def probed_bandwidth(self, wait: float = 0.0) -> tuple[float | None, float | None]:
         """The store's bandwidth probe (None when it did not run or failed); waits up to ``wait`` s for it."""
-        if wait > 0:
-            self._probe_done.wait(wait)
-        return self._probe if self._probe is not None else (None, None)
+        return self.store_bandwidth.probed(wait)
 
     def reset_stats(self) -> OffloadStats:
-        """Start new counters; return the old ones."""
+        """Start new counters (`stats` is zeroed in place); return the old ones."""
         with self.lock:
-            old = self.stats
-            self.stats = self.transfers.stats = OffloadStats()
+            old = self.stats.reset()
             self.store.reset_peak()
             return old
 
@@ -258,14 +246,13 @@ class TensorCache:
                                          "break its graph; pass units='blocks' (the default with compile)")
             compile_blocks(model, compile_options)
         with self.lock:
-            hooks = self.scopes.attach(model, unit_list, blocks)
+            hooks = self.scopes.attach(model, unit_list, blocks) + self.saved.attach(model)
             if self.config.select.recompute_cheap and compile_options is None:  # compiled: the compiler's job
                 set_cheap_recompute(model, True)
-            self.scopes.models.append((weakref.ref(model), hooks))
-            self.refresh_params()
+            self.models.add(model, hooks, blocks)
             p = next(model.parameters(), None)
             if p is not None and isinstance(self.meter, CpuMeter) != (p.device.type != "cuda"):
-                self.meter = meter_for(p.device)
+                self._use_meter(meter_for(p.device))
             if isinstance(self.meter, CpuMeter):
                 self.meter.base = self.static_bytes()
         if isinstance(self.policy, BudgetPolicy) and self.static_bytes() > self.policy.budget:
@@ -278,111 +265,39 @@ class TensorCache:
     def detach(self, model: nn.Module | None = None) -> None:
         """Remove the module hooks (of ``model``, or of every attached model); undo block recomputation."""
         with self.lock:
-            keep = []
-            for ref, hooks in self.scopes.models:
-                if model is None or ref() is model:
-                    for h in hooks:
-                        h.remove()
-                    m = ref()
-                    if m is not None:
-                        clear_recompute(auto_blocks(m))
-                        uncompile_blocks(m)
-                        set_cheap_recompute(m, False)
-                else:
-                    keep.append((ref, hooks))
-            self.scopes.models = keep
-            self.refresh_params()
+            for m, hooks in self.models.remove(model):
+                for h in hooks:
+                    h.remove()
+                if m is not None:
+                    clear_recompute(auto_blocks(m))
+                    uncompile_blocks(m)
+                    set_cheap_recompute(m, False)
 
     def register_parameters(self, params: Iterable[torch.Tensor]) -> None:
         """Never offload these tensors (nor views of their storage): weights held outside an attached model."""
         with self.lock:
-            for p in params:
-                self._extra_params.append(weakref.ref(p))
-            self.refresh_params()
+            self.models.register_parameters(params)
 
     def params_may_have_moved(self) -> None:
-        """A forward begins: parameters may live in new storages (FSDP2 gathers them per step); the keys are
-        read again when a saved tensor is next checked, not now (a step that checks none pays nothing)."""
-        self._params_stale = True
+        """A forward begins: parameters may live in new storages (FSDP2 gathers them per step); read again when
+        a saved tensor is next checked."""
+        self.models.params_may_have_moved()
 
     def refresh_params(self) -> None:
-        self._params_stale = False
-        keys: set[tuple[str, int, int]] = set()
-
-        def add(t: torch.Tensor) -> None:
-            to_local = getattr(t, "to_local", None)
-            if to_local is not None:  # a DTensor (FSDP2's sharded parameters): its local shard's storage
-                t = to_local()
-            if t.device.type != "meta":
-                keys.add((t.device.type, t.device.index or 0, t.untyped_storage().data_ptr()))
-
-        for m in self._models():
-            for p in m.parameters():
-                add(p)
-            for b in m.buffers():
-                add(b)
-        for r in self._extra_params:
-            t = r()
-            if t is not None:
-                add(t)
-        self._param_keys = keys
-
-    def _models(self) -> list[nn.Module]:
-        return [m for m in (ref() for ref, _ in self.scopes.models) if m is not None]
+        """Read the storages of the attached models' parameters and buffers again."""
+        self.models.refresh_params()
 
     def is_parameter(self, t: torch.Tensor, storage: Any) -> bool:
         """``t`` is a parameter, a buffer, or a view of one (never offloaded)."""
-        if self._params_stale:
-            self.refresh_params()
-        return (t.device.type, t.device.index or 0, storage.data_ptr()) in self._param_keys or (
-            t.requires_grad and t.is_leaf) or (
-            t._base is not None and t._base.is_leaf and t._base.requires_grad)
+        return self.models.is_parameter(t, storage)
 
     def static_bytes(self) -> int:
         """Bytes of the attached models' parameters, buffers and gradients (what no policy can free)."""
-        seen: set[int] = set()
-        total = 0
-        for m in self._models():
-            for t in list(m.parameters()) + list(m.buffers()):
-                for x in (t, getattr(t, "grad", None)):
-                    if x is None:
-                        continue
-                    local = x.to_local() if hasattr(x, "to_local") else x
-                    if local.device.type == "meta":
-                        continue
-                    st = local.untyped_storage()
-                    if st.data_ptr() not in seen:
-                        seen.add(st.data_ptr())
-                        total += st.nbytes()
-        return total
+        return self.models.static_bytes()
 
     def cuda_model(self) -> bool:
-        for m in self._models():
-            p = next(m.parameters(), None)
-            return p is not None and p.is_cuda
-        return True
-
-    def pace_lead(self) -> int:
-        """How many units the CPU may run ahead of the GPU."""
-        pace = self.config.flow.pace
-        return 1 if isinstance(pace, bool) else int(pace)
-
-    def wants_pacing(self, rec: Any) -> bool:
-        return (self.config.flow.pace is not False and torch.cuda.is_available() and bool(self.scopes.models)
-                and self.cuda_model() and self.policy.paces(rec))
-
-    def store_full(self, nbytes: int) -> None:
-        """The store refused ``nbytes`` (lock held): say so once, the tensor stays in device memory."""
-        if self._warned_full:
-            return
-        self._warned_full = True
-        fs = self.file_store
-        where = (f"the disk at {fs.spill.base} (max_disk_bytes={fs.max_disk_bytes / 1e9:.3g} GB, "
-                 f"{fs.free_bytes / 1e9:.3g} GB free when the cache was made)" if fs is not None and
-                 self.config.target == "ssd" else f"the {self.store.kind} store (its budget is full)")
-        warnings.warn(f"datapath.offload: no room in {where} for an activation of {nbytes / 1e6:.3g} MB; it stays "
-                      f"in device memory, as will every activation that does not fit. Free space, raise "
-                      f"max_disk_bytes/host_budget_bytes, or offload elsewhere.", OffloadWarning, stacklevel=4)
+        """Whether the attached model runs on CUDA (True with none attached)."""
+        return self.models.cuda_model()
 
     # ---------------------------------------------------------- autograd hooks
     def hooks(self) -> Any:
@@ -426,12 +341,7 @@ class TensorCache:
         """Hint: the next forward (or backward) is for micro-batch ``index`` (pipeline schedules)."""
         with self.lock:
             self.stats.microbatch_hints += 1
-            sc = self.scopes
-            sc.mb = index
-            rec = sc.by_mb.get(index)
-            if rec is None or rec.complete:
-                rec = sc.start_record(microbatch=index)
-            sc.record = rec
+            self.scopes.set_microbatch(index)
 
     def begin_backward(self) -> None:
         """Hint: the backward of the current micro-batch starts now (start loading its last units)."""

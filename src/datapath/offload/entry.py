@@ -12,15 +12,12 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from datapath.offload.store import Slot, Store
 from datapath.offload.views import ViewSpec
-
-if TYPE_CHECKING:
-    from datapath.offload.records import Record
 
 PENDING, STORING, STORED, LOADING, RESIDENT, FAILED = "pending", "storing", "stored", "loading", "resident", "failed"
 
@@ -33,12 +30,12 @@ class Entry:
                  "released", "forwarded", "cancelled", "modified", "error", "name", "counted", "ahead",
                  "__weakref__")
 
-    def __init__(self, sid: int, nbytes: int, device: torch.device, record: "Record", segment: int,
+    def __init__(self, sid: int, nbytes: int, device: torch.device, record: Any, segment: int,
                  slot: Slot, src: torch.Tensor, tensor: torch.Tensor) -> None:
         self.sid = sid
         self.nbytes = nbytes
         self.device = device
-        self.record = record
+        self.record = record                       # the `records.Record` it was saved in (times are added to it)
         self.segment = segment
         self.slot = slot                           # room in the store (slot.store: the tier that holds it)
         self.state = PENDING

@@ -273,6 +273,10 @@ class FileStore(Store):
             log.warning("could not delete %s: %s", path, exc)
             return False
 
+    def where_full(self) -> str:
+        return (f"the disk at {self.spill.base} (max_disk_bytes={self.max_disk_bytes / 1e9:.3g} GB, "
+                f"{self.free_bytes / 1e9:.3g} GB free when the cache was made)")
+
     def files(self) -> list[str]:
         try:
             return sorted(os.listdir(self.spill.path))

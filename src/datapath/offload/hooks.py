@@ -13,35 +13,65 @@ for the storage's load (or takes it from memory when its store has not finished)
 and rebuilds the view on the consumer's stream.
 
 A forward whose plan stores nothing (a memory budget met by keeping and recomputing
-alone) and makes no elementwise recipe runs without the hooks: `SavedTensorHooks.suspend`
-takes them off the thread's hook stack when it starts (they keep every tensor as it is
-anyway) and the next root forward puts them back where they were (`resume`).  On a
-compiled HF GPT-2 that is ~300 Python calls a step less, 1-4 ms of host time where the step
-is host-bound (`scripts/gpu_offload_step_probe.py`).
+alone) and makes no elementwise recipe runs without the hooks: at the root module's
+forward, `SavedTensorHooks.suspend` takes them off the thread's hook stack (they would
+keep every tensor as it is anyway, at a Python call per saved tensor) and the next root
+forward puts them back where they were (`resume`).
+
+The hooks are the top of the flow: each saved tensor goes hooks -> policy (keep or
+offload, backpressure) -> transfers (store, load) -> store.  They are built with those
+parts, the scope tracker (which record and segment a tensor belongs to) and the attached
+models (parameters are kept), never with the cache that assembles them.
 """
 from __future__ import annotations
 
 import threading
 import uuid
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import Any
 
 import torch
+from torch import nn
 
-from datapath.offload.entry import Entry, Handle
+from datapath.offload.config import SelectOptions
+from datapath.offload.entry import Entry, Handle, Releases
+from datapath.offload.errors import OffloadWarning
+from datapath.offload.models import AttachedModels
 from datapath.offload.op_recompute import OpRecipes, Recipe
-from datapath.offload.records import in_backward
+from datapath.offload.policy import Policy
+from datapath.offload.records import Clock, in_backward
+from datapath.offload.scopes import ScopeTracker
+from datapath.offload.stats import OffloadStats
+from datapath.offload.store import Store
+from datapath.offload.transfers import Transfers
 from datapath.offload.views import check_version, is_plain_strided, rebuild, storage_bytes
-
-if TYPE_CHECKING:
-    from datapath.offload.cache import TensorCache
 
 
 class SavedTensorHooks:
-    """``pack``/``unpack`` for `torch.autograd.graph.saved_tensors_hooks`, on behalf of a `TensorCache`."""
+    """``pack``/``unpack`` for `torch.autograd.graph.saved_tensors_hooks`.
 
-    def __init__(self, cache: "TensorCache") -> None:
-        self.c = cache
-        sel = cache.config.select
+    Built with what they use: the cache's ``lock`` and ``stats``, ``select`` (which tensors are
+    candidates), the attached ``models`` (parameters), the ``scopes`` (records and segments), the
+    ``policy`` (keep or offload, backpressure), the ``transfers`` (stores, loads), the ``store``
+    (room for a storage), the ``clock`` (profiling marks) and the ``releases`` (the `Handle` s
+    autograd let go of: drained at each pack and unpack).
+    """
+
+    def __init__(self, lock: threading.RLock, select: SelectOptions, stats: OffloadStats, models: AttachedModels,
+                 scopes: ScopeTracker, policy: Policy, transfers: Transfers, store: Store, clock: Clock,
+                 releases: Releases) -> None:
+        self.lock = lock
+        self.select = select
+        self.stats = stats
+        self.models = models
+        self.scopes = scopes
+        self.policy = policy
+        self.transfers = transfers
+        self.store = store
+        self.clock = clock
+        self.releases = releases
+        self._warned_full = False
+        sel = select
         # compiled blocks save what their graph's partitioner chose (it recomputes elementwise ops itself)
         self.ops = OpRecipes() if sel.recompute_elementwise and sel.compile_options is None else None
         self.attr = f"_datapath_sid_{uuid.uuid4().hex[:10]}"  # storage -> entry id (negative: kept by record)
@@ -56,6 +86,22 @@ class SavedTensorHooks:
         # that run eagerly (around a graph break), where TorchDynamo would otherwise compile the hooks and
         # everything they call (as it does the module hooks: see `scopes`)
         return _HookContext(self)
+
+    def attach(self, model: nn.Module) -> list[Any]:
+        """A pre-hook on ``model``'s forward (after the scope tracker's) that takes the hooks off for a step
+        that stores nothing, and puts them back for the next; its handle."""
+        return [model.register_forward_pre_hook(torch.compiler.disable(self._on_root_forward))]
+
+    def _on_root_forward(self, module: nn.Module, args: Any) -> None:
+        if in_backward():
+            return
+        with self.lock:
+            self.resume()
+            # a step whose plan stores nothing (and no elementwise recipe to make): no pack call per saved tensor
+            rec = self.scopes.record
+            if (self.ops is None and not self.transfers.inflight_bytes and rec is not None
+                    and self.policy.stores_nothing(rec) and self.suspend()):
+                self.stats.records_unhooked += 1
 
     def suspend(self) -> bool:
         """Take this cache's hooks off the calling thread's saved-tensor hook stack for the forward that starts
@@ -95,16 +141,17 @@ class SavedTensorHooks:
 
     # ------------------------------------------------------------------ pack
     def pack(self, t: torch.Tensor) -> Any:
-        self.c.releases.drain()
+        self.releases.drain()
         ops = self.ops
         if ops is None or in_backward():
             return self._pack_one(t)
         recipe = ops.recipe(t)
         if recipe is not None:  # an elementwise op's output, its inputs saved: recomputed in backward
-            with self.c.lock:
-                self.c.stats.packs += 1
-                self.c.stats.packs_recomputed += 1
-                self.c.stats.bytes_recomputed_ops += recipe.nbytes
+            with self.lock:
+                st = self.stats
+                st.packs += 1
+                st.packs_recomputed += 1
+                st.bytes_recomputed_ops += recipe.nbytes
             ops.remember(t, recipe)
             return recipe
         packed = self._pack_one(t)
@@ -112,9 +159,9 @@ class SavedTensorHooks:
         return packed
 
     def _pack_one(self, t: torch.Tensor) -> Any:
-        c = self.c
-        st = c.stats
-        if c.scopes.quiet and not c.transfers.inflight_bytes and is_plain_strided(t):
+        st = self.stats
+        scopes, policy, transfers = self.scopes, self.policy, self.transfers
+        if scopes.quiet and not transfers.inflight_bytes and is_plain_strided(t):
             # past what the plan offloads, with no store in flight to wait for: kept, nothing else to do --
             # unless the storage is one offloaded earlier in this step (a view of it saved again: deduplicated)
             sid = getattr(t.untyped_storage(), self.attr, None)
@@ -122,21 +169,20 @@ class SavedTensorHooks:
                 st.packs += 1
                 st.packs_quiet += 1
                 return t.detach()
-        with c.lock:
-            c.transfers.raise_pending()
+        with self.lock:
+            transfers.raise_pending()
             st.packs += 1
             if not is_plain_strided(t):
                 st.bytes_kept_other += t.numel() * t.element_size() if t.layout == torch.strided else 0
                 return t
             view_bytes = t.numel() * t.element_size()
-            if t.device.type == "cpu" and not c.config.select.offload_cpu_tensors:
+            if t.device.type == "cpu" and not self.select.offload_cpu_tensors:
                 st.bytes_kept_cpu += view_bytes
                 return t.detach()
             storage = t.untyped_storage()
-            if c.is_parameter(t, storage):
+            if self.models.is_parameter(t, storage):
                 st.bytes_kept_param += view_bytes
                 return t
-            scopes = c.scopes
             sid = getattr(storage, self.attr, None)
             if sid is not None and sid < 0:
                 rec = scopes.record
@@ -146,7 +192,7 @@ class SavedTensorHooks:
                     return t.detach()
                 sid = None
             if sid is not None:
-                e = c.transfers.entries.get(sid)
+                e = transfers.entries.get(sid)
                 if e is not None and not e.released:
                     st.bytes_deduplicated += view_bytes
                     st.dedup_hits += 1
@@ -155,9 +201,9 @@ class SavedTensorHooks:
                         seg = scopes.current_segment(rec)
                         if e not in seg.entries:
                             seg.entries.append(e)
-                    return Handle(c.releases, e, t)
+                    return Handle(self.releases, e, t)
             nbytes = storage.nbytes()
-            if nbytes < c.config.select.min_bytes:
+            if nbytes < self.select.min_bytes:
                 st.bytes_kept_small += view_bytes
                 return t.detach()
             if in_backward():
@@ -168,17 +214,17 @@ class SavedTensorHooks:
             idx = rec.first_packs
             rec.first_packs += 1
             if rec.profiling:
-                rec.tensors.append((seg.index, nbytes, scopes.mark(t.device)))
+                rec.tensors.append((seg.index, nbytes, self.clock.mark(t.device)))
                 rec.input_of.append(rec.input_ptrs.get(storage.data_ptr(), -1))
-            if not c.policy.decide(rec, seg, idx, nbytes):
+            if not policy.decide(rec, seg, idx, nbytes):
                 st.bytes_kept_policy += view_bytes
-                seg.wait_s += c.policy.admit_kept(rec, nbytes)
+                seg.wait_s += policy.admit_kept(rec, nbytes)
                 setattr(storage, self.attr, -rec.rid)  # later saves of it in this forward are not new storages
                 return t.detach()
-            seg.wait_s += c.policy.admit(rec, nbytes)
-            slot = c.store.reserve(nbytes)
+            seg.wait_s += policy.admit(rec, nbytes)
+            slot = self.store.reserve(nbytes)
             if slot is None:
-                c.store_full(nbytes)
+                self._store_full(nbytes)
                 st.bytes_kept_budget += view_bytes
                 setattr(storage, self.attr, -rec.rid)
                 return t.detach()
@@ -188,12 +234,21 @@ class SavedTensorHooks:
             seg.entries.append(e)
             rec.live += 1
             rec.entries_made += 1
-            c.transfers.submit_store(e)
-            return Handle(c.releases, e, t)
+            transfers.submit_store(e)
+            return Handle(self.releases, e, t)
+
+    def _store_full(self, nbytes: int) -> None:
+        """The store refused ``nbytes`` (lock held): say so once, the tensor stays in device memory."""
+        if self._warned_full:
+            return
+        self._warned_full = True
+        warnings.warn(f"datapath.offload: no room in {self.store.where_full()} for an activation of {nbytes / 1e6:.3g} "
+                      f"MB; it stays in device memory, as will every activation that does not fit. Free space, raise "
+                      f"max_disk_bytes/host_budget_bytes, or offload elsewhere.", OffloadWarning, stacklevel=4)
 
     # ---------------------------------------------------------------- unpack
     def unpack(self, obj: Any) -> torch.Tensor:
-        self.c.releases.drain()
+        self.releases.drain()
         if isinstance(obj, torch.Tensor):
             return obj
         if isinstance(obj, Recipe):
@@ -201,24 +256,24 @@ class SavedTensorHooks:
         h: Handle = obj
         check_version(h.tref(), h.version, h.spec)
         e = h.entry
-        c = self.c
-        with c.lock:
-            c.transfers.raise_pending()
+        scopes, transfers = self.scopes, self.transfers
+        with self.lock:
+            transfers.raise_pending()
             if e.modified:
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been modified by an inplace "
                     "operation after it was saved (seen by datapath.offload while storing it).")
             rec = e.record
             if in_backward():
-                c.scopes.watch_backward_end(rec)
+                scopes.watch_backward_end(rec)
                 if not rec.backward_started:
-                    c.scopes.begin_backward(rec)
-            c.transfers.bring_back(e, prefetch=False)
-            c.transfers.not_ahead(e)
+                    scopes.begin_backward(rec)
+            transfers.bring_back(e, prefetch=False)
+            transfers.not_ahead(e)
             if rec.segments and not rec.segments[e.segment].prefetched:
-                c.scopes.prefetch_range(rec, e.segment)  # no module hooks fired: prefetch from here on
-            data = c.transfers.acquire(e)
-            c.stats.unpacks += 1
+                scopes.prefetch_range(rec, e.segment)  # no module hooks fired: prefetch from here on
+            data = transfers.acquire(e)
+            self.stats.unpacks += 1
         return rebuild(data, h.spec)
 
 

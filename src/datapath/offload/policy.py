@@ -17,26 +17,48 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
+from datapath.offload.bandwidth import StoreBandwidth
+from datapath.offload.config import OffloadConfig
 from datapath.offload.planner import OffloadPlan, SegmentProfile, StepProfile, TensorProfile, plan_offload
-from datapath.offload.records import Record, Segment
-
-if TYPE_CHECKING:
-    from datapath.offload.cache import TensorCache
+from datapath.offload.records import Clock, Record, Segment
+from datapath.offload.stats import OffloadStats
 
 log = logging.getLogger("datapath.offload.policy")
 
 INFLIGHT_WINDOW_S = 0.01  # bytes in flight: what the store moves in 10 ms at its measured bandwidth
 
 
+class Backpressure(Protocol):
+    """What a policy needs of the transfers: the bytes waiting to be stored, and waiting for them to drain."""
+
+    inflight_bytes: int
+
+    def admit(self, nbytes: int, bound: float) -> float: ...
+
+    def admit_until(self, ready: Callable[[], bool]) -> float: ...
+
+
 class Policy:
-    """The decisions a `TensorCache` delegates (all called with the cache's lock held)."""
+    """The decisions the saved-tensor and module hooks delegate (all called with the cache's lock held).
+
+    ``config``: the cache's settings; ``flow``: the transfers' backpressure; ``bandwidth``: the store's
+    measured bandwidth; ``stats``: the cache's counters (a policy adds its plan changes).
+    """
 
     name = ""
 
-    def __init__(self, cache: "TensorCache") -> None:
-        self.c = cache
+    def __init__(self, config: OffloadConfig, flow: Backpressure, bandwidth: StoreBandwidth,
+                 stats: OffloadStats) -> None:
+        self.config = config
+        self.flow = flow
+        self.bandwidth = bandwidth
+        self.stats = stats
+        # the largest storage offloaded so far: not tracked (stays 0), so the derived bounds are the
+        # bandwidth windows alone and the budget's memory profile drains every store before the next
+        self.max_storage_bytes = 0
         self.plan: object | None = None
 
     def on_step_start(self) -> None:
@@ -44,7 +66,7 @@ class Policy:
 
     def on_record_start(self, rec: Record) -> None:
         """Set up a new forward record (profiling, plan, prefetch distance)."""
-        rec.distance = self.c.config.flow.prefetch_distance
+        rec.distance = self.config.flow.prefetch_distance
 
     def on_record_dropped(self, rec: Record) -> None:
         """``rec`` saved nothing offloadable and is forgotten."""
@@ -58,16 +80,16 @@ class Policy:
     def decide(self, rec: Record, seg: Segment, idx: int, nbytes: int) -> bool:
         """Offload the ``idx``-th new storage of ``rec`` (``nbytes``, saved in ``seg``)?"""
         n = rec.expected_units
-        return not (n is not None and seg.unit_pos > n - self.c.config.select.keep_last_modules)
+        return not (n is not None and seg.unit_pos > n - self.config.select.keep_last_modules)
 
     def inflight_bound(self, rec: Record) -> float:
         """Device bytes that may wait to be stored before a pack waits."""
-        v = self.c.config.flow.max_inflight_bytes
+        v = self.config.flow.max_inflight_bytes
         return math.inf if v is None else float(v)
 
     def admit(self, rec: Record, nbytes: int) -> float:
         """Backpressure before a store of ``nbytes`` is queued; the seconds waited."""
-        return self.c.transfers.admit(nbytes, self.inflight_bound(rec))
+        return self.flow.admit(nbytes, self.inflight_bound(rec))
 
     def admit_kept(self, rec: Record, nbytes: int) -> float:
         """Backpressure before a storage of ``nbytes`` is kept in device memory; the seconds waited."""
@@ -75,7 +97,7 @@ class Policy:
 
     def prefetch_bound(self, rec: Record) -> float:
         """Bytes one backward step may start loading beyond the segment it needs now."""
-        v = self.c.config.flow.max_prefetch_bytes
+        v = self.config.flow.max_prefetch_bytes
         return math.inf if v is None else float(v)
 
     def paces(self, rec: Record) -> bool:
@@ -95,9 +117,9 @@ class Policy:
         return 0 if n and rec.units > n - max(1, n // 8) else lead
 
 
-def derived_bound(cache: "TensorCache", bandwidth: float) -> float:
+def derived_bound(max_storage_bytes: int, bandwidth: float) -> float:
     """Bytes the store moves in `INFLIGHT_WINDOW_S`, at least two of the largest storages seen."""
-    return max(2.0 * cache.max_storage_bytes, bandwidth * INFLIGHT_WINDOW_S)
+    return max(2.0 * max_storage_bytes, bandwidth * INFLIGHT_WINDOW_S)
 
 
 class AllPolicy(Policy):
@@ -106,16 +128,16 @@ class AllPolicy(Policy):
     name = "all"
 
     def inflight_bound(self, rec: Record) -> float:
-        v = self.c.config.flow.max_inflight_bytes
+        v = self.config.flow.max_inflight_bytes
         if v is not None:
             return float(v)
-        return derived_bound(self.c, self.c.bandwidth()[0])
+        return derived_bound(self.max_storage_bytes, self.bandwidth.now()[0])
 
     def prefetch_bound(self, rec: Record) -> float:
-        v = self.c.config.flow.max_prefetch_bytes
+        v = self.config.flow.max_prefetch_bytes
         if v is not None:
             return float(v)
-        return derived_bound(self.c, self.c.bandwidth()[1])
+        return derived_bound(self.max_storage_bytes, self.bandwidth.now()[1])
 
 
 class AdaptivePolicy(Policy):
@@ -123,8 +145,9 @@ class AdaptivePolicy(Policy):
 
     name = "adaptive"
 
-    def __init__(self, cache: "TensorCache") -> None:
-        super().__init__(cache)
+    def __init__(self, config: OffloadConfig, flow: Backpressure, bandwidth: StoreBandwidth,
+                 stats: OffloadStats) -> None:
+        super().__init__(config, flow, bandwidth, stats)
         self.plan: OffloadPlan | None = None
         self.profile: StepProfile | None = None
         self._profiling: Record | None = None
@@ -133,7 +156,7 @@ class AdaptivePolicy(Policy):
 
     def on_record_start(self, rec: Record) -> None:
         self._maybe_plan()
-        flow = self.c.config.flow
+        flow = self.config.flow
         rec.profiling = self.plan is None and self._profiling is None and self._records >= flow.profile_after
         self._records += 1
         if self.plan is not None:
@@ -160,11 +183,11 @@ class AdaptivePolicy(Policy):
         if plan is not None and prof is not None and not rec.profiling:
             w = rec.bytes_written / rec.write_s if rec.bytes_written >= 32 << 20 and rec.write_s > 0 else None
             planned = plan.write_bandwidth / 0.9
-            if w is not None and abs(w / planned - 1) > self.c.config.flow.replan_threshold:
+            if w is not None and abs(w / planned - 1) > self.config.flow.replan_threshold:
                 r = rec.bytes_read / rec.read_s if rec.read_s > 0 else None
                 log.info("write bandwidth %.2f GB/s differs from the plan's %.2f GB/s: re-planning",
                          w / 1e9, planned / 1e9)
-                self.plan = plan_offload(prof, stall_tolerance=self.c.config.flow.stall_tolerance,
+                self.plan = plan_offload(prof, stall_tolerance=self.config.flow.stall_tolerance,
                                          write_bandwidth=w, read_bandwidth=r, shared_channel=self._shared)
             else:
                 self._back_off(rec)
@@ -178,7 +201,7 @@ class AdaptivePolicy(Policy):
     @property
     def _shared(self) -> bool:
         """Stores and loads share one device (files on a disk): the planner serialises them."""
-        return self.c.config.target == "ssd"
+        return self.config.target == "ssd"
 
     def _back_off(self, rec: Record) -> None:
         """The backward waited for loads longer than the plan allows: offload less from the next step.
@@ -189,7 +212,7 @@ class AdaptivePolicy(Policy):
         """
         plan, prof = self.plan, self.profile
         assert plan is not None and prof is not None
-        tol = self.c.config.flow.stall_tolerance
+        tol = self.config.flow.stall_tolerance
         if plan.cutoff == 0 or rec.wait_s <= max(tol * plan.step_time, 1e-3):
             return
         late = rec.wait_s * (rec.bytes_read / rec.read_s if rec.read_s > 0 else plan.read_bandwidth)
@@ -199,7 +222,7 @@ class AdaptivePolicy(Policy):
             cut += prof.tensors[cutoff].nbytes
         log.info("the backward waited %.1f ms for loads (plan allows %.1f ms): offloading %d instead of %d "
                  "storages", rec.wait_s * 1e3, tol * plan.step_time * 1e3, cutoff, plan.cutoff)
-        self.c.stats.plan_backoffs += 1
+        self.stats.plan_backoffs += 1
         self.plan = dataclasses.replace(plan, cutoff=cutoff, bytes_planned=sum(
             tp.nbytes for tp in prof.tensors[:cutoff]))
 
@@ -210,21 +233,21 @@ class AdaptivePolicy(Policy):
         self._profiling = None
         prof = self._build_profile(rec)
         w = r = None
-        if self.c.config.target == "ssd":
+        if self.config.target == "ssd":
             # the profiled step's stores were cut short by forwarding: the disk probe is steadier
-            w, r = self.c.probed_bandwidth(wait=5.0)  # made at construction; waited for once, here
+            w, r = self.bandwidth.probed(wait=5.0)  # made at construction; waited for once, here
             if w:
                 log.info("disk probe: write %.2f GB/s, read %.2f GB/s (profiled step: write %.2f GB/s)",
                          w / 1e9, (r or 0) / 1e9, prof.write_bandwidth / 1e9)
         if not w and prof.write_bandwidth <= 0:
-            w, r = self.c.probed_bandwidth(wait=5.0)  # no store finished in the profiled step: the probe's figure
+            w, r = self.bandwidth.probed(wait=5.0)  # no store finished in the profiled step: the probe's figure
         if not w and prof.write_bandwidth <= 0 and self._retries < 3:
             # no bandwidth known: no store finished during the profiled step (and no probe): measure again
             self._retries += 1
             log.info("adaptive offload: no store finished in the profiled step; profiling the next one")
             return
         self.profile = prof
-        self.plan = plan_offload(prof, stall_tolerance=self.c.config.flow.stall_tolerance,
+        self.plan = plan_offload(prof, stall_tolerance=self.config.flow.stall_tolerance,
                                  shared_channel=self._shared, write_bandwidth=w or None, read_bandwidth=r or None)
         log.info("adaptive offload plan: %d of %d storages (%.2f of %.2f GB), prefetch %d unit(s) ahead; "
                  "planned at write %.2f GB/s, read %.2f GB/s (with a safety margin), predicted stall %.1f ms",
@@ -233,7 +256,7 @@ class AdaptivePolicy(Policy):
                  self.plan.predicted_stall * 1e3)
 
     def _build_profile(self, rec: Record) -> StepProfile:
-        sec = self.c.scopes.seconds
+        sec = Clock.seconds
         t0 = rec.t0
         segs = []
         for i, s in enumerate(rec.segments):
@@ -248,7 +271,7 @@ class AdaptivePolicy(Policy):
             # the planner estimates each segment's backward from its forward time instead
             segs.append(SegmentProfile(s.is_unit, start, end, None))
         tensors = [TensorProfile(si, nb, sec(t0, m)) for si, nb, m in rec.tensors]
-        st = self.c.stats
+        st = self.stats
         w = rec.bytes_written / rec.write_s if rec.write_s > 0 else st.write_bandwidth
         r = rec.bytes_read / rec.read_s if rec.read_s > 0 else st.read_bandwidth
         bwd0 = sec(t0, rec.t_bwd0) if rec.t_bwd0 is not None else (segs[-1].forward_end if segs else 0.0)

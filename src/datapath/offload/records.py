@@ -1,5 +1,5 @@
-"""What a forward pass saved, cut at module boundaries: a `Record` per forward (micro-batch) and a `Segment` per
-unit call or code between units.
+"""What a forward pass saved, cut at module boundaries: a `Record` per forward (micro-batch), a `Segment` per unit
+call or code between units, and the `Clock` that times them.
 
 These are plain data: the scope tracker (`datapath.offload.scopes`) fills them from module hooks, the
 saved-tensor hooks add the storages they offload, the policies plan on them, and transfers add the
@@ -8,6 +8,8 @@ bytes and seconds of each storage's store and load to the record it was saved in
 from __future__ import annotations
 
 import collections
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -102,3 +104,32 @@ class Record:
             self.mem_tail = max(self.mem_tail, peak)
         else:
             seg.mem_bwd = max(seg.mem_bwd or 0, peak)
+
+
+class Clock:
+    """Time marks of records and segments: CUDA events on a CUDA model (GPU time), else the host clock.
+
+    ``on_cuda``: whether the attached model runs on CUDA (asked at each mark without a device).
+    """
+
+    def __init__(self, on_cuda: Callable[[], bool]) -> None:
+        self.on_cuda = on_cuda
+
+    def mark(self, device: torch.device | None = None) -> Any:
+        """A time mark now: a recorded CUDA event, or ``time.perf_counter()``."""
+        if (device is None and torch.cuda.is_available() and self.on_cuda()) or (
+                device is not None and device.type == "cuda"):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    @staticmethod
+    def seconds(a: Any, b: Any) -> float:
+        """Seconds from mark ``a`` to mark ``b`` (0 when one is a CPU mark and the other a GPU one)."""
+        if isinstance(a, float) and isinstance(b, float):
+            return b - a
+        if isinstance(a, float) or isinstance(b, float):
+            return 0.0  # a CPU mark and a GPU mark do not compare
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3

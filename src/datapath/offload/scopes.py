@@ -16,17 +16,21 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from datapath.offload.entry import STORED
-from datapath.offload.records import Record, Segment, in_backward
-
-if TYPE_CHECKING:
-    from datapath.offload.cache import TensorCache
+from datapath.offload.config import OffloadConfig
+from datapath.offload.entry import STORED, Releases
+from datapath.offload.memory_meter import MemoryMeter
+from datapath.offload.models import AttachedModels
+from datapath.offload.policy import Policy
+from datapath.offload.records import Clock, Record, Segment, in_backward
+from datapath.offload.stats import OffloadStats
+from datapath.offload.transfers import Transfers
 
 log = logging.getLogger("datapath.offload.scopes")
 
@@ -47,16 +51,32 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
 
 
 class ScopeTracker:
-    """The module hooks, the records and segments they build, pacing and prefetching."""
+    """The module hooks, the records and segments they build, pacing and prefetching.
 
-    def __init__(self, cache: "TensorCache") -> None:
-        self.c = cache
+    Built with what it uses: the cache's ``lock`` (every hook takes it), ``config`` (the units kept
+    last, pacing), the ``policy`` (told of each record and step, asked how far to pace and prefetch),
+    the ``transfers`` (loads to start, queued stores to cancel), the cache's ``stats``, the device
+    memory ``meter`` (profiled steps), the ``clock``, the attached ``models`` (parameters that may
+    move, CUDA or not) and the ``releases`` of dead handles (drained at each root forward and backward end).
+    """
+
+    def __init__(self, lock: threading.RLock, config: OffloadConfig, policy: Policy, transfers: Transfers,
+                 stats: OffloadStats, meter: MemoryMeter, clock: Clock, models: AttachedModels,
+                 releases: Releases) -> None:
+        self.lock = lock
+        self.keep_last = config.select.keep_last_modules
+        self.pace = config.flow.pace
+        self.policy = policy
+        self.transfers = transfers
+        self.stats = stats
+        self.meter = meter
+        self.clock = clock
+        self.models = models
+        self.releases = releases
         self.record: Record | None = None
         self.by_mb: dict[int, Record] = {}
         self.mb: int | None = None
         self.expected_units: int | None = None
-        self.models: list[tuple[Any, list[Any]]] = []
-        self.blocks: list[nn.Module] = []
         # True while the current record is past the segments its plan offloads from: the pack hook then
         # keeps each saved tensor at once, without its bookkeeping (hundreds of saves per step whose host
         # time otherwise starves the GPU of a compiled model's fast blocks)
@@ -81,30 +101,44 @@ class ScopeTracker:
             hooks.append(b.register_forward_pre_hook(eager(functools.partial(self._on_block_enter, i)),
                                                      prepend=True))
             hooks.append(b.register_forward_hook(eager(functools.partial(self._on_block_exit, i))))
-        self.blocks = blocks
         return hooks
 
     # ---------------------------------------------------------------- records
     def start_record(self, microbatch: int | None = None) -> Record:
-        c = self.c
         self.drop_idle(self.record)
         rec = Record(next(self._rids), False, microbatch if microbatch is not None else self.mb,
                      self.expected_units)
-        c.policy.on_record_start(rec)
+        self.policy.on_record_start(rec)
         self.quiet = False
-        rec.pace = c.pace_lead() if c.wants_pacing(rec) else -1
+        rec.pace = self._pace_lead(rec)
         if rec.profiling or rec.timing:
-            rec.t0 = self.mark()
+            rec.t0 = self.clock.mark()
         if rec.microbatch is not None:
             self.by_mb[rec.microbatch] = rec
         self.record = rec
-        c.stats.records += 1
+        self.stats.records += 1
         return rec
+
+    def _pace_lead(self, rec: Record) -> int:
+        """How many units the CPU may run ahead of the GPU during ``rec`` (-1: not paced)."""
+        pace = self.pace
+        if not (pace is not False and torch.cuda.is_available() and bool(self.models.models)
+                and self.models.cuda_model() and self.policy.paces(rec)):
+            return -1
+        return 1 if isinstance(pace, bool) else int(pace)
+
+    def set_microbatch(self, index: int) -> None:
+        """The next forward (or backward) is for micro-batch ``index`` (lock held)."""
+        self.mb = index
+        rec = self.by_mb.get(index)
+        if rec is None or rec.complete:
+            rec = self.start_record(microbatch=index)
+        self.record = rec
 
     def drop_idle(self, rec: Record | None) -> None:
         """Forget a record that saved nothing offloadable (no-grad forward) so it cannot block profiling."""
         if rec is not None and rec.first_packs == 0 and not rec.backward_started:
-            self.c.policy.on_record_dropped(rec)
+            self.policy.on_record_dropped(rec)
             if rec.microbatch is not None and self.by_mb.get(rec.microbatch) is rec:
                 del self.by_mb[rec.microbatch]
 
@@ -127,11 +161,11 @@ class ScopeTracker:
         seg = Segment(len(rec.segments), is_unit, rec.units, rec.block, name)
         self.quiet = seg.index >= rec.quiet_from
         if rec.timing:
-            seg.t_start = self.mark()
+            seg.t_start = self.clock.mark()
         if rec.profiling:
-            seg.t_start = self.mark()
+            seg.t_start = self.clock.mark()
             self._memory_lap(rec)
-            seg.alloc_fwd = self.c.meter.allocated()
+            seg.alloc_fwd = self.meter.allocated()
             rec.mem_open = ["fwd", seg]
         rec.segments.append(seg)
         return seg
@@ -139,27 +173,27 @@ class ScopeTracker:
     def _close_segment(self, rec: Record) -> None:
         if rec.segments and not rec.segments[-1].is_unit and (rec.profiling or rec.timing) \
                 and rec.segments[-1].t_end is None:
-            rec.segments[-1].t_end = self.mark()
+            rec.segments[-1].t_end = self.clock.mark()
 
     def _memory_lap(self, rec: Record) -> None:
         """Profiling: the memory peak since the previous boundary goes to the interval it closes."""
-        rec.close_lap(self.c.meter.lap())
+        rec.close_lap(self.meter.lap())
 
     def begin_backward(self, rec: Record) -> None:
         rec.backward_started = True
         self.quiet = False  # what is saved from now on goes through the full path (a new forward: a new record)
         if rec.profiling or rec.timing:
-            rec.t_bwd0 = self.mark()
+            rec.t_bwd0 = self.clock.mark()
             self._close_segment(rec)
         self.expected_units = rec.units
-        keep_last = self.c.config.select.keep_last_modules
+        keep_last = self.keep_last
         if rec.cutoff is None and rec.plan is None and rec.expected_units is None:
             # the first forward did not know which units are last: drop their queued stores now
             for seg in rec.segments:
                 if seg.unit_pos > rec.units - keep_last:
                     for e in seg.entries:
                         if e.state == "pending":
-                            self.c.transfers.forward_pending(e)
+                            self.transfers.forward_pending(e)
         if rec.segments:
             self.prefetch_range(rec, len(rec.segments) - 1)
 
@@ -172,36 +206,29 @@ class ScopeTracker:
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._on_backward_end, rec))
 
     def _on_backward_end(self, rec: Record) -> None:
-        self.c.releases.drain()  # the handles the backward let go of (record_done before on_backward_end)
-        with self.c.lock:
-            self.c.policy.on_backward_end(rec)
+        self.releases.drain()  # the handles the backward let go of (record_done before on_backward_end)
+        with self.lock:
+            self.policy.on_backward_end(rec)
 
     def record_done(self, rec: Record) -> None:
         rec.complete = True
         if rec.microbatch is not None and self.by_mb.get(rec.microbatch) is rec:
             del self.by_mb[rec.microbatch]
-        self.c.policy.on_record_done(rec)
+        self.policy.on_record_done(rec)
 
     # ------------------------------------------------------------ hooks
     def _on_root_forward(self, module: nn.Module, args: Any) -> None:
         if in_backward():
             return
-        c = self.c
-        c.releases.drain()
-        with c.lock:
-            c.transfers.raise_pending()
-            c.params_may_have_moved()
-            c.policy.on_step_start()
+        self.releases.drain()
+        with self.lock:
+            self.transfers.raise_pending()
+            self.models.params_may_have_moved()
+            self.policy.on_step_start()
             rec = self.record
             if rec is None or rec.microbatch is None or rec.segments or rec.backward_started:
                 rec = self.start_record()
             self.current_segment(rec)  # the code before the first unit: always segment 0
-            hooks = c.saved
-            hooks.resume()
-            # a step whose plan stores nothing (and no elementwise recipe to make): no pack call per saved tensor
-            if (hooks.ops is None and not c.transfers.inflight_bytes and c.policy.stores_nothing(rec)
-                    and hooks.suspend()):
-                c.stats.records_unhooked += 1
 
     def _on_root_exit(self, module: nn.Module, args: Any, output: Any) -> None:
         """Pacing: what follows the forward (loss, the first backward ops) is launched once the GPU has
@@ -209,7 +236,7 @@ class ScopeTracker:
         if in_backward():
             return
         ev = None
-        with self.c.lock:
+        with self.lock:
             rec = self.record
             if rec is None or rec.backward_started:
                 return
@@ -227,7 +254,7 @@ class ScopeTracker:
     def _on_block_enter(self, index: int, module: nn.Module, args: Any) -> None:
         if in_backward():
             return
-        with self.c.lock:
+        with self.lock:
             rec = self.current()
             rec.block = index
             self._block_changed(rec)
@@ -239,7 +266,7 @@ class ScopeTracker:
     def _on_block_exit(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward():
             return
-        with self.c.lock:
+        with self.lock:
             rec = self.record
             if rec is not None and rec.block == index:
                 rec.block = -1
@@ -255,7 +282,7 @@ class ScopeTracker:
         if in_backward():
             return
         wait_ev = None
-        with self.c.lock:
+        with self.lock:
             rec = self.current()
             rec.depth += 1
             if rec.depth == 1:
@@ -265,7 +292,7 @@ class ScopeTracker:
                     ev = torch.cuda.Event()
                     ev.record()
                     rec.pace_fwd.append(ev)
-                    lead = self.c.policy.forward_lead(rec, rec.segments[-1].index, rec.pace)
+                    lead = self.policy.forward_lead(rec, rec.segments[-1].index, rec.pace)
                     while len(rec.pace_fwd) > lead:  # lead 0: the event just recorded
                         wait_ev = rec.pace_fwd.popleft()
         if wait_ev is not None:
@@ -276,7 +303,7 @@ class ScopeTracker:
     def _on_unit_exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward():
             return
-        with self.c.lock:
+        with self.lock:
             rec = self.record
             if rec is None or rec.depth == 0:
                 return
@@ -285,7 +312,7 @@ class ScopeTracker:
                 return
             seg = rec.segments[-1]
             if rec.profiling or rec.timing:
-                seg.t_end = self.mark()
+                seg.t_end = self.clock.mark()
             seen: set[int] = set()
             for t in tensors_in(output):
                 fn = t.grad_fn
@@ -295,9 +322,8 @@ class ScopeTracker:
             self._new_segment(rec, False, "(between units)")
 
     def _on_unit_backward(self, rec: Record, j: int, grad_outputs: Any) -> None:
-        c = self.c
         wait_ev = None
-        with c.lock:
+        with self.lock:
             seg = rec.segments[j]
             if seg.bwd_fired:
                 return
@@ -316,18 +342,18 @@ class ScopeTracker:
                     wait_ev = rec.pace_bwd.popleft()
         if wait_ev is not None:
             wait_ev.synchronize()
-        with c.lock:
+        with self.lock:
             self.watch_backward_end(rec)
             if rec.profiling:
-                seg.t_bwd = self.mark()
+                seg.t_bwd = self.clock.mark()
                 self._memory_lap(rec)
-                seg.alloc_bwd = self.c.meter.allocated()
+                seg.alloc_bwd = self.meter.allocated()
                 rec.mem_open = ["bwd", seg]
             if not rec.backward_started:
                 self.begin_backward(rec)
             for e in seg.entries:
                 if e.state == "pending":
-                    c.transfers.forward_pending(e)
+                    self.transfers.forward_pending(e)
             self.prefetch_range(rec, j)
 
     # ------------------------------------------------------------ prefetching
@@ -339,7 +365,7 @@ class ScopeTracker:
         d = rec.distance
         units_before = [i for i in range(j - 1, -1, -1) if rec.segments[i].is_unit]
         lo = units_before[d - 1] if len(units_before) >= d else 0
-        limit = self.c.policy.prefetch_bound(rec)
+        limit = self.policy.prefetch_bound(rec)
         started = 0
         for s in range(j, lo - 1, -1):
             if s != j:
@@ -357,29 +383,10 @@ class ScopeTracker:
         live = [e for e in seg.entries if not e.released]
         if not live:
             return 0
-        self.c.stats.prefetch_order.append((rec.rid, s))
+        self.stats.prefetch_order.append((rec.rid, s))
         started = 0
         for e in live:
             if e.state == STORED:
                 started += e.nbytes
-            self.c.transfers.bring_back(e, prefetch=True)
+            self.transfers.bring_back(e, prefetch=True)
         return started
-
-    # ---------------------------------------------------------------- timing
-    def mark(self, device: torch.device | None = None) -> Any:
-        """A time mark: a CUDA event on CUDA models (GPU time), else the host clock."""
-        if (device is None and torch.cuda.is_available() and self.c.cuda_model()) or (
-                device is not None and device.type == "cuda"):
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    @staticmethod
-    def seconds(a: Any, b: Any) -> float:
-        if isinstance(a, float) and isinstance(b, float):
-            return b - a
-        if isinstance(a, float) or isinstance(b, float):
-            return 0.0  # a CPU mark and a GPU mark do not compare
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3

@@ -1,6 +1,7 @@
 """Counters of a `TensorCache`: what was offloaded, kept, deduplicated, forwarded, and how fast."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -71,6 +72,14 @@ class OffloadStats:
     def bytes_kept(self) -> int:
         return (self.bytes_kept_param + self.bytes_kept_small + self.bytes_kept_cpu + self.bytes_kept_policy
                 + self.bytes_kept_backward + self.bytes_kept_budget + self.bytes_kept_error + self.bytes_kept_other)
+
+    def reset(self) -> "OffloadStats":
+        """Zero every counter in place (whoever holds this object sees new counters); a copy of the old ones."""
+        old = dataclasses.replace(self)
+        fresh = OffloadStats()
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(fresh, f.name))
+        return old
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -114,6 +114,10 @@ class Store(abc.ABC):
         """Names of the files the store has now (none for host memory)."""
         return []
 
+    def where_full(self) -> str:
+        """Where there was no room, for the warning of a storage kept because this store is full."""
+        return f"the {self.kind} store (its budget is full)"
+
     @property
     def in_use(self) -> int:
         """Bytes held now."""

@@ -8,7 +8,7 @@ stream.  A storage needed while its store is queued is handed back from memory
 write stops between chunks).  `Transfers.admit` is the backpressure: a pack that
 would put more than the in-flight bound waiting to be stored waits for stores to
 finish, so the forward runs at the store's bandwidth instead of the allocator
-growing.  All state is guarded by the cache's lock.
+growing.  All state is guarded by the lock it is given (the cache's).
 """
 from __future__ import annotations
 
@@ -68,6 +68,10 @@ class Transfers:
         if w is None:
             w = pool[kind] = Worker(f"datapath-{what}-{kind}", window=window)
         return w
+
+    def run_in_store_worker(self, kind: str, job: Callable[[], Any]) -> None:
+        """Queue ``job`` on the store worker of ``kind`` (ahead of the stores queued after it)."""
+        self._worker(self.store_workers, kind, "store", 4).submit(job)
 
     def raise_pending(self) -> None:
         err = self.pending_error
