@@ -34,6 +34,7 @@ from types import ModuleType
 
 import torch
 
+from datapath._runtime import settings
 from datapath._runtime.kernels import LaunchError
 
 SOURCE = "native_launch.cpp"
@@ -44,8 +45,8 @@ _state: dict[str, object] = {"module": None, "status": "not started", "thread": 
 
 
 def _cache_root() -> Path:
-    root = os.environ.get("DATAPATH_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "datapath"
+    root = settings.get("DATAPATH_CACHE_DIR")
+    return root if root is not None else Path.home() / ".cache" / "datapath"
 
 
 def source_text() -> str:

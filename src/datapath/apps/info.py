@@ -9,6 +9,7 @@ from typing import Any
 import psutil
 import torch
 
+from datapath._runtime import settings
 from datapath._runtime.device import _module_version, machine_info
 from datapath.memory import native_launcher
 
@@ -65,8 +66,14 @@ def collect(measure: bool = True) -> dict[str, Any]:
     if measure and torch.cuda.is_available():
         info["bandwidth"] = _pinned_copy_gbps()
     # built here (tens of seconds, once per machine) where a GPU will use it; else only read
-    launcher = native_launcher(wait=True, timeout=600) if measure and torch.cuda.is_available() else native_launcher()
-    info["native_launcher"] = {"status": launcher.status, "path": launcher.path}
+    try:
+        launcher = native_launcher(wait=True, timeout=600) if measure and torch.cuda.is_available() \
+            else native_launcher()
+        info["native_launcher"] = {"status": launcher.status, "path": launcher.path}
+    except settings.SettingError as exc:
+        info["native_launcher"] = {"status": f"not available ({exc})", "path": None}
+    # every DATAPATH_* variable set, and what is wrong with any of them (info runs whatever they say)
+    info["settings"] = {"set": settings.current(), "problems": settings.problems()}
     return info
 
 
@@ -92,6 +99,11 @@ def _print(info: dict[str, Any]) -> None:
         print(f"  pinned copy: host->GPU {b['pinned_h2d_GBps']:.1f} GB/s, GPU->host {b['pinned_d2h_GBps']:.1f} GB/s")
     n = info["native_launcher"]
     print(f"  native launcher (small gathers in one C++ call): {n['status']}{' ' + n['path'] if n['path'] else ''}")
+    s = info["settings"]
+    shown = ", ".join(f"{k}={v}" for k, v in s["set"].items()) or "none set (defaults)"
+    print(f"  settings: {shown}")
+    for line in s["problems"]:
+        print(f"  bad setting: {line}")
 
 
 def _cmd(args: argparse.Namespace) -> int:

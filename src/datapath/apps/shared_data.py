@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import torch.distributed as dist
 
+from datapath._runtime import settings
 from datapath.apps.errors import DistributedError
 from datapath.apps.launch import PREFIX_ENV, DistContext, new_prefix
 from datapath.graph import Dataset, Graph
@@ -90,7 +91,7 @@ def shared_dataset(ctx: DistContext, make: Callable[[], Dataset], prefix: str | 
     if ctx.is_main:
         try:
             ds = make()
-            desc, shared = share_dataset(ds, prefix or os.environ.get(PREFIX_ENV) or new_prefix())
+            desc, shared = share_dataset(ds, prefix or settings.get(PREFIX_ENV) or new_prefix())
             del ds
             gc.collect()
         except Exception as exc:  # noqa: BLE001 - told to every rank; rank 0 raises the original

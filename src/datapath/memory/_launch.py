@@ -12,7 +12,7 @@ import torch
 
 from datapath._runtime import kernels
 from datapath.memory import _order
-from datapath.memory.config import gather_config
+from datapath.memory.config import check_env, gather_config
 
 _WIDTHS = (16, 8, 4, 2, 1)
 _LINE = 128
@@ -71,6 +71,7 @@ def lanes_and_rows(words: int, w: int, mode: int) -> tuple[int, int]:
 
 
 def _grid(m: int, g: int, rows_per_group: int, device: int, on_host: bool) -> int:
+    check_env()  # a bad DATAPATH_GATHER_* variable: one line naming it, here rather than at import
     groups_per_block = gather_config.threads_per_block // g
     per_sm = gather_config.blocks_per_sm if on_host else gather_config.device_blocks_per_sm
     max_blocks = kernels.multiprocessor_count(device) * per_sm

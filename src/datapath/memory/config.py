@@ -15,14 +15,17 @@ whose defaults come from the environment when the process starts:
 ===================================  =================================================
 
 Assigning to `gather_config` (also ``datapath.unified_tensor.config``) changes the default
-for the whole process; prefer the arguments.
+for the whole process; prefer the arguments.  The variables are read and checked by
+`datapath._runtime.settings`; a bad one is reported where a GPU gather is launched (`check_env`).
 """
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
+
+from datapath._runtime import settings
 
 GatherMode = Literal["circular", "shift_mask", "unaligned"]
 
@@ -150,45 +153,45 @@ class GatherConfig:
         return float(max(self.sort_min_rows_long, -(-self.sort_min_bytes_long // max(row_bytes, 1))))
 
 
-def _env_flag(name: str, value: str) -> bool | Literal["auto"]:
-    v = value.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    if v == "auto" and name == "DATAPATH_GATHER_SORT":
-        return "auto"
-    raise ValueError(f"environment variable {name}={value!r} must be 1 or 0"
-                     f"{' or auto' if name == 'DATAPATH_GATHER_SORT' else ''}")
+_ENV_ATTRS = (("DATAPATH_GATHER_SYNC", "sync_bounds_check"), ("DATAPATH_GATHER_MODE", "gather_mode"),
+              ("DATAPATH_GATHER_SORT", "sort_indices"), ("DATAPATH_GATHER_LAUNCHER", "launcher"),
+              ("DATAPATH_GATHER_THREADS", "threads_per_block"), ("DATAPATH_GATHER_BLOCKS_PER_SM", "blocks_per_sm"))
 
 
-def config_from_env(env: dict[str, str] | None = None) -> GatherConfig:
-    """A `GatherConfig` with the defaults the ``DATAPATH_GATHER_*`` variables of ``env`` (os.environ) ask for."""
-    env = dict(os.environ) if env is None else env
+def config_from_env(env: Mapping[str, str] | None = None, strict: bool = True) -> GatherConfig:
+    """A `GatherConfig` with the defaults the ``DATAPATH_GATHER_*`` variables of ``env`` (os.environ) ask for.
+
+    A bad value raises `datapath._runtime.settings.SettingError` naming the variable (``strict=False``: it
+    is left at its default instead, and `check_env` raises that error where a gather runs)."""
     cfg = GatherConfig()
-    if "DATAPATH_GATHER_SYNC" in env:
-        cfg.sync_bounds_check = bool(_env_flag("DATAPATH_GATHER_SYNC", env["DATAPATH_GATHER_SYNC"]))
-    if "DATAPATH_GATHER_MODE" in env:
-        mode = env["DATAPATH_GATHER_MODE"].strip()
-        if mode not in GATHER_MODES:
-            raise ValueError(f"environment variable DATAPATH_GATHER_MODE={mode!r} must be one of "
-                             f"{sorted(GATHER_MODES)}")
-        cfg.gather_mode = mode  # type: ignore[assignment]
-    if "DATAPATH_GATHER_SORT" in env:
-        cfg.sort_indices = _env_flag("DATAPATH_GATHER_SORT", env["DATAPATH_GATHER_SORT"])
-    if "DATAPATH_GATHER_LAUNCHER" in env:
-        value = env["DATAPATH_GATHER_LAUNCHER"].strip().lower()
-        if value not in LAUNCHERS:
-            raise ValueError(f"environment variable DATAPATH_GATHER_LAUNCHER={value!r} must be one of {LAUNCHERS}")
-        cfg.launcher = value  # type: ignore[assignment]
-    for name, attr in (("DATAPATH_GATHER_THREADS", "threads_per_block"),
-                       ("DATAPATH_GATHER_BLOCKS_PER_SM", "blocks_per_sm")):
-        if name in env:
-            try:
-                setattr(cfg, attr, int(env[name].strip()))
-            except ValueError as e:
-                raise ValueError(f"environment variable {name}={env[name]!r}: {e}") from None
+    for name, attr in _ENV_ATTRS:
+        try:
+            value = settings.get(name, env)
+        except settings.SettingError:
+            if strict:
+                raise
+            continue
+        if value is not None:
+            setattr(cfg, attr, value)
     return cfg
 
 
-gather_config = config_from_env()
+def check_env() -> None:
+    """Raise the `SettingError` of a bad ``DATAPATH_GATHER_*`` variable the process started with (called where
+    a GPU gather is launched: a bad setting never fails ``import datapath``)."""
+    if _ENV_ERRORS:
+        raise settings.SettingError(_ENV_ERRORS[0])
+
+
+def _env_errors() -> list[str]:
+    out = []
+    for name in settings.GATHER:
+        try:
+            settings.get(name)
+        except settings.SettingError as exc:
+            out.append(str(exc))
+    return out
+
+
+_ENV_ERRORS = _env_errors()
+gather_config = config_from_env(strict=False)

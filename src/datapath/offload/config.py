@@ -12,25 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from datapath.offload.errors import OffloadConfigError
 from datapath.offload.regional_compile import check_compile_options
+from datapath._runtime.sizes import SizeError, parse_size
 
 TARGETS = ("host", "ssd", "tiered")
 POLICIES = ("all", "adaptive", "budget")
 ON_ERROR = ("raise", "keep")
 UNITS = ("blocks", "leaves")
-
-_UNIT_BYTES = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-
 
 @dataclass(frozen=True)
 class SelectOptions:
@@ -200,40 +192,13 @@ def check_memory_budget(value: Any) -> None:
 
 
 def parse_memory_budget(value: int | float | str, total_bytes: int) -> int:
-    """The budget in bytes.
+    """The budget in bytes (`datapath._runtime.sizes`, one meaning everywhere).
 
-    ``value``: an int (bytes); a float in (0, 1] (that fraction of ``total_bytes``, the device's
-    memory); a string: ``"10GB"`` (decimal: kB, MB, GB, TB), ``"10GiB"`` (binary: KiB, MiB,
-    GiB, TiB; also bare K, M, G, T), ``"512MB"``, ``"80%"`` or ``"0.8"`` (fractions).
+    ``value``: an int (bytes); a float in (0, 1] or ``"0.8"`` (that share of ``total_bytes``, the
+    device's memory); ``"80%"``; a size ``"10GB"`` (decimal: kB, MB, GB, TB) or ``"10GiB"``
+    (binary: KiB, MiB, GiB, TiB; also bare K, M, G, T).  ``1.5`` is an error, not 1 byte.
     """
-    what = f"memory_budget={value!r}"
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise OffloadConfigError(f"{what}: expected bytes (int), a fraction of device memory (float in (0, 1]) "
-                                 f"or a string like '10GB'")
-    if isinstance(value, str):
-        text = value.strip().lower().replace("_", "")
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(%|[a-z]*)", text)
-        if m is None or m.group(2) not in _UNIT_BYTES and m.group(2) != "%":
-            raise OffloadConfigError(f"{what}: not a size; write e.g. '10GB', '10GiB', '512MB', '80%' or '0.8'")
-        number = float(m.group(1))
-        unit = m.group(2)
-        if unit == "%":
-            if number > 100:
-                raise OffloadConfigError(f"{what}: a percentage of device memory must be at most 100%")
-            value = number / 100.0
-        elif unit == "" and "." in m.group(1) and number <= 1:
-            value = number
-        else:
-            value = number * _UNIT_BYTES[unit]
-            if not math.isfinite(value) or value < 1:
-                raise OffloadConfigError(f"{what}: the budget must be at least one byte")
-            return int(value)
-    if isinstance(value, float):
-        if math.isnan(value) or value <= 0 or math.isinf(value):
-            raise OffloadConfigError(f"{what}: must be a positive fraction (0, 1] or a number of bytes")
-        if value <= 1.0:
-            return int(value * total_bytes)
-        return int(value)
-    if value <= 0:
-        raise OffloadConfigError(f"{what}: must be positive")
-    return int(value)
+    try:
+        return parse_size(value, total_bytes, "memory_budget", minimum=1)
+    except SizeError as exc:
+        raise OffloadConfigError(f"{exc} (a budget of device memory)") from None

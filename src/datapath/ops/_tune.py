@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from datapath._runtime import settings
 from datapath._runtime.errors import KernelLoadError
 from datapath.ops._graph import CSRView, as_csr
 from datapath.ops.plan import AggregationPlan, _next_pow2, plan_for
@@ -129,7 +129,7 @@ def candidates(view: CSRView, feat: int, dtype: torch.dtype, heads: int, library
 def may_probe(view: CSRView) -> bool:
     if view.trusted or view.num_edges < PROBE_MIN_EDGES or view.device.type != "cuda":
         return False
-    if os.environ.get("DATAPATH_OPS_PROBE", "1") == "0":
+    if not settings.get("DATAPATH_OPS_PROBE"):
         return False
     return not torch.cuda.is_current_stream_capturing()
 

@@ -10,7 +10,9 @@ See `datapath.unified_tensor.tensor` for the placement rules.  The row fetch beh
 mmap_mode="r")``, a non-writable array) becomes a read-only unified tensor: reads work
 without a copy, writes raise `ReadOnlyTableError`.
 """
-import os
+import logging
+
+from datapath._runtime import settings as _settings
 
 from datapath.unified_tensor._config import UnifiedConfig, config
 from datapath.unified_tensor._device import device_registered, install_to_unified, register_device
@@ -24,8 +26,11 @@ from datapath.unified_tensor.shared import (
 from datapath.unified_tensor.tensor import UnifiedTensor, to_unified
 
 install_to_unified()
-if os.environ.get("DATAPATH_UNIFIED_DEVICE", "") not in ("", "0"):
-    register_device()
+try:
+    if _settings.get("DATAPATH_UNIFIED_DEVICE"):
+        register_device()
+except _settings.SettingError as _exc:  # import never fails on a setting: say so once, leave the device alone
+    logging.getLogger("datapath").warning("%s; the 'unified' device name is not registered", _exc)
 
 __all__ = [
     "ErrorFlag", "ReadOnlyTableError", "SharedTableError", "UnifiedConfig", "UnifiedTensor", "as_unified", "attach", "check_errors",

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from datapath._runtime import settings
 from datapath._runtime.errors import DatapathError
 from datapath.unified_tensor.memory import as_unified
 from datapath.unified_tensor.tensor import Affinity, UnifiedTensor
@@ -46,8 +47,12 @@ class SharedTableError(DatapathError):
 
 
 def shm_dir() -> Path:
-    """The directory holding shared tables (``$DATAPATH_SHM_DIR`` or ``/dev/shm``)."""
-    return Path(os.environ.get("DATAPATH_SHM_DIR", "/dev/shm"))
+    """The directory holding shared tables (``$DATAPATH_SHM_DIR`` or ``/dev/shm``).
+
+    Raises:
+        SettingError: ``DATAPATH_SHM_DIR`` names a file (or is empty).
+    """
+    return settings.get("DATAPATH_SHM_DIR")
 
 
 def _paths(name: str) -> tuple[Path, Path]:
