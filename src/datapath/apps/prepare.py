@@ -53,9 +53,9 @@ def add_import_arguments(q: Any) -> None:
 
 def memory_bytes(text: str | None, what: str = "--memory") -> int:
     """Bytes meant by ``--memory`` (a size, or a percentage / fraction of this machine's RAM)."""
-    from datapath.features import parse_budget  # noqa: PLC0415
+    from datapath._runtime.sizes import parse_size  # noqa: PLC0415
 
-    return int(parse_budget(text or DEFAULT_MEMORY, psutil.virtual_memory().total, what))
+    return parse_size(text or DEFAULT_MEMORY, psutil.virtual_memory().total, what)
 
 
 def working_memory(budget: int, what: str = "--memory") -> int:
