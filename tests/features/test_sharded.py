@@ -46,6 +46,15 @@ def _fetch_like_the_table() -> dict:
         got = store[idx]
         equal.append(got.shape == (*idx.shape, F) and torch.equal(got, table[idx]))
     stats = store.stats()
+    # rows of other shards the batches found in this rank's GPU cache (the 200 hottest of the whole table)
+    hot_ids = torch.argsort(hot, descending=True, stable=True)[:200]
+    is_cached = torch.zeros(N, dtype=torch.bool)
+    is_cached[hot_ids] = True
+    remote_hits = 0
+    for idx in _batches(ctx.rank):
+        ids = torch.where(idx < 0, idx + N, idx).reshape(-1)
+        remote_hits += int((is_cached[ids] & ((ids < lo) | (ids >= hi))).sum())
+    stats["expected_remote_cache_rows"] = remote_hits
     cached = store._cache  # noqa: SLF001 - which rows the cache holds, checked against the hotness order
     cache_ok = torch.equal(cached, table[torch.argsort(hot, descending=True, stable=True)[:200]])
     try:  # rank 1 asks for a row that does not exist: every rank raises, none waits
@@ -83,6 +92,13 @@ def test_every_rank_gets_the_rows_of_the_whole_table(world: int) -> None:
         assert st["remote"]["received_bytes"] == st["remote"]["received_rows"] * F * 4 > 0
         # rows of other shards the cache holds are not fetched: remote rows = distinct uncached rows of others
         assert st["remote"]["received_rows"] <= st["remote"]["rows"]
+        assert st["remote"]["remote_cache_rows"] == st["expected_remote_cache_rows"] > 0
+        assert out["own"]["remote_cache_rows"] == 0  # a cache of its own shard holds no other rank's row
+        # each stage's time is reported, and they add up to the tier's time (host time on a CPU)
+        rem = st["remote"]
+        assert min(rem["counts_seconds"], rem["ids_seconds"], rem["exchange_seconds"]) > 0
+        assert abs(rem["counts_seconds"] + rem["ids_seconds"] + rem["exchange_seconds"] - rem["seconds"]) < 1e-6
+        assert rem["wall_seconds"] >= rem["seconds"]
         # every cache holds the same rows ("any"): nothing asked of a rank is in its cache; "own": some are
         assert st["remote"]["sent_from_cache_rows"] == 0 < out["own"]["sent_from_cache_rows"] <= out["own"]["sent_rows"]
         name, msg = out["error"]

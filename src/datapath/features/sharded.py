@@ -13,14 +13,18 @@ collective `FetchTier`: every gather of every rank enters its exchange, in the s
 with no remote rows (a `datapath.loaders.DistributedNeighborLoader` makes every rank take the same
 steps, on one producer thread).  One exchange:
 
-1. all_gather of how many rows each rank asks of each other rank (a W x W matrix every rank
-   sees; a rank that cannot fetch sends -1, and every rank raises an error naming it);
-2. all_to_all of the requested row numbers (in each owner's own numbering);
-3. every owner gathers the requested rows from its shard (zero copy, onto its GPU);
-4. all_to_all of the rows back, in pieces of about `PIECE_BYTES` per rank (up to `MAX_PIECES`):
-   the owner gathers piece k + 1 while piece k is sent.
+1. the batch's ids are sorted by owner on the device (the rows the store's other tiers serve, and
+   bad ids, sort last): how many rows this rank asks of each rank, without a host synchronisation;
+2. all_gather of those counts (a W x W matrix every rank sees; a rank that cannot fetch sends -1,
+   and every rank raises an error naming it): the exchange's one host synchronisation;
+3. all_to_all of the requested row numbers (in each owner's own numbering);
+4. every owner gathers the requested rows from its tiers (its GPU cache, else zero copy from its
+   pinned shard, straight into a device buffer);
+5. all_to_all of the rows back, in pieces of about `PIECE_BYTES` per rank (up to `MAX_PIECES`):
+   the owner gathers piece k + 1 while piece k is sent, and each piece received is scattered
+   straight into the batch's rows.
 
-Steps 2-4 are skipped when no rank asks for anything.  The exchange runs on a process group of
+Steps 3-5 are skipped when no rank asks for anything.  The exchange runs on a process group of
 its own (NCCL between GPUs, gloo between CPUs), so that the loader's producer thread exchanges
 rows while the training thread runs DDP's all-reduce on the default group.  Only the features
 are sharded: every rank holds the whole graph and samples from it without communication.
@@ -50,9 +54,9 @@ log = logging.getLogger("datapath.features.sharded")
 DEFAULT_TIMEOUT_S = 600.0
 """How long a rank waits in an exchange for the others before it fails (seconds)."""
 
-PIECE_BYTES = 16 << 20
+PIECE_BYTES = 32 << 20
 """Rows go to a rank in pieces of about this many bytes: the owner gathers a piece while the previous one is sent."""
-MAX_PIECES = 8
+MAX_PIECES = 4
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -95,7 +99,7 @@ class ShardedTier(FetchTier):
         self._row_bytes = math.prod(self._rest) * shard.element_size()
         self._lock = threading.Lock()
         self._flag = ErrorFlag() if self.device.type == "cuda" else None
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = []
+        self._events: list[tuple[torch.cuda.Event, ...]] = []  # (start, counted, ids sent, rows placed) per exchange
         self._events_lock = threading.Lock()  # the producer thread appends, `stats` (any thread) folds
         self._joined = False  # this exchange has entered its first collective
         self._broken: str | None = None
@@ -105,8 +109,15 @@ class ShardedTier(FetchTier):
         self._cache: torch.Tensor | None = None  # the store's GPU cache and slot map (`attach`)
         self._slots: torch.Tensor | None = None
         self._served = torch.zeros(3, dtype=torch.int64, device=self._comm)  # rows served from cache / host
+        self._remote_slot: torch.Tensor | None = None  # (c + 1,) bool: cache slot s holds another shard's row
+        self._remote_hits = torch.zeros((), dtype=torch.int64, device=self.device)
+        # per stage (GPU time on CUDA, host time otherwise): counts = ids sorted by owner + the counts all_gather
+        # (the one host synchronisation), ids = their all_to_all, exchange = owner's gather + rows all_to_all +
+        # scatter into the batch; wall = host time of the whole call; remote_cache_rows: rows of other shards this
+        # rank's batches found in its own GPU cache (not fetched)
         self._stats.extra.update(exchanges=0, received_rows=0, received_bytes=0, sent_rows=0, sent_bytes=0,
-                                 sent_from_cache_rows=0, id_bytes=0, exchange_seconds=0.0)
+                                 sent_from_cache_rows=0, remote_cache_rows=0, id_bytes=0, counts_seconds=0.0,
+                                 ids_seconds=0.0, exchange_seconds=0.0, wall_seconds=0.0)
 
     def attach(self, cache: torch.Tensor | None, slots: torch.Tensor) -> None:
         """Serve the other ranks' requests through the store's tiers: rows in ``cache`` (its GPU cache) from there.
@@ -115,6 +126,11 @@ class ShardedTier(FetchTier):
         """
         if self._comm == self.device:  # the rows are served where the collective sends them from
             self._cache, self._slots = cache, slots
+
+    def mark_remote_cache(self, remote: torch.Tensor) -> None:
+        """``remote``: (c,) bool, whether cache slot ``s + 1`` holds a row of another shard (counted as
+        ``remote_cache_rows`` when a batch finds it there)."""
+        self._remote_slot = torch.cat([torch.zeros(1, dtype=torch.bool), remote.cpu().bool()]).to(self.device)
 
     # `FeatureStore.stats` reads ``tier.stats``: the GPU times of finished exchanges are folded in first
     @property
@@ -132,6 +148,18 @@ class ShardedTier(FetchTier):
         if ids.numel():
             out.index_copy_(0, positions.to(out.device), rows.to(out.device))
 
+    reads_slots = True
+
+    def fetch_slots(self, ids: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, flag: Any = None) -> None:
+        """``out[k] = row ids[k]`` for every ``k`` with ``loc[k] < 0`` (the rows of other ranks the store lacks).
+
+        The store's gather calls this instead of `fetch`: the rows are picked on the device (no
+        host synchronisation but the exchange's one), and each piece of received rows is scattered
+        straight into ``out``.  Collective, as `exchange`.
+        """
+        with self._lock:
+            self._guarded(lambda: self._fetch_slots(ids, loc, out, flag))
+
     def exchange(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` ((k,) int64 rows of the whole table, any device; repeats allowed) as (k, *rest) on ``device``.
 
@@ -145,23 +173,27 @@ class ShardedTier(FetchTier):
                 died or stopped answering within the group's timeout); the message names the rank.
         """
         with self._lock:  # one exchange at a time: threads of one rank take turns (each call is self-contained)
-            if self._broken is not None:
-                raise ShardExchangeError(self._broken)
-            self._joined = False
-            try:
-                return self._exchange(ids.reshape(-1))
-            except (IndexError, ShardExchangeError):
+            return self._guarded(lambda: self._exchange(ids.reshape(-1)))
+
+    def _guarded(self, run: Any) -> Any:
+        """``run()`` (one exchange); a failure before its first collective tells the others, one in it breaks the tier."""
+        if self._broken is not None:
+            raise ShardExchangeError(self._broken)
+        self._joined = False
+        try:
+            return run()
+        except (IndexError, ShardExchangeError):
+            raise
+        except Exception as exc:
+            if not self._joined:  # failed before the first collective: the others learn it from the -1 there
+                self._signal_failure()
                 raise
-            except Exception as exc:
-                if not self._joined:  # failed before the first collective: the others learn it from the -1 there
-                    self._signal_failure()
-                    raise
-                # a collective failed: the group is unusable now
-                cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                self._broken = (f"rank {self.rank} of {self.world_size}: the exchange of feature rows failed "
-                                f"({type(exc).__name__}: {cause}); another rank has died or stopped answering: "
-                                f"see its own error")
-                raise ShardExchangeError(self._broken) from exc
+            # a collective failed: the group is unusable now
+            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self._broken = (f"rank {self.rank} of {self.world_size}: the exchange of feature rows failed "
+                            f"({type(exc).__name__}: {cause}); another rank has died or stopped answering: "
+                            f"see its own error")
+            raise ShardExchangeError(self._broken) from exc
 
     def abort(self, error: BaseException) -> None:
         """Tell the other ranks, in place of this gather's exchange, that this rank's gather failed (the
@@ -179,66 +211,103 @@ class ShardedTier(FetchTier):
 
     # -- one exchange ------------------------------------------------------------------------
     def _exchange(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(self.device, torch.int64)
+        dest = torch.empty((ids.numel(), *self._rest), dtype=self.shard.dtype, device=self.device)
+        self._run(ids, None, dest, None)
+        return dest
+
+    def _fetch_slots(self, ids: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, flag: Any) -> None:
+        n = self.layout.num_rows
+        ids = ids.to(self.device).long()
+        ids = torch.where(ids < 0, ids + n, ids)
+        loc = loc.to(self.device)
+        if self._remote_slot is not None and ids.numel():  # rows of other shards this rank's cache served
+            c = self._remote_slot.numel() - 1  # slots 1..c: the cache; c + 1..: this rank's shard
+            hit = self._remote_slot[torch.where((loc > 0) & (loc <= c), loc, 0).long()]
+            self._remote_hits += hit.sum()
+        self._run(ids, loc < 0, out, flag)
+
+    def _run(self, ids: torch.Tensor, want: torch.Tensor | None, dest: torch.Tensor, flag: Any) -> None:
+        """``dest[k] = row ids[k]`` for the ``k`` in ``want`` (all if None): one exchange, one host synchronisation.
+
+        ids: (k,) int64 on ``device``; an id outside the table on any rank fails every rank's exchange
+        (this rank raises ``IndexError``, the others `ShardExchangeError` naming it).
+        """
         cuda = self.device.type == "cuda"
         t0 = time.perf_counter()
         start = _event() if cuda else None
         if self._flag is not None:
             self._flag.raise_if_set(f" (rows a rank asked of rank {self.rank}'s shard: an internal error)")
-        ids = ids.to(self.device, torch.int64)
-        # sorted, so grouped by owner; repeats are asked for as often as they come (a loader's ids are distinct,
-        # and sorting needs no host synchronisation where torch.unique would wait for the GPU)
-        ordered, perm = torch.sort(ids)
+        n = self.layout.num_rows
+        inside = (ids >= 0) & (ids < n)
+        # sorted, so grouped by owner; rows not wanted (and bad ids) sort last, past every shard; repeats are asked
+        # for as often as they come (a loader's ids are distinct, and sorting needs no host synchronisation)
+        keep = inside if want is None else inside & want
+        ordered, perm = torch.sort(torch.where(keep, ids, n))
         cuts = torch.searchsorted(ordered, self._bounds)
         asks = cuts[1:] - cuts[:-1]
-        bad = (cuts[0] > 0) | (cuts[-1] < ordered.numel())  # ids below 0 or from N on belong to no shard
-        asks = torch.where(bad, torch.full_like(asks, -1), asks)
+        asks = torch.where((~inside).any(), torch.full_like(asks, -1), asks)  # a bad id: every rank stops
         self._joined = True
-        matrix = self._counts(asks)
-        self._raise_failed(matrix, ordered)
-        self._stats.extra["exchanges"] += 1
+        matrix = self._counts(asks)  # the exchange's one host synchronisation
+        t_counts = time.perf_counter()
+        counted = _event() if cuda else None
+        self._raise_failed(matrix, ids, flag)
+        ex = self._stats.extra
+        ex["exchanges"] += 1
         mine = matrix[self.rank]  # rows this rank asks of each rank
         theirs = [matrix[r][self.rank] for r in range(self.world_size)]  # rows each rank asks of this one
-        if not any(any(row) for row in matrix):
-            return torch.empty((0, *self._rest), dtype=self.shard.dtype, device=self.device)
-        local = ordered - torch.repeat_interleave(self._bounds[:-1], asks, output_size=ordered.numel())
-        wanted = torch.empty(sum(theirs), dtype=self._id_dtype, device=self._comm)
-        dist.all_to_all_single(wanted, local.to(self._comm, self._id_dtype), theirs, mine, group=self.group)
-        mid = _event() if cuda else time.perf_counter()
-        got = self._send_rows(wanted, mine, theirs, self._pieces(matrix))
-        if not cuda:
-            self._stats.extra["exchange_seconds"] += time.perf_counter() - mid
-        got = got.to(self.device)
-        rows = torch.empty_like(got).index_copy_(0, perm, got)  # back in the order of ``ids``
-        if cuda:
-            with self._events_lock:
-                self._events.append((start, mid, _event()))
-        ex = self._stats.extra
-        remote_in = sum(mine) - mine[self.rank]
-        remote_out = sum(theirs) - theirs[self.rank]
-        self._stats.add(rows=int(ids.numel()), nbytes=int(ids.numel()) * self._row_bytes,
-                        seconds=0.0 if cuda else time.perf_counter() - t0)
-        ex["received_rows"] += remote_in
-        ex["received_bytes"] += remote_in * self._row_bytes
-        ex["sent_rows"] += remote_out
-        ex["sent_bytes"] += remote_out * self._row_bytes
-        ex["id_bytes"] += (remote_in + remote_out) * wanted.element_size()
-        return rows
+        total = sum(mine)
+        if any(any(row) for row in matrix):
+            local = ordered[:total] - torch.repeat_interleave(self._bounds[:-1], asks, output_size=total)
+            wanted = torch.empty(sum(theirs), dtype=self._id_dtype, device=self._comm)
+            dist.all_to_all_single(wanted, local.to(self._comm, self._id_dtype), theirs, mine, group=self.group)
+            mid = _event() if cuda else None
+            t_mid = time.perf_counter()
+            self._send_rows(wanted, mine, theirs, self._pieces(matrix), dest, perm[:total])
+            if cuda:
+                with self._events_lock:
+                    self._events.append((start, counted, mid, _event()))
+            else:
+                t1 = time.perf_counter()
+                ex["counts_seconds"] += t_counts - t0
+                ex["ids_seconds"] += t_mid - t_counts
+                ex["exchange_seconds"] += t1 - t_mid
+                self._stats.add(seconds=t1 - t0)
+            remote_in = total - mine[self.rank]
+            remote_out = sum(theirs) - theirs[self.rank]
+            ex["received_rows"] += remote_in
+            ex["received_bytes"] += remote_in * self._row_bytes
+            ex["sent_rows"] += remote_out
+            ex["sent_bytes"] += remote_out * self._row_bytes
+            ex["id_bytes"] += (remote_in + remote_out) * wanted.element_size()
+        elif not cuda:
+            ex["counts_seconds"] += t_counts - t0
+            self._stats.add(seconds=t_counts - t0)
+        ex["wall_seconds"] += time.perf_counter() - t0
+        self._stats.add(rows=total, nbytes=total * self._row_bytes)
 
     def _pieces(self, matrix: list[list[int]]) -> int:
         """Pieces the rows go in (the same on every rank: from the matrix all of them see)."""
         largest = max(max(row) for row in matrix) * self._row_bytes
         return max(1, min(MAX_PIECES, -(-largest // self.piece_bytes)))
 
-    def _send_rows(self, wanted: torch.Tensor, mine: list[int], theirs: list[int], pieces: int) -> torch.Tensor:
-        """Serve ``wanted`` and exchange the rows: (sum(mine), *rest), in the order this rank asked for them.
+    def _send_rows(self, wanted: torch.Tensor, mine: list[int], theirs: list[int], pieces: int,
+                   dest: torch.Tensor, at: torch.Tensor) -> None:
+        """Serve ``wanted``, exchange the rows and scatter them: ``dest[at[i]]`` = the ``i``-th row this rank asked for.
 
         In ``pieces`` all_to_alls: piece ``c`` carries rows ``n*c//pieces .. n*(c+1)//pieces`` of every
-        segment of ``n`` rows, and is sent while the owner gathers piece ``c + 1``.
+        segment of ``n`` rows, and is sent while the owner gathers piece ``c + 1``; each piece received is
+        scattered into ``dest`` (no staging buffer for the whole batch).
         """
-        rows_of = torch.empty((sum(mine), *self._rest), dtype=self.shard.dtype, device=self._comm)
+        def put(part: torch.Tensor, where: torch.Tensor) -> None:
+            if where.numel():
+                dest.index_copy_(0, where.to(dest.device), part.to(dest.device))
+
         if pieces == 1:
-            dist.all_to_all_single(rows_of, self._serve(wanted), mine, theirs, group=self.group)
-            return rows_of
+            got = torch.empty((sum(mine), *self._rest), dtype=self.shard.dtype, device=self._comm)
+            dist.all_to_all_single(got, self._serve(wanted), mine, theirs, group=self.group)
+            put(got, at)
+            return
         t_at = [sum(theirs[:j]) for j in range(self.world_size)]
         m_at = [sum(mine[:j]) for j in range(self.world_size)]
 
@@ -253,14 +322,10 @@ class ShardedTier(FetchTier):
             part = torch.empty((sum(b - a for a, b in recv), *self._rest), dtype=self.shard.dtype, device=self._comm)
             work = dist.all_to_all_single(part, self._serve(ids), [b - a for a, b in recv], [b - a for a, b in send],
                                           group=self.group, async_op=True)
-            sent.append((work, part, recv))
-        for work, part, recv in sent:
+            sent.append((work, part, torch.cat([at[m_at[j] + a:m_at[j] + b] for j, (a, b) in enumerate(recv)])))
+        for work, part, where in sent:
             work.wait()
-            k = 0
-            for j, (a, b) in enumerate(recv):
-                rows_of[m_at[j] + a:m_at[j] + b] = part[k:k + b - a]
-                k += b - a
-        return rows_of
+            put(part, where)
 
     def _counts(self, asks: torch.Tensor) -> list[list[int]]:
         """The W x W matrix of rows rank i asks of rank j (all_gather of every rank's ``asks``; one host sync)."""
@@ -268,11 +333,13 @@ class ShardedTier(FetchTier):
         _all_gather(out, asks.to(self._comm), group=self.group)
         return out.view(self.world_size, self.world_size).tolist()
 
-    def _raise_failed(self, matrix: list[list[int]], ids: torch.Tensor) -> None:
+    def _raise_failed(self, matrix: list[list[int]], ids: torch.Tensor, flag: Any = None) -> None:
         failed = [r for r, row in enumerate(matrix) if any(v < 0 for v in row)]
         if not failed:
             return
         if self.rank in failed:
+            if flag is not None:  # the store's lookup saw the bad index first: its message names it as given
+                flag.raise_if_set()
             n = self.layout.num_rows
             bad = torch.unique(ids[(ids < 0) | (ids >= n)])
             raise IndexError(f"rank {self.rank}: row ids {bad[:5].tolist()}{' ...' if bad.numel() > 5 else ''} are "
@@ -302,14 +369,21 @@ class ShardedTier(FetchTier):
             served = self._served.tolist()
             self._served.zero_()
             self._stats.extra["sent_from_cache_rows"] += int(served[0])
+        if self._remote_slot is not None:
+            self._stats.extra["remote_cache_rows"] += int(self._remote_hits)
+            self._remote_hits.zero_()
         with self._events_lock:
             keep = []
-            for a, m, b in self._events:
+            ex = self._stats.extra
+            for evs in self._events:
+                a, c, m, b = evs
                 if b.query():
                     self._stats.add(seconds=a.elapsed_time(b) / 1e3)
-                    self._stats.extra["exchange_seconds"] += m.elapsed_time(b) / 1e3
+                    ex["counts_seconds"] += a.elapsed_time(c) / 1e3
+                    ex["ids_seconds"] += c.elapsed_time(m) / 1e3
+                    ex["exchange_seconds"] += m.elapsed_time(b) / 1e3
                 else:
-                    keep.append((a, m, b))
+                    keep.append(evs)
             self._events = keep
 
     def close(self) -> None:
@@ -443,6 +517,8 @@ def sharded_store(shard: torch.Tensor, layout: ShardLayout, *, gpu_cache: str | 
         slots[cache_ids.to(device)] = torch.arange(1, c + 1, dtype=torch.int32, device=device)
     tier.rows -= int(remote.numel())
     tier.attach(cache, slots)
+    if c:
+        tier.mark_remote_cache((cache_ids < lo) | (cache_ids >= hi))
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     tier.stats.reset()  # the statistics count the batches, not the cache's filling

@@ -358,6 +358,9 @@ class FeatureStore:
         collective = self.collective
         if not (self._fetch and (flat.numel() or collective)):
             return
+        if len(self._fetch) == 1 and self._fetch[0].reads_slots and schedule is None:
+            self._fetch[0].fetch_slots(flat, loc, out, own_flag)  # no host synchronisation here: the tier's own
+            return
         try:
             pos = (loc < 0).nonzero().squeeze(1)  # the one host synchronisation of a batch with fetched rows
             if own_flag is not None:

@@ -65,6 +65,8 @@ class FetchTier(ABC):
     name: str = "fetch"
     collective: bool = False
     rows: int | None = None
+    reads_slots: bool = False
+    """Whether the tier implements `fetch_slots` (finds its rows in the store's slot lookup itself)."""
 
     def __init__(self) -> None:
         self.stats = TierStats()
@@ -73,6 +75,13 @@ class FetchTier(ABC):
     def fetch(self, ids: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
         """``out[positions] = rows ids`` (ids: (k,) int64 row numbers of the whole table; positions: (k,) int64 on
         ``out``'s device).  Work queued on the current CUDA stream is ordered before the batch's consumers."""
+
+    def fetch_slots(self, ids: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, flag: Any = None) -> None:
+        """``out[k] = row ids[k]`` for every ``k`` with ``loc[k] < 0`` (the store's only fetch tier; ids: (m,) int
+        row numbers, negatives from the end; loc: (m,) int32 slots; both on ``out``'s device).  Unlike `fetch`, the
+        tier picks its rows on the device, so the store makes no host synchronisation for it.  ``flag``: the
+        lookup's `ErrorFlag`, if any (a bad id is raised through it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not read the slot lookup (reads_slots is False)")
 
     def abort(self, error: BaseException) -> None:
         """This rank's gather failed with ``error`` before calling `fetch` (a collective tier tells the others)."""
