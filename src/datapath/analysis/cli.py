@@ -85,6 +85,10 @@ def _cmd_rok(args: argparse.Namespace) -> int:
         tput = "-" if pt.throughput_flops is None else f"{pt.throughput_flops / 1e12:.4g} TFLOP/s"
         log.info("%s mb=%d: %s, activation peak %s, %s", pt.strategy, pt.micro_batch, pt.status, peak, tput)
 
+    if args.png:  # before the sweep, not after it: a missing extra is one line and no lost run
+        from datapath._runtime.optional import require  # noqa: PLC0415
+
+        require("matplotlib", extra="plot", purpose="--png")
     try:
         if args.ssd_path:
             _check_dir_arg("--ssd-path", args.ssd_path)
@@ -103,11 +107,34 @@ def _cmd_rok(args: argparse.Namespace) -> int:
         return 1
     doc = result.to_dict(budget)
     doc["machine"] = machine_info()
+    note = _rok_too_small(result.points)
+    if note:
+        doc["note"] = note
     _dump(args.json, doc)
     if args.png:
         print(f"wrote {result.plot(args.png, budget)}")
     print(result.format_table(budget))
+    if note:
+        print(f"note: {note}")
     return 0
+
+
+TOO_SMALL_BYTES = 64 << 20  # activations below this per step: timings are launch overhead, not data movement
+
+
+def _rok_too_small(points: list[Any]) -> str | None:
+    """One line saying why the figures of a preset this small mean nothing (None: they mean something)."""
+    ok = [p for p in points if p.ok]
+    peak = max((p.activation_peak_bytes or 0 for p in ok), default=0)
+    offloads = [p for p in ok if "offload" in p.strategy]
+    nothing_moved = bool(offloads) and all(not p.bytes_offloaded_per_step for p in offloads)
+    if peak >= TOO_SMALL_BYTES and not nothing_moved:
+        return None
+    why = [f"the largest activation peak is {peak / 2**20:.3g} MiB (under {TOO_SMALL_BYTES >> 20} MiB)"]
+    if nothing_moved:
+        why.append("the offload strategies moved 0 bytes (storages under --min-bytes stay)")
+    return ("this preset is too small to measure: " + "; ".join(why) + ", so step times are launch overhead and "
+            "the curve says nothing about offloading; use a larger preset or --micro-batches")
 
 
 # --------------------------------------------------------------------------- ssd-plan
@@ -151,18 +178,35 @@ def _cmd_ssd_plan(args: argparse.Namespace) -> int:
         kw: dict[str, Any] = dict(par=par, gpu=gpu, drive=drive, drives_per_gpu=args.drives,
                                   waf_rating=args.waf_rating, waf_workload=args.waf,
                                   include_head=args.include_head, step_time_s=args.step_time)
+        values: list[float] = []
+        if args.sweep:  # checked before anything is printed
+            param, _, vals = args.sweep.partition("=")
+            try:
+                values = [float(v) for v in vals.split(",") if v.strip()]
+            except ValueError:
+                raise PlanError(f"--sweep {args.sweep}: the values must be numbers; write --sweep PARAM=V1,V2,... "
+                                f"(e.g. --sweep hidden=1024,2048,4096)") from None
+            if not param or not values:
+                raise PlanError(f"--sweep wants PARAM=V1,V2,... (e.g. hidden=1024,2048), got {args.sweep!r}")
+            try:
+                plans = sweep_plan(shape, param, values, **kw)
+            except PlanError as exc:
+                raise PlanError(f"--sweep {args.sweep}: {exc}") from None
+            if args.png:
+                from datapath._runtime.optional import require  # noqa: PLC0415
+
+                require("matplotlib", extra="plot", purpose="--png")
         p = plan(shape, **kw)
         doc: dict[str, Any] = {"plan": p.as_dict()}
         print(f"{cfg.family} h={shape.hidden} layers={shape.layers} heads={shape.heads} seq={shape.seq} "
               f"micro-batch={shape.micro_batch} tp={par.tp} pp={par.pp} micro-batches/step={par.microbatches} "
               f"on {gpu.name} ({gpu.peak_tflops:g} TFLOP/s x {gpu.efficiency:g})")
         print(_rows_text(p.table_rows()))
+        note = _plan_too_small(p)
+        if note:
+            doc["note"] = note
+            print(f"note: {note}")
         if args.sweep:
-            param, _, vals = args.sweep.partition("=")
-            values = [float(v) for v in vals.split(",") if v.strip()]
-            if not param or not values:
-                raise PlanError(f"--sweep wants PARAM=v1,v2,..., got {args.sweep!r}")
-            plans = sweep_plan(shape, param, values, **kw)
             rows = [{param: int(v) if float(v).is_integer() else v,
                      "act_GB": q.activation_bytes_per_step / 1e9, "step_s": q.step_time_s,
                      "write_GB/s": q.write_bandwidth_gbps, "lifespan_years": q.lifespan_years}
@@ -178,6 +222,15 @@ def _cmd_ssd_plan(args: argparse.Namespace) -> int:
         return 2
     _dump(args.json, doc)
     return 0
+
+
+def _plan_too_small(p: Any) -> str | None:
+    """One line saying why the plan of a shape this small means nothing (None: it means something)."""
+    if p.activation_bytes_per_step >= TOO_SMALL_BYTES and p.step_time_s >= 1e-3:
+        return None
+    return (f"this shape is too small for these figures to mean anything: {p.activation_bytes_per_step / 2**20:.3g} "
+            f"MiB of activations in a {p.step_time_s:.3g} s step, so the bandwidth and lifespan are extrapolated "
+            f"from a step no real run has; use a larger preset or give --step-time")
 
 
 def _plot_sweep(path: str, param: str, values: list[float], plans: list[Any]) -> None:

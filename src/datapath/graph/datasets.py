@@ -207,15 +207,29 @@ def _load_features(d: Path, meta: dict[str, Any], layout: ShardLayout | None, nu
         width = int(meta.get("num_features", -1))
         if shard is None:
             log.info("%s: reading its %d feature shards into one table in memory", d, layout.shards)
-            return torch.from_numpy(concat_shards(d, layout, width)), None
-        return torch.from_numpy(read_shard(d, layout, shard[0], width, mmap)), shard[0]
+            table = concat_shards(d, layout, width)
+            _check_float(table, d / layout.as_meta()["files"][0])
+            return torch.from_numpy(table), None
+        part = read_shard(d, layout, shard[0], width, mmap)
+        _check_float(part, d / layout.as_meta()["files"][shard[0]])
+        return torch.from_numpy(part), shard[0]
     feats = load_npy(d / "features.npy", mmap)
     if feats.ndim != 2 or feats.shape[0] != num_nodes:
         raise DatasetError(f"{d / 'features.npy'} has shape {tuple(feats.shape)}; expected ({num_nodes}, F)")
+    _check_float(feats, d / "features.npy")
     if shard is None:
         return torch.from_numpy(feats), None
     lo, hi = ShardLayout.even(num_nodes, shard[1]).rows(shard[0])
     return torch.from_numpy(feats[lo:hi]), shard[0]
+
+
+def _check_float(feats: np.ndarray, path: Path) -> None:
+    """Features are floating point: integer ones (int32/int64, often ids or counts by mistake) are rejected here,
+    naming the file, rather than failing once training starts."""
+    if not np.issubdtype(feats.dtype, np.floating):
+        raise DatasetError(f"{path} holds {feats.dtype} values; node features must be floating point (float32): "
+                           f"convert them, e.g. np.save(path, np.load(path).astype(np.float32)), and re-create "
+                           f"meta.json with Dataset.save")
 
 
 def prepare_dataset(name: str, directory: str | Path, *, memory_gb: float | None = None, seed: int = 0,

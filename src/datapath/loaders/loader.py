@@ -108,6 +108,9 @@ class NeighborLoader:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise LoaderError(f"NeighborLoader(device={str(device)!r}) needs a CUDA GPU and torch.cuda.is_available() "
+                              f"is False here (torch {torch.__version__}); pass device='cpu' or leave device out")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type not in ("cpu", "cuda"):

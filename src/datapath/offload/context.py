@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from datapath.offload.cache import TensorCache
+from datapath.offload.errors import OffloadConfigError
 from datapath.offload.integrations import patch_schedules, restore_patches
 
 
@@ -47,6 +48,10 @@ def offload(model: nn.Module | None = None, target: str = "host", path: str | No
     ``schedule_hints`` patches Megatron-core's and DeepSpeed's pipeline schedules
     (when the program imported them) so the cache knows each micro-batch.
     """
+    if model is not None and not isinstance(model, nn.Module):
+        raise OffloadConfigError(f"offload(model=...) takes the torch.nn.Module whose activations are offloaded, got "
+                                 f"{type(model).__name__} {model!r:.60}; pass the model itself (or None for no "
+                                 f"module hooks): offload(model, target={target!r})")
     own = cache is None
     if cache is None:
         cache = TensorCache(target=target, path=path, policy=policy, memory_budget=memory_budget,

@@ -57,7 +57,14 @@ class NeighborSampler:
 
     def __init__(self, fanouts: Sequence[int], replace: bool = False, seed: int = 0,
                  return_edge_ids: bool = False, blocks_per_sm: int = 32) -> None:
-        fanouts = list(fanouts) if not isinstance(fanouts, (str, bytes)) else [fanouts]
+        if isinstance(fanouts, (int, np.integer)) and not isinstance(fanouts, bool):
+            raise SamplingError(f"fanouts={fanouts!r}: give one fanout per hop as a list, e.g. "
+                                f"NeighborSampler([{fanouts}]) for one hop or NeighborSampler([10, 5]) for two")
+        try:
+            fanouts = list(fanouts) if not isinstance(fanouts, (str, bytes)) else [fanouts]
+        except TypeError:
+            raise SamplingError(f"fanouts must be a list of ints (neighbours per hop, e.g. [10, 5]), got "
+                                f"{fanouts!r}") from None
         if not fanouts or any(isinstance(f, bool) or not isinstance(f, (int, np.integer)) for f in fanouts):
             raise SamplingError(f"fanouts must be a non-empty list of ints (neighbours per hop), got {fanouts!r}")
         fanouts = [int(f) for f in fanouts]

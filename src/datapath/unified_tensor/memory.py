@@ -54,6 +54,9 @@ def as_unified(t: torch.Tensor | np.ndarray, affinity: Affinity = "host") -> Uni
     readonly = False
     if isinstance(t, np.ndarray):
         t, readonly = _from_numpy(t)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"as_unified(t) takes a CPU torch.Tensor or a numpy array (a np.memmap too), got "
+                        f"{type(t).__name__}; wrap it first: as_unified(torch.tensor(...)) or as_unified(np.asarray(...))")
     if isinstance(t, UnifiedTensor):
         return t if t.affinity == affinity else t.with_affinity(affinity)
     if t.device.type != "cpu":

@@ -168,9 +168,14 @@ def attach(name: str, affinity: Affinity = "host", timeout: float = 60.0) -> Uni
             raise SharedTableError(f"no shared table {name!r} in {shm_dir()} after {timeout:.0f} s; "
                                    f"did the owner call share(..., {name!r})?")
         time.sleep(0.05)
-    info = json.loads(meta.read_text())
-    dtype = getattr(torch, info["dtype"])
-    host = _map(data, dtype, tuple(info["shape"]))
+    try:
+        info = json.loads(meta.read_text())
+        dtype = getattr(torch, info["dtype"])
+        shape = tuple(int(s) for s in info["shape"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SharedTableError(f"{meta} (the description of shared table {name!r}) is corrupt ({type(exc).__name__}: "
+                               f"{exc}); its owner should share the table again (or remove {meta} and {data})") from None
+    host = _map(data, dtype, shape)
     return as_unified(host, affinity=affinity)
 
 
