@@ -1,4 +1,5 @@
-"""The differential fuzz's CPU part: a few hundred random cases of every op and layer against float64 references.
+"""The differential fuzz in CI: a few hundred random cases of every op and layer against float64 references (CPU;
+the same on CUDA where there is a GPU).
 
 Seeded (run 0, cases 0..CASES-1): a failure prints the case and a stand-alone reproduction.  Cases in
 `KNOWN` fail for a reason written beside them (a bug being fixed); the test fails when one of them passes
@@ -84,3 +85,14 @@ def test_case_results_serialise() -> None:
     d = r.as_dict()
     assert d["case"]["op"] == "gather" and d["status"] in ("ok", "mismatch", "error", "unclear_error")
     assert FuzzCase.from_dict(d["case"]) == r.case
+
+
+@pytest.mark.gpu
+def test_gpu_fuzz_cases_match_the_reference() -> None:
+    """The same on CUDA (the GPU machine's test run; `benchmarks/kernel_fuzz.py` runs >= 10,000 and the sanitizers)."""
+    results = run_fuzz(seed=0, count=CASES, device="cuda")
+    dead = [r for r in results if r.status == "illegal_address"]
+    assert not dead, f"the CUDA context died: {dead[0].summary()}\n  reproduce: python -c \"{dead[0].reproduction()}\""
+    bad = [r for r in results if not r.ok]
+    report = "\n".join(f"{r.summary()[:400]}\n  reproduce: python -c \"{r.reproduction()}\"" for r in bad[:20])
+    assert not bad, f"{len(bad)} of {CASES} GPU fuzz cases failed:\n{report}"
