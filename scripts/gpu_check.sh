@@ -18,8 +18,8 @@
 #             B4_TIMEOUT=575 B4_ARGS="--models llama,gpt2 --steps 7 --warmup 2 --time-budget 265" (390 s) and
 #             B4_TIMEOUT=300 B4_ARGS="--models gpt-h8192 --steps 5 --warmup 2 --time-budget 250" (190 s))
 #   rok       ROK curve                          benchmarks/rok.py                           (~2.5 min)
-#   fuzz      differential kernel fuzz           benchmarks/kernel_fuzz.py: >= 10,000 cases, then 500 under
-#             compute-sanitizer memcheck and a racecheck subset (~9 min; FUZZ_ARGS / T_FUZZ override)
+#   fuzz      differential kernel fuzz           benchmarks/kernel_fuzz.py: 10,000 cases, then 520 under
+#             compute-sanitizer memcheck and 48 under racecheck (~4.5 min; FUZZ_ARGS / T_FUZZ override)
 #   two-gpu   the tests that need 2 GPUs (offload FSDP2/DDP/Megatron TP2, data-parallel loaders, sharded store,
 #             two torchrun nodes)                                     (nvidia-h200-x2 only; ~4 min with tests/features)
 #   b5        B5 features sharded over 2 nodes: its GPU tests, then products 1 GPU vs 2 torchrun nodes
