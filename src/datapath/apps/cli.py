@@ -128,6 +128,9 @@ def register(sub: Any) -> None:
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue the run saved in DIR at its next epoch, up to --epochs in all (the settings that "
                         "shape the model and data must match); keeps saving to DIR unless --save names another")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="train on when a batch's loss is NaN or infinite (by default training stops, naming the epoch "
+                        "and batch)")
     p.set_defaults(func=train_gnn)
 
     q = sub.add_parser("prepare-dataset", help="generate a synthetic preset, or import your graph (--from), into a "
@@ -199,7 +202,7 @@ def train_gnn(args: argparse.Namespace) -> int:
                       dist_timeout_s=args.dist_timeout,
                       memory_gb=args.memory_gb, seed=args.seed, prefetch=args.prefetch,
                       progress=not args.no_progress, json=str(args.json) if args.json is not None else None,
-                      save=args.save, resume=args.resume)
+                      save=args.save, resume=args.resume, allow_nonfinite=args.allow_nonfinite)
     cfg.validate()
     if args.device == "cuda":
         from datapath._runtime.device import require_cuda  # noqa: PLC0415

@@ -15,3 +15,7 @@ class CudaAutogradUnavailableError(DatapathError, RuntimeError):
     accelerator; torch 2.11-2.13 then drops the streams of CUDA autograd nodes and every
     CUDA backward fails with an internal assert (pytorch/pytorch#161129).
     """
+
+
+class NonFiniteLossError(DatapathError, ArithmeticError):
+    """Training met a NaN or infinite loss (its epoch and batch named); ``--allow-nonfinite`` trains on anyway."""

@@ -71,6 +71,7 @@ class TrainConfig:
     fails.  ``eval_nodes``: validation/test
     nodes evaluated after each epoch and at the end (0: no evaluation).  ``max_batches``:
     steps per epoch at most.  ``return_state``: rank 0's result carries the final parameters.
+    ``allow_nonfinite``: train on past a NaN/inf loss (by default training stops naming the epoch and batch).
     ``save``: write a checkpoint (`datapath.apps.checkpoint`) into that directory after each epoch;
     ``resume``: continue the run saved there at its next epoch (and keep saving there unless ``save``).
     """
@@ -105,6 +106,7 @@ class TrainConfig:
     return_state: bool = False
     save: str | None = None
     resume: str | None = None
+    allow_nonfinite: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting (before any data is built)."""
@@ -338,7 +340,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         with tqdm(total=n_steps, desc=f"epoch {epoch}", unit="batch", leave=False,
                   disable=not (cfg.progress and ctx.is_main)) as bar:
             before = ds.features.stats() if isinstance(ds.features, FeatureStore) else None
-            st = train_epoch(model, loader, opt, max_batches=cfg.max_batches, progress=bar, loss_fn=loss_fn)
+            st = train_epoch(model, loader, opt, max_batches=cfg.max_batches, progress=bar, loss_fn=loss_fn,
+                             epoch=epoch, allow_nonfinite=cfg.allow_nonfinite)
         seeds = _seeds_in(loader, st.batches)
         row = {**st.as_dict(), "seeds": seeds, "seeds_per_s": seeds / st.epoch_s if st.epoch_s else 0.0}
         if before is not None:  # what the store served in this epoch's training steps

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from datapath.apps.errors import CudaAutogradUnavailableError
+from datapath.apps.errors import CudaAutogradUnavailableError, NonFiniteLossError
 from datapath.apps.launch import exit_if_stopped
 from datapath.loaders import Batch, NeighborLoader
 
@@ -77,12 +77,17 @@ def _cpu_seconds(proc: psutil.Process) -> float:
 
 
 def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim.Optimizer,
-                max_batches: int | None = None, progress: Any = None, loss_fn: LossFn | None = None) -> EpochStats:
+                max_batches: int | None = None, progress: Any = None, loss_fn: LossFn | None = None, *,
+                epoch: int | None = None, allow_nonfinite: bool = False) -> EpochStats:
     """One epoch (or its first ``max_batches`` batches) of cross-entropy training.
 
     ``progress``: an optional tqdm bar, advanced once per batch.
     ``loss_fn(out, batch)``: the loss to minimise (default: mean cross-entropy of ``out``
     against ``batch.y``); data-parallel training passes its share of the global batch's mean.
+    A NaN or infinite loss raises `NonFiniteLossError` naming ``epoch`` and the batch (and whether
+    that batch's features were non-finite): checked at every batch on the CPU, every
+    ``NONFINITE_CHECK_EVERY`` batches on a GPU (the flag stays on the device in between, so no
+    batch waits).  ``allow_nonfinite``: train on regardless.
     """
     cuda = loader.device.type == "cuda"
     proc = psutil.Process()
@@ -96,6 +101,7 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
     correct = torch.zeros((), dtype=torch.int64, device=dev)
     seen = 0
     losses: list[torch.Tensor] = []
+    first_bad = torch.full((), -1, dtype=torch.int64, device=dev)  # the first batch whose loss was not finite
     events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     sample_s = gather_s = wait_s = train_wall = consumer_cpu = producer_cpu = producer_wait = 0.0
     n = 0
@@ -124,6 +130,10 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
             else:
                 train_wall += time.perf_counter() - tt
             d = loss.detach()
+            if not allow_nonfinite:
+                first_bad = torch.where((first_bad < 0) & ~torch.isfinite(d), n, first_bad)
+                if (not cuda or n % NONFINITE_CHECK_EVERY == NONFINITE_CHECK_EVERY - 1) and int(first_bad) >= 0:
+                    _raise_nonfinite(int(first_bad), epoch, losses + [d], batch if int(first_bad) == n else None)
             loss_sum += d
             losses.append(d)
             correct += (out.detach().argmax(1) == batch.y).sum()
@@ -143,6 +153,8 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
             close()
     if cuda:
         torch.cuda.synchronize(dev)
+    if not allow_nonfinite and int(first_bad) >= 0:
+        _raise_nonfinite(int(first_bad), epoch, losses, None)
     epoch_s = time.perf_counter() - t0
     cpu_s = _cpu_seconds(proc) - cpu0
     train_s = sum(a.elapsed_time(b) for a, b in events) / 1e3 if cuda else train_wall
@@ -154,6 +166,22 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
         consumer_cpu_s=consumer_cpu, producer_cpu_s=producer_cpu, producer_gpu_wait_s=producer_wait,
         producer_queue_wait_s=queue_wait,
     )
+
+
+NONFINITE_CHECK_EVERY = 8  # GPU batches between two looks at the device-side non-finite flag
+
+
+def _raise_nonfinite(index: int, epoch: int | None, losses: list[torch.Tensor], batch: Any) -> None:
+    """One line: the epoch and batch (1-based) whose loss was NaN/inf, and whether its input features were."""
+    value = float(losses[index]) if index < len(losses) else float("nan")
+    where = f"epoch {epoch + 1}, batch {index + 1}" if epoch is not None else f"batch {index + 1}"
+    why = ""
+    if batch is not None and batch.x is not None and batch.x.is_floating_point():
+        bad = int((~torch.isfinite(batch.x)).sum())
+        if bad:
+            why = f"; {bad:,} of this batch's {batch.x.numel():,} input feature values are NaN/inf: fix the features"
+    raise NonFiniteLossError(f"{where}: the loss is {value} (not finite){why}; stopped (--allow-nonfinite trains on "
+                             f"regardless)")
 
 
 @torch.no_grad()
