@@ -48,9 +48,12 @@ def debug_checks(enabled: bool = True) -> Iterator[None]:
         set_debug_checks(prev)
 
 
+_DEBUG_OPTIONS = ("-DDP_DEBUG",)
+
+
 def kernel_options() -> tuple[str, ...]:
     """The NVRTC options of the current mode (``-DDP_DEBUG`` in debug mode)."""
-    return ("-DDP_DEBUG",) if _DEBUG[0] else ()
+    return _DEBUG_OPTIONS if _DEBUG[0] else ()
 
 
 def rows_error(x: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, what: str) -> FeatureShapeError:

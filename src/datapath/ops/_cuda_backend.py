@@ -333,7 +333,7 @@ def transposed_runner(csr: CSRView, spec: AggSpec, feat: int, dtype: torch.dtype
                             run=_tune.public_call(t, g, "sum", None) if allow else None)
     # the forward's row scale applies to the transpose's sources, its column scale to the transpose's rows; the
     # runner holds the transposed view (it is kept with csr and by autograd nodes, which may outlive csr)
-    return _kept_runner(csr, ("t_runner", feat, dtype, spec.variant, _checks.kernel_options()), plan,
+    return _kept_runner(csr, ("t_runner", feat, dtype, spec.variant), plan,
                         lambda: _bound(t, plan, feat, dtype, spec.row_scale, spec.col_scale, strong=True))
 
 
@@ -391,7 +391,7 @@ def _bound_pull(view: CSRView, get: Any, plan: AggregationPlan, feat: int, dtype
 def _forward_runner(csr: CSRView, spec: AggSpec, plan: AggregationPlan, feat: int, dtype: torch.dtype) -> Any:
     """The unweighted forward by ``plan``, bound once per (width, dtype, variant, plan) and kept with ``csr``."""
     # its rows are aggregate's, validated there (rows, width, contiguity; the dtype is in the key): no check per call
-    return _kept_runner(csr, ("f_runner", feat, dtype, spec.variant, _checks.kernel_options()), plan,
+    return _kept_runner(csr, ("f_runner", feat, dtype, spec.variant), plan,
                         lambda: _bound(csr, plan, feat, dtype, spec.col_scale, spec.row_scale, check=False))
 
 

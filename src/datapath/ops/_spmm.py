@@ -26,6 +26,7 @@ from datapath.ops._sgt import Translation, translate
 from datapath.ops.plan import AggregationPlan, _next_pow2, widest_vec
 
 ROWS_THREADS = 256
+_DEBUG = _checks._DEBUG  # noqa: SLF001 - the debug switch, read once per call
 
 
 def _row_order(view: CSRView) -> torch.Tensor:
@@ -183,7 +184,7 @@ class _RowsLaunch:
         """(rows, F) aggregation of ``x`` (see `check`; ``check=False`` only for rows a public op validated)."""
         if check:
             self.check(x, src_map)
-        if _checks._DEBUG[0]:  # noqa: SLF001
+        if _DEBUG[0]:
             self.validate(x, w, nbr_scale, row_scale, src_map)
         out = x.new_empty((self.n, x.shape[1]))
         if self.multi:
