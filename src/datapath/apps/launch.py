@@ -10,6 +10,7 @@ shared tables and offload files are removed.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import logging
 import os
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from datapath._runtime.cuda_sched import use_blocking_sync
 from datapath._runtime.device import require_cuda
 from datapath._runtime.errors import DatapathError
+from datapath._runtime.reaper import Reaper
 from datapath.apps.errors import DistributedError
 
 log = logging.getLogger("datapath.apps.launch")
@@ -241,6 +243,7 @@ def _entry(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], nproc
                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ[PREFIX_ENV] = prefix
     _exit_on_sigterm(also_sigint=True)  # the launcher forwards both; neither leaves a KeyboardInterrupt mid-exit
+    _term_with_parent()
     try:
         result = fn(*args)
         with open(os.path.join(outdir, f"rank{local_rank}.pkl"), "wb") as f:
@@ -248,6 +251,15 @@ def _entry(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], nproc
         _leave_together()
     finally:
         shutdown_distributed()
+
+
+def _term_with_parent() -> None:
+    """Linux: have the kernel send this rank SIGTERM when the launcher dies, SIGKILL included (no orphan ranks)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _leave_together() -> None:
@@ -307,7 +319,9 @@ def launch(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *,
     ``fn`` must be importable (a module-level function) and its result picklable.
 
     Every way out cleans up: the job's shared tables, the launcher's temporary folder and
-    PyTorch's per-process error files are removed, and no rank outlives the launcher.
+    PyTorch's per-process error files are removed, and no rank outlives the launcher.  Killed
+    outright (SIGKILL), the launcher leaves nothing either: a watchdog (`datapath._runtime.reaper`)
+    removes its folder, and rank 0's removes the tables.
 
     - A rank fails: the others get ``grace_period`` seconds to finish, then SIGTERM, then after
       another ``grace_period`` SIGKILL (a rank blocked in a collective cannot run its SIGTERM
@@ -324,6 +338,7 @@ def launch(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *,
         raise DistributedError(f"nprocs must be >= 1, got {nprocs}")
     prefix = prefix or new_prefix()
     outdir = tempfile.mkdtemp(prefix="datapath-launch-")
+    reaper = Reaper([outdir])  # the folder goes even when the launcher is killed (SIGKILL)
     pctx = None
     received: list[int] = []
 
@@ -361,6 +376,7 @@ def launch(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *,
                     os.unlink(path)
         _remove_tables(prefix)
         shutil.rmtree(outdir, ignore_errors=True)
+        reaper.fire(wait=False)
         for sig, handler in old.items():
             signal.signal(sig, handler)
 

@@ -21,6 +21,7 @@ import psutil
 import torch.distributed as dist
 
 from datapath._runtime import settings
+from datapath._runtime.reaper import Reaper
 from datapath.apps.errors import DistributedError
 from datapath.apps.launch import PREFIX_ENV, DistContext, new_prefix
 from datapath.graph import Dataset, Graph
@@ -47,7 +48,11 @@ def share_dataset(ds: Dataset, prefix: str) -> tuple[dict[str, Any], SharedDatas
 
     Returns the descriptor other processes pass to `attach_dataset` (small, picklable)
     and this process's `SharedDataset` over the shared copy.  Drop ``ds`` afterwards.
+    The tables go when this process ends, however it ends: at exit, or -- killed (SIGKILL, the
+    OOM killer) -- by a `datapath._runtime.reaper.Reaper` watching it; the other processes'
+    mappings stay valid until they unmap them.
     """
+    Reaper([str(shm_dir() / f"datapath-{prefix}.*")])  # before the first table: a kill mid-way leaves none
     arrays = {"indptr": ds.graph.indptr, "indices": ds.graph.indices, "edge_ids": ds.graph.edge_ids,
               "features": ds.features, "labels": ds.labels, "train_idx": ds.train_idx, "val_idx": ds.val_idx,
               "test_idx": ds.test_idx}
