@@ -74,3 +74,16 @@ def test_offload_memory_budget_1_5_is_an_error_naming_it() -> None:
     with pytest.raises(OffloadConfigError, match=r"memory_budget=1\.5 is neither a share in \[0, 1\] nor a whole"):
         with offload(model, memory_budget=1.5):
             pass
+
+
+def test_datapath_variables_are_read_in_one_module() -> None:
+    """Only ``_runtime/settings.py`` reads ``DATAPATH_*`` variables (the fuzz runner saves and restores one around
+    a case: a write, not a setting it reads)."""
+    import re  # noqa: PLC0415
+
+    root = Path(SRC) / "datapath"
+    reads = re.compile(r"(environ\.get|getenv)\(\s*[\"']DATAPATH_")
+    bad = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py"))
+           if p.relative_to(root).as_posix() not in ("_runtime/settings.py", "testing/fuzz.py")
+           for i, line in enumerate(p.read_text().splitlines(), 1) if reads.search(line)]
+    assert bad == [], bad

@@ -10,16 +10,19 @@
 ``DATAPATH_SHM_DIR``                the directory of shared tables (a tmpfs; default ``/dev/shm``)
 ``DATAPATH_UNIFIED_DEVICE``         ``1``: name PyTorch's PrivateUse1 device "unified" at import
 ``DATAPATH_OPS_PROBE``              ``0``: pick aggregation kernels by the cost model, without timing them
+``DATAPATH_OPS_DEBUG``              ``1``: the aggregation kernels check their inputs' values from the start
 ``DATAPATH_CACHE_DIR``              where the native launcher is built (default ``~/.cache/datapath``)
 ``DATAPATH_SHARE_PREFIX``           the name prefix of one job's shared tables (letters, digits, ``-``, ``_``)
 ==================================  =====================================================================
 
 A module that needs one calls `get` where it uses it: a bad value raises `SettingError`, one line
-naming the variable, the value and what is accepted -- at that point, never at ``import datapath``.
+naming the variable, the value and what is accepted -- at that point, never at ``import datapath``
+(a setting read while importing uses `at_import`: the bad value is logged once and the default kept).
 `problems` lists every bad or unknown ``DATAPATH_*`` variable (``datapath info`` shows them).
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -106,6 +109,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "a directory (a tmpfs such as /dev/shm), not a file"),
     Setting("DATAPATH_UNIFIED_DEVICE", False, _flag, "1 or 0"),
     Setting("DATAPATH_OPS_PROBE", True, _flag, "1 or 0"),
+    Setting("DATAPATH_OPS_DEBUG", False, _flag, "1 or 0"),
     Setting("DATAPATH_CACHE_DIR", None, _optional_directory, "a directory, not a file"),
     Setting("DATAPATH_SHARE_PREFIX", None, _prefix, "1 to 64 letters, digits, '-' or '_'"),
 )}
@@ -128,6 +132,16 @@ def get(name: str, env: Mapping[str, str] | None = None) -> Any:
     except ValueError:
         raise SettingError(f"environment variable {name}={text!r} is not accepted: it must be {s.accepted} "
                            f"(unset it for the default)") from None
+
+
+def at_import(name: str) -> Any:
+    """`get` for a setting read while a module is imported: a bad value is said once (one logged line naming the
+    variable and what it accepts) and the default is used, so that ``import datapath`` never fails."""
+    try:
+        return get(name)
+    except SettingError as exc:
+        logging.getLogger("datapath").warning("%s; using the default, %r", exc, SETTINGS[name].default)
+        return SETTINGS[name].default
 
 
 def is_set(name: str, env: Mapping[str, str] | None = None) -> bool:

@@ -16,14 +16,14 @@ it was turned on keep their build (the value checks still run).
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
 
+from datapath._runtime import settings
 from datapath.ops.errors import FeatureShapeError, GraphFormatError, GraphIndexError
 
-_DEBUG = [os.environ.get("DATAPATH_OPS_DEBUG", "0") not in ("", "0")]
+_DEBUG = [bool(settings.at_import("DATAPATH_OPS_DEBUG"))]
 
 
 def debug_checks_enabled() -> bool:

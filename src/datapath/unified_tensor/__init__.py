@@ -10,8 +10,6 @@ See `datapath.unified_tensor.tensor` for the placement rules.  The row fetch beh
 mmap_mode="r")``, a non-writable array) becomes a read-only unified tensor: reads work
 without a copy, writes raise `ReadOnlyTableError`.
 """
-import logging
-
 from datapath._runtime import settings as _settings
 
 from datapath.unified_tensor._config import UnifiedConfig, config
@@ -26,11 +24,8 @@ from datapath.unified_tensor.shared import (
 from datapath.unified_tensor.tensor import UnifiedTensor, to_unified
 
 install_to_unified()
-try:
-    if _settings.get("DATAPATH_UNIFIED_DEVICE"):
-        register_device()
-except _settings.SettingError as _exc:  # import never fails on a setting: say so once, leave the device alone
-    logging.getLogger("datapath").warning("%s; the 'unified' device name is not registered", _exc)
+if _settings.at_import("DATAPATH_UNIFIED_DEVICE"):  # a bad value: said once, the device left alone
+    register_device()
 
 __all__ = [
     "ErrorFlag", "ReadOnlyTableError", "SharedTableError", "UnifiedConfig", "UnifiedTensor", "as_unified", "attach", "check_errors",
