@@ -127,7 +127,7 @@ for s in "${suites[@]}"; do
         tests/apps/test_multi_node.py > "$L/b5_tests.log" 2>&1
       rc=$?; [ "$rc" = 0 ] || status=1
       echo "B5 GPU tests rc=$rc"; grep -E "^(FAILED|ERROR)|passed|failed" "$L/b5_tests.log" | tail -n 20
-      bench 420 multi_node --datasets products --caches none,own:50% --name multi_node_products \
+      bench 420 multi_node --datasets products --caches none,any:25%,own:50% --name multi_node_products \
         --data-dir "$PWD/bench-disk" ;;
     hetero)  # relational layers vs PyG, R-GAT epoch with a 25% GPU cache vs resident (issue 41; ~4 min)
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/hetero > "$L/hetero_gpu_tests.log" 2>&1
