@@ -115,3 +115,6 @@ def test_gpu_two_gpus_nccl_exchange_beside_ddp() -> None:
         st = out["stats"]
         assert st["gpu_cache"]["rows"] > 0 and st["remote"]["exchanges"] == 16
         assert st["remote"]["exchange_seconds"] > 0 and st["remote"]["received_bytes"] > 0
+        # each stage timed on the GPU; the cache of the hottest rows of any shard served some of the other's rows
+        assert st["remote"]["counts_seconds"] > 0 and st["remote"]["ids_seconds"] > 0
+        assert st["remote"]["remote_cache_rows"] > 0
