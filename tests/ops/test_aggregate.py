@@ -427,3 +427,22 @@ def test_plan_api() -> None:
         plan_aggregation(g, 64, probe=True)  # the probe times CUDA kernels; the graph is on the CPU
     x = torch.randn(g.num_src_nodes, 64)
     torch.testing.assert_close(aggregate(g, x, plan=p.replace(vec=4)), aggregate(g, x))  # ignored on the CPU
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graphs_without_rows_or_sources_keep_every_gradient_and_take_empty_tables(device: str) -> None:
+    """No destination rows: the (empty) result still depends on x and the edge weight (their gradients are zero,
+    backward runs); no sources: an empty feature table (which cannot be pinned) is read through empty src_ids."""
+    g = CSRGraph(torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int64, device=device),
+                 5, 0)
+    x = torch.randn(5, 4, device=device, requires_grad=True)
+    w = torch.rand(0, device=device, requires_grad=True)
+    out = aggregate(g, x, "sum", edge_weight=w)
+    assert out.shape == (0, 4) and out.requires_grad
+    out.sum().backward()
+    assert w.grad is not None and x.grad is not None and not x.grad.any()
+    none = CSRGraph(torch.zeros(3, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int64, device=device),
+                    0, 2)
+    for table in (torch.empty(0, 4), torch.empty(0, 4).to(device)):
+        got = aggregate(none, table, "mean", src_ids=torch.zeros(0, dtype=torch.int64, device=device))
+        assert got.shape == (2, 4) and not got.any()

@@ -117,3 +117,32 @@ def test_edge_softmax_of_a_graph_without_edges(heads: int | None) -> None:
     y = gat(g, x)
     y.sum().backward()
     assert y.shape == (5, 2 * (heads or 1)) and x.grad is not None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("op", ["add", "mul"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sddmm_elementwise_gradients_accumulate_in_float32(device: str, op: str, dtype: torch.dtype) -> None:
+    """The gradients of ``a[dst] + b[src]`` / ``a[dst] * b[src]`` sum each node's edges (thousands here) in float32:
+    within the float32-accumulation tolerance of the float64 reference, not the 16-bit dtype's growing error."""
+    from datapath.ops.tolerance import assert_close, tolerance
+
+    g = power_law_csr(40, 30, 8000, alpha=1.5, seed=3, device=device)
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(40, 2, 3, generator=gen).to(dtype).to(device).requires_grad_()
+    b = torch.randn(30, 2, 3, generator=gen).to(dtype).to(device).requires_grad_()
+    out = sddmm(g, a, b, op)
+    gy = torch.randn(out.shape, generator=gen).to(dtype)
+    out.backward(gy.to(device))
+    a64, b64 = (t.detach().cpu().double().requires_grad_() for t in (a, b))
+    ip = g.indptr.cpu()
+    dst = torch.repeat_interleave(torch.arange(40), ip[1:] - ip[:-1])
+    src = g.indices.cpu().long()
+    ref = a64[dst] + b64[src] if op == "add" else a64[dst] * b64[src]
+    ref.backward(gy.double())
+    longest = max(int((ip[1:] - ip[:-1]).max()), int(torch.bincount(src).max()))
+    assert longest > 1000
+    tol = tolerance(dtype, longest)
+    assert_close(out, ref, tol, f"{op} forward")
+    assert_close(a.grad, a64.grad, tol, f"{op} grad a")
+    assert_close(b.grad, b64.grad, tol, f"{op} grad b")

@@ -307,3 +307,17 @@ def test_empty_inputs_give_empty_results(kernel: str) -> None:
             out.sum().backward()
             assert x.grad.shape == x.shape and bool((x.grad == 0).all())
             x.grad = None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_cusparse_takes_graphs_with_more_edges_than_matrix_entries(dtype: torch.dtype) -> None:
+    """Duplicate edges in a small graph give more stored values than rows x columns, which cuSPARSE refuses
+    (cusparseCreateCsr: invalid value): the library's matrix merges them (their sum), forward and gradient."""
+    gen = torch.Generator().manual_seed(12)
+    for nd, ns, e in ((1, 1, 3), (2, 3, 50), (7, 2, 400)):
+        dst = torch.sort(torch.randint(0, nd, (e,), generator=gen)).values
+        indptr = torch.zeros(nd + 1, dtype=torch.int64)
+        indptr[1:] = torch.bincount(dst, minlength=nd).cumsum(0)
+        g = CSRGraph(indptr.cuda(), torch.randint(0, ns, (e,), generator=gen).cuda(), ns, nd)
+        for variant in VARIANTS:
+            _run(g, "cusparse", dtype, variant, 5)

@@ -38,6 +38,8 @@ class LayerInputs:
 def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``table[ids]`` on ``ids``' device: a unified/pinned table is read zero-copy by the GPU."""
     resolve_table(table, ids)  # validates (pinned, contiguous, devices)
+    if table.numel() == 0 or ids.numel() == 0:  # nothing to read (an empty table cannot even be pinned)
+        return torch.empty((ids.numel(), *table.shape[1:]), dtype=table.dtype, device=ids.device)
     return memory.gather_rows(table, ids)
 
 

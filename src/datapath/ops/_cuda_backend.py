@@ -458,7 +458,8 @@ def backward_weight(csr: CSRView, x: torch.Tensor, grad_out: torch.Tensor, spec:
 def sddmm_dot(csr: CSRView, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """(E, H) per-edge, per-head dot products of ``a[dst]`` (num_dst, H, D) and ``b[src]`` (num_src, H, D)."""
     heads = a.shape[1]
-    return _sddmm(csr, a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1), None, heads, None, None, a.dtype)
+    width = a.shape[1] * a.shape[2]  # explicit: a reshape to (0, -1) of an empty tensor is ambiguous
+    return _sddmm(csr, a.reshape(a.shape[0], width), b.reshape(b.shape[0], width), None, heads, None, None, a.dtype)
 
 
 def edge_softmax(csr: CSRView, scores: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,8 @@ def is_unified(t: torch.Tensor) -> bool:
 
 def resolve_table(x: torch.Tensor, src_ids: torch.Tensor) -> torch.Tensor:
     """The feature table as a tensor on ``src_ids``' device (a CUDA alias of pinned host memory if needed)."""
+    if x.numel() == 0 and x.device.type == "cpu":  # nothing to read (an empty tensor cannot even be pinned)
+        return torch.empty(x.shape, dtype=x.dtype, device=src_ids.device)
     where = memory.placement_of(x)
     data = x if where == "cuda" else memory.host_of(x)
     if not data.is_contiguous():

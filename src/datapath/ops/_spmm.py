@@ -287,7 +287,31 @@ def _values(view: CSRView, w: torch.Tensor | None, nbr_scale: torch.Tensor | Non
     return v.to(dtype)
 
 
+def _coalesced(view: CSRView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+    """(crow, col, slot, nnz) of ``view`` with its duplicate edges merged (``slot``: each edge's entry), or None
+    where the view has no more edges than entries: cuSPARSE refuses a CSR of more stored values than rows times
+    columns (``cusparseCreateCsr``: invalid value), which duplicate edges in a small graph give."""
+    if view.num_edges <= view.num_dst * view.num_src:
+        return None
+
+    def make() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        key = view.edge_dst() * view.num_src + view.indices64()  # row-major: the CSR's order
+        uniq, slot = torch.unique(key, sorted=True, return_inverse=True)  # one host synchronisation (the size)
+        rows = torch.div(uniq, view.num_src, rounding_mode="floor")
+        crow = torch.zeros(view.num_dst + 1, dtype=torch.int64, device=view.device)
+        crow[1:] = torch.cumsum(torch.zeros(view.num_dst, dtype=torch.int64, device=view.device).index_add_(
+            0, rows, torch.ones_like(rows)), 0)
+        return crow.int(), (uniq - rows * view.num_src).int(), slot, int(uniq.numel())
+    return view.cached("cusparse_coalesced", make)
+
+
 def _matrix(view: CSRView, values: torch.Tensor) -> torch.Tensor:
+    merged = _coalesced(view)
+    if merged is not None:  # duplicate edges summed into one entry each (the same product)
+        crow, col, slot, nnz = merged
+        acc = torch.float64 if values.dtype == torch.float64 else torch.float32
+        values = torch.zeros(nnz, dtype=acc, device=values.device).index_add_(0, slot, values.to(acc)).to(values.dtype)
+        return torch.sparse_csr_tensor(crow, col, values, (view.num_dst, view.num_src), check_invariants=False)
     crow, col = _csr_index(view)
     return torch.sparse_csr_tensor(crow, col, values, (view.num_dst, view.num_src), check_invariants=False)
 

@@ -144,7 +144,12 @@ def aggregate(graph: Any, x: torch.Tensor, reduce: str = "sum", edge_weight: tor
     feat = xf.shape[1]
     if feat == 0 or csr.num_dst == 0:
         out = torch.zeros(csr.num_dst, *tail, dtype=x.dtype, device=device)
-        return out + 0 * xf.sum() if xf.requires_grad and torch.is_grad_enabled() else out
+        if torch.is_grad_enabled():  # an empty result still belongs to every input's graph (zero gradients)
+            if xf.requires_grad:
+                out = out + 0 * xf.sum()
+            if w is not None and w.requires_grad:
+                out = out + 0 * w.sum().to(out.dtype)
+        return out
     grad = torch.is_grad_enabled() and (xf.requires_grad or (w is not None and w.requires_grad))
     grad_x = grad and xf.requires_grad
     sdt = torch.float64 if x.dtype == torch.float64 else torch.float32

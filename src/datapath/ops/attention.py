@@ -31,9 +31,45 @@ class _SddmmDotFn(torch.autograd.Function):
         g = grad.contiguous()
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:  # grad_a[d] = sum_e g[e] * b[src_e]
-            grad_a = backend.forward(csr, b.reshape(b.shape[0], -1), g, spec)[0].view(-1, heads, d)
+            grad_a = backend.forward(csr, b.reshape(b.shape[0], heads * d), g, spec)[0].view(-1, heads, d)
         if ctx.needs_input_grad[1]:  # grad_b[s] = sum_e g[e] * a[dst_e]
-            grad_b = backend.backward_x(csr, a.reshape(a.shape[0], -1), g, spec, None, b.dtype).view(-1, heads, d)
+            grad_b = backend.backward_x(csr, a.reshape(a.shape[0], heads * d), g, spec, None, b.dtype).view(
+                -1, heads, d)
+        return grad_a, grad_b, None, None
+
+
+def _segment_sum(index: torch.Tensor, values: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows, ...) sums of ``values`` (E, ...) by ``index`` (E,), accumulated in float32 (float64 for float64)."""
+    acc = torch.float64 if values.dtype == torch.float64 else torch.float32
+    out = torch.zeros((rows, *values.shape[1:]), dtype=acc, device=values.device)
+    return out.index_add_(0, index, values.to(acc)).to(values.dtype)
+
+
+class _SddmmEltFn(torch.autograd.Function):
+    """scores[e] = a[dst_e] + b[src_e] (``add``) or a[dst_e] * b[src_e] (``mul``); the gradients sum each node's edges
+    in float32 (float64), not in the 16-bit dtype of the features (what index_select's own backward would do)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, csr: CSRView, op: str) -> torch.Tensor:  # type: ignore[override]
+        dst, src = csr.edge_dst(), csr.indices64()
+        ea, eb = a.index_select(0, dst), b.index_select(0, src)
+        ctx.csr, ctx.op = csr, op
+        ctx.save_for_backward(a if op == "mul" else None, b if op == "mul" else None)
+        return ea + eb if op == "add" else ea * eb
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        a, b = ctx.saved_tensors
+        csr = ctx.csr
+        dst, src = csr.edge_dst(), csr.indices64()
+        grad_a = grad_b = None
+        acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+        if ctx.needs_input_grad[0]:
+            ga = grad if ctx.op == "add" else grad.to(acc) * b.index_select(0, src).to(acc)
+            grad_a = _segment_sum(dst, ga, csr.num_dst).to(grad.dtype)
+        if ctx.needs_input_grad[1]:
+            gb = grad if ctx.op == "add" else grad.to(acc) * a.index_select(0, dst).to(acc)
+            grad_b = _segment_sum(src, gb, csr.num_src).to(grad.dtype)
         return grad_a, grad_b, None, None
 
 
@@ -90,9 +126,7 @@ def sddmm(graph: Any, a: torch.Tensor, b: torch.Tensor, op: str = "dot") -> torc
     if a.shape[1:] != b.shape[1:]:
         raise FeatureShapeError(f"a and b must agree after the node axis, got {tuple(a.shape)} and {tuple(b.shape)}")
     if op != "dot":
-        ea = a.index_select(0, csr.edge_dst())
-        eb = b.index_select(0, csr.indices64())
-        return ea + eb if op == "add" else ea * eb
+        return _SddmmEltFn.apply(a, b, csr, op)
     a3, squeeze = _as_heads(a, "a")
     b3, _ = _as_heads(b, "b")
     out = _SddmmDotFn.apply(a3.contiguous(), b3.contiguous(), csr, _inputs.backend_for(a.device))
