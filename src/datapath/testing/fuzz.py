@@ -160,8 +160,9 @@ def _plan_extra(rng: random.Random, kernel: str) -> dict[str, Any]:
 def _layer_params(rng: random.Random, op: str, p: dict[str, Any], gpu: bool) -> None:
     """A layer's parameters.  Outside the domain where a float64 comparison is well posed: a ReLU between
     16-bit stages (GIN's MLP, the full-graph models: a value near 0 rounds to the other side of the kink and
-    its whole gradient term flips), 16-bit sums over 5 layers (overflow) and GAT on 16-bit rows long enough
-    that the softmax weights are subnormal -- those draw float32 or another graph instead."""
+    its whole gradient term flips), 16-bit sums over 5 layers (overflow), GAT on 16-bit rows long enough
+    that the softmax weights are subnormal -- those draw float32 or another graph instead -- and SAGE's
+    normalize on narrow rows (a row whose norm is near 0 divides its rounding error by that norm)."""
     hi = 300 if gpu else 64
     half = p["dtype"] in ("float16", "bfloat16")
     p["in"], p["out"] = _width(rng, hi), _width(rng, hi)
@@ -171,9 +172,9 @@ def _layer_params(rng: random.Random, op: str, p: dict[str, Any], gpu: bool) -> 
     p["weighted"] = rng.random() < 0.25
     p["bias"] = rng.random() < 0.8
     p["temp_graph"] = _pick(rng, (None, "same", "clone"), (60, 20, 20))  # conv(block.to("cuda"), x): issue 35
-    if op == "sage":  # normalize only rows of >= 16 outputs: a short row's norm can be ~0, where it amplifies errors
+    if op == "sage":  # normalize only rows of >= 16 outputs from >= 16 inputs: a row of norm ~0 amplifies errors
         p.update(aggr=_pick(rng, ("mean", "sum", "max")), root=rng.random() < 0.8,
-                 normalize=p["out"] >= 16 and rng.random() < 0.2)
+                 normalize=min(p["in"], p["out"]) >= 16 and rng.random() < 0.2)
     elif op == "gcn":
         p.update(normalize=rng.random() < 0.8, loops=rng.random() < 0.4)
         if p["loops"] and p["graph"] == "bipartite":
