@@ -54,7 +54,7 @@ log = logging.getLogger("datapath.features.sharded")
 DEFAULT_TIMEOUT_S = 600.0
 """How long a rank waits in an exchange for the others before it fails (seconds)."""
 
-PIECE_BYTES = 64 << 20
+PIECE_BYTES = 32 << 20
 """Rows go to a rank in pieces of about this many bytes: the owner gathers a piece while the previous one is sent."""
 MAX_PIECES = 4
 
