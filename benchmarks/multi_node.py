@@ -85,6 +85,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "from its GPU) [none]; the weak run uses the first")
     p.add_argument("--model", type=Path, default=None, metavar="JSON",
                    help="print the bytes-vs-link model of docs/multi_node.md from this result's records and exit")
+    p.add_argument("--fixed-share", type=float, default=None,
+                   help="--model: the share of a step that does not shrink with the batch [from the strong run]")
+    p.add_argument("--fixed-ms", type=float, default=None,
+                   help="--model: the exchange's fixed cost per batch in ms [from the strong run]")
     p.add_argument("--graph-on", default=None, help="graph placement of every run [unified on GPUs]")
     p.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "datapath-multi-node",
                    help="where the datasets are prepared (kept for the next run) [$TMPDIR/datapath-multi-node]")
@@ -435,7 +439,8 @@ STEPS = {"products": 192}
 
 
 def model(records: list[dict[str, Any]], dataset: str, nodes: tuple[int, ...] = (2, 4, 8, 16),
-          links: dict[str, float] | None = None) -> list[dict[str, Any]]:
+          links: dict[str, float] | None = None, fixed_share: float | None = None,
+          fixed_ms: float | None = None) -> list[dict[str, Any]]:
     """docs/multi_node.md's model of a strong-scaling epoch (the 1-GPU batches cut over N ranks), per link.
 
     From the records of ``dataset``: the 1-GPU epoch ``T1`` of ``S`` steps at batch ``B``; the rows a rank's
@@ -450,7 +455,8 @@ def model(records: list[dict[str, Any]], dataset: str, nodes: tuple[int, ...] = 
     - epoch = S x max(compute, exchange) (the exchange runs in the loader's stage, beside the step):
       ``epoch_link_s`` with a zero fixed cost (the exchange at link speed), ``epoch_s`` with the measured one.
 
-    Returns one row per N and link (plus the N0 row "measured"), epochs in seconds.
+    ``fixed_share``, ``fixed_ms``: use these instead of the measured f and exchange fixed cost (what-if rows).
+    Returns one row per N and link (plus the N0 rows "measured" and its model), epochs in seconds.
     """
     links = links or LINKS_GBPS
     rs = [r for r in records if r["dataset"] == dataset]
@@ -472,10 +478,10 @@ def model(records: list[dict[str, Any]], dataset: str, nodes: tuple[int, ...] = 
     t1 = one["epoch_s"] / steps
     share = (r_strong / r_big)
     t_strong = strong["epoch_s"] / steps
-    f = min(1.0, max(0.0, (t_strong / t1 - share) / (1 - share)))
+    f = min(1.0, max(0.0, (t_strong / t1 - share) / (1 - share))) if fixed_share is None else fixed_share
     ex_s = strong["remote_bytes_per_batch"] / (strong["remote_fetch_GBps"] * 1e9) if strong.get("remote_fetch_GBps") else 0.0
     link_s = strong["remote_bytes_per_batch"] / (strong["nccl_alltoall_GBps"] * 1e9) if strong.get("nccl_alltoall_GBps") else 0.0
-    fixed = max(0.0, ex_s - link_s)
+    fixed = max(0.0, ex_s - link_s) if fixed_ms is None else fixed_ms / 1e3
     out = [{"gpus": n0, "link": "measured", "epoch_s": strong["epoch_s"], "ratio": strong["epoch_s"] / one["epoch_s"],
             "MB_per_batch": strong["remote_bytes_per_batch"] / 1e6, "exchange_ms": ex_s * 1e3,
             "fixed_ms": fixed * 1e3, "fixed_share": f, "alpha": a}]
@@ -523,7 +529,7 @@ def main() -> None:
         records = json.loads(args.model.read_text())["records"]
         for ds in sorted({r["dataset"] for r in records}):
             print(f"{ds}: strong scaling, the 1-GPU batch {args.batch_size} cut over the GPUs")
-            print_table(model(records, ds))
+            print_table(model(records, ds, fixed_share=args.fixed_share, fixed_ms=args.fixed_ms))
         return
     if args.device == "cuda" and torch.cuda.device_count() < args.nodes:
         sys.exit(f"the {args.nodes}-node run needs {args.nodes} GPUs (one per simulated node), this machine has "
