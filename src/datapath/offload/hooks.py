@@ -39,8 +39,8 @@ from datapath.offload.errors import OffloadWarning
 from datapath.offload.models import AttachedModels
 from datapath.offload.op_recompute import OpRecipes, Recipe
 from datapath.offload.policy import Policy
-from datapath.offload.records import Clock, in_backward
-from datapath.offload.scopes import ScopeTracker
+from datapath.offload.records import Clock
+from datapath.offload.scopes import ScopeTracker, in_backward
 from datapath.offload.stats import OffloadStats
 from datapath.offload.store import Store
 from datapath.offload.transfers import Transfers
@@ -71,9 +71,8 @@ class SavedTensorHooks:
         self.clock = clock
         self.releases = releases
         self._warned_full = False
-        sel = select
         # compiled blocks save what their graph's partitioner chose (it recomputes elementwise ops itself)
-        self.ops = OpRecipes() if sel.recompute_elementwise and sel.compile_options is None else None
+        self.ops = OpRecipes() if select.recompute_elementwise and select.compile_options is None else None
         self.attr = f"_datapath_sid_{uuid.uuid4().hex[:10]}"  # storage -> entry id (negative: kept by record)
         self._ids = iter(range(1, 1 << 62))
         self._pack = torch.compiler.disable(self.pack)

@@ -18,11 +18,6 @@ if TYPE_CHECKING:
     from datapath.offload.entry import Entry
 
 
-def in_backward() -> bool:
-    """True while the autograd engine is running a backward pass (on any thread)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 class Segment:
     """A unit call, or the code between units, in one forward pass."""
 

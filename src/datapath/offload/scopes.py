@@ -28,11 +28,16 @@ from datapath.offload.entry import STORED, Releases
 from datapath.offload.memory_meter import MemoryMeter
 from datapath.offload.models import AttachedModels
 from datapath.offload.policy import Policy
-from datapath.offload.records import Clock, Record, Segment, in_backward
+from datapath.offload.records import Clock, Record, Segment
 from datapath.offload.stats import OffloadStats
 from datapath.offload.transfers import Transfers
 
 log = logging.getLogger("datapath.offload.scopes")
+
+
+def in_backward() -> bool:
+    """True while the autograd engine is running a backward pass (on any thread)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:
