@@ -79,6 +79,21 @@ def validate_csr(indptr: torch.Tensor, indices: torch.Tensor, num_src_nodes: int
         )
 
 
+def by_destination(src: torch.Tensor, dst: torch.Tensor, num_dst: int, num_src: int, *,
+                   keep_edge_ids: bool = False) -> "Graph":
+    """The `Graph` of the edges ``src[i] -> dst[i]`` (int64, ids already checked), grouped by destination.
+
+    A stable sort, so parallel edges keep their order; ``indices`` is int32 below 2**31 sources.
+    With ``keep_edge_ids`` the graph remembers each edge's position ``i``.  Lives where ``dst`` lives.
+    """
+    order = torch.sort(dst, stable=True).indices
+    indptr = torch.zeros(num_dst + 1, dtype=torch.int64, device=dst.device)
+    torch.cumsum(torch.bincount(dst, minlength=num_dst), 0, out=indptr[1:])
+    idx_dtype = torch.int32 if num_src < 2**31 else torch.int64
+    return Graph(indptr, src[order].to(idx_dtype), edge_ids=order if keep_edge_ids else None,
+                 num_src_nodes=num_src, validate=False)
+
+
 class Graph:
     """A directed graph as the CSR of in-neighbours, in ``"cpu"``, ``"unified"`` or ``"cuda"`` memory.
 
@@ -153,13 +168,7 @@ class Graph:
             lo, hi = (int(v) for v in torch.aminmax(ei))
             if lo < 0 or hi >= num_nodes:
                 raise InvalidGraphError(f"edge_index values range over [{lo}, {hi}] but num_nodes is {num_nodes}")
-        order = torch.sort(dst, stable=True).indices
-        counts = torch.bincount(dst, minlength=num_nodes)
-        indptr = torch.zeros(num_nodes + 1, dtype=torch.int64, device=ei.device)
-        torch.cumsum(counts, 0, out=indptr[1:])
-        idx_dtype = torch.int32 if num_nodes < 2**31 else torch.int64
-        return cls(indptr, src[order].to(idx_dtype), edge_ids=order if keep_edge_ids else None,
-                   num_src_nodes=num_nodes, validate=False)
+        return by_destination(src, dst, num_nodes, num_nodes, keep_edge_ids=keep_edge_ids)
 
     @classmethod
     def from_scipy(cls, matrix: Any) -> "Graph":

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from datapath.graph.errors import InvalidGraphError
-from datapath.graph.graph import Graph
+from datapath.graph.graph import Graph, by_destination, validate_csr
 from datapath.memory import PLACEMENTS
 
 EdgeType = tuple[str, str, str]
@@ -53,11 +53,7 @@ def _relation_graph(edge_index: Any, n_src: int, n_dst: int, et: EdgeType) -> Gr
                 raise HeteroGraphError(
                     f"relation {et}: {side} ids range over [{lo}, {hi}] but node type {t!r} has {n} nodes; "
                     f"ids are per type, in [0, {n})")
-    order = torch.sort(dst, stable=True).indices
-    indptr = torch.zeros(n_dst + 1, dtype=torch.int64, device=ei.device)
-    torch.cumsum(torch.bincount(dst, minlength=n_dst), 0, out=indptr[1:])
-    idx_dtype = torch.int32 if n_src < 2**31 else torch.int64
-    return Graph(indptr, src[order].to(idx_dtype), num_src_nodes=n_src, validate=False)
+    return by_destination(src, dst, n_dst, n_src)
 
 
 class HeteroGraph:
@@ -107,8 +103,6 @@ class HeteroGraph:
                     f"relation {et}: its CSR has {g.num_dst_nodes} rows and {g.num_src_nodes} source nodes, but "
                     f"node type {et[2]!r} has {n_dst} nodes and {et[0]!r} has {n_src}; rows are destinations")
             if validate:
-                from datapath.graph.graph import validate_csr  # noqa: PLC0415
-
                 try:
                     validate_csr(g.indptr, g.indices, n_src, g.edge_ids)
                 except InvalidGraphError as exc:
