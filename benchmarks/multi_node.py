@@ -402,7 +402,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("GB/s per rank")
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#d62728", "#8c8c8c")],
               labels=["remote fetch", "all_to_all at that size"], fontsize=7)
-    fig.suptitle(f"features sharded over {max(r['nodes'] for r in records)} nodes vs 1 GPU ({records[0]['device']})", fontsize=10)
+    nodes = max(r["nodes"] for r in records)
+    fig.suptitle(f"features sharded over {nodes} nodes vs 1 GPU ({records[0]['device']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -479,8 +480,9 @@ def model(records: list[dict[str, Any]], dataset: str, nodes: tuple[int, ...] = 
     share = (r_strong / r_big)
     t_strong = strong["epoch_s"] / steps
     f = min(1.0, max(0.0, (t_strong / t1 - share) / (1 - share))) if fixed_share is None else fixed_share
-    ex_s = strong["remote_bytes_per_batch"] / (strong["remote_fetch_GBps"] * 1e9) if strong.get("remote_fetch_GBps") else 0.0
-    link_s = strong["remote_bytes_per_batch"] / (strong["nccl_alltoall_GBps"] * 1e9) if strong.get("nccl_alltoall_GBps") else 0.0
+    per_batch = strong["remote_bytes_per_batch"]
+    ex_s = per_batch / (strong["remote_fetch_GBps"] * 1e9) if strong.get("remote_fetch_GBps") else 0.0
+    link_s = per_batch / (strong["nccl_alltoall_GBps"] * 1e9) if strong.get("nccl_alltoall_GBps") else 0.0
     fixed = max(0.0, ex_s - link_s) if fixed_ms is None else fixed_ms / 1e3
     out = [{"gpus": n0, "link": "measured", "epoch_s": strong["epoch_s"], "ratio": strong["epoch_s"] / one["epoch_s"],
             "MB_per_batch": strong["remote_bytes_per_batch"] / 1e6, "exchange_ms": ex_s * 1e3,
@@ -549,8 +551,8 @@ def main() -> None:
                     t0 = time.perf_counter()
                     run = run_nodes(args, nodes, batch, Path(tmp), cache)
                     records.append(record(name, run, mode, batch, cache))
-                    print(f"{name}: {args.nodes} nodes ({mode}, cache {cache}) done in {time.perf_counter() - t0:.0f} s",
-                          flush=True)
+                    took = time.perf_counter() - t0
+                    print(f"{name}: {args.nodes} nodes ({mode}, cache {cache}) done in {took:.0f} s", flush=True)
         write_result(args.name, {"partial": True, "records": records})
     payload = _payload(args, records, time.perf_counter() - t_start)
     summary = payload["summary"]

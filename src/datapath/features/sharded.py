@@ -176,7 +176,7 @@ class ShardedTier(FetchTier):
             return self._guarded(lambda: self._exchange(ids.reshape(-1)))
 
     def _guarded(self, run: Any) -> Any:
-        """``run()`` (one exchange); a failure before its first collective tells the others, one in it breaks the tier."""
+        """``run()``, one exchange; a failure before its first collective tells the others, one in it breaks it."""
         if self._broken is not None:
             raise ShardExchangeError(self._broken)
         self._joined = False
