@@ -1,10 +1,12 @@
-"""How a relational layer reads its inputs: a typed graph and ``{node_type: (num_src[t], F)}`` rows."""
+"""How a relational layer reads its inputs (a typed graph and ``{node_type: (num_src[t], F)}`` rows), and what the
+relational layers share: relation ids, weight initialisation, the decomposition arguments."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from datapath.ops import FeatureShapeError, GraphFormatError
 
@@ -41,3 +43,37 @@ def hetero_inputs(graph: Any, x: Mapping[str, torch.Tensor], edge_types: Sequenc
         if et[0] not in x and rels[et].num_edges:
             raise FeatureShapeError(f"relation {et} reads node type {et[0]!r}, which has no rows in x")
     return num_src, num_dst
+
+
+class RelationIds:
+    """Each relation's id (its position in a layer's ``edge_types``): ``ids[et]``, and ``ids.tensor(ets, device)``
+    the ids of ``ets`` as an int64 tensor on ``device``, made once per (relations, device): no copy per step."""
+
+    def __init__(self, edge_types: Sequence[EdgeType]) -> None:
+        self.index = {tuple(et): i for i, et in enumerate(edge_types)}
+        self._tensors: dict[Any, torch.Tensor] = {}
+
+    def __getitem__(self, et: EdgeType) -> int:
+        return self.index[et]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def tensor(self, ets: Sequence[EdgeType], device: torch.device) -> torch.Tensor:
+        key = (tuple(ets), device)
+        ids = self._tensors.get(key)
+        if ids is None:
+            ids = self._tensors[key] = torch.tensor([self.index[et] for et in ets], device=device)
+        return ids
+
+
+def glorot_(t: torch.Tensor) -> None:
+    """Glorot-uniform initialisation in place over the last two dimensions (fan in + fan out)."""
+    bound = (6.0 / (t.shape[-2] + t.shape[-1])) ** 0.5
+    nn.init.uniform_(t, -bound, bound)
+
+
+def check_decomposition(num_bases: int | None, num_blocks: int | None) -> None:
+    """Raise ``ValueError`` when both decompositions are asked for."""
+    if num_bases is not None and num_blocks is not None:
+        raise ValueError("use either num_bases (basis decomposition) or num_blocks (block-diagonal), not both")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from datapath.nn._hetero_inputs import EdgeType, hetero_inputs
+from datapath.nn._hetero_inputs import EdgeType, RelationIds, hetero_inputs
 from datapath.ops import aggregate, edge_softmax, sddmm
 from datapath.ops.typed import compact_linear, concat_inputs, relations_into
 
@@ -62,9 +62,8 @@ class HGTConv(nn.Module):
             in_channels = {t: in_channels for t in node_types}
         self.in_channels, self.out_channels, self.heads = dict(in_channels), out_channels, heads
         self.node_types, self.edge_types = node_types, edge_types
-        self.rel_id = {et: i for i, et in enumerate(edge_types)}
+        self.rel_id = RelationIds(edge_types)
         self.dst_node_types = {et[2] for et in edge_types}
-        self._id_cache: dict[Any, torch.Tensor] = {}
         d = out_channels // heads
         self.kqv_lin = _DictLinear(self.in_channels, 3 * out_channels)
         self.out_lin = _DictLinear({t: out_channels for t in node_types}, out_channels)
@@ -106,14 +105,6 @@ class HGTConv(nn.Module):
         fb = torch.matmul(bkv, rel)                                            # (R, 2, H, 1, D)
         return fw.permute(0, 3, 1, 2, 4).reshape(nr, -1, 2 * f), fb.reshape(nr, 2 * f)
 
-    def _ids(self, ets: list[EdgeType], device: torch.device) -> torch.Tensor:
-        """The relation ids of ``ets`` as an int64 tensor on ``device`` (made once: no copy per step)."""
-        key = (tuple(ets), device)
-        ids = self._id_cache.get(key)
-        if ids is None:
-            ids = self._id_cache[key] = torch.tensor([self.rel_id[et] for et in ets], device=device)
-        return ids
-
     def _folded_one(self, et: EdgeType) -> tuple[torch.Tensor, torch.Tensor]:
         """`_folded` for one relation (sources of their own width)."""
         f, hh = self.out_channels, self.heads
@@ -145,7 +136,7 @@ class HGTConv(nn.Module):
                 if folded is None:
                     folded = self._folded() or False
                 if folded:  # the relations into t picked at once (one gather, one backward node)
-                    ids = self._ids(into.edge_types, folded[0].device)
+                    ids = self.rel_id.tensor(into.edge_types, folded[0].device)
                     ws = folded[0].index_select(0, ids).unbind(0)
                     bs = folded[1].index_select(0, ids).unbind(0)
                 else:

@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from datapath.nn._hetero_inputs import EdgeType, hetero_inputs
-from datapath.nn.rgcn_conv import _glorot
+from datapath.nn._hetero_inputs import EdgeType, RelationIds, check_decomposition, glorot_, hetero_inputs
 from datapath.ops import aggregate, edge_softmax
 from datapath.ops.typed import compact_linear, concat_inputs, relations_into
 
@@ -46,10 +45,9 @@ class RGATConv(nn.Module):
                  num_bases: int | None = None, num_blocks: int | None = None, concat: bool = True,
                  negative_slope: float = 0.2, dropout: float = 0.0, bias: bool = True) -> None:
         super().__init__()
-        if num_bases is not None and num_blocks is not None:
-            raise ValueError("use either num_bases (basis decomposition) or num_blocks (block-diagonal), not both")
+        check_decomposition(num_bases, num_blocks)
         self.edge_types = [tuple(et) for et in edge_types]
-        self.rel_id = {et: i for i, et in enumerate(self.edge_types)}
+        self.rel_id = RelationIds(self.edge_types)
         r = len(self.edge_types)
         hc = heads * out_channels
         self.in_channels, self.out_channels, self.heads = in_channels, out_channels, heads
@@ -73,12 +71,12 @@ class RGATConv(nn.Module):
 
     def reset_parameters(self) -> None:
         if self.num_bases is not None:
-            _glorot(self.basis)
-            _glorot(self.att)
+            glorot_(self.basis)
+            glorot_(self.att)
         else:
-            _glorot(self.weight)
-        _glorot(self.q)
-        _glorot(self.k)
+            glorot_(self.weight)
+        glorot_(self.q)
+        glorot_(self.k)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 

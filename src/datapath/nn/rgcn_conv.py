@@ -7,14 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from datapath.nn._hetero_inputs import EdgeType, hetero_inputs
+from datapath.nn._hetero_inputs import EdgeType, RelationIds, check_decomposition, glorot_, hetero_inputs
 from datapath.ops.typed import concat_inputs, relations_into, stacked_mean
-
-
-def _glorot(t: torch.Tensor) -> None:
-    fan = t.shape[-2] + t.shape[-1]
-    bound = (6.0 / fan) ** 0.5
-    nn.init.uniform_(t, -bound, bound)
 
 
 class RGCNConv(nn.Module):
@@ -43,10 +37,9 @@ class RGCNConv(nn.Module):
                  num_bases: int | None = None, num_blocks: int | None = None, root_weight: bool = True,
                  bias: bool = True) -> None:
         super().__init__()
-        if num_bases is not None and num_blocks is not None:
-            raise ValueError("use either num_bases (basis decomposition) or num_blocks (block-diagonal), not both")
+        check_decomposition(num_bases, num_blocks)
         self.edge_types = [tuple(et) for et in edge_types]
-        self.rel_id = {et: i for i, et in enumerate(self.edge_types)}
+        self.rel_id = RelationIds(self.edge_types)
         r = len(self.edge_types)
         self.in_channels, self.out_channels = in_channels, out_channels
         self.num_bases, self.num_blocks = num_bases, num_blocks
@@ -65,15 +58,14 @@ class RGCNConv(nn.Module):
             self.register_parameter("comp", None)
         self.root = nn.Parameter(torch.empty(in_channels, out_channels)) if root_weight else None
         self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None
-        self._id_cache: dict[Any, torch.Tensor] = {}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        _glorot(self.weight)
+        glorot_(self.weight)
         if self.comp is not None:
-            _glorot(self.comp)
+            glorot_(self.comp)
         if self.root is not None:
-            _glorot(self.root)
+            glorot_(self.root)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
@@ -82,13 +74,6 @@ class RGCNConv(nn.Module):
         if self.num_bases is not None:
             return (self.comp @ self.weight.view(self.num_bases, -1)).view(-1, self.in_channels, self.out_channels)
         return self.weight
-
-    def _ids(self, ets: list[EdgeType], device: torch.device) -> torch.Tensor:
-        key = (tuple(ets), device)
-        ids = self._id_cache.get(key)
-        if ids is None:
-            ids = self._id_cache[key] = torch.tensor([self.rel_id[et] for et in ets], device=device)
-        return ids
 
     def forward(self, graph: Any, x: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         _, num_dst = hetero_inputs(graph, x, self.edge_types)
@@ -108,7 +93,7 @@ class RGCNConv(nn.Module):
                 if x_all is None:
                     x_all = concat_inputs(graph, x)
                 z = stacked_mean(into, x_all)                            # (n, R_t * in): every (node, relation)
-                ids = self._ids(into.edge_types, z.device)
+                ids = self.rel_id.tensor(into.edge_types, z.device)
                 if dense is not None:  # one matmul over the relations stacked along the input width
                     agg = z @ dense.index_select(0, ids).reshape(-1, self.out_channels)
                 else:
