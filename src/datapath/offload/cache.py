@@ -385,6 +385,8 @@ class TensorCache:
                 idle = not self.transfers.entries
             if idle:
                 self._shutdown(join=True)
+            else:  # the handles autograd still holds release their entries as they die (the last one shuts down)
+                self.releases.release_at_death()
 
     def _shutdown(self, join: bool) -> None:
         with self.lock:

@@ -75,7 +75,8 @@ class Releases:
     A dying handle runs no Python code: its weak reference's callback is a C-level ``deque.append`` that
     queues it, and `drain` -- called by the hooks, at a root forward, at the end of a backward and when the
     cache closes -- releases its entry through ``drop``.  A Ctrl-C can then never land inside a finalizer,
-    where Python prints "Exception ignored" and the interrupt is lost.
+    where Python prints "Exception ignored" and the interrupt is lost.  Once the cache is closed no main flow
+    is left to drain: `release_at_death` makes the remaining handles release their entries as they die.
     """
 
     __slots__ = ("drop", "_dead", "_refs")
@@ -98,8 +99,21 @@ class Releases:
                 ref = dead.popleft()
             except IndexError:  # another thread drained it
                 return
+            self._release(ref)
+
+    def _release(self, ref: _HandleRef) -> None:
+        if ref in self._refs:  # once per handle, whichever of drain and a finalizer comes first
             self._refs.discard(ref)
             self.drop(ref.entry)
+
+    def release_at_death(self) -> None:
+        """From now on each live handle releases its entry when it dies (the owner closed: nothing drains any
+        more); the ones dead already are released now."""
+        self.drain()
+        for ref in list(self._refs):
+            handle = ref()
+            if handle is not None:
+                weakref.finalize(handle, self._release, ref).atexit = False
 
     def __len__(self) -> int:
         """Handles that died and are not released yet."""
