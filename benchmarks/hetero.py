@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import interleaved_ms, print_table, write_result  # noqa: E402
 
-from datapath.graph.hetero_synthetic import generate_hetero  # noqa: E402
+from datapath.graph import generate_hetero  # noqa: E402
 from datapath.nn import HGTConv, RGATConv, RGCNConv  # noqa: E402
-from datapath.ops.typed import relations_into  # noqa: E402
+from datapath.ops import relations_into  # noqa: E402
 from datapath.sampling import HeteroBlock, HeteroNeighborSampler  # noqa: E402
 
 LAYERS = ("rgcn", "rgat", "hgt")

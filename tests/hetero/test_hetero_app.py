@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from datapath.apps.train_gnn import TrainConfig, run_training
-from datapath.graph.hetero_synthetic import HETERO_PRESETS, HeteroData, HeteroSpec, generate_hetero
+from datapath.graph import HETERO_PRESETS, HeteroData, HeteroSpec, generate_hetero
 
 
 def _small_spec() -> HeteroSpec:

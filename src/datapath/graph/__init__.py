@@ -15,6 +15,7 @@ from datapath.graph.feature_shards import ShardLayout, shard_file
 from datapath.graph.graph import Graph, validate_csr
 from datapath.graph.external_sort import CSRFiles, edges_to_csr
 from datapath.graph.hetero import EdgeType, HeteroGraph, HeteroGraphError
+from datapath.graph.hetero_synthetic import HETERO_PRESETS, HeteroData, HeteroSpec, generate_hetero, is_hetero_dataset
 from datapath.graph.importers import KINDS as IMPORT_KINDS, import_dataset
 from datapath.graph.reordering import METHODS as REORDER_METHODS, permute, reorder, window_locality
 from datapath.graph.synthetic import PRESETS, SyntheticSpec, generate, papers_spec, preset_spec
@@ -24,4 +25,5 @@ __all__ = [
     "ShardLayout", "SyntheticSpec", "generate", "get_dataset", "load_dataset", "papers_spec", "permute",
     "prepare_dataset", "preset_spec", "reorder", "shard_file", "validate_csr", "window_locality",
     "CSRFiles", "IMPORT_KINDS", "edges_to_csr", "import_dataset",
+    "HETERO_PRESETS", "HeteroData", "HeteroSpec", "generate_hetero", "is_hetero_dataset",
 ]

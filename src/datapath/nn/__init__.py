@@ -13,6 +13,7 @@ from datapath.nn.full_graph import GCN, GIN, build_full_graph_model
 from datapath.nn.gat_conv import GATConv
 from datapath.nn.gcn_conv import GCNConv
 from datapath.nn.gin_conv import GINConv
+from datapath.nn.hetero_models import HeteroGNN
 from datapath.nn.hgt_conv import HGTConv
 from datapath.nn.models import GAT, GraphSAGE, build_model
 from datapath.nn.rgat_conv import RGATConv
@@ -20,6 +21,6 @@ from datapath.nn.rgcn_conv import RGCNConv
 from datapath.nn.sage_conv import SAGEConv
 
 __all__ = [
-    "GAT", "GATConv", "GCN", "GCNConv", "GIN", "GINConv", "GraphSAGE", "HGTConv", "RGATConv", "RGCNConv", "SAGEConv",
+    "GAT", "GATConv", "GCN", "GCNConv", "GIN", "GINConv", "GraphSAGE", "HGTConv", "HeteroGNN", "RGATConv", "RGCNConv", "SAGEConv",
     "build_full_graph_model", "build_model",
 ]

@@ -22,10 +22,12 @@ from datapath.ops.errors import (
     UnsupportedDtypeError,
 )
 from datapath.ops.plan import KERNELS, AggregationPlan, plan_aggregation
+from datapath.ops.typed import TypedRelations, compact_linear, concat_inputs, relations_into, stacked_mean, typed_linear
 
 __all__ = [
     "KERNELS", "AggregationPlan", "CSRView", "DeviceMismatchError", "FeatureShapeError", "GraphFormatError",
     "GraphIndexError", "UnsupportedDtypeError", "add_self_loops", "aggregate", "aggregate_transposed", "as_csr",
     "cached_keys", "debug_checks", "debug_checks_enabled", "edge_softmax", "plan_aggregation", "prepare_aggregation",
     "sddmm", "set_debug_checks", "transposed_aggregator",
+    "TypedRelations", "compact_linear", "concat_inputs", "relations_into", "stacked_mean", "typed_linear",
 ]
