@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from datapath.graph._files import load_npy
+from datapath.graph._files import load_npy, named, npy_bytes, reserve
 from datapath.graph.errors import DatasetError
 
 _CHUNK_BYTES = 256 << 20
@@ -102,8 +102,10 @@ def write_shards(directory: Path, features: np.ndarray, layout: ShardLayout) -> 
     for r in range(layout.shards):
         lo, hi = layout.rows(r)
         name = shard_file(r, layout.shards)
-        out = np.lib.format.open_memmap(directory / name, mode="w+", dtype=features.dtype,
-                                        shape=(hi - lo, *features.shape[1:]))
+        shape = (hi - lo, *features.shape[1:])
+        with named(directory / name):
+            out = np.lib.format.open_memmap(directory / name, mode="w+", dtype=features.dtype, shape=shape)
+            reserve(directory / name, npy_bytes(shape, features.dtype))  # a full disk: an error, not SIGBUS
         for a in range(lo, hi, step):
             b = min(hi, a + step)
             out[a - lo:b - lo] = features[a:b]
