@@ -23,6 +23,7 @@ import ctypes
 import ctypes.util
 import errno
 import io
+import json
 import logging
 import os
 import secrets
@@ -221,18 +222,32 @@ def load_npy(path: Path, mmap: bool = True) -> np.ndarray:
                            f"re-create the dataset with prepare-dataset") from exc
 
 
-def save_npy(path: Path, array: np.ndarray) -> None:
-    """Write ``array`` to ``path`` through a temporary file renamed into place (never a half-written file)."""
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[io.BufferedWriter]:
+    """A binary file to write ``path`` through: a temporary sibling, fsynced and renamed into place on success,
+    removed on any exception (a reader never sees a half-written file).  An `OSError` names ``path``."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with named(path), open(tmp, "wb") as f:
-            np.save(f, array, allow_pickle=False)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def save_npy(path: Path, array: np.ndarray) -> None:
+    """Write ``array`` to ``path`` through `atomic_file` (never a half-written file)."""
+    with atomic_file(path) as f:
+        np.save(f, array, allow_pickle=False)
+
+
+def save_json(path: Path, doc: Any) -> None:
+    """Write ``doc`` as JSON to ``path`` through `atomic_file`."""
+    with atomic_file(path) as f:
+        f.write(json.dumps(doc).encode())
 
 
 def manifest(d: Path, names: list[str]) -> dict[str, Any]:

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from datapath.graph._files import load_npy, save_npy
+from datapath.graph._files import load_npy, save_json, save_npy
 from datapath.graph.errors import DatasetError, InvalidGraphError
 from datapath.memory import PLACEMENTS, host_of, placement_of, to_placement
 
@@ -218,10 +217,8 @@ class Graph:
         save_npy(d / "indices.npy", host_of(self.indices).cpu().numpy())
         if self.edge_ids is not None:
             save_npy(d / "edge_ids.npy", host_of(self.edge_ids).cpu().numpy())
-        tmp = d / f".graph.json.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps({"num_src_nodes": self.num_src_nodes, "num_dst_nodes": self.num_dst_nodes,
-                                   "num_edges": self.num_edges}))
-        os.replace(tmp, d / "graph.json")
+        save_json(d / "graph.json", {"num_src_nodes": self.num_src_nodes, "num_dst_nodes": self.num_dst_nodes,
+                                     "num_edges": self.num_edges})
         return d
 
     @classmethod

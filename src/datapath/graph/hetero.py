@@ -11,13 +11,13 @@ lists the ``src_type`` ids of the edges ``s -> d``.  Every relation lives in one
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from datapath.graph._files import save_json
 from datapath.graph.errors import InvalidGraphError
 from datapath.graph.graph import Graph, by_destination, validate_csr
 from datapath.memory import PLACEMENTS
@@ -230,9 +230,7 @@ class HeteroGraph:
         d.mkdir(parents=True, exist_ok=True)
         for i, g in enumerate(self.relations.values()):
             g.save(d / f"rel_{i}")
-        tmp = d / f".hetero.json.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps({"num_nodes": self.num_nodes, "edge_types": [list(et) for et in self.edge_types]}))
-        os.replace(tmp, d / "hetero.json")
+        save_json(d / "hetero.json", {"num_nodes": self.num_nodes, "edge_types": [list(et) for et in self.edge_types]})
         return d
 
     @classmethod

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from datapath.graph._files import load_npy, save_npy
+from datapath.graph._files import load_npy, save_json, save_npy
 from datapath.graph.errors import DatasetError
 from datapath.graph.hetero import EdgeType, HeteroGraph
 
@@ -102,7 +102,7 @@ class HeteroData:
         meta = {"kind": "hetero", "name": self.name, "target": self.target, "num_classes": self.num_classes,
                 "num_nodes": self.graph.num_nodes, "num_edges": sum(self.graph.num_edges.values()),
                 "features": {t: list(x.shape) for t, x in self.features.items()}}
-        (d / "meta.json").write_text(json.dumps(meta))
+        save_json(d / "meta.json", meta)
         return d
 
     @classmethod

@@ -13,7 +13,6 @@ a time, and the directory is written into a temporary sibling and swapped into p
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from datapath.graph._files import atomic_directory, save_npy
+from datapath.graph._files import atomic_directory, save_json, save_npy
 from datapath.graph.errors import DatasetError
 from datapath.graph.external_sort import edges_to_csr, read_budget
 from datapath.graph.npy_stream import NpyWriter
@@ -252,8 +251,7 @@ def write_source(src: Source, directory: str | Path, *, memory: int, overwrite: 
                            num_nodes=src.num_nodes, tmp_dir=tmp, progress=progress,
                            total_edges=None if rows is None else rows * (1 + src.reverse))
         n = csr.num_nodes
-        (tmp / "graph.json").write_text(json.dumps({"num_src_nodes": n, "num_dst_nodes": n,
-                                                    "num_edges": csr.num_edges}))
+        save_json(tmp / "graph.json", {"num_src_nodes": n, "num_dst_nodes": n, "num_edges": csr.num_edges})
         meta = {"name": src.name, "num_nodes": n, "num_edges": csr.num_edges, "source": src.meta,
                 "sort": {"runs": csr.runs, "run_s": round(csr.run_s, 3), "merge_s": round(csr.merge_s, 3),
                          "memory": memory}}
