@@ -276,6 +276,26 @@ def test_the_prefetcher_knows_the_loader_only_through_its_batch_steps() -> None:
     assert not any(t.startswith("datapath.loaders.loader") for t in _imports(SRC / "loaders" / "_prefetch.py"))
 
 
+def test_one_launch_path() -> None:
+    """One stream reference, one argument packer (CuPy's CPointer), one kernel lookup: `datapath._runtime.launch`,
+    used by memory and ops (issue 37 item 3)."""
+    packers, stream_refs = [], []
+    for p in _files("src"):
+        tree = ast.parse(p.read_text())
+        name = str(p.relative_to(SRC))
+        packers += [name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "cupy.cuda.function"
+                    and any(a.name == "CPointer" for a in n.names)]
+        stream_refs += [f"{name}:{n.name}" for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
+                        and any(isinstance(b, ast.Assign) and ast.unparse(b).replace("'", '"') == '__slots__ = ("ptr",)'
+                                for b in n.body)]
+    assert packers == ["_runtime/launch.py"], f"argument packers (CPointer): {packers}"
+    assert stream_refs == ["_runtime/launch.py:StreamRef"], f"stream references: {stream_refs}"
+    for package in ("memory", "ops"):
+        users = [p for p in (SRC / package).rglob("*.py") if "datapath._runtime.launch" in _imports(p)
+                 or any(m == "datapath._runtime" and "launch" in p.read_text() for m in _imports(p))]
+        assert users, f"{package} does not launch through datapath._runtime.launch"
+
+
 def test_no_source_file_is_oversized() -> None:
     big = {str(p.relative_to(ROOT)): n for p in _files("src", "benchmarks")
            if (n := len(p.read_text().splitlines())) > MAX_LINES}

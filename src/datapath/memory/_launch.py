@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from datapath._runtime import kernels
+from datapath._runtime import kernels, launch
 from datapath.memory import _order
 from datapath.memory.config import check_env, gather_config
 
@@ -19,26 +19,11 @@ _LINE = 128
 _ALL_MODES = ("-DDP_ALL_MODES",)
 
 
-class _Stream:
-    """What CuPy's launcher reads from a stream argument: the raw handle."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-
-_functions: dict[tuple[str, bool, int, tuple[str, ...]], Any] = {}
-
-
 def function(name: str, all_modes: bool, options: tuple[str, ...] = ()) -> Any:
-    """The compiled kernel ``name`` (a CuPy ``Function``), loaded once per device (and extra compiler options)."""
-    key = (name, all_modes, torch.cuda.current_device(), options)
-    fn = _functions.get(key)
-    if fn is None:
-        raw = kernels.get_function("gather.cu", name, (*(_ALL_MODES if all_modes else ()), *options))
-        fn = _functions[key] = raw.kernel
-    return fn
+    """The compiled row kernel ``name`` of ``gather.cu`` (a CuPy ``Function``), loaded once per device (and extra
+    compiler options), through the one launch path (`datapath._runtime.launch`)."""
+    return launch.function("gather.cu", name, (*(_ALL_MODES if all_modes else ()), *options),
+                           torch.cuda.current_device())
 
 
 def row_layout(t: torch.Tensor) -> tuple[int, int] | None:
@@ -131,4 +116,4 @@ def launch_tiered(a: torch.Tensor, b: torch.Tensor, loc: torch.Tensor, out: torc
          kernels.ptr(b if b.numel() else 0), np.int64(lb[1]), np.int64(b.shape[0]),
          kernels.ptr(keys_ptr), kernels.ptr(order_ptr), np.int64(m), kernels.ptr(out),
          np.int64(row_bytes), np.int32(g), np.uint64(flag_ptr), kernels.ptr(0 if counts is None else counts)),
-        0, _Stream(stream.cuda_stream))
+        0, launch.StreamRef(stream.cuda_stream))

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from datapath._runtime import kernels
+from datapath._runtime import kernels, launch
 from datapath.memory.config import gather_config
 
 _SOURCE = "visit_order.cu"
@@ -37,18 +37,9 @@ _REFUSED = {1, 801, 720}
 _CUDA_ERROR_INVALID_CONTEXT = 201
 
 
-class _Stream:
-    """What CuPy's launcher reads from a stream argument: the raw handle."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-
 def _function(name: str) -> Any:
     """The compiled kernel ``name`` (a CuPy ``Function``) of the current device."""
-    return kernels.get_function(_SOURCE, name).kernel
+    return launch.function(_SOURCE, name, (), torch.cuda.current_device())
 
 
 def bucket_shift(n_keys: int, m: int) -> tuple[int, int]:
@@ -89,7 +80,7 @@ def bucket_order(keys: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.T
     shift, n_buckets = bucket_shift(n_keys, m)
     suffix = "i32" if keys.dtype == torch.int32 else "i64"
     dev = keys.device
-    stream = _Stream(torch.cuda.current_stream(dev).cuda_stream)
+    stream = launch.StreamRef(torch.cuda.current_stream(dev).cuda_stream)
     grid = (max(1, min(-(-m // _THREADS), 4 * kernels.multiprocessor_count(dev.index))),)
     common = (kernels.ptr(keys), np.int64(m), np.int64(n_keys), np.int32(shift), np.uint32(n_buckets))
     counts = torch.zeros(n_buckets, dtype=torch.int32, device=dev)

@@ -32,30 +32,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from datapath._runtime import kernels, native
+from datapath._runtime import kernels, launch, native
 from datapath.memory import _launch
 from datapath.memory.config import GATHER_MODES, gather_config
 
 # the kernel arguments: table, n_rows, row_stride, row_bytes, idx, order, n_idx, dev, G, err (G an int, 8 bytes
 # here: the driver reads the low four of a little-endian word)
 _ARGS = "QqqqQQqQqQ"
-
-
-def _cpointer() -> Any:
-    try:
-        from cupy.cuda.function import CPointer  # noqa: PLC0415 - optional GPU dependency
-    except ImportError:  # pragma: no cover - a CuPy without it: the converting launch is used
-        return None
-    return CPointer
-
-
-class _StreamRef:
-    """What CuPy's ``Function.__call__`` reads of a stream: its raw handle as ``ptr``."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
 
 
 _streams: dict[tuple[int, int], torch.cuda.Stream] = {}
@@ -96,7 +79,7 @@ class RowPlan:
         self.fn = _launch.function(name, all_modes, options)
         self.static = (row_stride, row_bytes, g)
         self.driver = kernels.DriverLaunch(self.fn, _ARGS, self.threads, device)
-        cp = _cpointer()
+        cp = launch.cpointer()
         self.packed = tuple(cp(a) for a in self.driver.arg_ptrs) if cp is not None else None
 
     def launch_plain(self, table_ptr: int, n_rows: int, idx_ptr: int, m: int, dev_ptr: int, flag_ptr: int,
@@ -131,7 +114,7 @@ class RowPlan:
 
     def _launch_cupy(self, blocks: int, stream: int, *args: int) -> None:
         """CuPy's launcher, reading the arguments packed in the driver launch's buffer."""
-        ref = _StreamRef(stream)
+        ref = launch.StreamRef(stream)
         d = self.driver
         with d.lock:
             d.struct.pack_into(d.buf, 0, blocks, 1, 1, self.threads, 1, 1, 0, stream, 0, 0, *args)
