@@ -87,6 +87,7 @@ def test_rok_png_without_matplotlib_names_the_extra_before_running(
     assert "keep" not in captured.out  # nothing ran
 
 
+@pytest.mark.slow
 def test_rok_of_a_tiny_preset_says_it_is_too_small(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["rok", "--preset", "gpt-tiny", "--strategies", "keep,offload-host", "--micro-batches", "1",
                "--steps", "1", "--warmup", "1", "--device", "cpu"])

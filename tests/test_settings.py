@@ -23,6 +23,7 @@ def _run(code: list[str], **env: str) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "PYTHONPATH": SRC, **env})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, value, accepted", [
     ("DATAPATH_GATHER_THREADS", "abc", "a multiple of 32 in [32, 1024]"),
     ("DATAPATH_GATHER_MODE", "bogus", "circular, shift_mask or unaligned"),

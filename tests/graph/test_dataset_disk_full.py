@@ -86,6 +86,7 @@ def test_full_tmpfs_says_so_and_keeps_the_old_dataset(tiny_tmpfs: Path) -> None:
     load_dataset(target)
 
 
+@pytest.mark.slow
 def test_file_size_limit_names_the_file(tmp_path: Path) -> None:
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
