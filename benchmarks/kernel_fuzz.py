@@ -185,16 +185,23 @@ def _summary(phase: dict[str, Any]) -> dict[str, Any]:
         d["worst_ratio"] = "inf" if w == "inf" or d["worst_ratio"] == "inf" else max(d["worst_ratio"], w)
         d["seconds"] += r["seconds"]
     status = collections.Counter(r["status"] for r in res)
+    unrepresentable = sum(1 for r in res for c in r["checks"] if c[1] == "unrepresentable")
     reuse = collections.Counter(k for r in res for k in r.get("reused", []))
     return {"cases": len(res) + len(phase["crashes"]), "mismatches": status["mismatch"], "errors": status["error"],
             "unclear_errors": status["unclear_error"],
             "illegal_address": status["illegal_address"] + len(phase["crashes"]), "crashes": phase["crashes"],
             "sanitizer_errors": phase["sanitizer_errors"], "seconds": round(phase["seconds"], 1), "per_op": per_op,
             "graphs_at_reused_addresses": dict(reuse),
+            "unrepresentable_checks": unrepresentable,
             "failures": [{"index": r["case"]["index"], "op": r["case"]["op"], "status": r["status"],
-                          "worst": r["worst"], "checks": [c for c in r["checks"] if c[1] == "inf" or c[1] > 1],
+                          "worst": r["worst"], "checks": [c for c in r["checks"] if _over(c[1])],
                           "message": r["message"][:400], "reproduction": reproduction_of(r)}
                          for r in res if r["status"] != "ok"][:400]}
+
+
+def _over(v: Any) -> bool:
+    """A check's ratio over its tolerance (``"inf"``: non-finite or misshapen; ``"unrepresentable"``: not graded)."""
+    return v == "inf" or (not isinstance(v, str) and v > 1)
 
 
 def reproduction_of(row: dict[str, Any]) -> str:

@@ -91,7 +91,8 @@ class CaseResult:
         return reproduction(self.case)
 
     def summary(self) -> str:
-        bad = [f"{n}={r:.3g}" for n, r in self.checks if not r <= 1.0]
+        bad = [f"{n}={r:.3g}" for n, r in self.checks if r > 1.0] + [
+            f"{n}=unrepresentable" for n, r in self.checks if math.isnan(r)]
         return (f"case {self.case.index} (seed {self.case.seed}) {self.case.op} on {self.case.device}: {self.status}"
                 f" worst {self.worst:.3g} {' '.join(bad)} {self.message}").strip()
 
@@ -103,7 +104,7 @@ class CaseResult:
 
 
 def _finite(v: float) -> float | str:
-    return v if math.isfinite(v) else "inf"
+    return v if math.isfinite(v) else "unrepresentable" if math.isnan(v) else "inf"
 
 
 def reproduction(case: FuzzCase) -> str:
@@ -324,7 +325,7 @@ def run_case(case: FuzzCase) -> CaseResult:
             os.environ.pop("DATAPATH_OPS_PROBE", None)
         else:
             os.environ["DATAPATH_OPS_PROBE"] = old
-    worst = max((r for _, r in checks), default=0.0)
+    worst = max((r for _, r in checks if not math.isnan(r)), default=0.0)  # NaN: unrepresentable, not graded
     if status == "ok" and not worst <= 1.0:
         status = "mismatch"
     return CaseResult(case, status, worst, checks, message, time.perf_counter() - t0)
