@@ -94,8 +94,7 @@ class Dataset:
         target = Path(directory)
         arrays = [self.features, self.labels, self.train_idx, self.val_idx, self.test_idx, self.graph.indptr,
                   self.graph.indices] + ([] if self.graph.edge_ids is None else [self.graph.edge_ids])
-        needed = sum(npy_bytes(tuple(a.shape), torch.empty(0, dtype=a.dtype).numpy().dtype) for a in arrays)
-        needed += _JSON_MARGIN
+        needed = sum(a.numel() * a.element_size() + _NPY_HEADER for a in arrays) + _JSON_MARGIN
         with atomic_directory(target, overwrite, "dataset") as tmp:
             try:
                 check_free_space(target.absolute().parent, needed)
@@ -307,6 +306,7 @@ def _bytes_needed(spec: Any, graph: Graph, layout: ShardLayout | None) -> int:
 
 
 _JSON_MARGIN = 64 << 10  # meta.json and graph.json
+_NPY_HEADER = 128  # the .npy header of an array of one or two dimensions (np.save pads it to 64-byte lines)
 
 
 def get_dataset(name_or_dir: str | Path, *, device: str | None = None, progress: bool = True,
