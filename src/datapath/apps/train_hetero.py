@@ -16,18 +16,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from datapath.apps.training import evaluate
 from datapath.features import FeatureStore
-from datapath.graph.hetero_synthetic import HETERO_PRESETS, HeteroData, generate_hetero, is_hetero_dataset
+from datapath.graph import HETERO_PRESETS, HeteroData, generate_hetero, is_hetero_dataset
 from datapath.loaders import HeteroNeighborLoader, hetero_hotness
 from datapath.memory import to_placement
-from datapath.nn.hetero_models import HeteroGNN
+from datapath.nn import HeteroGNN
+from datapath.nn.hetero_models import HETERO_MODELS
 from datapath.sampling import HeteroNeighborSampler
 
 
 def is_hetero_run(cfg: Any) -> bool:
     """Whether ``cfg`` names a relational model or a heterogeneous dataset."""
-    from datapath.nn.hetero_models import HETERO_MODELS  # noqa: PLC0415
-
     return cfg.model in HETERO_MODELS or cfg.dataset in HETERO_PRESETS or is_hetero_dataset(cfg.dataset)
 
 
@@ -67,17 +67,6 @@ def place(cfg: Any, data: HeteroData, device: torch.device) -> dict[str, Any]:
         data.features = {t: to_placement(x, where) for t, x in data.features.items()}
         info.update(features_on=where, gpu_cache_frac=1.0 if where == "cuda" else 0.0)
     return info
-
-
-def _accuracy(model: torch.nn.Module, loader: HeteroNeighborLoader) -> float:
-    model.eval()
-    ok = n = 0
-    with torch.no_grad():
-        for b in loader:
-            ok += int((model(b.blocks, b.x).argmax(1) == b.y).sum())
-            n += b.y.numel()
-    model.train()
-    return ok / max(n, 1)
 
 
 def train_hetero(cfg: Any, num_workers: int = 1) -> dict[str, Any]:
@@ -125,6 +114,7 @@ def train_hetero(cfg: Any, num_workers: int = 1) -> dict[str, Any]:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t1 = time.perf_counter()
+        model.train()
         losses, ok, n, steps = 0.0, 0, 0, 0
         sample_s = gather_s = wait_s = 0.0
         for b in loader:
@@ -143,7 +133,7 @@ def train_hetero(cfg: Any, num_workers: int = 1) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize()
         epoch_s = time.perf_counter() - t1
-        val = _accuracy(model, val_loader) if val_loader is not None else None
+        val = evaluate(model, val_loader) if val_loader is not None else None
         row = {"epoch": epoch, "epoch_s": epoch_s, "batches": steps, "loss": float(losses) / max(steps, 1),
                "train_acc": float(ok) / max(n, 1), "val_acc": val, "sample_s": sample_s, "gather_s": gather_s,
                "wait_s": wait_s,
@@ -152,7 +142,7 @@ def train_hetero(cfg: Any, num_workers: int = 1) -> dict[str, Any]:
         print(f"epoch {epoch}: loss {row['loss']:.4f}  train acc {row['train_acc']:.3f}  val acc "
               f"{'-' if val is None else f'{val:.3f}'}  time {epoch_s:.2f} s  ({n / epoch_s:,.0f} seeds/s; producers: sample "
               f"{sample_s:.2f} s, gather {gather_s:.2f} s; waiting for data {wait_s:.2f} s)", flush=True)
-    test = _accuracy(model, test_loader) if test_loader is not None else None
+    test = evaluate(model, test_loader) if test_loader is not None else None
     if test is not None:
         print(f"test accuracy {test:.3f} (chance {1 / data.num_classes:.3f})")
     result = {"dataset": data.name, "model": cfg.model, "device": str(device), "setup_s": setup_s,
