@@ -181,7 +181,7 @@ def edge_list_source(kind: str, path: str | Path, *, features: str | Path | None
         t = ArrayTable(p)
         edges = EdgeIndexTable(p) if t.reader.shape[:1] == (2,) and len(t.reader.shape) == 2 else t
     elif kind == "npz":
-        keys = _npz_keys(p)
+        keys = npz_keys(p)
         if "edge_index" not in keys:
             raise DatasetError(f"{p} has no edge_index (2, E) array; it holds {', '.join(sorted(keys))}")
         edges = EdgeIndexTable(p, "edge_index")
@@ -197,7 +197,8 @@ def edge_list_source(kind: str, path: str | Path, *, features: str | Path | None
                   meta={"from": kind, "path": str(p.absolute()), "add_reverse_edges": add_reverse_edges})
 
 
-def _npz_keys(p: Path) -> set[str]:
+def npz_keys(p: Path) -> set[str]:
+    """The array names in the ``.npz`` archive ``p``; `DatasetError` naming it when it is not one."""
     import zipfile  # noqa: PLC0415
 
     try:

@@ -13,13 +13,12 @@ Heterogeneous datasets (ogbn-mag) are not read here.
 """
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 
 import numpy as np
 
 from datapath.graph.errors import DatasetError
-from datapath.graph.importers import Source, read_ids
+from datapath.graph.importers import Source, npz_keys, read_ids
 from datapath.graph.npy_stream import NpyReader
 from datapath.graph.tables import ArrayTable, CsvTable, EdgeIndexTable, Table
 
@@ -45,7 +44,7 @@ def ogb_source(folder: str | Path, split: str | None = None, add_reverse_edges: 
         layout = "npz"
         num_nodes = _npz_num_nodes(raw / "data.npz")
         edges: Table = EdgeIndexTable(raw / "data.npz", "edge_index")
-        features = ArrayTable(raw / "data.npz", "node_feat") if _has_member(raw / "data.npz", "node_feat") else None
+        features = ArrayTable(raw / "data.npz", "node_feat") if "node_feat" in npz_keys(raw / "data.npz") else None
         labels: Table = ArrayTable(_need(raw / "node-label.npz"), "node_label")
     elif (raw / "edge.csv.gz").is_file():
         layout = "csv"
@@ -71,11 +70,6 @@ def _need(p: Path) -> Path:
     if not p.is_file():
         raise DatasetError(f"{p} is missing; the OGB folder is incomplete")
     return p
-
-
-def _has_member(npz: Path, name: str) -> bool:
-    with zipfile.ZipFile(npz) as z:
-        return f"{name}.npy" in z.namelist()
 
 
 def _npz_num_nodes(npz: Path) -> int:
