@@ -22,21 +22,11 @@ from datapath.memory import host_of
 from datapath.sampling import _rng
 from datapath.sampling.errors import SamplingError
 from datapath.sampling.hetero_block import HeteroBlock, RelationBlock
-from datapath.sampling.neighbor_sampler import _THREADS, _cpu_positions, _kernel_views
+from datapath.sampling.neighbor_sampler import _THREADS, _cpu_positions, _kernel_views, check_fanouts
 from datapath.sampling.relabel import relabel, relabel_dense
 
 Fanouts = Sequence[int] | Mapping[Any, Sequence[int]]
-
-
-def _check_list(f: Any, what: str) -> list[int]:
-    if isinstance(f, (str, bytes)) or not isinstance(f, Sequence) or not f:
-        raise SamplingError(f"{what} must be a non-empty list of ints (neighbours per hop), got {f!r}")
-    out = []
-    for v in f:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v == 0 or v < -1:
-            raise SamplingError(f"{what} must be positive ints (or -1 for all), got {list(f)}")
-        out.append(int(v))
-    return out
+_OWNER = "HeteroNeighborSampler"
 
 
 class HeteroNeighborSampler:
@@ -58,13 +48,13 @@ class HeteroNeighborSampler:
             if not fanouts:
                 raise SamplingError("fanouts must name at least one relation")
             self.fanouts: list[int] | dict[Any, list[int]] = {
-                k: _check_list(v, f"fanouts[{k!r}]") for k, v in fanouts.items()}
+                k: check_fanouts(v, f"fanouts[{k!r}]", _OWNER) for k, v in fanouts.items()}
             hops = {len(v) for v in self.fanouts.values()}
             if len(hops) != 1:
                 raise SamplingError(f"every relation needs the same number of hops, got lengths {sorted(hops)}")
             self.num_hops = hops.pop()
         else:
-            self.fanouts = _check_list(fanouts, "fanouts")
+            self.fanouts = check_fanouts(fanouts, "fanouts", _OWNER)
             self.num_hops = len(self.fanouts)
         self.replace = bool(replace)
         self.seed = int(seed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +36,25 @@ def _max_degree(graph: Graph) -> int:
     return graph.max_in_degree()
 
 
+def check_fanouts(fanouts: Any, what: str = "fanouts", owner: str = "NeighborSampler") -> list[int]:
+    """``fanouts`` (neighbours per hop, seeds first; ``-1``: all) as a list of ints, else `SamplingError`
+    naming ``what`` (the argument) and what is accepted; ``owner`` is the class named in the example."""
+    if isinstance(fanouts, (int, np.integer)) and not isinstance(fanouts, bool):
+        raise SamplingError(f"{what}={fanouts!r}: give one fanout per hop as a list, e.g. "
+                            f"{owner}([{fanouts}]) for one hop or {owner}([10, 5]) for two")
+    try:
+        fanouts = list(fanouts) if not isinstance(fanouts, (str, bytes)) else [fanouts]
+    except TypeError:
+        raise SamplingError(f"{what} must be a list of ints (neighbours per hop, e.g. [10, 5]), got "
+                            f"{fanouts!r}") from None
+    if not fanouts or any(isinstance(f, bool) or not isinstance(f, (int, np.integer)) for f in fanouts):
+        raise SamplingError(f"{what} must be a non-empty list of ints (neighbours per hop), got {fanouts!r}")
+    fanouts = [int(f) for f in fanouts]
+    if any(f == 0 or f < -1 for f in fanouts):
+        raise SamplingError(f"{what} must be positive ints (or -1 for all), got {fanouts}")
+    return fanouts
+
+
 class NeighborSampler:
     """Samples ``fanouts[h]`` neighbours per node at hop ``h`` from the seeds, uniformly.
 
@@ -57,20 +77,7 @@ class NeighborSampler:
 
     def __init__(self, fanouts: Sequence[int], replace: bool = False, seed: int = 0,
                  return_edge_ids: bool = False, blocks_per_sm: int = 32) -> None:
-        if isinstance(fanouts, (int, np.integer)) and not isinstance(fanouts, bool):
-            raise SamplingError(f"fanouts={fanouts!r}: give one fanout per hop as a list, e.g. "
-                                f"NeighborSampler([{fanouts}]) for one hop or NeighborSampler([10, 5]) for two")
-        try:
-            fanouts = list(fanouts) if not isinstance(fanouts, (str, bytes)) else [fanouts]
-        except TypeError:
-            raise SamplingError(f"fanouts must be a list of ints (neighbours per hop, e.g. [10, 5]), got "
-                                f"{fanouts!r}") from None
-        if not fanouts or any(isinstance(f, bool) or not isinstance(f, (int, np.integer)) for f in fanouts):
-            raise SamplingError(f"fanouts must be a non-empty list of ints (neighbours per hop), got {fanouts!r}")
-        fanouts = [int(f) for f in fanouts]
-        if any(f == 0 or f < -1 for f in fanouts):
-            raise SamplingError(f"fanouts must be positive ints (or -1 for all), got {fanouts}")
-        self.fanouts = fanouts
+        self.fanouts = check_fanouts(fanouts)
         self.replace = bool(replace)
         self.seed = int(seed)
         self.return_edge_ids = bool(return_edge_ids)
