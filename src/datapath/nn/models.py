@@ -98,7 +98,7 @@ class GraphSAGE(_BlockModel):
         if backend == "pyg":
             conv_cls = _pyg_nn().SAGEConv
         else:
-            from datapath.nn import SAGEConv as conv_cls  # noqa: PLC0415
+            from datapath.nn.sage_conv import SAGEConv as conv_cls  # noqa: PLC0415
         dims = [in_channels] + [hidden_channels] * (num_layers - 1) + [out_channels]
         for a, b in zip(dims[:-1], dims[1:]):
             self.convs.append(conv_cls(a, b))
@@ -123,7 +123,7 @@ class GAT(_BlockModel):
         if backend == "pyg":
             conv_cls = _pyg_nn().GATConv
         else:
-            from datapath.nn import GATConv as conv_cls  # noqa: PLC0415
+            from datapath.nn.gat_conv import GATConv as conv_cls  # noqa: PLC0415
         width = in_channels
         for _ in range(num_layers - 1):
             self.convs.append(conv_cls(width, hidden_channels // heads, heads=heads))
