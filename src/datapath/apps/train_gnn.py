@@ -37,7 +37,8 @@ from datapath.apps.launch import (
 from datapath.apps.shared_data import memory_footprint, segment_bytes, shared_dataset
 from datapath.apps.store_placement import CACHE_POLICIES, place_sharded, place_with_store, uses_store
 from datapath.apps.training import evaluate, train_epoch
-from datapath.features import CACHE_SCOPES, FeatureStore, parse_budget
+from datapath.features import FeatureStore, parse_budget
+from datapath.features.sharded import CACHE_SCOPES
 from datapath.graph import Dataset, get_dataset
 from datapath.loaders import Batch, DistributedNeighborLoader, NeighborLoader, RankBatch
 from datapath.memory import PLACEMENTS, placement_of, to_placement
