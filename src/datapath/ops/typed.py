@@ -125,19 +125,6 @@ def _merge(graph: Any, dst_type: str, compact: bool) -> TypedRelations:
     deg_all = torch.stack(degs).sum(0) if degs else torch.zeros(n, dtype=torch.int64, device=dev)
     indptr = torch.zeros(n + 1, dtype=torch.int64, device=dev)
     torch.cumsum(deg_all, 0, out=indptr[1:])
-    e_all = sum(int(i.numel()) for i in idxs)
-    indices = torch.empty(e_all, dtype=torch.int64, device=dev)
-    edge_rel = torch.empty(e_all, dtype=torch.int64, device=dev)
-    edge_dst = torch.empty(e_all, dtype=torch.int64, device=dev)
-    before = indptr[:-1].clone()  # where relation r's edges of each row start in the merged row
-    for r, (ptr, inv, deg) in enumerate(zip(ptrs, idxs, degs)):
-        e = inv.numel()
-        row = torch.repeat_interleave(torch.arange(n, device=dev), deg, output_size=e)
-        pos = before[row] + (torch.arange(e, device=dev) - ptr[row])
-        indices[pos] = inv + offsets[r]
-        edge_rel[pos] = r
-        edge_dst[pos] = row
-        before += deg
     type_offsets, acc = {}, 0
     for t, cnt in num_src.items():
         type_offsets[t] = acc
@@ -149,12 +136,22 @@ def _merge(graph: Any, dst_type: str, compact: bool) -> TypedRelations:
     counts = torch.stack(degs, 1).reshape(-1) if ets else torch.zeros(0, dtype=torch.int64, device=dev)
     s_ptr = torch.zeros(n * nr + 1, dtype=torch.int64, device=dev)
     torch.cumsum(counts, 0, out=s_ptr[1:])
+    e_all = sum(int(i.numel()) for i in idxs)
+    indices = torch.empty(e_all, dtype=torch.int64, device=dev)
+    edge_rel = torch.empty(e_all, dtype=torch.int64, device=dev)
+    edge_dst = torch.empty(e_all, dtype=torch.int64, device=dev)
     s_idx = torch.empty(e_all, dtype=torch.int64, device=dev)
-    for r, (et, ptr, deg) in enumerate(zip(ets, ptrs, degs)):
-        e = int(rels[et].indices.numel())
+    before = indptr[:-1].clone()  # where relation r's edges of each row start in the merged row
+    for r, (et, ptr, inv, deg) in enumerate(zip(ets, ptrs, idxs, degs)):
+        e = inv.numel()
         row = torch.repeat_interleave(torch.arange(n, device=dev), deg, output_size=e)
-        pos = s_ptr[row * nr + r] + (torch.arange(e, device=dev) - ptr[row])
-        s_idx[pos] = rels[et].indices.to(torch.int64) + type_offsets[et[0]]
+        within = torch.arange(e, device=dev) - ptr[row]  # each edge's place in its row of relation r
+        pos = before[row] + within
+        indices[pos] = inv + offsets[r]
+        edge_rel[pos] = r
+        edge_dst[pos] = row
+        before += deg
+        s_idx[s_ptr[row * nr + r] + within] = rels[et].indices.to(torch.int64) + type_offsets[et[0]]
     hints = [getattr(rels[et], "max_degree", None) for et in ets]
     known = bool(ets) and all(isinstance(h, int) for h in hints)
     csr = CSRGraph(indptr, indices, offsets[-1], n, trusted=True)
