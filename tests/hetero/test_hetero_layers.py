@@ -64,6 +64,16 @@ def _split_grad(xs, off, block):
     return lambda t: xs.grad[off[t]: off[t] + block.num_src_nodes[t]]
 
 
+def _compare_homogeneous(block, ours, theirs, x, ets):
+    """`_compare` against a PyG layer run on the homogeneous form (edge_type = relation id)."""
+    xs, ei, et, off = _homogeneous(block, {t: v.detach() for t, v in x.items()}, ets)
+    xs.requires_grad_()
+    out_t = theirs(xs, ei, et)
+    out_t = {t: out_t[off[t]: off[t] + block.src_nodes[t].numel()] for t in block.node_types}
+    _compare(block, ours(block, x), out_t, x, _split_grad(xs, off, block), dict(theirs.named_parameters()),
+             dict(ours.named_parameters()))
+
+
 @pytest.mark.parametrize("decomp", [{}, {"num_bases": 3}, {"num_blocks": 4}])
 def test_rgcn_matches_pyg(hetero, decomp) -> None:
     hg, block = _block(hetero, 1)
@@ -72,12 +82,7 @@ def test_rgcn_matches_pyg(hetero, decomp) -> None:
     theirs = pyg_nn.RGCNConv(16, 12, len(ets), **decomp).double()
     theirs.load_state_dict(ours.state_dict())
     x = _inputs(block, 16)
-    xs, ei, et, off = _homogeneous(block, {t: v.detach() for t, v in x.items()}, ets)
-    xs.requires_grad_()
-    out_t = theirs(xs, ei, et)
-    out_t = {t: out_t[off[t]: off[t] + block.src_nodes[t].numel()] for t in block.node_types}
-    _compare(block, ours(block, x), out_t, x, _split_grad(xs, off, block), dict(theirs.named_parameters()),
-             dict(ours.named_parameters()))
+    _compare_homogeneous(block, ours, theirs, x, ets)
 
 
 def test_rgcn_on_a_whole_graph(hetero) -> None:
@@ -110,12 +115,7 @@ def test_rgat_matches_pyg(hetero, kw) -> None:
             p.normal_()
     theirs.load_state_dict(ours.state_dict(), strict=False)
     x = _inputs(block, 8, seed=3)
-    xs, ei, et, off = _homogeneous(block, {t: v.detach() for t, v in x.items()}, ets)
-    xs.requires_grad_()
-    out_t = theirs(xs, ei, et)
-    out_t = {t: out_t[off[t]: off[t] + block.src_nodes[t].numel()] for t in block.node_types}
-    _compare(block, ours(block, x), out_t, x, _split_grad(xs, off, block), dict(theirs.named_parameters()),
-             dict(ours.named_parameters()))
+    _compare_homogeneous(block, ours, theirs, x, ets)
 
 
 @pytest.mark.parametrize("heads,width", [(1, 8), (2, 8), (4, 12)])
