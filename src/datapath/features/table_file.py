@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from datapath.features.errors import FeatureStoreError
+from datapath.graph.npy_stream import read_npy_header
 
 _TORCH_DTYPES = {
     np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
@@ -111,16 +112,9 @@ class TableFile:
 
 def _npy_header(p: Path) -> tuple[tuple[int, ...], np.dtype, int]:
     """(shape, dtype, data offset) of a ``.npy`` file, without reading its data."""
-    fmt = np.lib.format
     try:
         with open(p, "rb") as f:
-            version = fmt.read_magic(f)
-            if version == (1, 0):
-                shape, fortran, dtype = fmt.read_array_header_1_0(f)
-            elif version == (2, 0):
-                shape, fortran, dtype = fmt.read_array_header_2_0(f)
-            else:
-                shape, fortran, dtype = fmt._read_array_header(f, version)  # noqa: SLF001 - version 3
+            shape, fortran, dtype = read_npy_header(f)
             offset = f.tell()
     except (ValueError, OSError, EOFError) as exc:
         raise FeatureStoreError(f"{p} cannot be read as a .npy file ({exc})") from None
@@ -128,7 +122,7 @@ def _npy_header(p: Path) -> tuple[tuple[int, ...], np.dtype, int]:
         raise FeatureStoreError(f"{p} stores its array in Fortran order; rows must be contiguous (C order)")
     if dtype.hasobject:
         raise FeatureStoreError(f"{p} holds Python objects, not a numeric table")
-    return tuple(int(s) for s in shape), np.dtype(dtype), int(offset)
+    return shape, dtype, int(offset)
 
 
 def write_table(path: str | os.PathLike, table: np.ndarray | torch.Tensor, align: int = 4096,

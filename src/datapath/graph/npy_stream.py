@@ -23,6 +23,20 @@ from datapath.graph.errors import DatasetError
 DEFAULT_BLOCK_BYTES = 64 << 20
 
 
+def read_npy_header(f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran_order, dtype) of the ``.npy`` header at ``f``'s position (format 1.0, 2.0 or 3.0), leaving
+    ``f`` at the first data byte; ``ValueError`` when it is not one."""
+    fmt = np.lib.format
+    version = fmt.read_magic(f)
+    if version == (1, 0):
+        shape, fortran, dtype = fmt.read_array_header_1_0(f)
+    elif version in ((2, 0), (3, 0)):  # 3.0 is 2.0 with a UTF-8 header: the same for numeric dtypes' ASCII
+        shape, fortran, dtype = fmt.read_array_header_2_0(f)
+    else:
+        raise ValueError(f"unsupported .npy format version {version}")
+    return tuple(int(s) for s in shape), bool(fortran), np.dtype(dtype)
+
+
 class NpyWriter:
     """Write a ``.npy`` file of ``shape`` / ``dtype`` by `write` calls of whole rows, in order.
 
@@ -130,17 +144,12 @@ class NpyReader:
 
     def _header(self, f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype]:
         try:
-            version = np.lib.format.read_magic(f)
-            read = {(1, 0): np.lib.format.read_array_header_1_0,
-                    (2, 0): np.lib.format.read_array_header_2_0}.get(version)
-            if read is None:
-                raise ValueError(f"unsupported .npy format version {version}")
-            shape, fortran, dtype = read(f)
+            shape, fortran, dtype = read_npy_header(f)
         except ValueError as exc:
             raise DatasetError(f"{self.name} is not a .npy array ({exc})") from exc
         if dtype.hasobject:
             raise DatasetError(f"{self.name} holds Python objects; only numeric arrays can be read")
-        return tuple(int(s) for s in shape), bool(fortran), dtype
+        return shape, fortran, dtype
 
     @property
     def num_rows(self) -> int:
