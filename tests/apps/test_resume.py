@@ -64,16 +64,6 @@ def test_cli_save_resume_and_mismatch(tmp_path, capsys) -> None:
     assert "holds no checkpoint.pt" in capsys.readouterr().err
 
 
-def test_version(capsys) -> None:
-    import datapath
-
-    try:
-        main(["--version"])
-    except SystemExit as exc:
-        assert exc.code == 0
-    assert capsys.readouterr().out.startswith(f"datapath {datapath.__version__} (torch ")
-
-
 @pytest.mark.gpu
 def test_resume_on_the_gpu(tmp_path) -> None:
     """On CUDA the CUDA random states are saved too; the continuation follows the uninterrupted run (to float
