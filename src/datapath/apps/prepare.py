@@ -14,7 +14,8 @@ from typing import Any
 
 import psutil
 
-KINDS = ("pyg", "ogb", "csv", "parquet", "npz")
+from datapath.graph import IMPORT_KINDS, import_dataset
+
 DEFAULT_MEMORY = "25%"
 #: Resident memory kept free for what the budget does not count (allocator slack, tqdm, small arrays).
 _SLACK = 16 << 20
@@ -22,7 +23,7 @@ _SLACK = 16 << 20
 
 def add_import_arguments(q: Any) -> None:
     """The ``--from`` family of options, on the ``prepare-dataset`` parser ``q``."""
-    q.add_argument("--from", dest="source_kind", choices=KINDS, default=None, metavar="KIND",
+    q.add_argument("--from", dest="source_kind", choices=IMPORT_KINDS, default=None, metavar="KIND",
                    help="import a graph instead of generating a preset: NAME is then the source SRC. pyg: a file "
                         "written by torch.save(data) (unpickled: only files you trust); ogb: an OGB node-property "
                         "folder (raw/ + split/, CSV or NPZ layout, no download); csv / parquet / npz: an edge list "
@@ -95,8 +96,6 @@ def check_import_arguments(args: argparse.Namespace) -> None:
 
 def run_import(args: argparse.Namespace) -> int:
     """``prepare-dataset --from``: convert, then print what was written."""
-    from datapath.graph import import_dataset  # noqa: PLC0415
-
     check_import_arguments(args)
     t0 = time.perf_counter()
     memory = working_memory(memory_bytes(args.memory))
