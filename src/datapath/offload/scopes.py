@@ -165,10 +165,9 @@ class ScopeTracker:
         self._close_segment(rec)
         seg = Segment(len(rec.segments), is_unit, rec.units, rec.block, name)
         self.quiet = seg.index >= rec.quiet_from
-        if rec.timing:
+        if rec.timing or rec.profiling:
             seg.t_start = self.clock.mark()
         if rec.profiling:
-            seg.t_start = self.clock.mark()
             self._memory_lap(rec)
             seg.alloc_fwd = self.meter.allocated()
             rec.mem_open = ["fwd", seg]
