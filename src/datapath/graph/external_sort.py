@@ -123,7 +123,8 @@ def _bar(progress: bool, total: int | None, desc: str) -> Any:
     return tqdm(total=total, desc=desc, unit="edge", unit_scale=True, disable=not progress, leave=False)
 
 
-def _check_chunk(src: Any, dst: Any, num_nodes: int | None) -> tuple[np.ndarray, np.ndarray]:
+def _check_chunk(src: Any, dst: Any, num_nodes: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(src, dst, largest id)`` (-1 for no edges) of one chunk, after checking its shapes, dtypes and ids."""
     src, dst = np.asarray(src), np.asarray(dst)
     if src.ndim != 1 or src.shape != dst.shape:
         raise InvalidGraphError(f"an edge chunk must be two 1-D arrays of one length, got shapes {src.shape} "
@@ -131,13 +132,14 @@ def _check_chunk(src: Any, dst: Any, num_nodes: int | None) -> tuple[np.ndarray,
     for a in (src, dst):
         if a.size and not np.issubdtype(a.dtype, np.integer):
             raise InvalidGraphError(f"node ids must be integers, got {a.dtype}")
+    hi = -1
     if src.size:
         lo = min(int(src.min()), int(dst.min()))
         hi = max(int(src.max()), int(dst.max()))
         if lo < 0 or (num_nodes is not None and hi >= num_nodes):
             raise InvalidGraphError(f"node ids range over [{lo}, {hi}] but must lie in [0, "
                                     f"{num_nodes if num_nodes is not None else 'inf'})")
-    return src, dst
+    return src, dst, hi
 
 
 def _sort_by_dst(src: np.ndarray, dst: np.ndarray, stable_hint: bool = False,
@@ -177,9 +179,9 @@ class _Runs:
         self.num_edges = 0
         self.max_id = -1
 
-    def add(self, src: np.ndarray, dst: np.ndarray) -> None:
-        if src.size:
-            self.max_id = max(self.max_id, int(src.max()), int(dst.max()))
+    def add(self, src: np.ndarray, dst: np.ndarray, hi: int) -> None:
+        """Buffer the edges ``src -> dst`` whose largest id is ``hi`` (from `_check_chunk`)."""
+        self.max_id = max(self.max_id, hi)
         self.num_edges += src.size
         i = 0
         while i < src.size:
