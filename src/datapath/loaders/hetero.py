@@ -14,6 +14,7 @@ consumer's stream waits on the batch's event and the tensors are ``record_stream
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -180,7 +181,7 @@ class HeteroNeighborLoader:
         def produce(w: int) -> None:  # batches w, w + W, w + 2W, ... on worker w's own stream
             q = queues[w]
             try:
-                ctx = torch.cuda.stream(self._streams[w]) if cuda else _nullcontext()
+                ctx = torch.cuda.stream(self._streams[w]) if cuda else contextlib.nullcontext()
                 with ctx:
                     for seeds, step in batches[w::workers]:
                         if stop.is_set():
@@ -223,14 +224,6 @@ class HeteroNeighborLoader:
                     except queue.Empty:
                         pass
                 th.join()
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def hetero_hotness(graph: HeteroGraph, seeds: tuple[str, torch.Tensor], sampler: HeteroNeighborSampler, *,
