@@ -45,4 +45,6 @@ def test_accelerate_loop_inside_offload_is_bit_identical() -> None:
     got, stats = _run(base, batches, offloaded=True)
     for k in ref:
         assert torch.equal(ref[k], got[k]), k
-    assert stats.bytes_offloaded > 0 and stats.bytes_loaded == stats.bytes_offloaded
+    # every stored storage came back: read from the store, or handed back from memory while its store was
+    # still finishing (forwarding; which one depends on timing)
+    assert 0 < stats.bytes_loaded <= stats.bytes_offloaded <= stats.bytes_loaded + stats.bytes_forwarded

@@ -70,7 +70,9 @@ def test_trainer_with_offload_callback_is_bit_identical(tmp_path) -> None:
     st = cb.cache.stats
     # every step's activations went to the host store and came back (one cache for all the steps)
     assert cb.session.steps == 3 and st.records == 3 * accumulate
-    assert st.bytes_offloaded > 0 and st.bytes_loaded == st.bytes_offloaded
+    # every stored storage came back: read from the store, or handed back from memory while its store was
+    # still finishing (forwarding; which one depends on timing)
+    assert 0 < st.bytes_loaded <= st.bytes_offloaded <= st.bytes_loaded + st.bytes_forwarded
     assert cb.cache.closed and not cb.session.active
     # training over: the model carries no offload hooks (a plain forward saves nothing through the cache)
     before = st.bytes_offloaded

@@ -73,7 +73,9 @@ def test_lightning_with_offload_callback_is_bit_identical(tmp_path) -> None:
     _assert_same(ref, got)  # dropout on: every mask the same
     st = cb.cache.stats
     assert cb.session.steps == STEPS
-    assert st.bytes_offloaded > 0 and st.bytes_loaded == st.bytes_offloaded
+    # every stored storage came back: read from the store, or handed back from memory while its store was
+    # still finishing (forwarding; which one depends on timing)
+    assert 0 < st.bytes_loaded <= st.bytes_offloaded <= st.bytes_loaded + st.bytes_forwarded
     assert cb.cache.closed and not cb.session.active
 
 
