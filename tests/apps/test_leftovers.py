@@ -63,6 +63,14 @@ def test_sigkill_of_the_process_sharing_a_dataset_removes_its_tables(tmp_path: P
             p.kill()
 
 
+def _kill_group(p: subprocess.Popen) -> None:
+    """End whatever the test started (its own process group), if anything is left."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -92,10 +100,7 @@ def test_sigkill_of_the_gpus_launcher_leaves_no_folder_no_table_and_no_rank(tmp_
                                          for r in ranks), 15.0), "a rank outlived the launcher"
         assert _wait_for(lambda: not list(shm.glob("datapath-*")), 5.0), sorted(shm.iterdir())
     finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(p)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -138,7 +143,4 @@ def test_sigkill_of_rank_0_under_torchrun_leaves_no_table(tmp_path: Path) -> Non
         assert p.returncode != 0
         assert _wait_for(lambda: not list(shm.glob("datapath-*")), 5.0), sorted(shm.iterdir())
     finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(p)

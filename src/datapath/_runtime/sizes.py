@@ -34,6 +34,15 @@ class SizeError(DatapathError, ValueError):
     """A byte size does not parse, or lies outside what its argument accepts."""
 
 
+def _share_or_bytes(number: float, shown: str) -> tuple[float | None, int]:
+    """A plain number: a share when in [0, 1], else a whole number of bytes (negatives reach the caller's check)."""
+    if 0.0 <= number <= 1.0:
+        return number, 0
+    if number.is_integer():
+        return None, int(number)
+    raise SizeError(f"{shown} is neither a share in [0, 1] nor a whole number of bytes; use {HOW}")
+
+
 def parse_size(value: int | float | str, total: int | None, name: str, *, minimum: int = 0) -> int:
     """The bytes ``value`` means (see the module docstring); a share is of ``total`` bytes.
 
@@ -53,12 +62,7 @@ def parse_size(value: int | float | str, total: int | None, name: str, *, minimu
     elif isinstance(value, float):
         if not math.isfinite(value):
             raise SizeError(f"{shown} is not a size; use {HOW}")
-        if 0.0 <= value <= 1.0:
-            share = value
-        elif value.is_integer():
-            nbytes = int(value)
-        else:
-            raise SizeError(f"{shown} is neither a share in [0, 1] nor a whole number of bytes; use {HOW}")
+        share, nbytes = _share_or_bytes(value, shown)
     else:
         text = value.strip().lower().replace("_", "")
         m = _TEXT.fullmatch(text)
@@ -70,12 +74,7 @@ def parse_size(value: int | float | str, total: int | None, name: str, *, minimu
                 raise SizeError(f"{shown}: a percentage must lie in [0%, 100%]")
             share = number / 100.0
         elif unit == "" and not m.group(1).isdigit():  # "0.8", "1e9"
-            if number <= 1.0:
-                share = number
-            elif number.is_integer():
-                nbytes = int(number)
-            else:
-                raise SizeError(f"{shown} is neither a share in [0, 1] nor a whole number of bytes; use {HOW}")
+            share, nbytes = _share_or_bytes(number, shown)
         else:
             if not math.isfinite(number * UNITS[unit]):
                 raise SizeError(f"{shown} is not a size; use {HOW}")
