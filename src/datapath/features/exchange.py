@@ -1,0 +1,401 @@
+"""The exchange of a sharded `FeatureStore`: `ShardedTier` fetches the rows other ranks hold from them.
+
+`datapath.features.sharded.sharded_store` builds the store: each rank keeps its shard in pinned
+host memory (read zero copy by its GPU) and serves the other ranks' requests from it (through its
+GPU cache where it holds the row).  The other ranks' rows come through `ShardedTier`, a
+collective `FetchTier`: every gather of every rank enters its exchange, in the same order, also
+with no remote rows (a `datapath.loaders.DistributedNeighborLoader` makes every rank take the same
+steps, on one producer thread).  One exchange:
+
+1. the batch's ids are sorted by owner on the device (the rows the store's other tiers serve, and
+   bad ids, sort last): how many rows this rank asks of each rank, without a host synchronisation;
+2. all_gather of those counts (a W x W matrix every rank sees; a rank that cannot fetch sends -1,
+   and every rank raises an error naming it): the exchange's one host synchronisation;
+3. all_to_all of the requested row numbers (in each owner's own numbering);
+4. every owner gathers the requested rows from its tiers (its GPU cache, else zero copy from its
+   pinned shard, straight into a device buffer);
+5. all_to_all of the rows back, in pieces of about `PIECE_BYTES` per rank (up to `MAX_PIECES`):
+   the owner gathers piece k + 1 while piece k is sent, and each piece received is scattered
+   straight into the batch's rows.
+
+Steps 3-5 are skipped when no rank asks for anything.  The exchange runs on a process group of
+its own (NCCL between GPUs, gloo between CPUs), so that the loader's producer thread exchanges
+rows while the training thread runs DDP's all-reduce on the default group.  Only the features
+are sharded: every rank holds the whole graph and samples from it without communication.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from datapath.features.errors import FeatureStoreError, ShardExchangeError
+from datapath.features.tiers import FetchTier
+from datapath.graph import ShardLayout
+from datapath.memory import ErrorFlag, gather_rows, gather_tiered
+
+log = logging.getLogger("datapath.features.exchange")
+
+DEFAULT_TIMEOUT_S = 600.0
+"""How long a rank waits in an exchange for the others before it fails (seconds)."""
+
+PIECE_BYTES = 32 << 20
+"""Rows go to a rank in pieces of about this many bytes: the owner gathers a piece while the previous one is sent."""
+MAX_PIECES = 4
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardedTier(FetchTier):
+    """The rows other ranks hold: fetched from their owners by an exchange on ``group`` (see the module docstring).
+
+    Args:
+        shard: (n, *rest) this rank's rows ``layout.rows(rank)``: pinned host memory for a CUDA
+            ``device`` (served zero copy), CPU memory otherwise.
+        layout: how the table's rows are cut into the ranks' shards.
+        rank: this process's rank in ``group``.
+        group: the process group of the exchange (all ``layout.shards`` ranks).
+        device: where fetched rows go.
+        piece_bytes: the rows for one rank go in pieces of about this many bytes (at most `MAX_PIECES`),
+            so that the owner gathers a piece from its tiers while the previous one is sent.
+    """
+
+    name = "remote"
+    collective = True
+
+    def __init__(self, shard: torch.Tensor, layout: ShardLayout, rank: int, group: Any,
+                 device: torch.device, piece_bytes: int = PIECE_BYTES) -> None:
+        super().__init__()
+        if piece_bytes < 1:
+            raise FeatureStoreError(f"piece_bytes must be >= 1, got {piece_bytes}")
+        self.piece_bytes = int(piece_bytes)
+        self.shard = shard
+        self.layout = layout
+        self.rank = int(rank)
+        self.world_size = layout.shards
+        self.group = group
+        self.device = torch.device(device)
+        self.backend = str(dist.get_backend(group))
+        # where the tensors of the collectives live: NCCL moves GPU memory, gloo host memory
+        self._comm = self.device if self.backend == "nccl" else torch.device("cpu")
+        self._bounds = torch.tensor(layout.bounds, dtype=torch.int64, device=self.device)
+        self._id_dtype = torch.int32 if max(layout.size(r) for r in range(layout.shards)) < 2**31 else torch.int64
+        self._rest = tuple(shard.shape[1:])
+        self._row_bytes = math.prod(self._rest) * shard.element_size()
+        self._lock = threading.Lock()
+        self._flag = ErrorFlag() if self.device.type == "cuda" else None
+        self._events: list[tuple[torch.cuda.Event, ...]] = []  # (start, counted, ids sent, rows placed) per exchange
+        self._events_lock = threading.Lock()  # the producer thread appends, `stats` (any thread) folds
+        self._joined = False  # this exchange has entered its first collective
+        self._broken: str | None = None
+        lo, hi = layout.rows(self.rank)
+        self._lo = lo
+        self.rows = layout.num_rows - (hi - lo)
+        self._cache: torch.Tensor | None = None  # the store's GPU cache and slot map (`attach`)
+        self._slots: torch.Tensor | None = None
+        self._served = torch.zeros(3, dtype=torch.int64, device=self._comm)  # rows served from cache / host
+        self._remote_slot: torch.Tensor | None = None  # (c + 1,) bool: cache slot s holds another shard's row
+        self._remote_hits = torch.zeros((), dtype=torch.int64, device=self.device)
+        # per stage (GPU time on CUDA, host time otherwise): counts = ids sorted by owner + the counts all_gather
+        # (the one host synchronisation), ids = their all_to_all, exchange = owner's gather + rows all_to_all +
+        # scatter into the batch; wall = host time of the whole call; remote_cache_rows: rows of other shards this
+        # rank's batches found in its own GPU cache (not fetched)
+        self._stats.extra.update(exchanges=0, received_rows=0, received_bytes=0, sent_rows=0, sent_bytes=0,
+                                 sent_from_cache_rows=0, remote_cache_rows=0, id_bytes=0, counts_seconds=0.0,
+                                 ids_seconds=0.0, exchange_seconds=0.0, wall_seconds=0.0)
+
+    def attach(self, cache: torch.Tensor | None, slots: torch.Tensor) -> None:
+        """Serve the other ranks' requests through the store's tiers: rows in ``cache`` (its GPU cache) from there.
+
+        ``slots``: the store's (N,) int32 slot map (``1..c`` cache rows, ``c+1..`` this rank's shard).
+        """
+        if self._comm == self.device:  # the rows are served where the collective sends them from
+            self._cache, self._slots = cache, slots
+
+    def mark_remote_cache(self, remote: torch.Tensor) -> None:
+        """``remote``: (c,) bool, whether cache slot ``s + 1`` holds a row of another shard (counted as
+        ``remote_cache_rows`` when a batch finds it there)."""
+        self._remote_slot = torch.cat([torch.zeros(1, dtype=torch.bool), remote.cpu().bool()]).to(self.device)
+
+    # `FeatureStore.stats` reads ``tier.stats``: the GPU times of finished exchanges are folded in first
+    @property
+    def stats(self) -> Any:
+        self._fold()
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: Any) -> None:
+        self._stats = value
+
+    def fetch(self, ids: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[positions] = rows ids`` fetched from their owners (collective: every rank calls it, see `exchange`)."""
+        rows = self.exchange(ids)
+        if ids.numel():
+            out.index_copy_(0, positions.to(out.device), rows.to(out.device))
+
+    reads_slots = True
+
+    def fetch_slots(self, ids: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, flag: Any = None) -> None:
+        """``out[k] = row ids[k]`` for every ``k`` with ``loc[k] < 0`` (the rows of other ranks the store lacks).
+
+        The store's gather calls this instead of `fetch`: the rows are picked on the device (no
+        host synchronisation but the exchange's one), and each piece of received rows is scattered
+        straight into ``out``.  Collective, as `exchange`.
+        """
+        with self._lock:
+            self._guarded(lambda: self._fetch_slots(ids, loc, out, flag))
+
+    def exchange(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` ((k,) int64 rows of the whole table, any device; repeats allowed) as (k, *rest) on ``device``.
+
+        Collective: every rank of the group calls it the same number of times (with an empty ``ids``
+        when it needs nothing); each call is self-contained, so threads of a rank may take turns.
+
+        Raises:
+            IndexError: an id of this rank lies outside the table (the other ranks raise
+                `ShardExchangeError` naming this rank).
+            ShardExchangeError: another rank's request failed, or the exchange itself failed (a rank
+                died or stopped answering within the group's timeout); the message names the rank.
+        """
+        with self._lock:  # one exchange at a time: threads of one rank take turns (each call is self-contained)
+            return self._guarded(lambda: self._exchange(ids.reshape(-1)))
+
+    def _guarded(self, run: Any) -> Any:
+        """``run()``, one exchange; a failure before its first collective tells the others, one in it breaks it."""
+        if self._broken is not None:
+            raise ShardExchangeError(self._broken)
+        self._joined = False
+        try:
+            return run()
+        except (IndexError, ShardExchangeError):
+            raise
+        except Exception as exc:
+            if not self._joined:  # failed before the first collective: the others learn it from the -1 there
+                self._signal_failure()
+                raise
+            # a collective failed: the group is unusable now
+            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self._broken = (f"rank {self.rank} of {self.world_size}: the exchange of feature rows failed "
+                            f"({type(exc).__name__}: {cause}); another rank has died or stopped answering: "
+                            f"see its own error")
+            raise ShardExchangeError(self._broken) from exc
+
+    def abort(self, error: BaseException) -> None:
+        """Tell the other ranks, in place of this gather's exchange, that this rank's gather failed (the
+        exchanges still pair up afterwards: this call took the failed one's turn)."""
+        with self._lock:
+            if self._broken is None:
+                self._signal_failure()
+
+    def _signal_failure(self) -> None:
+        """Enter this exchange's first collective with -1s: every other rank raises, naming this one."""
+        try:
+            self._counts(torch.full((self.world_size,), -1, dtype=torch.int64, device=self._comm))
+        except Exception:  # noqa: BLE001 - the original error is what the caller raises
+            log.debug("rank %d could not tell the other ranks that it failed", self.rank, exc_info=True)
+
+    # -- one exchange ------------------------------------------------------------------------
+    def _exchange(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(self.device, torch.int64)
+        dest = torch.empty((ids.numel(), *self._rest), dtype=self.shard.dtype, device=self.device)
+        self._run(ids, None, dest, None)
+        return dest
+
+    def _fetch_slots(self, ids: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, flag: Any) -> None:
+        n = self.layout.num_rows
+        ids = ids.to(self.device).long()
+        ids = torch.where(ids < 0, ids + n, ids)
+        loc = loc.to(self.device)
+        if self._remote_slot is not None and ids.numel():  # rows of other shards this rank's cache served
+            c = self._remote_slot.numel() - 1  # slots 1..c: the cache; c + 1..: this rank's shard
+            hit = self._remote_slot[torch.where((loc > 0) & (loc <= c), loc, 0).long()]
+            self._remote_hits += hit.sum()
+        self._run(ids, loc < 0, out, flag)
+
+    def _run(self, ids: torch.Tensor, want: torch.Tensor | None, dest: torch.Tensor, flag: Any) -> None:
+        """``dest[k] = row ids[k]`` for the ``k`` in ``want`` (all if None): one exchange, one host synchronisation.
+
+        ids: (k,) int64 on ``device``; an id outside the table on any rank fails every rank's exchange
+        (this rank raises ``IndexError``, the others `ShardExchangeError` naming it).
+        """
+        cuda = self.device.type == "cuda"
+        t0 = time.perf_counter()
+        start = _event() if cuda else None
+        if self._flag is not None:
+            self._flag.raise_if_set(f" (rows a rank asked of rank {self.rank}'s shard: an internal error)")
+        n = self.layout.num_rows
+        inside = (ids >= 0) & (ids < n)
+        # sorted, so grouped by owner; rows not wanted (and bad ids) sort last, past every shard; repeats are asked
+        # for as often as they come (a loader's ids are distinct, and sorting needs no host synchronisation)
+        keep = inside if want is None else inside & want
+        ordered, perm = torch.sort(torch.where(keep, ids, n))
+        cuts = torch.searchsorted(ordered, self._bounds)
+        asks = cuts[1:] - cuts[:-1]
+        asks = torch.where((~inside).any(), torch.full_like(asks, -1), asks)  # a bad id: every rank stops
+        self._joined = True
+        matrix = self._counts(asks)  # the exchange's one host synchronisation
+        t_counts = time.perf_counter()
+        counted = _event() if cuda else None
+        self._raise_failed(matrix, ids, flag)
+        ex = self._stats.extra
+        ex["exchanges"] += 1
+        mine = matrix[self.rank]  # rows this rank asks of each rank
+        theirs = [matrix[r][self.rank] for r in range(self.world_size)]  # rows each rank asks of this one
+        total = sum(mine)
+        if any(any(row) for row in matrix):
+            local = ordered[:total] - torch.repeat_interleave(self._bounds[:-1], asks, output_size=total)
+            wanted = torch.empty(sum(theirs), dtype=self._id_dtype, device=self._comm)
+            dist.all_to_all_single(wanted, local.to(self._comm, self._id_dtype), theirs, mine, group=self.group)
+            mid = _event() if cuda else None
+            t_mid = time.perf_counter()
+            self._send_rows(wanted, mine, theirs, self._pieces(matrix), dest, perm[:total])
+            if cuda:
+                with self._events_lock:
+                    self._events.append((start, counted, mid, _event()))
+            else:
+                t1 = time.perf_counter()
+                ex["counts_seconds"] += t_counts - t0
+                ex["ids_seconds"] += t_mid - t_counts
+                ex["exchange_seconds"] += t1 - t_mid
+                self._stats.add(seconds=t1 - t0)
+            remote_in = total - mine[self.rank]
+            remote_out = sum(theirs) - theirs[self.rank]
+            ex["received_rows"] += remote_in
+            ex["received_bytes"] += remote_in * self._row_bytes
+            ex["sent_rows"] += remote_out
+            ex["sent_bytes"] += remote_out * self._row_bytes
+            ex["id_bytes"] += (remote_in + remote_out) * wanted.element_size()
+        elif not cuda:
+            ex["counts_seconds"] += t_counts - t0
+            self._stats.add(seconds=t_counts - t0)
+        ex["wall_seconds"] += time.perf_counter() - t0
+        self._stats.add(rows=total, nbytes=total * self._row_bytes)
+
+    def _pieces(self, matrix: list[list[int]]) -> int:
+        """Pieces the rows go in (the same on every rank: from the matrix all of them see)."""
+        largest = max(max(row) for row in matrix) * self._row_bytes
+        return max(1, min(MAX_PIECES, -(-largest // self.piece_bytes)))
+
+    def _send_rows(self, wanted: torch.Tensor, mine: list[int], theirs: list[int], pieces: int,
+                   dest: torch.Tensor, at: torch.Tensor) -> None:
+        """Serve ``wanted``, exchange the rows and scatter them: ``dest[at[i]]`` = the ``i``-th row this rank asked for.
+
+        In ``pieces`` all_to_alls: piece ``c`` carries rows ``n*c//pieces .. n*(c+1)//pieces`` of every
+        segment of ``n`` rows, and is sent while the owner gathers piece ``c + 1``; each piece received is
+        scattered into ``dest`` (no staging buffer for the whole batch).
+        """
+        def put(part: torch.Tensor, where: torch.Tensor) -> None:
+            if where.numel():
+                dest.index_copy_(0, where.to(dest.device), part.to(dest.device))
+
+        if pieces == 1:
+            got = torch.empty((sum(mine), *self._rest), dtype=self.shard.dtype, device=self._comm)
+            dist.all_to_all_single(got, self._serve(wanted), mine, theirs, group=self.group)
+            put(got, at)
+            return
+        t_at = [sum(theirs[:j]) for j in range(self.world_size)]
+        m_at = [sum(mine[:j]) for j in range(self.world_size)]
+
+        def cut(n: int, c: int) -> tuple[int, int]:
+            return n * c // pieces, n * (c + 1) // pieces
+
+        sent = []
+        for c in range(pieces):
+            send = [cut(theirs[j], c) for j in range(self.world_size)]
+            recv = [cut(mine[j], c) for j in range(self.world_size)]
+            ids = torch.cat([wanted[t_at[j] + a:t_at[j] + b] for j, (a, b) in enumerate(send)])
+            part = torch.empty((sum(b - a for a, b in recv), *self._rest), dtype=self.shard.dtype, device=self._comm)
+            work = dist.all_to_all_single(part, self._serve(ids), [b - a for a, b in recv], [b - a for a, b in send],
+                                          group=self.group, async_op=True)
+            sent.append((work, part, torch.cat([at[m_at[j] + a:m_at[j] + b] for j, (a, b) in enumerate(recv)])))
+        for work, part, where in sent:
+            work.wait()
+            put(part, where)
+
+    def _counts(self, asks: torch.Tensor) -> list[list[int]]:
+        """The W x W matrix of rows rank i asks of rank j (all_gather of every rank's ``asks``; one host sync)."""
+        out = torch.empty(self.world_size * self.world_size, dtype=torch.int64, device=self._comm)
+        _all_gather(out, asks.to(self._comm), group=self.group)
+        return out.view(self.world_size, self.world_size).tolist()
+
+    def _raise_failed(self, matrix: list[list[int]], ids: torch.Tensor, flag: Any = None) -> None:
+        failed = [r for r, row in enumerate(matrix) if any(v < 0 for v in row)]
+        if not failed:
+            return
+        if self.rank in failed:
+            if flag is not None:  # the store's lookup saw the bad index first: its message names it as given
+                flag.raise_if_set()
+            n = self.layout.num_rows
+            bad = torch.unique(ids[(ids < 0) | (ids >= n)])
+            raise IndexError(f"rank {self.rank}: row ids {bad[:5].tolist()}{' ...' if bad.numel() > 5 else ''} are "
+                             f"out of bounds for a sharded table of {n} rows")
+        raise ShardExchangeError(f"rank {self.rank} of {self.world_size} stops: rank {failed[0]} could not fetch its "
+                                 f"feature rows (see its own error)")
+
+    def _serve(self, wanted: torch.Tensor) -> torch.Tensor:
+        """The rows of this rank's shard that the others asked for, where the collective needs them.
+
+        Through the store's tiers when attached (one tiered gather: cached rows from the GPU cache,
+        the others zero copy from pinned host memory), else from the shard.
+        """
+        if self._slots is not None:
+            loc = self._slots[wanted.long() + self._lo]
+            out = torch.empty((wanted.numel(), *self._rest), dtype=self.shard.dtype, device=self._comm)
+            empty = torch.empty((0, *self._rest), dtype=self.shard.dtype, device=self._comm)
+            return gather_tiered(self._cache if self._cache is not None else empty, self.shard, loc, out,
+                                 error_flag=self._flag, counts=self._served)
+        if self._comm.type == "cuda":  # zero copy from pinned host memory onto the GPU
+            return gather_rows(self.shard, wanted, self._flag)
+        return self.shard.index_select(0, wanted.long())
+
+    def _fold(self) -> None:
+        """Add the GPU time of the finished exchanges (and the rows served from the cache) to the statistics."""
+        if self._slots is not None:
+            served = self._served.tolist()
+            self._served.zero_()
+            self._stats.extra["sent_from_cache_rows"] += int(served[0])
+        if self._remote_slot is not None:
+            self._stats.extra["remote_cache_rows"] += int(self._remote_hits)
+            self._remote_hits.zero_()
+        with self._events_lock:
+            keep = []
+            ex = self._stats.extra
+            for evs in self._events:
+                a, c, m, b = evs
+                if b.query():
+                    self._stats.add(seconds=a.elapsed_time(b) / 1e3)
+                    ex["counts_seconds"] += a.elapsed_time(c) / 1e3
+                    ex["ids_seconds"] += c.elapsed_time(m) / 1e3
+                    ex["exchange_seconds"] += m.elapsed_time(b) / 1e3
+                else:
+                    keep.append(evs)
+            self._events = keep
+
+    def close(self) -> None:
+        """Drop the shard (the process group belongs to the job and is left alone)."""
+        self._broken = self._broken or f"rank {self.rank}: this sharded feature store was closed"
+
+
+def _event() -> torch.cuda.Event:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+def new_exchange_group(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> Any:
+    """A process group of all ranks for the exchange (collective: every rank calls it): NCCL on GPUs, gloo on CPUs."""
+    if backend is None:
+        backend = "nccl" if dist.get_backend() == "nccl" else "gloo"
+    options = None
+    if backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        # its kernels on a high-priority stream: an exchange is short and the step waits for it, while the
+        # sampling and gather kernels beside it fill the GPU for milliseconds
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = True
+    return dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s), pg_options=options)
