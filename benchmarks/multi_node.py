@@ -284,7 +284,13 @@ def run_nodes(args: argparse.Namespace, nodes: list[Path], batch: int, tmp: Path
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // n))
         procs.append(subprocess.Popen(cmd, env=env, stdout=open(tmp / f"node{r}.log", "w"), stderr=subprocess.STDOUT))
     deadline = time.monotonic() + args.timeout
-    codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    try:
+        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:  # a hung exchange: end every launch (torchrun ends its worker), report the logs
+        for p in procs:
+            p.kill()
+        codes = [p.wait() for p in procs]
+        codes = [f"killed after {args.timeout:.0f} s ({c})" for c in codes]
     if codes != [0] * n:
         tails = "".join(f"\n-- node {r}:\n" + (tmp / f"node{r}.log").read_text()[-3000:] for r in range(n))
         raise RuntimeError(f"the {n}-node run failed (exit codes {codes}){tails}")
@@ -537,6 +543,7 @@ def main() -> None:
         sys.exit(f"the {args.nodes}-node run needs {args.nodes} GPUs (one per simulated node), this machine has "
                  f"{torch.cuda.device_count()}; use --device cpu --quick for a smoke test")
     records: list[dict[str, Any]] = []
+    failed: list[str] = []
     t_start = time.perf_counter()
     for name in args.datasets.split(","):
         d, nodes = prepare(args, name)
@@ -549,11 +556,16 @@ def main() -> None:
                 for cache in caches if mode == "strong" else caches[:1]:
                     batch = args.batch_size if mode == "weak" else args.batch_size // args.nodes
                     t0 = time.perf_counter()
-                    run = run_nodes(args, nodes, batch, Path(tmp), cache)
+                    try:
+                        run = run_nodes(args, nodes, batch, Path(tmp), cache)
+                    except RuntimeError as exc:  # the other runs still measure; the failure is in the log
+                        failed.append(f"{name} {mode} {cache}")
+                        print(f"{name}: {args.nodes} nodes ({mode}, cache {cache}) FAILED: {exc}", flush=True)
+                        continue
                     records.append(record(name, run, mode, batch, cache))
                     took = time.perf_counter() - t0
                     print(f"{name}: {args.nodes} nodes ({mode}, cache {cache}) done in {took:.0f} s", flush=True)
-        write_result(args.name, {"partial": True, "records": records})
+                    write_result(args.name, {"partial": True, "records": records})
     payload = _payload(args, records, time.perf_counter() - t_start)
     summary = payload["summary"]
     path = write_result(args.name, payload)
@@ -563,6 +575,8 @@ def main() -> None:
                                         "remote_bytes_per_batch", "hit_rate_local", "remote_fetch_GBps",
                                         "nccl_alltoall_GBps", "device")} for r in records])
     print_table([{"run": k, **v} for k, v in summary.items()])
+    if failed:
+        sys.exit(f"runs that failed (see above): {', '.join(failed)}")
 
 
 if __name__ == "__main__":

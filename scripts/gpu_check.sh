@@ -23,7 +23,8 @@
 #   two-gpu   the tests that need 2 GPUs (offload FSDP2/DDP/Megatron TP2, data-parallel loaders, sharded store,
 #             two torchrun nodes)                                     (nvidia-h200-x2 only; ~4 min with tests/features)
 #   b5        B5 features sharded over 2 nodes: its GPU tests, then products 1 GPU vs 2 torchrun nodes
-#             benchmarks/multi_node.py --datasets products    (nvidia-h200-x2 only; tests ~70 s, the bench 135 s; the
+#             benchmarks/multi_node.py --datasets products, then benchmarks/multi_gpu.py --gpus 2 (one shared host
+#             copy)  (a 2-GPU kind; T_B5_TESTS, T_B5, T_B5_RUN, T_B5_SHM: timeouts; tests ~70 s, the bench 135 s; the
 #             committed multi_node.json: --no-tests --bench "multi_node --datasets products --caches none,own:50%
 #             --name multi_node_products --data-dir bench-disk --timeout 80", then multi_node.py --merge)
 #   (scripts/gpu_fsdp2_diag.py: an FSDP2 step's memory at every layer boundary, keep vs offloaded; 2 GPUs, ~40 s)
@@ -127,8 +128,10 @@ for s in "${suites[@]}"; do
         tests/apps/test_multi_node.py > "$L/b5_tests.log" 2>&1
       rc=$?; [ "$rc" = 0 ] || status=1
       echo "B5 GPU tests rc=$rc"; grep -E "^(FAILED|ERROR)|passed|failed" "$L/b5_tests.log" | tail -n 20
-      bench 420 multi_node --datasets products --caches none,any:25%,own:50% --name multi_node_products \
-        --data-dir "$PWD/bench-disk" ;;
+      bench "${T_B5:-420}" multi_node --datasets products --caches none,any:25%,own:50% --name multi_node_products \
+        --data-dir "$PWD/bench-disk" --timeout "${T_B5_RUN:-120}"
+      # the same 2 GPUs as data parallelism over ONE shared host copy (/dev/shm): multi_gpu.json (weak and strong)
+      bench "${T_B5_SHM:-120}" multi_gpu --gpus 2 ;;
     hetero)  # relational layers vs PyG, R-GAT epoch with a 25% GPU cache vs resident (issue 41; ~4 min)
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/hetero > "$L/hetero_gpu_tests.log" 2>&1
       rc=$?; [ "$rc" = 0 ] || status=1
