@@ -176,6 +176,11 @@ def _prepare(args: argparse.Namespace) -> int:
     if args.name in HETERO_PRESETS:  # a heterogeneous preset (IGBH- or MAG-shaped)
         if args.directory.exists() and any(args.directory.iterdir()) and not args.overwrite:
             raise ValueError(f"{args.directory} is not empty; pass --overwrite to replace it")
+        from datapath.apps.prepare import hetero_bytes_needed  # noqa: PLC0415
+        from datapath.graph._files import check_free_space  # noqa: PLC0415
+
+        where = next(p for p in (args.directory.absolute(), *args.directory.absolute().parents) if p.exists())
+        check_free_space(where, hetero_bytes_needed(HETERO_PRESETS[args.name]))  # before generating
         data = generate_hetero(args.name, seed=args.seed, device=args.device or ("cuda" if _cuda() else "cpu"))
         data.save(args.directory)
         print(f"wrote {args.name} to {args.directory}: {data.graph} ({time.perf_counter() - t0:.1f} s)")

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 
 from datapath.graph import IMPORT_KINDS, import_dataset
@@ -69,6 +70,25 @@ def working_memory(budget: int, what: str = "--memory") -> int:
         raise ValueError(f"{what} {budget / 2**20:,.0f} MiB leaves nothing for the conversion: this process "
                          f"already holds {held / 2**20:,.0f} MiB; give at least {(held + _SLACK) / 2**20 + 1:,.0f} MiB")
     return left
+
+
+def hetero_bytes_needed(spec: Any) -> int:
+    """Disk bytes a heterogeneous preset ``spec`` (`datapath.graph.hetero_synthetic.HeteroSpec`) is written in:
+    its features (float32) exactly; labels and split ids (int64); per relation and reverse relation a CSR of
+    int64 ``indptr``, ``indices`` and edge ids (an upper bound: parallel edges are dropped); JSON files."""
+    from datapath.graph._files import npy_bytes  # noqa: PLC0415
+
+    feats = sum(npy_bytes((spec.num_nodes[t], w), np.float32) for t, w in spec.features.items())
+    n_target = spec.num_nodes[spec.target]
+    node_files = npy_bytes((n_target,), np.int64) * 2 + 3 * npy_bytes((0,), np.int64)
+    graph = 0
+    for (src, name, dst), m in spec.edges.items():
+        for d in (dst, src) if name in spec.reverse else (dst,):
+            graph += npy_bytes((spec.num_nodes[d] + 1,), np.int64) + 2 * npy_bytes((m,), np.int64) + _JSON_FILE
+    return feats + node_files + graph + 4 * _JSON_FILE
+
+
+_JSON_FILE = 4 << 10  # one small JSON file (graph.json, hetero.json, meta.json)
 
 
 def check_import_arguments(args: argparse.Namespace) -> None:

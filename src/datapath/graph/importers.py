@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from datapath.graph._files import atomic_directory, save_json, save_npy
+from datapath.graph._files import atomic_directory, check_free_space, disk_full, npy_bytes, save_json, save_npy
 from datapath.graph.errors import DatasetError
 from datapath.graph.external_sort import edges_to_csr, read_budget
 from datapath.graph.npy_stream import NpyWriter
@@ -246,34 +246,73 @@ def write_source(src: Source, directory: str | Path, *, memory: int, overwrite: 
     """
     if (src.features is None) != (src.labels is None):
         raise DatasetError("give both node features and labels (a dataset), or neither (a graph directory)")
+    rows = src.edges.num_rows
+    edges = None if rows is None else rows * (1 + src.reverse)
+    parent = Path(directory).absolute().parent
+    needed = _bytes_needed(src, src.num_nodes, edges)
     with atomic_directory(Path(directory), overwrite, "dataset") as tmp:
-        rows = src.edges.num_rows
-        csr = edges_to_csr(edge_chunks(src.edges, src.num_nodes, src.reverse), tmp, memory=memory,
-                           num_nodes=src.num_nodes, tmp_dir=tmp, progress=progress,
-                           total_edges=None if rows is None else rows * (1 + src.reverse))
-        n = csr.num_nodes
-        save_json(tmp / "graph.json", {"num_src_nodes": n, "num_dst_nodes": n, "num_edges": csr.num_edges})
-        meta = {"name": src.name, "num_nodes": n, "num_edges": csr.num_edges, "source": src.meta,
-                "sort": {"runs": csr.runs, "run_s": round(csr.run_s, 3), "merge_s": round(csr.merge_s, 3),
-                         "memory": memory}}
-        if src.features is not None and src.labels is not None:
-            for k, v in (src.splits or {}).items():
-                if v.size and int(v.max()) >= n:
-                    raise DatasetError(f"the {k} split holds node id {int(v.max())} but the graph has {n:,} nodes")
-            width = _write_features(src.features, tmp / "features.npy", n, read_budget(memory))
-            num_classes, unlabelled, labelled = _write_labels(src.labels, tmp / "labels.npy", n, read_budget(memory),
-                                                              src.splits)
-            if src.splits is None:
-                _write_random_split(tmp, seed, labelled)
-            else:
-                for k, v in src.splits.items():
-                    save_npy(tmp / f"{k}_idx.npy", v.astype(np.int64))
-            from datapath.graph.datasets import _write_meta  # noqa: PLC0415 - the one writer of meta.json
-
-            _write_meta(tmp, {**meta, "num_classes": num_classes, "num_features": width,
-                              "unlabelled_nodes": unlabelled,
-                              "split": "random 80/10/10" if src.splits is None else "given"})
+        try:
+            check_free_space(parent, needed)  # before the sort writes its first run
+            _write_source(src, tmp, edges, parent, memory, seed, progress)
+        except OSError as exc:
+            full = disk_full(exc, Path(directory), needed)
+            if full is None:
+                raise
+            raise full from None
     return Path(directory)
+
+
+def _bytes_needed(src: Source, num_nodes: int | None, num_edges: int | None) -> int:
+    """The most disk `write_source` holds at once for ``src``: the CSR beside the external sort's runs (the
+    edges once more, removed once merged) or beside the node files written after them.  A count not known
+    yet (None: an edge list in CSV, nodes counted by the sort) counts 0 here; `write_source` checks again
+    once the sort has counted them."""
+    n, e = num_nodes or 0, num_edges or 0
+    item = 4 if n < 2**31 else 8  # the sort's runs and ``indices`` are int32 below 2**31 nodes
+    csr = npy_bytes((n + 1,), np.int64) + npy_bytes((e,), np.int32 if item == 4 else np.int64)
+    return csr + max(2 * item * e, _node_bytes(src, n)) + _JSON_MARGIN
+
+
+def _node_bytes(src: Source, n: int) -> int:
+    """The node files of ``src`` with ``n`` nodes: features (float32), labels and split ids (int64)."""
+    if src.features is None:
+        return 0
+    splits = sum(npy_bytes((len(v),), np.int64) for v in src.splits.values()) if src.splits else \
+        npy_bytes((n,), np.int64) + 2 * npy_bytes((0,), np.int64)  # a random split of at most every node
+    return npy_bytes((n, src.features.num_cols), np.float32) + npy_bytes((n,), np.int64) + splits
+
+
+_JSON_MARGIN = 64 << 10  # graph.json and meta.json
+
+
+def _write_source(src: Source, tmp: Path, edges: int | None, parent: Path, memory: int, seed: int,
+                  progress: bool) -> None:
+    """`write_source`'s work, into the temporary directory ``tmp``."""
+    csr = edges_to_csr(edge_chunks(src.edges, src.num_nodes, src.reverse), tmp, memory=memory,
+                       num_nodes=src.num_nodes, tmp_dir=tmp, progress=progress, total_edges=edges)
+    n = csr.num_nodes
+    save_json(tmp / "graph.json", {"num_src_nodes": n, "num_dst_nodes": n, "num_edges": csr.num_edges})
+    meta = {"name": src.name, "num_nodes": n, "num_edges": csr.num_edges, "source": src.meta,
+            "sort": {"runs": csr.runs, "run_s": round(csr.run_s, 3), "merge_s": round(csr.merge_s, 3),
+                     "memory": memory}}
+    if src.features is not None and src.labels is not None:
+        for k, v in (src.splits or {}).items():
+            if v.size and int(v.max()) >= n:
+                raise DatasetError(f"the {k} split holds node id {int(v.max())} but the graph has {n:,} nodes")
+        check_free_space(parent, _node_bytes(src, n) + _JSON_MARGIN)  # the sort counted the nodes
+        width = _write_features(src.features, tmp / "features.npy", n, read_budget(memory))
+        num_classes, unlabelled, labelled = _write_labels(src.labels, tmp / "labels.npy", n, read_budget(memory),
+                                                          src.splits)
+        if src.splits is None:
+            _write_random_split(tmp, seed, labelled)
+        else:
+            for k, v in src.splits.items():
+                save_npy(tmp / f"{k}_idx.npy", v.astype(np.int64))
+        from datapath.graph.datasets import _write_meta  # noqa: PLC0415 - the one writer of meta.json
+
+        _write_meta(tmp, {**meta, "num_classes": num_classes, "num_features": width,
+                          "unlabelled_nodes": unlabelled,
+                          "split": "random 80/10/10" if src.splits is None else "given"})
 
 
 def split_of(ids: np.ndarray, seed: int) -> np.ndarray:
