@@ -2,8 +2,10 @@
 
 One process: the `HeteroGraph` on the GPU (cuda, or unified with ``graph_on``) or the CPU, each node
 type's features in a tensor (``features_on``) or, with ``gpu_cache`` / ``host_memory``, in a
-`FeatureStore` of its own (a GPU cache of that share of the type's rows, ranked by presampling,
-the rest in pinned host memory -- or read from the dataset directory's ``features_<type>.npy``).
+`FeatureStore` of its own: ``gpu_cache`` is one budget for all types (a share of every feature byte,
+or a size), spread over them by presampled reads per byte (`hetero_cache_rows`), the rest in pinned
+host memory -- or read from the dataset directory's ``features_<type>.npy`` (``host_memory`` per type).
+Epochs run through `datapath.apps.training.train_epoch`, the homogeneous models' loop.
 """
 from __future__ import annotations
 
@@ -14,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from datapath.apps.training import evaluate
-from datapath.features import FeatureStore
+from datapath.apps.training import evaluate, train_epoch
+from datapath.features import FeatureStore, parse_budget
 from datapath.graph import HETERO_PRESETS, HeteroData, generate_hetero, is_hetero_dataset
-from datapath.loaders import HeteroNeighborLoader, hetero_hotness
+from datapath.loaders import HeteroNeighborLoader, hetero_cache_rows, hetero_hotness
 from datapath.memory import to_placement
 from datapath.nn import HeteroGNN
 from datapath.nn.hetero_models import HETERO_MODELS
@@ -49,14 +50,17 @@ def place(cfg: Any, data: HeteroData, device: torch.device) -> dict[str, Any]:
         sampler = HeteroNeighborSampler(list(cfg.fanouts), seed=cfg.seed)
         hot = hetero_hotness(data.graph, (data.target, data.train_idx), sampler, batch_size=cfg.batch_size,
                              seed=cfg.seed)
+        row_bytes = {t: x[0].numel() * x.element_size() for t, x in data.features.items()}
+        budget = parse_budget(cfg.gpu_cache, info["feature_bytes"], "--gpu-cache") or 0
+        cache_rows = hetero_cache_rows({t: hot[t] for t in data.features}, row_bytes, budget)
         directory = Path(cfg.dataset)
         stores = {}
         for t, x in data.features.items():
             source: Any = x
             if cfg.host_memory and directory.is_dir():
                 source = directory / f"features_{t}.npy"
-            stores[t] = FeatureStore(source, gpu_cache=cfg.gpu_cache, host_memory=cfg.host_memory, hotness=hot[t],
-                                     device=device)
+            stores[t] = FeatureStore(source, gpu_cache=cache_rows[t] * row_bytes[t], host_memory=cfg.host_memory,
+                                     hotness=hot[t], device=device)
         data.features = stores
         cache = sum(s.cache_rows * s.row_bytes for s in stores.values())
         info.update(features_on="feature_store", gpu_cache_bytes=cache,
@@ -110,38 +114,16 @@ def train_hetero(cfg: Any, num_workers: int = 1) -> dict[str, Any]:
     val_loader, test_loader = eval_loader(data.val_idx), eval_loader(data.test_idx)
     history = []
     for epoch in range(cfg.epochs):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t1 = time.perf_counter()
-        model.train()
-        losses, ok, n, steps = 0.0, 0, 0, 0
-        sample_s = gather_s = wait_s = 0.0
-        for b in loader:
-            sample_s, gather_s, wait_s = sample_s + b.sample_s, gather_s + b.gather_s, wait_s + b.wait_s
-            out = model(b.blocks, b.x)
-            loss = F.cross_entropy(out, b.y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses += loss.detach()
-            ok += (out.argmax(1) == b.y).sum()
-            n += b.y.numel()
-            steps += 1
-            if cfg.max_batches is not None and steps >= cfg.max_batches:
-                break
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        epoch_s = time.perf_counter() - t1
+        stats = train_epoch(model, loader, opt, cfg.max_batches, epoch=epoch, allow_nonfinite=cfg.allow_nonfinite)
         val = evaluate(model, val_loader) if val_loader is not None else None
-        row = {"epoch": epoch, "epoch_s": epoch_s, "batches": steps, "loss": float(losses) / max(steps, 1),
-               "train_acc": float(ok) / max(n, 1), "val_acc": val, "sample_s": sample_s, "gather_s": gather_s,
-               "wait_s": wait_s,
-               "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None}
+        row = {"epoch": epoch, "val_acc": val, **{k: v for k, v in stats.as_dict().items() if k != "losses"}}
         history.append(row)
-        print(f"epoch {epoch}: loss {row['loss']:.4f}  train acc {row['train_acc']:.3f}  val acc "
-              f"{'-' if val is None else f'{val:.3f}'}  time {epoch_s:.2f} s  ({n / epoch_s:,.0f} seeds/s; producers: sample "
-              f"{sample_s:.2f} s, gather {gather_s:.2f} s; waiting for data {wait_s:.2f} s)", flush=True)
+        n = stats.batches * cfg.batch_size
+        print(f"epoch {epoch}: loss {stats.loss:.4f}  train acc {stats.train_acc:.3f}  val acc "
+              f"{'-' if val is None else f'{val:.3f}'}  time {stats.epoch_s:.2f} s  (~{n / stats.epoch_s:,.0f} seeds/s; "
+              f"steps {stats.train_s:.2f} s on the GPU, {stats.consumer_cpu_s:.2f} s CPU; waiting for data "
+              f"{stats.wait_s:.2f} s; producers: sample {stats.sample_s:.2f} s, gather+prepare {stats.gather_s:.2f} s, "
+              f"CPU {stats.producer_cpu_s:.2f} s, host waits {stats.producer_gpu_wait_s:.2f} s)", flush=True)
     test = evaluate(model, test_loader) if test_loader is not None else None
     if test is not None:
         print(f"test accuracy {test:.3f} (chance {1 / data.num_classes:.3f})")

@@ -176,10 +176,13 @@ def _raise_nonfinite(index: int, epoch: int | None, losses: list[torch.Tensor], 
     value = float(losses[index]) if index < len(losses) else float("nan")
     where = f"epoch {epoch + 1}, batch {index + 1}" if epoch is not None else f"batch {index + 1}"
     why = ""
-    if batch is not None and batch.x is not None and batch.x.is_floating_point():
-        bad = int((~torch.isfinite(batch.x)).sum())
+    xs = [] if batch is None or batch.x is None else list(batch.x.values()) if isinstance(batch.x, dict) else [batch.x]
+    xs = [x for x in xs if x.is_floating_point()]  # (a dict: per node type, a typed batch)
+    if xs:
+        bad = sum(int((~torch.isfinite(x)).sum()) for x in xs)
         if bad:
-            why = f"; {bad:,} of this batch's {batch.x.numel():,} input feature values are NaN/inf: fix the features"
+            why = (f"; {bad:,} of this batch's {sum(x.numel() for x in xs):,} input feature values are NaN/inf: "
+                   f"fix the features")
     raise NonFiniteLossError(f"{where}: the loss is {value} (not finite){why}; stopped (--allow-nonfinite trains on "
                              f"regardless)")
 

@@ -101,6 +101,33 @@ class BatchSteps:
     streams: dict[int, tuple[torch.cuda.Stream, ...]] = field(default_factory=dict)
 
 
+def run_prepare(hook: Callable[[Any], Any] | None, batch: Batch, prepare_stream: "torch.cuda.Stream | None",
+                device: torch.device) -> None:
+    """A loader's ``prepare`` hook on ``batch`` (on ``prepare_stream`` after the batch's sampling, if given); the
+    tensors it returns travel with the batch, and the consumer's stream waits for the hook's GPU work."""
+    if hook is None:
+        return
+    sw = Stopwatch()
+    if prepare_stream is not None:
+        # no record_stream(prepare_stream) on the batch's tensors: the consumer's stream waits for this
+        # stream's event before it uses them, and they are record_stream-ed there, so they outlive the
+        # reads here (a batch dropped unhanded only has its own kernels read freed memory)
+        prepare_stream.wait_event(batch._sampled)
+        with torch.cuda.stream(prepare_stream):
+            batch._prepared = list(hook(batch) or ())
+            event = torch.cuda.Event(blocking=True)
+            event.record()
+    else:
+        batch._prepared = list(hook(batch) or ())
+        event = None
+        if device.type == "cuda":
+            event = torch.cuda.Event(blocking=True)
+            event.record()
+    if event is not None:
+        batch._events.append(event)
+    sw.charge(batch, "gather")
+
+
 class _Producer:
     """The producer threads' side: the batch steps, one queue per worker, and the stop flag.
 

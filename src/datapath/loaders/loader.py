@@ -28,7 +28,7 @@ from datapath.features import FeatureStore
 from datapath.features.store import PendingGather
 from datapath.features.superbatch import Schedule
 from datapath.graph import Graph
-from datapath.loaders._prefetch import BatchSteps, GatherStream, PrefetchIter, Started, Stopwatch
+from datapath.loaders._prefetch import BatchSteps, GatherStream, PrefetchIter, Started, Stopwatch, run_prepare
 from datapath.loaders.batch import Batch, GatherCheck
 from datapath.loaders.errors import LoaderError
 from datapath.memory import gather_rows, placement_of
@@ -299,26 +299,6 @@ class NeighborLoader:
 
     def _prepare(self, batch: Batch, prepare_stream: torch.cuda.Stream | None) -> None:
         """Run the ``prepare`` hook (on ``prepare_stream``, after the batch's sampling stream work, if given)."""
-        if self.prepare is None:
-            return
-        sw = Stopwatch()
-        if prepare_stream is not None:
-            # no record_stream(prepare_stream) on the batch's tensors: the consumer's stream waits for this
-            # stream's event before it uses them, and they are record_stream-ed there, so they outlive the
-            # reads here (a batch dropped unhanded only has its own kernels read freed memory)
-            prepare_stream.wait_event(batch._sampled)
-            with torch.cuda.stream(prepare_stream):
-                batch._prepared = list(self.prepare(batch) or ())
-                event = torch.cuda.Event(blocking=True)
-                event.record()
-        else:
-            batch._prepared = list(self.prepare(batch) or ())
-            event = None
-            if self.device.type == "cuda":
-                event = torch.cuda.Event(blocking=True)
-                event.record()
-        if event is not None:
-            batch._events.append(event)
-        sw.charge(batch, "gather")
+        run_prepare(self.prepare, batch, prepare_stream, self.device)
 
 

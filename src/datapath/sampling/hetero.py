@@ -3,14 +3,16 @@
 Each hop samples every relation into the frontier's node types with the homogeneous sampler's
 draw (``kernels/sample.cu`` on the GPU, its vectorized twin on the CPU; the relation's index
 salts the random key), then relabels per node type in first-occurrence order: a type's
-destinations first, then the sources each relation brought, in relation order.  The CPU and
-GPU paths give identical blocks for the same seed and step.
+destinations first, then the sources each relation brought, in relation order.  On the GPU a
+hop's samples stay padded (``k`` slots per row) until one host read brings every type's and
+relation's size: one wait per hop.  The CPU and GPU paths give identical blocks for the same
+seed and step.
 """
 from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -132,7 +134,7 @@ class HeteroNeighborSampler:
         blocks = []
         for hop in range(self.num_hops):
             base = _rng.derive_key(self.seed, step, hop)
-            sampled: dict[EdgeType, tuple[torch.Tensor, torch.Tensor]] = {}
+            sampled: dict[EdgeType, Any] = {}
             for et in graph.edge_types:
                 dst = frontier[et[2]]
                 if dst.numel() == 0:
@@ -142,40 +144,14 @@ class HeteroNeighborSampler:
                     sampled[et] = self._relation_gpu(graph.relations[et], dst, fan[et][hop], key)
                 else:
                     sampled[et] = _relation_cpu(graph.relations[et], dst, fan[et][hop], self.replace, key)
-            blocks.append(self._relabel(graph, frontier, sampled, fan, hop, dev))
+            relabel_hop = _relabel_gpu if dev.type == "cuda" else _relabel_cpu
+            blocks.append(relabel_hop(graph, frontier, sampled, fan, hop))
             frontier = blocks[-1].src_nodes
         blocks.reverse()
         return blocks
 
-    def _relabel(self, graph: HeteroGraph, frontier: dict[str, torch.Tensor],
-                 sampled: dict[EdgeType, tuple[torch.Tensor, torch.Tensor]], fan: dict[EdgeType, list[int]],
-                 hop: int, dev: torch.device) -> HeteroBlock:
-        src_nodes: dict[str, torch.Tensor] = {}
-        local_of: dict[EdgeType, torch.Tensor] = {}
-        for t in graph.node_types:
-            parts = [frontier[t]] + [sampled[et][1] for et in sampled if et[0] == t]
-            keys = torch.cat(parts) if len(parts) > 1 else parts[0]
-            if dev.type == "cuda":
-                local, unique, count = relabel(keys)
-                n = int(fetch_to_host(count)[0]) if keys.numel() else 0
-                unique = unique[:n]
-            else:
-                k = keys.numpy()
-                loc, uniq = relabel_dense(k, _scratch(graph.num_nodes[t]))
-                local, unique = torch.from_numpy(loc), torch.from_numpy(uniq)
-            src_nodes[t] = unique
-            off = parts[0].numel()
-            for et in sampled:
-                if et[0] == t:
-                    e = sampled[et][1].numel()
-                    local_of[et] = local[off:off + e]
-                    off += e
-        rels = {et: RelationBlock(sampled[et][0], local_of[et], src_nodes[et[0]].numel(), frontier[et[2]].numel(),
-                                  max_degree=fan[et][hop]) for et in sampled}
-        return HeteroBlock(src_nodes, {t: frontier[t].numel() for t in graph.node_types}, rels)
-
-    def _relation_gpu(self, graph: Any, dst: torch.Tensor, k: int, key: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(indptr (n+1,), neighbours (E,) global source ids) of ``dst``'s sampled in-edges, by ``sample.cu``."""
+    def _relation_gpu(self, graph: Any, dst: torch.Tensor, k: int, key: int) -> "_Padded":
+        """``dst``'s sampled in-edges by ``sample.cu``, left padded (``k`` slots per row; nothing waits)."""
         dev = dst.device
         indptr, indices, _ = _kernel_views(graph)
         suffix = f"i{32 if indptr.dtype == torch.int32 else 64}_i{32 if indices.dtype == torch.int32 else 64}"
@@ -191,8 +167,79 @@ class HeteroNeighborSampler:
             np.uint64(0), kernels.ptr(out_cnt)))
         ptr = torch.zeros(cap + 1, dtype=torch.int64, device=dev)
         torch.cumsum(out_cnt, 0, out=ptr[1:])
-        valid = torch.arange(k, device=dev)[None, :] < out_cnt[:, None]
-        return ptr, out_nbr.view(cap, k)[valid]
+        slot = torch.arange(k, device=dev)
+        valid = (slot[None, :] < out_cnt[:, None]).reshape(-1)  # a row's sampled neighbours fill its first slots
+        return _Padded(ptr, out_nbr, valid, (ptr[:-1, None] + slot[None, :]).reshape(-1))
+
+
+class _Padded(NamedTuple):
+    """A relation's sample on the GPU before its size is known: ``k`` slots per destination row."""
+
+    indptr: torch.Tensor     # (n+1,) int64 CSR offsets of the compact sample
+    nbrs: torch.Tensor       # (n*k,) int64 global source ids, valid where ``valid``
+    valid: torch.Tensor      # (n*k,) bool
+    position: torch.Tensor   # (n*k,) int64 each valid slot's place in the compact sample
+
+
+def _relabel_gpu(graph: HeteroGraph, frontier: dict[str, torch.Tensor], sampled: dict[EdgeType, _Padded],
+                 fan: dict[EdgeType, list[int]], hop: int) -> HeteroBlock:
+    """One hop's `HeteroBlock` from the padded samples, with one host read (every type's and relation's size)."""
+    dev = next(iter(frontier.values())).device
+    parts_of: dict[str, list[EdgeType]] = {t: [et for et in sampled if et[0] == t] for t in graph.node_types}
+    relabeled: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for t, ets in parts_of.items():
+        if not ets:
+            continue
+        keys = torch.cat([frontier[t]] + [sampled[et].nbrs for et in ets])
+        valid = torch.cat([torch.ones(frontier[t].numel(), dtype=torch.bool, device=dev)]
+                          + [sampled[et].valid for et in ets])
+        relabeled[t] = relabel(keys, valid)
+    sizes = [relabeled[t][2] for t in relabeled] + [sampled[et].indptr[-1:] for et in sampled]
+    host = fetch_to_host(torch.cat(sizes)) if sizes else []  # the hop's one wait, GIL released
+    n_unique = dict(zip(relabeled, host[:len(relabeled)]))
+    n_edges = dict(zip(sampled, host[len(relabeled):]))
+    src_nodes: dict[str, torch.Tensor] = {}
+    local_of: dict[EdgeType, torch.Tensor] = {}
+    for t, ets in parts_of.items():
+        if t not in relabeled:
+            src_nodes[t] = frontier[t]  # no relation brings sources of this type: its destinations only
+            continue
+        local, unique, _ = relabeled[t]
+        src_nodes[t] = unique[:n_unique[t]]
+        off = frontier[t].numel()
+        for et in ets:
+            pad = sampled[et]
+            e, slots = n_edges[et], pad.nbrs.numel()
+            out = torch.empty(e + 1, dtype=torch.int64, device=dev)  # invalid slots land in the spare last entry
+            out.scatter_(0, torch.where(pad.valid, pad.position, e), local[off:off + slots])
+            local_of[et] = out[:e]
+            off += slots
+    rels = {et: RelationBlock(sampled[et].indptr, local_of[et], src_nodes[et[0]].numel(), frontier[et[2]].numel(),
+                              max_degree=fan[et][hop]) for et in sampled}
+    return HeteroBlock(src_nodes, {t: frontier[t].numel() for t in graph.node_types}, rels)
+
+
+def _relabel_cpu(graph: HeteroGraph, frontier: dict[str, torch.Tensor],
+                 sampled: dict[EdgeType, tuple[torch.Tensor, torch.Tensor]], fan: dict[EdgeType, list[int]],
+                 hop: int) -> HeteroBlock:
+    """The CPU twin of `_relabel_gpu` (compact samples, numpy relabel): the same block."""
+    src_nodes: dict[str, torch.Tensor] = {}
+    local_of: dict[EdgeType, torch.Tensor] = {}
+    for t in graph.node_types:
+        parts = [frontier[t]] + [sampled[et][1] for et in sampled if et[0] == t]
+        keys = torch.cat(parts) if len(parts) > 1 else parts[0]
+        loc, uniq = relabel_dense(keys.numpy(), _scratch(graph.num_nodes[t]))
+        local, unique = torch.from_numpy(loc), torch.from_numpy(uniq)
+        src_nodes[t] = unique
+        off = parts[0].numel()
+        for et in sampled:
+            if et[0] == t:
+                e = sampled[et][1].numel()
+                local_of[et] = local[off:off + e]
+                off += e
+    rels = {et: RelationBlock(sampled[et][0], local_of[et], src_nodes[et[0]].numel(), frontier[et[2]].numel(),
+                              max_degree=fan[et][hop]) for et in sampled}
+    return HeteroBlock(src_nodes, {t: frontier[t].numel() for t in graph.node_types}, rels)
 
 
 _LOCAL = threading.local()
