@@ -1,0 +1,557 @@
+"""B6: activation offloading at the scale people train -- the Llama-3-8B shape, LoRA on one GPU, FSDP2 on several.
+
+LoRA (``--mode lora``, one GPU): the 8B shape (`benchmarks/_llama8b.py`) frozen in bf16, peft LoRA r=16 on
+q/k/v/o/gate/up/down, micro-batch 1, AdamW on the adapters (lr 0: every method starts from the same weights).
+Per method a ladder of sequence lengths (``--seqs``), ascending, stopped at the first that does not fit
+(``torch.OutOfMemoryError``: a record with ``oom: true``); at the settings' lengths (``--timed``) ``--warmup``
+steps then ``--steps`` timed ones, elsewhere one step (the fit test; its time is a single step's).  Methods: keep,
+checkpoint (Hugging Face's, each layer, non-reentrant), selective_checkpoint (torchtitan's op-level policy: keep
+attention and every second matmul), checkpoint_offload (full checkpointing with its layer inputs in pinned host
+memory: Hugging Face's ``offload=True``, torchtune's checkpointing + offloading), save_on_cpu, torchtune (when it
+imports), datapath-budget (``offload(model, memory_budget=B)``: B = checkpointing's peak at that length, and B =
+the GPU's memory less a margin for the longest length), datapath-all (``offload(model)``), compile_budget
+(each layer compiled with ``torch._functorch.config.activation_memory_budget``), compiler_offload (PyTorch's
+compiler activation offloading, where this torch has it).  A method not run gets a record saying why.
+
+FSDP2 (``--mode fsdp2``, under ``torchrun``): ``fully_shard`` per decoder layer and at the root, fp32 parameters
+with bf16 compute (``MixedPrecisionPolicy``), fp32 AdamW state, every parameter trained; the same ladder per rank
+(tokens/s per GPU, peak per rank).  ``--quick``: tiny configs on the CPU (gloo), seconds.
+
+Records (``benchmarks/results/offload_scale.json``, written after every method so a run stopped midway keeps what
+it measured): {setting, method, budget_gb, tokens_per_s, peak_gb (the largest rank's), peak_gb_per_rank, mfu,
+grads_match, seq, device, oom, steps, ...}.  MFU: `model_flops_per_token` (LoRA: 4 N_base + 6 N_lora + causal
+attention 6 L S H per token; full: 6 N + attention) times tokens/s over the device's dense bf16 peak.
+grads_match: one more step per method at ``--check-seq`` with deterministic algorithms, the trained parameters'
+gradients compared with checkpointing's at that length (the same arithmetic: recomputation reruns the same kernels,
+offloading moves bytes): ``grads_match_kind`` "bitwise", else their largest difference relative to the largest
+gradient (``grads_rel_diff``).  Peak: ``torch.cuda.max_memory_allocated()`` over a step.
+
+Run: PYTHONPATH=src:. python benchmarks/offload_scale.py [--mode lora] [--time-budget 360]
+     torchrun --nproc-per-node 2 benchmarks/offload_scale.py --mode fsdp2 --seqs 8192,16384
+     python benchmarks/offload_scale.py --quick [--mode fsdp2]   (CPU; fsdp2 starts 2 gloo processes itself)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import RESULTS_DIR, print_table, write_result  # noqa: E402
+from benchmarks._llama8b import (  # noqa: E402
+    CausalLMLoss, add_lora, build_llama, causal_lm, llama_config, model_flops_per_token, peak_flops,
+    set_checkpointing,
+)
+from benchmarks._offload_workloads import torchtune_offload  # noqa: E402
+from datapath.offload import offload, offload_rank  # noqa: E402
+
+METHODS = ["checkpoint", "keep", "datapath-budget", "selective_checkpoint", "checkpoint_offload", "datapath-all",
+           "save_on_cpu", "torchtune", "compile_budget", "compiler_offload"]
+LADDER = "4096,8192,16384,32768,49152,65536"
+MARGIN = 2 << 30   # the GPU's memory less this: datapath's budget where it is asked for the longest sequence
+
+
+class Bench:
+    """One process's model, optimizer, records and clock."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.t0 = time.perf_counter()
+        self.dist = args.mode == "fsdp2"
+        self.rank, self.world = 0, 1
+        if self.dist:
+            import torch.distributed as dist  # noqa: PLC0415
+
+            backend = "gloo" if args.quick else "nccl"
+            dist.init_process_group(backend)
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        cuda = torch.cuda.is_available() and not args.quick
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        self.device = torch.device("cuda") if cuda else torch.device("cpu")
+        self.dev_name = torch.cuda.get_device_name() if cuda else "cpu"
+        self.peak_flops = peak_flops(self.dev_name)
+        seqs = [int(s) for s in args.seqs.split(",")]
+        self.cfg = llama_config(args.quick, max(seqs))
+        self.records: list[dict[str, Any]] = []
+        self.ref: dict[int, list[torch.Tensor]] = {}   # seq -> checkpointing's gradients (the grads check)
+        self.ckpt_peak: dict[int, float] = {}
+        self.build()
+
+    # ---------------------------------------------------------------- model
+    def build(self) -> None:
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        if self.dist:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+
+            mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+            holder: dict[str, nn.Module] = {}
+
+            def shard(lm: nn.Module) -> None:
+                for layer in lm.model.layers:
+                    fully_shard(layer, mp_policy=mp)
+                holder["root"] = fully_shard(CausalLMLoss(lm), mp_policy=mp)
+
+            lm = build_llama(self.cfg, self.device, torch.float32, shard=shard)
+            self.model = holder["root"]
+            self.lm = lm
+        else:
+            self.lm = add_lora(build_llama(self.cfg, self.device, dtype))
+            self.model = CausalLMLoss(causal_lm(self.lm))
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.n_trainable = sum(p.numel() for p in self.trainable)  # a DTensor's numel is the global one
+        # lr 0: every method sees the same weights; AdamW's fp32 state is still built and stepped
+        self.opt = torch.optim.AdamW(self.trainable, lr=0.0)
+
+    def setting(self, seq: int) -> str:
+        return f"{'fsdp2' if self.dist else 'lora'}-8b-{seq // 1024}k" if not self.args.quick else \
+            f"{'fsdp2' if self.dist else 'lora'}-tiny-{seq}"
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    # ---------------------------------------------------------------- records
+    def rec(self, method: str, seq: int, budget: float | None = None, **kw: Any) -> dict[str, Any]:
+        r = {"setting": self.setting(seq), "method": method, "budget_gb": None if budget is None else budget / 1e9,
+             "tokens_per_s": None, "peak_gb": None, "peak_gb_per_rank": None, "mfu": None, "grads_match": None,
+             "seq": seq, "device": self.dev_name, "oom": False, **kw}
+        self.records.append(r)
+        if self.rank == 0:
+            self.save(partial=True)
+            print(f"  {r['setting']} {method}{'' if budget is None else f' budget {budget / 1e9:.1f} GB'}: "
+                  f"{r.get('status', 'ok')}{' OOM' if r['oom'] else ''} tokens/s {r['tokens_per_s'] or 0:.0f} "
+                  f"peak {r['peak_gb'] or 0:.2f} GB mfu {r['mfu'] or 0:.3f} grads {r['grads_match']} "
+                  f"[{self.elapsed():.0f} s]", flush=True)
+        return r
+
+    def save(self, partial: bool) -> None:
+        write_result(self.args.name, {
+            "records": self.records, "partial": partial, "mode": self.args.mode, "world_size": self.world,
+            "peak_flops": self.peak_flops, "torch": torch.__version__,
+            "mfu_formula": model_flops_per_token.__doc__.split("\n\n")[1].replace("\n", " ").strip(),
+            "loss": "chunked linear cross-entropy (4096 positions a chunk, gradients formed in the forward), "
+                    "the same for every method",
+            "peak": "torch.cuda.max_memory_allocated() over zero_grad + forward + backward + AdamW step",
+            "grads_check": "one deterministic step (torch.use_deterministic_algorithms) per method at check_seq; "
+                           "trained parameters' gradients against checkpointing's: bitwise, else the largest "
+                           "difference over the largest gradient",
+            "check_seq": self.args.check_seq, "torchtune": torchtune_offload()[1]})
+
+    # ---------------------------------------------------------------- one method at one length
+    @contextlib.contextmanager
+    def method(self, method: str, budget: int | None) -> Iterator[Callable[[], Any]]:
+        """Set ``method`` up around its steps; yields the per-step context factory."""
+        if method in ("checkpoint", "selective_checkpoint", "checkpoint_offload"):
+            set_checkpointing(self.lm, {"checkpoint": "full", "selective_checkpoint": "selective",
+                                        "checkpoint_offload": "offload"}[method])
+            try:
+                yield contextlib.nullcontext
+            finally:
+                set_checkpointing(self.lm, None)
+        elif method == "save_on_cpu":
+            yield lambda: torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
+        elif method == "torchtune":
+            yield lambda: self.tt_cls(use_streams=True)
+        elif method in ("datapath-all", "datapath-budget"):
+            opts: dict[str, Any] = dict(offload_cpu_tensors=True, min_bytes=4096) if self.device.type == "cpu" \
+                else {}
+            enter = offload_rank if self.dist else offload  # a rank's share of the host's pinned memory
+            with enter(self.model, memory_budget=budget, **opts) as cache:
+                self.cache = cache
+                yield contextlib.nullcontext
+        else:
+            yield contextlib.nullcontext
+
+    def peak_now(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated() / 1e9
+        return self.meter.lap() / 1e9
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            self.meter.lap()
+
+    def run(self, method: str, seq: int, budget: int | None, steps: int, warmup: int, check: bool,
+            loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:
+        """Time ``method`` at ``seq``; returns tokens/s, peaks, the gradients of a deterministic step if ``check``."""
+        from datapath.offload.memory_meter import CpuMeter  # noqa: PLC0415  (the CPU run's peak, as in B4)
+
+        self.meter = CpuMeter(sum(p.numel() * p.element_size() for p in self.model.parameters()))
+        g = torch.Generator(device="cpu").manual_seed(seq)
+        ids = torch.randint(0, self.cfg.vocab_size, (1, seq), generator=g).to(self.device)
+        fn = loss_fn or self.model
+        self.cache = None
+        times, peaks = [], []
+        grads = None
+        cuda = self.device.type == "cuda"
+        with self.method(method, budget) as make_ctx:
+            def step() -> None:
+                self.opt.zero_grad(set_to_none=True)
+                with make_ctx():
+                    fn(ids).backward()
+                self.opt.step()
+
+            for i in range(warmup + steps):
+                self.reset_peak()
+                t = time.perf_counter()
+                with self.meter if not cuda else contextlib.nullcontext():
+                    step()
+                if cuda:
+                    torch.cuda.synchronize()
+                if i >= warmup:
+                    times.append(time.perf_counter() - t)
+                    peaks.append(self.peak_now())
+            if check:
+                try:
+                    torch.use_deterministic_algorithms(True, warn_only=True)
+                    self.opt.zero_grad(set_to_none=True)
+                    with make_ctx():
+                        fn(ids).backward()
+                    # FSDP2: this rank's shard of each gradient
+                    grads = [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().float().cpu()
+                             .clone() if p.grad is not None else torch.zeros(()) for p in self.trainable]
+                finally:
+                    torch.use_deterministic_algorithms(False)
+            extra: dict[str, Any] = {}
+            cache = self.cache
+            if cache is not None:
+                st = cache.stats
+                extra = {"offloaded_gb_per_step": st.bytes_offloaded / 1e9 / max(1, warmup + steps + check),
+                         "write_GBps": st.write_bandwidth / 1e9, "read_GBps": st.read_bandwidth / 1e9}
+                pol = getattr(cache, "policy", None)
+                if method == "datapath-budget" and pol is not None:
+                    extra["step_peaks_gb"] = [p / 1e9 for p in getattr(pol, "peaks", [])]
+                    plan = getattr(cache, "plan", None)
+                    extra["plan"] = plan.as_dict() if plan is not None and hasattr(plan, "as_dict") else None
+        self.opt.zero_grad(set_to_none=True)
+        step_s = statistics.median(times)
+        return {"step_s": step_s, "steps_s": times, "peak": max(peaks), "grads": grads, **extra}
+
+    def attempt(self, method: str, seq: int, budget: int | None, timed: bool, check: bool,
+                loss_fn: Any = None, **kw: Any) -> dict[str, Any]:
+        """`run`, recording the result: an OOM is a record with ``oom: true``; any other failure a record with
+        ``status: error``.  Memory is freed after either."""
+        a = self.args
+        steps, warmup = (a.steps, a.warmup) if timed else (1, 0)
+        if method == "datapath-budget":
+            warmup += a.budget_warmup if timed else a.budget_warmup + 1  # it profiles, plans, tries plans
+        failure: tuple[str, str] | None = None
+        out: dict[str, Any] | None = None
+        try:
+            out = self.run(method, seq, budget, steps, warmup, check, loss_fn)
+        except torch.OutOfMemoryError as exc:
+            failure = ("oom", str(exc).split("\n")[0][:300])
+        except Exception as exc:  # noqa: BLE001 - one broken method must not lose the others
+            if "out of memory" in str(exc).lower():
+                failure = ("oom", f"{type(exc).__name__}: {exc}".split("\n")[0][:300])
+            else:
+                traceback.print_exc()
+                failure = ("error", f"{type(exc).__name__}: {exc}"[:400])
+        self.opt.zero_grad(set_to_none=True)
+        self.cache = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if out is None:
+            assert failure is not None
+            return self.rec(method, seq, budget, oom=failure[0] == "oom", status=failure[0], reason=failure[1], **kw)
+        tokens = seq * (self.world if self.dist else 1)
+        tps = tokens / out["step_s"] / (self.world if self.dist else 1)  # per GPU
+        peaks = self.gather_peaks(out["peak"])
+        lora = not self.dist
+        mfu = tps * model_flops_per_token(self.cfg, seq, self.n_trainable, lora) / self.peak_flops \
+            if self.peak_flops else None
+        grads = out.pop("grads")
+        match = kind = rel = None
+        if grads is not None:
+            if method == "checkpoint":
+                self.ref[seq] = grads
+            ref = self.ref.get(seq)
+            if ref is not None:
+                bitwise = all(torch.equal(x, y) for x, y in zip(grads, ref))
+                scale = max(float(y.abs().max()) for y in ref) or 1.0
+                rel = max(float((x - y).abs().max()) for x, y in zip(grads, ref)) / scale
+                match = bitwise or rel <= 1e-2
+                kind = "bitwise" if bitwise else "bf16 ordering" if match else None
+        return self.rec(method, seq, budget, tokens_per_s=tps, peak_gb=max(peaks), peak_gb_per_rank=peaks, mfu=mfu,
+                        grads_match=match, grads_match_kind=kind, grads_rel_diff=rel, status="ok",
+                        steps=len(out["steps_s"]), step_s=out["step_s"], steps_s=out["steps_s"],
+                        **{k: v for k, v in out.items() if k not in ("step_s", "steps_s", "peak")}, **kw)
+
+    def gather_peaks(self, peak: float) -> list[float]:
+        if not self.dist:
+            return [peak]
+        import torch.distributed as dist  # noqa: PLC0415
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, peak)
+        return [float(p) for p in out]
+
+    def skip(self, method: str, seq: int, reason: str, **kw: Any) -> None:
+        self.rec(method, seq, None, status="skipped", reason=reason, **kw)
+
+    # ---------------------------------------------------------------- the schedule
+    def estimate(self, seq: int, steps: int) -> float:
+        """Seconds ``steps`` steps at ``seq`` are expected to take: checkpointing's measured step at the nearest
+        length, scaled by (length ratio)^1.3 (0 before any measurement)."""
+        known = {r["seq"]: r["step_s"] for r in self.records if r["method"] == "checkpoint" and r.get("step_s")}
+        if not known:
+            return 0.0
+        near = min(known, key=lambda s: abs(s - seq))
+        return steps * known[near] * (seq / near) ** 1.3
+
+    def ladder(self, method: str, seqs: list[int], budget: Callable[[int], int | None] | None = None,
+               loss_fn: Any = None, **kw: Any) -> int | None:
+        """``method`` over ``seqs`` ascending, stopped at the first OOM or failure (for good: a later call for the
+        same method and budget kind runs nothing); the longest length that trained."""
+        a = self.args
+        timed = {int(s) for s in a.timed.split(",") if s}
+        key = (method, kw.get("budget_of"), kw.get("activation_memory_budget"))
+        best = None
+        for seq in seqs:
+            if key in self.stopped:
+                break
+            steps = (a.steps + a.warmup if seq in timed else 1) + (seq == a.check_seq) + \
+                (a.budget_warmup + (0 if seq in timed else 1) if method == "datapath-budget" else 0)
+            est = self.estimate(seq, steps) * (1.5 if method in ("datapath-all", "save_on_cpu",
+                                                                  "checkpoint_offload") else 1.0)
+            if self.elapsed() + est > a.time_budget:
+                self.skip(method, seq, f"time budget of the run ({est:.0f} s expected, "
+                                       f"{a.time_budget - self.elapsed():.0f} s left)", **kw)
+                break
+            b = budget(seq) if budget is not None else None
+            if budget is not None and b is None:
+                continue
+            r = self.attempt(method, seq, b, seq in timed, check=seq == a.check_seq, loss_fn=loss_fn, **kw)
+            if r["status"] != "ok":
+                self.stopped.add(key)
+                break
+            if method == "checkpoint":
+                self.ckpt_peak[seq] = r["peak_gb"]
+            best = seq
+        return best
+
+    def main(self) -> None:
+        """The schedule: each entry a method over some lengths, in the order that answers the bar first (a later
+        entry of a method continues its ladder unless an earlier one stopped it)."""
+        a = self.args
+        seqs = [int(s) for s in a.seqs.split(",")]
+        timed = sorted(int(s) for s in a.timed.split(",") if s)
+        methods = [m for m in a.methods.split(",") if m]
+        cuda = self.device.type == "cuda"
+        self.tt_cls, tt_why = torchtune_offload()
+        self.stopped: set[tuple[Any, ...]] = set()
+        capacity = (torch.cuda.get_device_properties(self.device).total_memory - MARGIN) if cuda else None
+        upto = [s for s in seqs if s <= max(timed)]
+        beyond = [s for s in seqs if s > max(timed)]
+        small = [s for s in seqs if s <= a.check_seq]
+        schedule: list[tuple[str, list[int], str | None]] = [
+            ("checkpoint", upto, None), ("keep", seqs, None),
+            ("datapath-budget", [a.check_seq], "checkpoint peak"),
+            ("datapath-budget", [s for s in seqs if s >= max(timed)], "device memory"),
+            ("checkpoint", beyond, None), ("selective_checkpoint", seqs, None),
+            ("datapath-all", small, None), ("checkpoint_offload", [a.check_seq] + beyond, None),
+            ("save_on_cpu", seqs[:1], None), ("torchtune", [a.check_seq], None),
+            ("compile_budget", [a.check_seq], None), ("compiler_offload", [a.check_seq], None)]
+        if not cuda:  # the CPU check: every length of every method
+            schedule = [(m, [a.check_seq] if m == "datapath-budget" else seqs,
+                         "checkpoint peak" if m == "datapath-budget" else None) for m in METHODS]
+        for m, ms, of in schedule:
+            if m not in methods or not ms:
+                continue
+            if m in ("save_on_cpu", "checkpoint_offload", "torchtune") and self.dist and not cuda:
+                self.skip(m, ms[0], "not in the CPU check of the FSDP2 path")
+            elif m == "torchtune" and (self.tt_cls is None or not cuda):
+                self.skip(m, ms[0], tt_why or "needs CUDA")
+            elif m == "datapath-budget" and of == "checkpoint peak":
+                self.ladder(m, ms, budget=lambda s: int(self.ckpt_peak[s] * 1e9) if s in self.ckpt_peak else None,
+                            budget_of=of)
+            elif m == "datapath-budget":
+                if capacity is not None:
+                    self.ladder(m, ms, budget=lambda s: capacity, budget_of=of)
+            elif m in ("compile_budget", "compiler_offload"):
+                self.compiled(m, ms)
+            else:
+                self.ladder(m, ms)
+        self.save(partial=False)
+        if self.rank == 0:
+            if any(r.get("tokens_per_s") for r in self.records):
+                plot(self.records, RESULTS_DIR / f"{a.name}.png")
+            print_table([{k: r.get(k) for k in ("setting", "method", "budget_gb", "tokens_per_s", "peak_gb", "mfu",
+                                                "grads_match", "oom", "status")} for r in self.records])
+            print_table(bars(self.records))
+
+    def compiled(self, method: str, seqs: list[int]) -> None:
+        """Each decoder layer compiled (``torch.compile`` regional) with an activation memory budget
+        (``compile_budget``) or with the compiler's activation offloading (``compiler_offload``)."""
+        import torch._functorch.config as fconfig  # noqa: PLC0415
+
+        a = self.args
+        if self.device.type != "cuda":
+            self.skip(method, seqs[0], "needs CUDA (inductor's GPU kernels)")
+            return
+        if method == "compiler_offload":
+            from torch.utils.checkpoint import CheckpointPolicy  # noqa: PLC0415
+
+            if "enable_activation_offloading" not in fconfig.get_config_copy() or \
+                    not hasattr(CheckpointPolicy, "MUST_CPU_OFFLOAD"):
+                self.skip(method, a.check_seq, f"torch {torch.__version__} has no compiler activation offloading "
+                                               "(functorch config enable_activation_offloading, "
+                                               "CheckpointPolicy.MUST_CPU_OFFLOAD)")
+                return
+            self.skip(method, a.check_seq, "not wired: it needs a selective-checkpointing policy marking each "
+                                           "tensor MUST_CPU_OFFLOAD inside compiled regions; not run this time")
+            return
+        if self.elapsed() + a.compile_cost > a.time_budget:
+            self.skip(method, a.check_seq, "time budget of the run (compiling 32 layers' regions costs "
+                                           f"~{a.compile_cost:.0f} s)")
+            return
+        layers = list(causal_lm(self.lm).model.layers)
+        for budget in [float(b) for b in a.compile_budgets.split(",") if b]:
+            torch._dynamo.reset()
+            fconfig.activation_memory_budget = budget
+            for layer in layers:
+                layer.compile()
+            try:
+                self.ladder(method, seqs, activation_memory_budget=budget, regional=True)
+            finally:
+                for layer in layers:
+                    layer._compiled_call_impl = None  # what nn.Module.compile set: the eager call again
+                fconfig.activation_memory_budget = 1.0
+
+
+def bars(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's LoRA checks: datapath's longest length >= checkpointing's; at checkpointing's longest length,
+    datapath's tokens/s >= 1.15x checkpointing's; every datapath budget held (peak <= 1.03 budget)."""
+    ok = [r for r in records if r.get("status") == "ok"]
+    out = []
+    for mode in dict.fromkeys(r["setting"].split("-")[0] for r in records):
+        rs = [r for r in ok if r["setting"].startswith(mode)]
+        ck = max((r["seq"] for r in rs if r["method"] == "checkpoint"), default=None)
+        dp = max((r["seq"] for r in rs if r["method"].startswith("datapath")), default=None)
+        out.append({"mode": mode, "check": "longest datapath >= checkpoint", "checkpoint": ck, "datapath": dp,
+                    "met": ck is not None and dp is not None and dp >= ck})
+        if ck is not None:
+            c = next(r for r in rs if r["method"] == "checkpoint" and r["seq"] == ck)
+            d = max((r for r in rs if r["method"].startswith("datapath") and r["seq"] == ck),
+                    key=lambda r: r["tokens_per_s"], default=None)
+            out.append({"mode": mode, "check": f"tokens/s at {ck} >= 1.15x checkpoint",
+                        "ratio": d["tokens_per_s"] / c["tokens_per_s"] if d else None,
+                        "met": bool(d) and d["tokens_per_s"] >= 1.15 * c["tokens_per_s"]})
+        held = [r["peak_gb"] <= 1.03 * r["budget_gb"] for r in rs if r["method"] == "datapath-budget"]
+        out.append({"mode": mode, "check": "every budget held", "n": len(held), "met": bool(held) and all(held)})
+    return out
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    keys = list(dict.fromkeys((r["method"], r.get("budget_of"), r.get("activation_memory_budget"))
+                              for r in records))
+    for method, of, amb in keys:
+        rs = sorted((r for r in records if (r["method"], r.get("budget_of"), r.get("activation_memory_budget"))
+                     == (method, of, amb)), key=lambda r: r["seq"])
+        label = method + (f" ({of})" if of else "") + (f" {amb}" if amb is not None else "")
+        ok = [r for r in rs if r.get("tokens_per_s")]
+        if ok:
+            line = ax1.plot([r["seq"] for r in ok], [r["tokens_per_s"] for r in ok], "o-", label=label)[0]
+            ax2.plot([r["seq"] for r in ok], [r["peak_gb"] for r in ok], "o-", color=line.get_color(), label=label)
+            color = line.get_color()
+        else:
+            color = None
+        for r in rs:
+            if r.get("oom"):
+                ax1.scatter([r["seq"]], [0], marker="x", color=color, s=60)
+    ax1.set_xscale("log", base=2)
+    ax2.set_xscale("log", base=2)
+    ax1.set_xlabel("sequence length (x: out of memory)")
+    ax1.set_ylabel("tokens/s per GPU")
+    ax2.set_xlabel("sequence length")
+    ax2.set_ylabel("peak allocated (GB)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=7)
+    dev = next((r["device"] for r in records if r.get("device")), "")
+    fig.suptitle(f"B6 offloading at 8B scale ({records[0]['setting'].rsplit('-', 1)[0] if records else ''}) on {dev}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("lora", "fsdp2"), default="lora")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--seqs", default=None, help=f"the ladder of sequence lengths [{LADDER}]")
+    ap.add_argument("--timed", default=None, help="lengths timed with --warmup/--steps (the settings) [16384,32768]")
+    ap.add_argument("--check-seq", type=int, default=None, help="length of the gradient check [16384]")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--budget-warmup", type=int, default=6, help="extra warm-up steps of datapath-budget (it "
+                                                                   "profiles, plans and tries plans)")
+    ap.add_argument("--compile-budgets", default="0.5")
+    ap.add_argument("--compile-cost", type=float, default=90.0, help="seconds a compiled method is expected to cost")
+    ap.add_argument("--time-budget", type=float, default=360.0, help="seconds; later work is skipped and recorded")
+    ap.add_argument("--name", default="offload_scale")
+    ap.add_argument("--quick", action="store_true", help="tiny configs on the CPU (fsdp2: 2 gloo processes)")
+    ap.add_argument("--launched", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seqs = args.seqs or "32,64"
+        args.timed = args.timed or "32"
+        args.check_seq = args.check_seq or 32
+        args.budget_warmup = min(args.budget_warmup, 4)
+    args.seqs = args.seqs or LADDER
+    args.timed = args.timed or "16384,32768"
+    args.check_seq = args.check_seq or 16384
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.mode == "fsdp2" and args.quick and "RANK" not in os.environ:
+        # the CPU check of the FSDP2 path: two gloo processes through torchrun
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(29500 + os.getpid() % 1000), __file__, *(argv if argv is not None else sys.argv[1:])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT),
+                                                            os.environ.get("PYTHONPATH", "")])}
+        return subprocess.run(cmd, env=env).returncode
+    if not args.quick and not torch.cuda.is_available():
+        print("B6 needs a CUDA GPU; nothing to do here (--quick checks the script on the CPU).")
+        return 0
+    torch.manual_seed(0)
+    bench = Bench(args)
+    try:
+        bench.main()
+    finally:
+        if bench.dist:
+            import torch.distributed as dist  # noqa: PLC0415
+
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

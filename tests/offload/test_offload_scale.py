@@ -1,0 +1,98 @@
+"""B6's script (benchmarks/offload_scale.py) on tiny configs on the CPU: its loss against PyTorch's in float64, its
+FLOP count against the model's own parameter count, and its LoRA and FSDP2 (two gloo processes) runs end to end."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._llama8b import (  # noqa: E402
+    add_lora, build_llama, causal_lm, chunked_lm_loss, llama_config, model_flops_per_token,
+)
+
+
+@pytest.mark.parametrize("weight_grad", [False, True])
+def test_chunked_loss_matches_cross_entropy(weight_grad: bool) -> None:
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 37, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, generator=g, requires_grad=weight_grad)
+    ids = torch.randint(0, 50, (2, 37), generator=g)
+    loss = chunked_lm_loss(h, w, ids, chunk=10)
+    (loss * 3.0).backward()  # a grad_output other than 1 reaches both gradients
+    gh, gw = h.grad.clone(), None if w.grad is None else w.grad.clone()
+    h.grad = None
+    w.grad = None
+    ref = F.cross_entropy((h[:, :-1] @ w.t()).reshape(-1, 50), ids[:, 1:].reshape(-1))
+    (ref * 3.0).backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gh, h.grad, rtol=1e-12, atol=1e-12)
+    if weight_grad:
+        torch.testing.assert_close(gw, w.grad, rtol=1e-12, atol=1e-12)
+    else:
+        assert w.grad is None
+
+
+def test_flops_count_matches_the_models_parameters() -> None:
+    cfg = llama_config(tiny=True, max_seq=64)
+    model = add_lora(build_llama(cfg, torch.device("cpu"), torch.float32))
+    lm = causal_lm(model)
+    lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    dense = sum(p.numel() for n, p in lm.named_parameters()
+                if n.endswith("base_layer.weight") or n == "lm_head.weight")
+    assert lora > 0 and dense > 0
+    seq = 48
+    attn = 6 * cfg.num_hidden_layers * seq * cfg.hidden_size
+    assert model_flops_per_token(cfg, seq, lora, lora=True) == 4 * dense + 6 * lora + attn
+    assert model_flops_per_token(cfg, seq, dense, lora=False) == 6 * dense + attn
+
+
+def _run(tmp_path: Path, *args: str) -> dict:
+    env = {**os.environ, "DATAPATH_RESULTS": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload_scale.py"), "--quick", *args],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((tmp_path / "offload_scale.json").read_text())
+
+
+@pytest.mark.slow
+def test_lora_quick_run_records_every_method(tmp_path: Path) -> None:
+    doc = _run(tmp_path, "--methods", "checkpoint,keep,datapath-budget,selective_checkpoint,datapath-all,torchtune")
+    recs = doc["records"]
+    assert doc["partial"] is False
+    assert (tmp_path / "offload_scale.png").exists()
+    for key in ("setting", "method", "budget_gb", "tokens_per_s", "peak_gb", "peak_gb_per_rank", "mfu",
+                "grads_match", "seq", "device", "oom"):
+        assert all(key in r for r in recs), key
+    at32 = {r["method"]: r for r in recs if r["seq"] == 32}
+    for m in ("checkpoint", "keep", "datapath-budget", "selective_checkpoint", "datapath-all"):
+        assert at32[m]["status"] == "ok", at32[m]
+        assert at32[m]["tokens_per_s"] > 0 and at32[m]["peak_gb"] > 0
+        # recomputation reruns the same kernels and offloading moves bytes: the same gradients, bit for bit
+        assert at32[m]["grads_match"] is True and at32[m]["grads_match_kind"] == "bitwise", at32[m]
+    bud = at32["datapath-budget"]
+    assert bud["budget_gb"] == pytest.approx(at32["checkpoint"]["peak_gb"])
+    assert bud["peak_gb"] <= 1.03 * bud["budget_gb"]
+    assert at32["torchtune"]["status"] == "skipped" and at32["torchtune"]["reason"]
+    assert {r["seq"] for r in recs if r["method"] == "checkpoint"} == {32, 64}
+
+
+@pytest.mark.slow
+def test_fsdp2_quick_run_on_two_gloo_processes(tmp_path: Path) -> None:
+    doc = _run(tmp_path, "--mode", "fsdp2", "--methods", "checkpoint,keep,datapath-all")
+    assert doc["world_size"] == 2
+    recs = [r for r in doc["records"] if r["seq"] == 32]
+    assert {r["method"] for r in recs} == {"checkpoint", "keep", "datapath-all"}
+    for r in recs:
+        assert r["status"] == "ok" and r["setting"] == "fsdp2-tiny-32"
+        assert len(r["peak_gb_per_rank"]) == 2 and r["peak_gb"] == max(r["peak_gb_per_rank"])
+        assert r["grads_match"] is True, r
