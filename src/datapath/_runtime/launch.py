@@ -9,12 +9,15 @@ device) and holds `DriverLaunch` (``cuLaunchKernelEx`` from one prepared buffer)
   ``ptr``), so a launch goes to PyTorch's current stream without a stream context per call;
 - `cpointer`: the one argument packer's pointer type (CuPy's ``CPointer``): a launcher handed
   pointers into a buffer of packed arguments instead of converting each one per call;
-- `PackedLaunch`: a launch whose arguments live in such a buffer, the static ones written once;
+- `PackedLaunch`: a launch whose arguments live in such a buffer, the static ones written once, launched
+  through ``cuLaunchKernelEx`` with prepared arguments (CuPy's launcher where the driver has none);
 - `launch`: ``fn(grid, block, args, shared_mem, stream_ref(device))``.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import struct
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -96,6 +99,12 @@ def cpointer() -> Any:
     return CPointer
 
 
+_LAUNCH_CONFIG = struct.Struct("<" + kernels._CONFIG_FORMAT)  # noqa: SLF001 - CUlaunchConfig, as DriverLaunch packs it
+_STREAM_SLOT = struct.Struct("<Q")  # its hStream, at byte 32
+_STREAM_OFFSET = 32
+_INVALID_CONTEXT = kernels._CUDA_ERROR_INVALID_CONTEXT  # noqa: SLF001
+
+
 class PackedLaunch:
     """One kernel's launch with its arguments packed in a buffer: the static ones written once.
 
@@ -106,8 +115,12 @@ class PackedLaunch:
     otherwise read freed memory the caching allocator has handed to another tensor).  Pass
     tensors, never `ptr` values, for static pointer arguments.  `__call__` writes the ``dynamic``
     slots (pointers, from tensors or None) and launches on the current stream; a lock keeps
-    concurrent callers apart.  Where CuPy does not take packed pointers, every argument is
-    converted per call instead.
+    concurrent callers apart.  The launch goes through ``cuLaunchKernelEx`` with its configuration
+    and the pointers to the buffer's slots prepared here (a call writes the stream only when it
+    changes): the least host work per launch.  Where the driver has no ``cuLaunchKernelEx`` it goes
+    through CuPy's launcher, handed pointers into the same buffer; where CuPy does not take packed
+    pointers, every argument is converted per call instead.  Grid sizes below 1 launch one block
+    (as CuPy's launcher does).
     """
 
     def __init__(self, fn: Any, grid: tuple[int, ...], block: int, args: Sequence[Any], dynamic: Sequence[int],
@@ -116,16 +129,27 @@ class PackedLaunch:
         self.dynamic = tuple(dynamic)
         self.kept = tuple(a for a in args if isinstance(a, torch.Tensor))  # what the static addresses point into
         self.static = [ptr(a) if isinstance(a, torch.Tensor) else a for a in args]
-        args = self.static
-        self.buf: np.ndarray | None = None
+        n = len(self.static)
+        self.buf: Any = (ctypes.c_int64 * max(1, n))()  # little-endian: an int32 is its slot's low half
+        for i, a in enumerate(self.static):
+            if a is not None:
+                self.buf[i] = int(a)  # ctypes keeps the low 64 bits: a uint64 address or a negative int32 as written
+        base = ctypes.addressof(self.buf)
+        self.packed: tuple | None = None
         cp = cpointer()
         if cp is not None and not isinstance(fn, Fallback):
-            self.buf = np.zeros(len(args), dtype=np.int64)  # little-endian: an int32 is its slot's low half
-            for i, a in enumerate(args):
-                if a is not None:
-                    self.buf[i] = int(a)
-            base = self.buf.ctypes.data
-            self.packed = tuple(cp(base + 8 * i) for i in range(len(args)))
+            self.packed = tuple(cp(base + 8 * i) for i in range(n))
+        self.driver: tuple | None = None  # (cuLaunchKernelEx, config, function, kernel params, extra)
+        self.config: Any = None
+        self.stream = 0
+        ex = kernels._launch_ex()  # noqa: SLF001 - the one cuLaunchKernelEx handle
+        cu_fn = getattr(fn, "ptr", None)
+        if ex is not None and cu_fn and not isinstance(fn, Fallback):
+            g = tuple(max(1, int(v)) for v in grid) + (1,) * (3 - len(grid))
+            self.config = (ctypes.c_uint64 * (_LAUNCH_CONFIG.size // 8))()
+            _LAUNCH_CONFIG.pack_into(self.config, 0, *g, max(1, int(block)), 1, 1, int(shared_mem), 0, 0, 0)
+            params = (ctypes.c_void_p * max(1, n))(*(base + 8 * i for i in range(n)))
+            self.driver = (ex, ctypes.c_void_p(ctypes.addressof(self.config)), ctypes.c_void_p(cu_fn), params, None)
         self.lock = threading.Lock()
 
     def _converted(self, tensors: tuple[torch.Tensor | None, ...]) -> tuple:
@@ -135,16 +159,33 @@ class PackedLaunch:
         return tuple(NULL if a is None else a for a in args)
 
     def __call__(self, device: int, *tensors: torch.Tensor | None) -> None:
+        drv = self.driver
+        if drv is not None:
+            h = raw_stream(device)
+            with self.lock:
+                buf = self.buf
+                for slot, t in zip(self.dynamic, tensors):
+                    buf[slot] = 0 if t is None else t.data_ptr()
+                if h != self.stream:
+                    _STREAM_SLOT.pack_into(self.config, _STREAM_OFFSET, h)
+                    self.stream = h
+                rc = drv[0](*drv[1:])
+                if rc == _INVALID_CONTEXT:  # a thread without a current context yet (autograd's
+                    torch.cuda.current_stream(device).query()  # device thread): a runtime call binds the primary one
+                    rc = drv[0](*drv[1:])
+            if rc != 0:
+                raise kernels.LaunchError(rc)
+            return
         stream = stream_ref(device)
         with self.lock:
-            buf = self.buf
-            if buf is None:
+            if self.packed is None:
                 self.fn(self.grid, self.block, self._converted(tensors), self.shared_mem, stream)
                 return
+            buf = self.buf
             for slot, t in zip(self.dynamic, tensors):
                 buf[slot] = 0 if t is None else t.data_ptr()
             try:
                 self.fn(self.grid, self.block, self.packed, self.shared_mem, stream)
             except TypeError:  # this CuPy wants plain values
-                self.buf = None
+                self.packed = None
                 self.fn(self.grid, self.block, self._converted(tensors), self.shared_mem, stream)

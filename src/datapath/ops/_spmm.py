@@ -188,9 +188,11 @@ class _RowsLaunch:
             self.validate(x, w, nbr_scale, row_scale, src_map)
         out = x.new_empty((self.n, x.shape[1]))
         if self.multi:
-            self.head(x.device.index, x, src_map, w, nbr_scale, row_scale, out)
+            self.head(x.get_device(), x, src_map, w, nbr_scale, row_scale, out)
+        elif not self.slots:  # no long rows: no buffers
+            self.head(x.get_device(), x, src_map, w, nbr_scale, row_scale, out, None, None)
         else:
-            self.head(x.device.index, x, src_map, w, nbr_scale, row_scale, out, *self._long_buffers(x.device))
+            self.head(x.get_device(), x, src_map, w, nbr_scale, row_scale, out, *self._long_buffers(x.device))
         return out
 
 
