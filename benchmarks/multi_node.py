@@ -35,12 +35,14 @@ The CPU run checks that the pipeline works; its numbers are not the benchmark's.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import math
 import os
 import re
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -181,6 +183,9 @@ def worker(args: argparse.Namespace) -> None:
     from datapath.apps.machine import device_label  # noqa: PLC0415
 
     cfg = TrainConfig(**json.loads(args.cfg))
+    if os.environ.get("RANK") is not None:  # a hung run: the orchestrator asks for every thread's stack (SIGUSR1)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        (args.out.parent / f"pid{os.environ['RANK']}").write_text(str(os.getpid()))
     try:
         res = train(cfg)
         world = res["world_size"]
@@ -255,6 +260,13 @@ def _cfg(args: argparse.Namespace, dataset: Path, batch: int, sharded: bool, cac
                        "prefetch": args.prefetch})
 
 
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -272,6 +284,8 @@ def run_one_gpu(args: argparse.Namespace, dataset: Path, tmp: Path) -> dict[str,
 def run_nodes(args: argparse.Namespace, nodes: list[Path], batch: int, tmp: Path, cache: str) -> dict[str, Any]:
     """One run of ``len(nodes)`` torchrun launches (one rank and GPU each); rank 0's result."""
     out, port, n = tmp / "nodes.json", _free_port(), len(nodes)
+    for f in tmp.glob("pid*"):
+        f.unlink()
     procs = []
     for r, nd in enumerate(nodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n), "--node-rank", str(r),
@@ -286,13 +300,21 @@ def run_nodes(args: argparse.Namespace, nodes: list[Path], batch: int, tmp: Path
     deadline = time.monotonic() + args.timeout
     try:
         codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
-    except subprocess.TimeoutExpired:  # a hung exchange: end every launch (torchrun ends its worker), report the logs
+    except subprocess.TimeoutExpired:  # a hung run: every worker's thread stacks into its log, then end it all
+        workers = [int(f.read_text()) for f in tmp.glob("pid*")]
+        for pid in workers:
+            _signal(pid, signal.SIGUSR1)
+        time.sleep(3.0)
+        for pid in workers:
+            _signal(pid, signal.SIGKILL)
         for p in procs:
             p.kill()
-        codes = [p.wait() for p in procs]
-        codes = [f"killed after {args.timeout:.0f} s ({c})" for c in codes]
+        codes = [f"killed after {args.timeout:.0f} s ({p.wait()})" for p in procs]
     if codes != [0] * n:
-        tails = "".join(f"\n-- node {r}:\n" + (tmp / f"node{r}.log").read_text()[-3000:] for r in range(n))
+        def tail(r: int) -> str:  # the log without NCCL's INFO lines (the transport lines fill it)
+            lines = (tmp / f"node{r}.log").read_text().splitlines()
+            return "\n".join(ln for ln in lines if " NCCL INFO " not in ln)[-20000:]
+        tails = "".join(f"\n-- node {r}:\n" + tail(r) for r in range(n))
         raise RuntimeError(f"the {n}-node run failed (exit codes {codes}){tails}")
     run = json.loads(out.read_text())
     # NCCL_DEBUG=INFO: the log says how NCCL links the GPUs ("via P2P/IPC", "via SHM/...", "via NET/...")
@@ -468,7 +490,8 @@ def model(records: list[dict[str, Any]], dataset: str, nodes: tuple[int, ...] = 
     links = links or LINKS_GBPS
     rs = [r for r in records if r["dataset"] == dataset]
     one = next(r for r in rs if r["nodes"] == 1)
-    strong = next(r for r in rs if r["mode"] == "strong" and r["gpu_cache"] == "none")
+    strong = next((r for r in rs if r["mode"] == "strong" and r["gpu_cache"] == "none"), None) or \
+        next(r for r in rs if r["mode"] == "strong")  # without a cache if measured, else the first cache
     weak = next((r for r in rs if r["mode"] == "weak" and r["gpu_cache"] == "none"), None)
     n0, big_b = strong["nodes"], one["batch_per_rank"]
     steps = one.get("steps") or STEPS[dataset]
@@ -490,7 +513,7 @@ def model(records: list[dict[str, Any]], dataset: str, nodes: tuple[int, ...] = 
     ex_s = per_batch / (strong["remote_fetch_GBps"] * 1e9) if strong.get("remote_fetch_GBps") else 0.0
     link_s = per_batch / (strong["nccl_alltoall_GBps"] * 1e9) if strong.get("nccl_alltoall_GBps") else 0.0
     fixed = max(0.0, ex_s - link_s) if fixed_ms is None else fixed_ms / 1e3
-    out = [{"gpus": n0, "link": "measured", "epoch_s": strong["epoch_s"], "ratio": strong["epoch_s"] / one["epoch_s"],
+    out = [{"gpus": n0, "link": "measured", "gpu_cache": strong["gpu_cache"], "epoch_s": strong["epoch_s"], "ratio": strong["epoch_s"] / one["epoch_s"],
             "MB_per_batch": strong["remote_bytes_per_batch"] / 1e6, "exchange_ms": ex_s * 1e3,
             "fixed_ms": fixed * 1e3, "fixed_share": f, "alpha": a}]
     t_c0 = t1 * (f + (1 - f) * share)  # the check: the model at the measured run (its link, its exchange)
@@ -567,6 +590,7 @@ def main() -> None:
                     print(f"{name}: {args.nodes} nodes ({mode}, cache {cache}) done in {took:.0f} s", flush=True)
                     write_result(args.name, {"partial": True, "records": records})
     payload = _payload(args, records, time.perf_counter() - t_start)
+    payload["failed_runs"] = failed
     summary = payload["summary"]
     path = write_result(args.name, payload)
     plot(records, RESULTS_DIR / f"{args.name}.png")
