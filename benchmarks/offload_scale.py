@@ -21,10 +21,10 @@ Records (``benchmarks/results/offload_scale.json``, written after every method s
 it measured): {setting, method, budget_gb, tokens_per_s, peak_gb (the largest rank's), peak_gb_per_rank, mfu,
 grads_match, seq, device, oom, steps, ...}.  MFU: `model_flops_per_token` (LoRA: 4 N_base + 6 N_lora + causal
 attention 6 L S H per token; full: 6 N + attention) times tokens/s over the device's dense bf16 peak.
-grads_match: one more step per method at ``--check-seq`` with deterministic algorithms, the trained parameters'
-gradients compared with checkpointing's at that length (the same arithmetic: recomputation reruns the same kernels,
-offloading moves bytes): ``grads_match_kind`` "bitwise", else their largest difference relative to the largest
-gradient (``grads_rel_diff``).  Peak: ``torch.cuda.max_memory_allocated()`` over a step.
+grads_match: one more step per method at ``--check-seq`` (2048: keep fits) with deterministic algorithms and
+SDPA's math attention (flash attention's backward is not bitwise reproducible), the trained parameters' gradients compared with checkpointing's at that length (the
+same arithmetic: recomputation reruns the same kernels, offloading moves bytes): ``grads_match_kind`` "bitwise",
+else their largest difference relative to the largest gradient (``grads_rel_diff``).  Peak: ``torch.cuda.max_memory_allocated()`` over a step.
 
 Run: PYTHONPATH=src:. python benchmarks/offload_scale.py [--mode lora] [--time-budget 360]
      torchrun --nproc-per-node 2 benchmarks/offload_scale.py --mode fsdp2 --seqs 8192,16384
@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -63,7 +64,7 @@ from datapath.offload import offload, offload_rank  # noqa: E402
 
 METHODS = ["checkpoint", "keep", "datapath-budget", "selective_checkpoint", "checkpoint_offload", "datapath-all",
            "save_on_cpu", "torchtune", "compile_budget", "compiler_offload"]
-LADDER = "4096,8192,16384,32768,49152,65536"
+LADDER = "2048,4096,8192,16384,32768,49152,65536"
 MARGIN = 2 << 30   # the GPU's memory less this: datapath's budget where it is asked for the longest sequence
 
 
@@ -148,7 +149,8 @@ class Bench:
             "loss": "chunked linear cross-entropy (4096 positions a chunk, gradients formed in the forward), "
                     "the same for every method",
             "peak": "torch.cuda.max_memory_allocated() over zero_grad + forward + backward + AdamW step",
-            "grads_check": "one deterministic step (torch.use_deterministic_algorithms) per method at check_seq; "
+            "grads_check": "one deterministic step (torch.use_deterministic_algorithms, SDPA math attention) per "
+                           "method at check_seq; "
                            "trained parameters' gradients against checkpointing's: bitwise, else the largest "
                            "difference over the largest gradient",
             "check_seq": self.args.check_seq, "torchtune": torchtune_offload()[1]})
@@ -332,7 +334,7 @@ class Bench:
                 break
             steps = (a.steps + a.warmup if seq in timed else 1) + (seq == a.check_seq) + \
                 (a.budget_warmup + (0 if seq in timed else 1) if method == "datapath-budget" else 0)
-            est = self.estimate(seq, steps) * (1.5 if method in ("datapath-all", "save_on_cpu",
+            est = self.estimate(seq, steps) * (1.5 if method in ("datapath-all", "datapath-budget", "save_on_cpu",
                                                                   "checkpoint_offload") else 1.0)
             if self.elapsed() + est > a.time_budget:
                 self.skip(method, seq, f"time budget of the run ({est:.0f} s expected, "
@@ -366,7 +368,7 @@ class Bench:
         small = [s for s in seqs if s <= a.check_seq]
         schedule: list[tuple[str, list[int], str | None]] = [
             ("checkpoint", upto, None), ("keep", seqs, None),
-            ("datapath-budget", [a.check_seq], "checkpoint peak"),
+            ("datapath-budget", sorted({a.check_seq, *timed}), "checkpoint peak"),
             ("datapath-budget", [s for s in seqs if s >= max(timed)], "device memory"),
             ("checkpoint", beyond, None), ("selective_checkpoint", seqs, None),
             ("datapath-all", small, None), ("checkpoint_offload", [a.check_seq] + beyond, None),
@@ -506,7 +508,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--seqs", default=None, help=f"the ladder of sequence lengths [{LADDER}]")
     ap.add_argument("--timed", default=None, help="lengths timed with --warmup/--steps (the settings) [16384,32768]")
-    ap.add_argument("--check-seq", type=int, default=None, help="length of the gradient check [16384]")
+    ap.add_argument("--check-seq", type=int, default=None, help="length of the gradient check [2048]")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--budget-warmup", type=int, default=6, help="extra warm-up steps of datapath-budget (it "
@@ -525,7 +527,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.budget_warmup = min(args.budget_warmup, 4)
     args.seqs = args.seqs or LADDER
     args.timed = args.timed or "16384,32768"
-    args.check_seq = args.check_seq or 16384
+    args.check_seq = args.check_seq or 2048
     return args
 
 
