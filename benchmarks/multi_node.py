@@ -513,7 +513,8 @@ def model(records: list[dict[str, Any]], dataset: str, nodes: tuple[int, ...] = 
     ex_s = per_batch / (strong["remote_fetch_GBps"] * 1e9) if strong.get("remote_fetch_GBps") else 0.0
     link_s = per_batch / (strong["nccl_alltoall_GBps"] * 1e9) if strong.get("nccl_alltoall_GBps") else 0.0
     fixed = max(0.0, ex_s - link_s) if fixed_ms is None else fixed_ms / 1e3
-    out = [{"gpus": n0, "link": "measured", "gpu_cache": strong["gpu_cache"], "epoch_s": strong["epoch_s"], "ratio": strong["epoch_s"] / one["epoch_s"],
+    out = [{"gpus": n0, "link": "measured", "gpu_cache": strong["gpu_cache"], "epoch_s": strong["epoch_s"],
+            "ratio": strong["epoch_s"] / one["epoch_s"],
             "MB_per_batch": strong["remote_bytes_per_batch"] / 1e6, "exchange_ms": ex_s * 1e3,
             "fixed_ms": fixed * 1e3, "fixed_share": f, "alpha": a}]
     t_c0 = t1 * (f + (1 - f) * share)  # the check: the model at the measured run (its link, its exchange)

@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from datapath.apps import DistributedError, init_distributed, launch
 from datapath.features import FeatureStore, FeatureStoreError, new_exchange_group, sharded_store
-from datapath.features.sharded import ShardedTier
 from datapath.graph import DatasetError, ShardLayout, SyntheticSpec, generate, load_dataset, shard_file
 from datapath.loaders import DistributedNeighborLoader, NeighborLoader
 
@@ -156,30 +155,6 @@ def test_a_shard_of_the_wrong_size_stops_every_rank_naming_it() -> None:
     with pytest.raises(DistributedError, match=r"(?s)rank 1: its shard has shape \(497, 7\).*rows 500\.\.999"):
         launch(_bad_shard, 2, grace_period=1.0)
     assert time.perf_counter() - t0 < 60
-
-
-def _fail_before_the_exchange() -> list[str]:
-    init_distributed("cpu")
-    rank = dist.get_rank()
-    layout = ShardLayout.even(N, 2)
-    lo, hi = layout.rows(rank)
-    tier = ShardedTier(_table()[lo:hi], layout, rank, new_exchange_group(), torch.device("cpu"))
-    said = []
-    for ids in ([5, 700], "not a tensor" if rank == 1 else [700, 5], [999, 0]):
-        try:
-            rows = tier.exchange(torch.tensor(ids) if isinstance(ids, list) else ids)
-            said.append("ok" if torch.equal(rows, _table()[ids]) else "wrong rows")
-        except Exception as exc:  # noqa: BLE001 - the test reads it
-            said.append(f"{type(exc).__name__}: {exc}")
-    return said
-
-
-@pytest.mark.slow
-def test_a_rank_failing_before_the_exchange_stops_the_others_naming_it() -> None:
-    r0, r1 = launch(_fail_before_the_exchange, 2)
-    assert r0[0] == r1[0] == "ok" and r0[2] == r1[2] == "ok"  # the group still pairs up afterwards
-    assert r1[1].startswith("AttributeError")
-    assert r0[1] == "ShardExchangeError: rank 0 of 2 stops: rank 1 could not fetch its feature rows (see its own error)"
 
 
 def test_one_rank_store_and_arguments() -> None:
