@@ -490,8 +490,9 @@ def model(records: list[dict[str, Any]], dataset: str, nodes: tuple[int, ...] = 
     links = links or LINKS_GBPS
     rs = [r for r in records if r["dataset"] == dataset]
     one = next(r for r in rs if r["nodes"] == 1)
-    strong = next((r for r in rs if r["mode"] == "strong" and r["gpu_cache"] == "none"), None) or \
-        next(r for r in rs if r["mode"] == "strong")  # without a cache if measured, else the first cache
+    strongs = [r for r in rs if r["mode"] == "strong"]
+    # without a cache if measured, else one whose cache took no remote rows (own:...: the remote bytes of no cache)
+    strong = min(strongs, key=lambda r: (r["gpu_cache"] != "none", bool(r.get("remote_cache_hit_rate"))))
     weak = next((r for r in rs if r["mode"] == "weak" and r["gpu_cache"] == "none"), None)
     n0, big_b = strong["nodes"], one["batch_per_rank"]
     steps = one.get("steps") or STEPS[dataset]
