@@ -9,14 +9,24 @@ is the same check).  The numbers follow from where a kernel rounds, with ``u(dty
 (half the machine epsilon: 2**-24 float32, 2**-8 bfloat16, 2**-11 float16, 2**-53 float64):
 
 - every kernel rounds its result once to the output dtype: ``rtol = 2 u(out)`` (a factor 2 of margin);
-- a sum of ``L`` terms accumulated in dtype ``acc`` is off by about ``c * u(acc) * sqrt(L)`` of the largest
-  output (a random walk of rounding errors), so ``atol = 2 u(out) + u(acc) * (4 + c * sqrt(L))``.  Our kernels
-  sum a row sequentially in each lane (the row split with several rows a team: measured 4.2 u sqrt(L) in
-  float32 on an H100, a row of about 4,000 edges): ``c = 8``, as for any float32 / float64 accumulation of
-  unknown order; on very long rows the errors correlate (a 100K-edge row: up to 29 u sqrt(L), about L / 11 u,
-  measured by the differential fuzz on an H100), so float32 / float64 accumulation adds ``L / 10``.  cuSPARSE's
-  float16 / bfloat16 sums, in the operands' precision, measured 0.1-0.3 u sqrt(L) (H100, rows of 668 and 4,096
-  edges): ``c = 1`` and no linear term, so that its larger error is still bounded tightly;
+- a sum of ``L`` terms accumulated in dtype ``acc`` rounds at each addition, by at most ``u(acc)`` of the partial
+  sum (Higham, *Accuracy and Stability*, 4.2).  Where the terms differ these errors are independent and add as a
+  random walk, ``c * u(acc) * sqrt(L)`` of the largest output: our kernels sum a row sequentially in each lane
+  (measured 4.2 u sqrt(L) in float32 on an H100, rows of about 4,000 edges): ``c = 8``, as for any float32 /
+  float64 accumulation of unknown order.  Where the SAME term is added again and again -- duplicate edges: one
+  source repeated down a hub's row, or a hub's ``gy / deg`` repeated down that source's column -- every addition
+  rounds the same way and the errors add up linearly, up to ``u(acc)`` of the partial sum each (Higham's
+  ``gamma_L`` bound; a float64 ``index_add`` of 1,166 equal terms measured 0.35 u each): ``R`` repeated terms
+  add ``R u(acc)``.  So ``atol = 2 u(out) + u(acc) * (4 + 8 sqrt(L) + R)``, with ``R = L`` unless the caller
+  counts them (``repeats``: 0 on a graph without duplicate edges).  The float64 reference of the tests must not
+  share this error: `datapath.testing.fuzz_reference` sums accurately (a float64 ``index_add`` of the same
+  terms would be off by as much as the kernel);
+- cuSPARSE's float16 / bfloat16 sums, in the operands' precision, measured 0.1-0.3 u sqrt(L) (H100, rows of 668
+  and 4,096 edges): ``u(acc) * (4 + sqrt(L))`` with ``c = 1``, so that its larger error is still bounded tightly;
+- ``kernel="operand"``: a float32 sum of terms each rounded to the operands' dtype first (a layer that forms its
+  per-edge terms -- GAT's scores, softmax and their gradients -- or a broadcast parameter's products in 16 bits):
+  each term is off by up to ``u(op)`` of itself, independently: ``u(op) * (4 + sqrt(L))`` more, plus the
+  float32 sum's own bound;
 - operands rounded to a narrower dtype before the products (cuSPARSE's matrix values, the tensor-core
   tiles' weights times scales) add ``4 u(operand)``; tf32 rounds the rows too: ``8 u(tf32)``.
 
@@ -25,6 +35,10 @@ float32 in float32 (float64 in float64), so their tolerance barely grows with th
 the operands' own precision (float16 / bfloat16 error grows as ``sqrt(L) u``); ``tensor_core`` multiplies
 float16 / bfloat16 (tf32 for float32) operands and accumulates in float32.
 
+Tight enough to catch a wrong edge: one edge of a row read from the wrong source moves that output by
+``|x_a - x_b|`` (a mean: over ``L``), against ``u(acc) (4 + 8 sqrt(L))`` of the scale -- in float32 a few
+``1e-5`` at ``L = 4,000`` (``tests/ops/test_tolerance.py``).
+
 ``depth``: rounding stages chained between the inputs and the result (1 for one op; a layer projects, aggregates,
 adds its root term and bias: about 4; attention layers more): the errors of chained stages add, so both numbers
 scale with it.
@@ -32,7 +46,8 @@ scale with it.
 ``row_len``: the most terms behind one output element -- a row's edges for the forward, a source's out-degree
 for the gradient of x (the transposed rows), and for a layer add the inner width of its matmuls (``in + out``
 features) and, for a weight's gradient, the rows summed over.  Overestimating costs only a little tightness
-(``sqrt``); underestimating can fail a correct kernel.
+(``sqrt``); underestimating can fail a correct kernel.  ``repeats``: the most of those terms that repeat an
+earlier one of the same sum (a row's or a column's edges that duplicate another edge; None: all ``row_len``).
 """
 from __future__ import annotations
 
@@ -51,9 +66,11 @@ KERNEL_ACCUMULATION = {
     "tensor_core": "float32",
     "cusparse": "operand",
     "reference": "float32",
+    "operand": "float32",
 }
 """What each kernel accumulates a float16 / bfloat16 sum in ("operand": the inputs' own dtype); float32 and float64
-inputs are accumulated in their own dtype by every kernel."""
+inputs are accumulated in their own dtype by every kernel.  ``"operand"`` as a kernel: a float32 sum of terms
+rounded to the inputs' dtype one by one (a layer's 16-bit per-edge terms; see the module docstring)."""
 
 _ROUNDED_OPERANDS = ("cusparse", "tensor_core")
 
@@ -80,15 +97,19 @@ def _acc_dtype(dtype: torch.dtype, kernel: str | None) -> torch.dtype:
     return torch.float32
 
 
-def tolerance(dtype: torch.dtype, row_len: int = 1, kernel: str | None = None, depth: int = 1) -> Tolerance:
+def tolerance(dtype: torch.dtype, row_len: int = 1, kernel: str | None = None, depth: int = 1,
+              repeats: int | None = None) -> Tolerance:
     """The `Tolerance` of ``kernel`` (None: ours, float32 accumulation) on ``dtype`` rows for sums of at most
-    ``row_len`` terms, through ``depth`` chained rounding stages.
+    ``row_len`` terms, ``repeats`` of them repeated ones, through ``depth`` chained rounding stages.
 
     Args:
         dtype: the result's (and the inputs') dtype: float16, bfloat16, float32 or float64.
         row_len: the most terms summed into one output element (>= 0; see the module docstring).
-        kernel: ``"rows"``, ``"groups"``, ``"push"``, ``"tensor_core"``, ``"cusparse"``, ``"reference"`` or None.
+        kernel: ``"rows"``, ``"groups"``, ``"push"``, ``"tensor_core"``, ``"cusparse"``, ``"reference"``,
+            ``"operand"`` (terms rounded to ``dtype`` one by one, then a float32 sum) or None.
         depth: chained rounding stages (>= 1): 1 for an op, about 4 for a conv layer.
+        repeats: the most terms of one sum that repeat another term of it (duplicate edges; >= 0); None: as
+            many as ``row_len`` (safe on any graph; 0 on a graph without duplicate edges).
     Returns:
         ``Tolerance(rtol, atol)``, atol in units of ``max(1, max |ref|)``.
     """
@@ -99,13 +120,18 @@ def tolerance(dtype: torch.dtype, row_len: int = 1, kernel: str | None = None, d
         raise ValueError(f"row_len must be >= 0, got {row_len}")
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
+    if repeats is not None and repeats < 0:
+        raise ValueError(f"repeats must be >= 0 or None, got {repeats}")
+    rep = row_len if repeats is None else repeats
     u_out = unit_roundoff(dtype)
     acc = _acc_dtype(dtype, kernel)
     u_acc = unit_roundoff(acc)
     if acc in (torch.float16, torch.bfloat16):  # see the module docstring
         atol = 2 * u_out + u_acc * (4 + math.sqrt(row_len))
-    else:
-        atol = 2 * u_out + u_acc * (4 + 8 * math.sqrt(row_len) + row_len / 10)
+    else:  # a random walk over distinct terms, linear over repeated ones
+        atol = 2 * u_out + u_acc * (4 + 8 * math.sqrt(row_len) + rep)
+        if kernel == "operand":  # each term rounded to the inputs' dtype before the float32 sum
+            atol += u_out * (4 + math.sqrt(row_len))
     if kernel in _ROUNDED_OPERANDS:  # the matrix values (weight times scales) rounded to the operand dtype
         if kernel == "tensor_core" and dtype == torch.float32:  # tf32 (float16's 10 mantissa bits): x rounded too
             atol += 8 * unit_roundoff(torch.float16)

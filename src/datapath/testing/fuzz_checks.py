@@ -57,12 +57,12 @@ _PRECISION = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def tol(dtype: torch.dtype, got: torch.Tensor | None, row_len: int, kernel: str | None = None,
-        depth: int = 1) -> Tolerance:
+        depth: int = 1, repeats: int | None = None) -> Tolerance:
     """`datapath.ops.tolerance` for the coarser of the case's dtype and the compared tensor's (a float32 edge
     weight's gradient in a float64 case is rounded to float32)."""
     if got is not None and got.dtype in _PRECISION and _PRECISION.index(got.dtype) < _PRECISION.index(dtype):
         dtype = got.dtype
-    return tolerance(dtype, max(0, int(row_len)), kernel, depth=depth)
+    return tolerance(dtype, max(0, int(row_len)), kernel, depth=depth, repeats=repeats)
 
 
 def _gen(params: dict[str, Any], salt: int = 0) -> torch.Generator:
@@ -113,13 +113,22 @@ def fresh(g: Any, clone: bool) -> Any:
 
 
 class _Edges:
-    """The graph's edges on the CPU and the row lengths the tolerances need."""
+    """The graph's edges on the CPU and the row lengths the tolerances need: the longest row (``max_in``) and
+    column (``max_out``), and the most duplicate edges in one row (``rep_in``) and one column (``rep_out``): the
+    terms a sum adds again and again (`datapath.ops.tolerance`'s ``repeats``)."""
 
     def __init__(self, g: Any) -> None:
         self.src, self.dst = edge_lists(g)
         self.num_src, self.num_dst = int(g.num_src_nodes), int(g.num_dst_nodes)
         self.max_in = int(torch.bincount(self.dst).max()) if self.dst.numel() else 0
         self.max_out = int(torch.bincount(self.src).max()) if self.src.numel() else 0
+        self.rep_in = self.rep_out = 0
+        if self.src.numel():
+            pairs, count = torch.unique(self.dst * max(1, self.num_src) + self.src, return_counts=True)
+            dup = count > 1
+            if bool(dup.any()):
+                self.rep_in = int(torch.bincount(pairs[dup] // max(1, self.num_src), count[dup]).max())
+                self.rep_out = int(torch.bincount(pairs[dup] % max(1, self.num_src), count[dup]).max())
 
 
 def _half_lib(dtype: torch.dtype, kernel: str | None, row_len: int) -> str | None:
@@ -177,7 +186,8 @@ def check_aggregate(params: dict[str, Any], device: Any, out: Checks) -> None:
     x64 = x.detach().double().cpu().requires_grad_()
     w64 = w.detach().double().cpu().requires_grad_() if w is not None else None
     want = ref.aggregate(e.src, e.dst, e.num_dst, x64, reduce, w64, norm)
-    out.append(("forward", ratio(got, want, tolerance(dtype, e.max_in, _half_lib(dtype, kernel, e.max_in)))))
+    out.append(("forward", ratio(got, want, tolerance(dtype, e.max_in, _half_lib(dtype, kernel, e.max_in),
+                                                      repeats=e.rep_in))))
     if got.requires_grad:
         gy = values(gen, tuple(got.shape), dtype, "cpu")
         if reduce == "max":  # ties: the gradient may go to either; compare only where the max is unique
@@ -187,7 +197,7 @@ def check_aggregate(params: dict[str, Any], device: Any, out: Checks) -> None:
             want.backward(gy.double())
         if x.requires_grad:
             k = _half_lib(dtype, kernel, e.max_out)
-            out.append(("grad_x", ratio(x.grad, x64.grad, tolerance(dtype, e.max_out, k))))
+            out.append(("grad_x", ratio(x.grad, x64.grad, tolerance(dtype, e.max_out, k, repeats=e.rep_out))))
         if w is not None and w.requires_grad:
             out.append(("grad_w", ratio(w.grad, w64.grad, tol(dtype, w.grad, width * heads, kernel))))
 
@@ -232,7 +242,7 @@ def check_aggregate_fused(params: dict[str, Any], device: Any, out: Checks) -> N
     x64 = rows.double()[ids.long()]
     w64 = w.detach().double().cpu().requires_grad_() if w is not None else None
     want = ref.aggregate(e.src, e.dst, e.num_dst, x64, reduce, w64, norm)
-    out.append(("forward", ratio(got, want, tolerance(dtype, e.max_in))))
+    out.append(("forward", ratio(got, want, tolerance(dtype, e.max_in, repeats=e.rep_in))))
     if w is not None and w.requires_grad and got.requires_grad:
         gy = values(gen, tuple(got.shape), dtype, "cpu")
         if reduce == "max":
@@ -256,7 +266,8 @@ def check_aggregate_transposed(params: dict[str, Any], device: Any, out: Checks)
         got = ops.aggregate_transposed(g, y, reduce, norm)
     x64 = torch.zeros(e.num_src, width, dtype=torch.float64, requires_grad=True)
     ref.aggregate(e.src, e.dst, e.num_dst, x64, reduce, None, norm).backward(y.double().cpu())
-    out.append(("forward", ratio(got, x64.grad, tolerance(dtype, e.max_out, _half_lib(dtype, None, e.max_out)))))
+    out.append(("forward", ratio(got, x64.grad, tolerance(dtype, e.max_out, _half_lib(dtype, None, e.max_out),
+                                                          repeats=e.rep_out))))
 
 
 def check_sddmm(params: dict[str, Any], device: Any, out: Checks) -> None:
@@ -275,8 +286,8 @@ def check_sddmm(params: dict[str, Any], device: Any, out: Checks) -> None:
     gy = values(gen, tuple(got.shape), dtype, "cpu")
     got.backward(gy.to(device))
     want.backward(gy.double())
-    out.append(("grad_a", ratio(a.grad, a64.grad, tolerance(dtype, e.max_in * width))))
-    out.append(("grad_b", ratio(b.grad, b64.grad, tolerance(dtype, e.max_out * width))))
+    out.append(("grad_a", ratio(a.grad, a64.grad, tolerance(dtype, e.max_in * width, repeats=e.rep_in * width))))
+    out.append(("grad_b", ratio(b.grad, b64.grad, tolerance(dtype, e.max_out * width, repeats=e.rep_out * width))))
 
 
 def check_edge_softmax(params: dict[str, Any], device: Any, out: Checks) -> None:
@@ -289,11 +300,11 @@ def check_edge_softmax(params: dict[str, Any], device: Any, out: Checks) -> None
     got = ops.edge_softmax(g, s)
     s64 = s.detach().double().cpu().requires_grad_()
     want = ref.edge_softmax(e.dst, e.num_dst, s64)
-    out.append(("forward", ratio(got, want, tolerance(dtype, e.max_in))))
+    out.append(("forward", ratio(got, want, tolerance(dtype, e.max_in, repeats=e.rep_in))))
     gy = values(gen, tuple(got.shape), dtype, "cpu")
     got.backward(gy.to(device))
     want.backward(gy.double())
-    out.append(("grad_scores", ratio(s.grad, s64.grad, tolerance(dtype, e.max_in))))
+    out.append(("grad_scores", ratio(s.grad, s64.grad, tolerance(dtype, e.max_in, repeats=e.rep_in))))
 
 
 def _layer(params: dict[str, Any]) -> nn.Module:
@@ -391,15 +402,24 @@ def check_layer(params: dict[str, Any], device: Any, out: Checks) -> None:
         want = ref.full_graph(src, dst, e.num_dst, x_ref, ref_conv)
     depth = params.get("layers", 1)
     row = e.max_in + e.max_out + params["in"] + params["out"] + params.get("hidden", 0) + e.num_src
-    # GAT rounds every per-edge term of its attention path (scores, softmax, their gradients) to the layer's dtype
-    # before summing them: in 16 bits its sums are "operand" sums (cuSPARSE's rule), whatever kernel aggregates
-    half_terms = op == "gat" and dtype in (torch.float16, torch.bfloat16)
-    t = tolerance(dtype, row * depth, "cusparse" if half_terms else _half_lib(dtype, None, e.max_in + e.max_out),
-                  depth=stages(params))
+    reps = (e.rep_in + e.rep_out) * depth  # duplicate edges' terms, in the forward's rows and the backward's columns
+    half = dtype in (torch.float16, torch.bfloat16)
+    if op == "gat" and half:  # GAT rounds every per-edge term of its attention path (scores, softmax, their
+        # gradients, the head dots' products) to the layer's dtype before a float32 sum: "operand" sums over a
+        # row's or a column's edges and the head's channels (its matmuls sum exact products in float32)
+        t = tolerance(dtype, (e.max_in + e.max_out + params["out"]) * depth, "operand", depth=stages(params),
+                      repeats=reps)
+    else:
+        t = tolerance(dtype, row * depth, _half_lib(dtype, None, e.max_in + e.max_out), depth=stages(params),
+                      repeats=reps)
     out.append(("forward", ratio(got, want, t)))
     if not got.requires_grad:
         return
     gy = values(gen, tuple(got.shape), dtype, "cpu")
+    if op == "gat":  # a score at leaky_relu's kink: its gradient may take either slope (see `ref.gat_kinks`)
+        kinks = ref.gat_kinks(src, dst, e.num_dst, x_ref, xr_dst, ref_conv, form == "pair",
+                              torch.finfo(dtype).eps / 2)
+        gy = gy.masked_fill(kinks.reshape(-1, *([1] * (gy.dim() - 1))), 0)
     got.backward(gy.to(device))
     want.backward(gy.double())
     if xd is not None:
@@ -407,14 +427,15 @@ def check_layer(params: dict[str, Any], device: Any, out: Checks) -> None:
     if xd_dst is not None:
         out.append(("grad_x_dst", ratio(xd_dst.grad, x64_dst.grad, t)))
     if w is not None:
-        out.append(("grad_edge_weight", ratio(w.grad, w64.grad, tol(dtype, w.grad, row * depth, depth=stages(params)))))
+        out.append(("grad_edge_weight", ratio(w.grad, w64.grad, tol(dtype, w.grad, row * depth, depth=stages(params),
+                                                                    repeats=reps))))
     theirs = dict(ref_conv.named_parameters())
     for name, p in conv.named_parameters():
         tp = t
         if p.numel() == 1 or name.startswith("att_"):  # GIN's eps, GAT's attention vectors: broadcast factors,
             # whose gradient sums a product per row and column, each rounded to the layer's dtype: "operand" sums
             wide = max(params["in"], params["out"], params.get("hidden", 0))
-            tp = tolerance(dtype, (row + (e.num_src + e.num_dst) * wide) * depth,
-                           "cusparse" if dtype in (torch.float16, torch.bfloat16) else None, depth=stages(params))
+            tp = tolerance(dtype, (row + (e.num_src + e.num_dst) * wide) * depth, "operand" if half else None,
+                           depth=stages(params), repeats=reps)
         out.append((f"grad_{name}", ratio(p.grad, theirs[name].grad, tp)))
 
