@@ -62,6 +62,7 @@ SCALING_BAR, ACC_BAR, BW_BAR = 0.90, 0.005, 0.70
 """Bars: N-node epoch <= 1 / (SCALING_BAR x N) of the 1-GPU epoch (0.55x at N = 2), test accuracy within
 ACC_BAR, the remote fetch at >= BW_BAR of NCCL all_to_all's bandwidth at the batch's message size."""
 LINKS_GBPS = {"IB HDR 200 Gb/s": 25.0, "IB NDR 400 Gb/s": 50.0}
+CUDA_ENV = ("CUDA_MODULE_LOADING", "CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_LAUNCH_MODE", "TORCH_NCCL_BLOCKING_WAIT")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,6 +96,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "datapath-multi-node",
                    help="where the datasets are prepared (kept for the next run) [$TMPDIR/datapath-multi-node]")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="make each N-node run this many times (how often a run hangs: failed_runs) [1]")
     p.add_argument("--name", default=None, help="result name [multi_node; multi_node_quick with --quick]")
     p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                    help="only merge the records of these result files (e.g. the products and papers calls of "
@@ -103,6 +106,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.nodes < 2:
         p.error(f"--nodes must be at least 2, got {args.nodes}")
     if args.quick:
@@ -384,7 +389,8 @@ def bars(records: list[dict[str, Any]]) -> dict[str, Any]:
         for r in records:
             if r["dataset"] != ds or r["nodes"] == 1 or one is None:
                 continue
-            key = f"{ds}/{r['mode']}" + ("" if r["gpu_cache"] == "none" else f"/{r['gpu_cache']}")
+            key = f"{ds}/{r['mode']}" + ("" if r["gpu_cache"] == "none" else f"/{r['gpu_cache']}") + \
+                (f"#{r['repeat']}" if "repeat" in r else "")
             b = {"epoch_ratio": r["epoch_s"] / one["epoch_s"], "acc_diff": r["test_acc"] - one["test_acc"],
                  "fetch_over_alltoall": r.get("fetch_over_alltoall")}
             b["ratio_bar"] = ratio_bar(r["nodes"])
@@ -578,21 +584,25 @@ def main() -> None:
             print(f"{name}: 1 process done in {time.perf_counter() - t0:.0f} s", flush=True)
             caches = args.caches.split(",")
             for mode in args.modes.split(","):
-                for cache in caches if mode == "strong" else caches[:1]:
+                for cache, rep in [(c, k) for c in (caches if mode == "strong" else caches[:1])
+                                   for k in range(args.repeat)]:
                     batch = args.batch_size if mode == "weak" else args.batch_size // args.nodes
+                    what = f"{name} {mode} {cache}" + (f" #{rep}" if args.repeat > 1 else "")
                     t0 = time.perf_counter()
                     try:
                         run = run_nodes(args, nodes, batch, Path(tmp), cache)
                     except RuntimeError as exc:  # the other runs still measure; the failure is in the log
-                        failed.append(f"{name} {mode} {cache}")
-                        print(f"{name}: {args.nodes} nodes ({mode}, cache {cache}) FAILED: {exc}", flush=True)
+                        failed.append(what)
+                        print(f"{what}: {args.nodes} nodes FAILED: {exc}", flush=True)
                         continue
                     records.append(record(name, run, mode, batch, cache))
-                    took = time.perf_counter() - t0
-                    print(f"{name}: {args.nodes} nodes ({mode}, cache {cache}) done in {took:.0f} s", flush=True)
+                    if args.repeat > 1:
+                        records[-1]["repeat"] = rep
+                    print(f"{what}: {args.nodes} nodes done in {time.perf_counter() - t0:.0f} s", flush=True)
                     write_result(args.name, {"partial": True, "records": records})
     payload = _payload(args, records, time.perf_counter() - t_start)
     payload["failed_runs"] = failed
+    payload["env"] = {k: os.environ.get(k) for k in CUDA_ENV}  # what the runs inherited that can change a hang
     summary = payload["summary"]
     path = write_result(args.name, payload)
     plot(records, RESULTS_DIR / f"{args.name}.png")

@@ -31,6 +31,9 @@
 #   hetero    relational layers vs PyG + R-GAT igbh-small epoch, 25% GPU cache vs resident: benchmarks/hetero.py
 #             after tests/hetero's GPU tests (~5 min; HETERO_ARGS=--quick for a trial)
 #   b5-papers B5 on the papers shape (6 GiB)                               (nvidia-h200-x2 only; ~8 min)
+#   b5-hang   how often the strong 2-node products run without a cache hangs (it did once on 2x H100): 3 runs
+#             with CUDA's lazy module loading (the default), 3 with CUDA_MODULE_LOADING=EAGER; 2 epochs each, a
+#             hung run killed after T_B5_RUN (60) s with its thread stacks in the log     (a 2-GPU kind; ~4-6 min)
 #             then here: benchmarks/multi_node.py --merge OUT1/multi_node_products.json OUT2/multi_node_papers.json
 #
 # Diagnostics (not suites; run one with --bench "NAME ARGS"): benchmarks/gather_probe.py (grids, visit orders,
@@ -137,6 +140,13 @@ for s in "${suites[@]}"; do
       rc=$?; [ "$rc" = 0 ] || status=1
       echo "hetero GPU tests rc=$rc"; tail -n 3 "$L/hetero_gpu_tests.log"
       bench "${T_HETERO:-420}" hetero ${HETERO_ARGS:-} ;;
+    b5-hang)
+      for mode in LAZY EAGER; do
+        CUDA_MODULE_LOADING=$mode bench "${T_B5:-230}" multi_node --datasets products --modes strong --caches none \
+          --repeat 3 --epochs 2 --name "multi_node_hang_${mode,,}" --data-dir "$PWD/bench-disk" \
+          --timeout "${T_B5_RUN:-60}"
+        mv "$L/bench_multi_node.log" "$L/bench_multi_node_hang_${mode,,}.log"
+      done ;;
     b5-papers) bench 560 multi_node --datasets papers --papers-gb 6 --caches none,own:25% --name multi_node_papers \
         --data-dir "$PWD/bench-disk" ;;
     *) echo "unknown suite: $s" >&2; status=2 ;;
