@@ -8,7 +8,8 @@ dicts), built before timing; datapath's merged relations (`datapath.ops.typed.re
 in the loader's thread in training) are built before timing too and their cost reported apart.
 
 Epoch records: R-GAT on igbh-small trained by ``train-gnn``'s hetero branch twice, with every
-feature table GPU-resident, and with a GPU cache of 25% of each type's feature bytes (the rest in
+feature table GPU-resident, and with a GPU cache of 25% of all feature bytes (spread over the types by
+presampled reads per byte, `hetero_cache_rows`; the rest in
 pinned host memory); same seeds, so the same batches.
 
     python benchmarks/hetero.py [--quick] [--skip-layers] [--skip-epochs]
@@ -34,6 +35,9 @@ from datapath.ops import relations_into  # noqa: E402
 from datapath.sampling import HeteroBlock, HeteroNeighborSampler  # noqa: E402
 
 LAYERS = ("rgcn", "rgat", "hgt")
+BREAKDOWN = ("train_s", "wait_s", "consumer_cpu_s", "sample_s", "gather_s", "producer_cpu_s", "producer_gpu_wait_s",
+             "producer_queue_wait_s", "gpu_hit_rate", "host_read_bytes", "peak_gpu_bytes")
+"""Per-epoch numbers of `train_hetero`'s history kept in the epoch records (see `apps.training.EpochStats`)."""
 
 
 def _block_of_graph(hg: Any, dev: torch.device) -> HeteroBlock:
@@ -179,15 +183,21 @@ def epoch_records(quick: bool, epochs: int, workers: int = 1) -> list[dict[str, 
         rows = r["history"][1:] or r["history"]
         return statistics.median(h["epoch_s"] for h in rows)
 
+    def breakdown(r: dict) -> dict[str, float]:  # where an epoch's time went (medians over the epochs after the first)
+        rows = r["history"][1:] or r["history"]
+        keys = [k for k in BREAKDOWN if k in rows[0]]
+        return {k: statistics.median(h[k] for h in rows) for k in keys}
+
     res, cache = runs["resident"], runs["cache25"]
     return [{"model": "rgat", "dataset": dataset, "epoch_s": epoch_s(cache), "resident_epoch_s": epoch_s(res),
              "ratio": epoch_s(cache) / epoch_s(res), "gpu_cache_frac": cache["gpu_cache_frac"],
              "test_acc": cache["test_acc"], "resident_test_acc": res["test_acc"],
              "epochs": epochs, "epoch_s_all": [h["epoch_s"] for h in cache["history"]],
              "resident_epoch_s_all": [h["epoch_s"] for h in res["history"]],
-             "wait_s_all": [h["wait_s"] for h in cache["history"]],
-             "resident_wait_s_all": [h["wait_s"] for h in res["history"]], "loader_workers": workers,
-             "feature_bytes": cache["feature_bytes"], "device": torch.cuda.get_device_name()}]
+             "breakdown": breakdown(cache), "resident_breakdown": breakdown(res),
+             "gpu_cache_rows": cache.get("gpu_cache_rows"), "loader_workers": workers,
+             "batches": cache["history"][-1]["batches"], "feature_bytes": cache["feature_bytes"],
+             "device": torch.cuda.get_device_name()}]
 
 
 def plot(layers: list[dict], path: Path) -> None:

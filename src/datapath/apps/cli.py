@@ -182,7 +182,7 @@ def _prepare(args: argparse.Namespace) -> int:
         where = next(p for p in (args.directory.absolute(), *args.directory.absolute().parents) if p.exists())
         check_free_space(where, hetero_bytes_needed(HETERO_PRESETS[args.name]))  # before generating
         data = generate_hetero(args.name, seed=args.seed, device=args.device or ("cuda" if _cuda() else "cpu"))
-        data.save(args.directory)
+        data.save(args.directory, overwrite=args.overwrite)
         print(f"wrote {args.name} to {args.directory}: {data.graph} ({time.perf_counter() - t0:.1f} s)")
         return 0
     d = prepare_dataset(args.name, args.directory, memory_gb=args.memory_gb, seed=args.seed, device=args.device,

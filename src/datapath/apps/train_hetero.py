@@ -63,7 +63,7 @@ def place(cfg: Any, data: HeteroData, device: torch.device) -> dict[str, Any]:
                                      hotness=hot[t], device=device)
         data.features = stores
         cache = sum(s.cache_rows * s.row_bytes for s in stores.values())
-        info.update(features_on="feature_store", gpu_cache_bytes=cache,
+        info.update(features_on="feature_store", gpu_cache_bytes=cache, gpu_cache_rows=cache_rows,
                     gpu_cache_frac=cache / max(info["feature_bytes"], 1),
                     feature_store={t: s.tiers() for t, s in stores.items()})
     else:
@@ -113,17 +113,27 @@ def train_hetero(cfg: Any, num_workers: int = 1) -> dict[str, Any]:
 
     val_loader, test_loader = eval_loader(data.val_idx), eval_loader(data.test_idx)
     history = []
+    stores = [x for x in data.features.values() if isinstance(x, FeatureStore)]
     for epoch in range(cfg.epochs):
+        for st in stores:
+            st.reset_stats()
         stats = train_epoch(model, loader, opt, cfg.max_batches, epoch=epoch, allow_nonfinite=cfg.allow_nonfinite)
+        row = {"epoch": epoch, **{k: v for k, v in stats.as_dict().items() if k != "losses"}}
+        if stores:  # the training batches' rows: the GPU cache's share of them, and the bytes read from host memory
+            tiers = [st.stats() for st in stores]
+            rows = sum(v["rows"] for t in tiers for v in t.values())
+            row["gpu_hit_rate"] = sum(t["gpu_cache"]["rows"] for t in tiers) / max(rows, 1)
+            row["host_read_bytes"] = sum(t["host"]["bytes"] for t in tiers)
         val = evaluate(model, val_loader) if val_loader is not None else None
-        row = {"epoch": epoch, "val_acc": val, **{k: v for k, v in stats.as_dict().items() if k != "losses"}}
+        row["val_acc"] = val
         history.append(row)
         n = stats.batches * cfg.batch_size
+        hit = f", GPU cache hit {row['gpu_hit_rate']:.0%}" if stores else ""
         print(f"epoch {epoch}: loss {stats.loss:.4f}  train acc {stats.train_acc:.3f}  val acc "
               f"{'-' if val is None else f'{val:.3f}'}  time {stats.epoch_s:.2f} s  (~{n / stats.epoch_s:,.0f} seeds/s; "
-              f"steps {stats.train_s:.2f} s on the GPU, {stats.consumer_cpu_s:.2f} s CPU; waiting for data "
+              f"steps {stats.train_s:.2f} s, their CPU {stats.consumer_cpu_s:.2f} s; waiting for data "
               f"{stats.wait_s:.2f} s; producers: sample {stats.sample_s:.2f} s, gather+prepare {stats.gather_s:.2f} s, "
-              f"CPU {stats.producer_cpu_s:.2f} s, host waits {stats.producer_gpu_wait_s:.2f} s)", flush=True)
+              f"CPU {stats.producer_cpu_s:.2f} s, host waits {stats.producer_gpu_wait_s:.2f} s{hit})", flush=True)
     test = evaluate(model, test_loader) if test_loader is not None else None
     if test is not None:
         print(f"test accuracy {test:.3f} (chance {1 / data.num_classes:.3f})")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from datapath.graph._files import save_json
+from datapath.graph._files import atomic_directory, save_json
 from datapath.graph.errors import InvalidGraphError
 from datapath.graph.graph import Graph, by_destination, validate_csr
 from datapath.memory import PLACEMENTS
@@ -224,14 +224,23 @@ class HeteroGraph:
             return self
         return HeteroGraph(self.num_nodes, {et: g.to(where) for et, g in self.relations.items()}, validate=False)
 
-    def save(self, directory: str | Path) -> Path:
-        """Write ``hetero.json`` and one `Graph` directory per relation (``rel_<i>/``) into ``directory``."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
+    def save(self, directory: str | Path, *, overwrite: bool = False) -> Path:
+        """Write ``hetero.json`` and one `Graph` directory per relation (``rel_<i>/``) into ``directory``, all at once.
+
+        The files are written into a temporary sibling and swapped into place (`atomic_directory`): an
+        interrupted save leaves what was there before.  A non-empty ``directory`` is replaced only with
+        ``overwrite=True``.
+        """
+        target = Path(directory)
+        with atomic_directory(target, overwrite, "heterogeneous graph") as tmp:
+            self.write_into(tmp)
+        return target
+
+    def write_into(self, d: Path) -> None:
+        """The files of `save` into the existing directory ``d`` (a dataset writer's temporary directory)."""
         for i, g in enumerate(self.relations.values()):
             g.save(d / f"rel_{i}")
         save_json(d / "hetero.json", {"num_nodes": self.num_nodes, "edge_types": [list(et) for et in self.edge_types]})
-        return d
 
     @classmethod
     def load(cls, directory: str | Path, *, mmap: bool = True, validate: bool = True) -> "HeteroGraph":

@@ -20,9 +20,12 @@ from pathlib import Path
 
 import torch
 
-from datapath.graph._files import load_npy, save_json, save_npy
+from datapath.graph._files import atomic_directory, check_free_space, disk_full, load_npy, save_json, save_npy
 from datapath.graph.errors import DatasetError
 from datapath.graph.hetero import EdgeType, HeteroGraph
+from datapath.memory import host_of
+
+_NPY_HEADER = 128  # bytes of a .npy header (numpy pads it to a multiple of 64)
 
 
 @dataclass(frozen=True)
@@ -89,21 +92,40 @@ class HeteroData:
     def feature_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.features.values())
 
-    def save(self, directory: str | Path) -> Path:
+    def save(self, directory: str | Path, *, overwrite: bool = False) -> Path:
         """Write the dataset into ``directory``: ``graph/`` (`HeteroGraph.save`), ``features_<type>.npy``,
-        ``labels.npy``, ``{train,val,test}_idx.npy`` and ``meta.json`` (``"kind": "hetero"``)."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        self.graph.save(d / "graph")
-        for t, x in self.features.items():
-            save_npy(d / f"features_{t}.npy", x.numpy())
-        for name in ("labels", "train_idx", "val_idx", "test_idx"):
-            save_npy(d / f"{name}.npy", getattr(self, name).numpy())
-        meta = {"kind": "hetero", "name": self.name, "target": self.target, "num_classes": self.num_classes,
-                "num_nodes": self.graph.num_nodes, "num_edges": sum(self.graph.num_edges.values()),
-                "features": {t: list(x.shape) for t, x in self.features.items()}}
-        save_json(d / "meta.json", meta)
-        return d
+        ``labels.npy``, ``{train,val,test}_idx.npy`` and ``meta.json`` (``"kind": "hetero"``), all at once.
+
+        The files are written into a temporary sibling of ``directory``, fsynced, and swapped into place
+        (as `datapath.graph.Dataset.save`): an interrupted save (an error, a full disk, Ctrl-C) leaves what
+        was there before and no half dataset.  A non-empty ``directory`` is replaced only with
+        ``overwrite=True``.  A full disk raises `DiskFullError` naming the directory and the bytes needed.
+        """
+        target = Path(directory)
+        arrays = [*self.features.values(), self.labels, self.train_idx, self.val_idx, self.test_idx]
+        arrays += [a for g in self.graph.relations.values() for a in (g.indptr, g.indices, g.edge_ids) if a is not None]
+        needed = sum(a.numel() * a.element_size() + _NPY_HEADER for a in arrays) + _NPY_HEADER
+        with atomic_directory(target, overwrite, "heterogeneous dataset") as tmp:
+            try:
+                check_free_space(target.absolute().parent, needed, "heterogeneous dataset")
+                (tmp / "graph").mkdir()
+                self.graph.write_into(tmp / "graph")
+                for t, x in self.features.items():
+                    save_npy(tmp / f"features_{t}.npy", host_of(x).cpu().numpy())
+                for name in ("labels", "train_idx", "val_idx", "test_idx"):
+                    save_npy(tmp / f"{name}.npy", host_of(getattr(self, name)).cpu().numpy())
+                meta = {"kind": "hetero", "name": self.name, "target": self.target, "num_classes": self.num_classes,
+                        "num_nodes": self.graph.num_nodes, "num_edges": sum(self.graph.num_edges.values()),
+                        "features": {t: list(x.shape) for t, x in self.features.items()}}
+                save_json(tmp / "meta.json", meta)  # last: a directory with it is complete
+            except OSError as exc:  # named by the target's path, not its temporary sibling's
+                if exc.filename is not None:
+                    exc.filename = str(exc.filename).replace(str(tmp), str(target.absolute()))
+                full = disk_full(exc, target.absolute().parent, needed, "heterogeneous dataset")
+                if full is None:
+                    raise
+                raise full from None
+        return target
 
     @classmethod
     def load(cls, directory: str | Path, *, mmap: bool = True) -> "HeteroData":
