@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from datapath.nn import HGTConv, RGATConv, RGCNConv
+from datapath.nn import HeteroGNN, HGTConv, RGATConv, RGCNConv
 from datapath.ops import FeatureShapeError, GraphFormatError
 from datapath.sampling import HeteroNeighborSampler
 
@@ -153,6 +153,22 @@ def test_bad_inputs_name_the_type(hetero) -> None:
         layer(block, x)
     with pytest.raises(GraphFormatError, match="cites"):
         RGCNConv(8, 4, hg.edge_types[1:])(block, _inputs(block, 8, dtype=torch.float32))
+    x = _inputs(block, 8, dtype=torch.float32)
+    del x["author"]
+    with pytest.raises(FeatureShapeError, match="'author'"):  # a relation reads a type with no rows
+        layer(block, x)
+
+
+def test_bad_model_inputs_name_the_type(hetero) -> None:
+    hg, block = _block(hetero, 7)
+    model = HeteroGNN("rgat", hg.metadata, {"paper": 8, "author": 5}, hg.num_nodes, 8, 3, num_layers=1, heads=2)
+    x = {"paper": torch.randn(block.num_src_nodes["paper"], 8), "author": torch.randn(block.num_src_nodes["author"], 5)}
+    assert model([block], x).shape == (block.num_dst_nodes["paper"], 3)
+    for bad, match in (({**x, "author": x["author"][:, :4]}, "'author'.*5 features"),
+                       ({**x, "fos": torch.randn(block.num_src_nodes["fos"], 8)}, "'fos'"),
+                       ({**x, "venue": torch.randn(3, 8)}, "'venue'")):
+        with pytest.raises(FeatureShapeError, match=match):
+            model([block], bad)
 
 
 @pytest.mark.gpu

@@ -32,7 +32,10 @@ def test_batches_carry_each_types_rows(hetero, prefetch, workers) -> None:
     assert [b.seeds.tolist() for b in again] == [s.tolist() for s in seen]  # in order, whatever the workers
 
 
-def test_bad_tables_are_named(hetero) -> None:
+def test_bad_tables_types_and_relations_are_named(hetero) -> None:
+    """Each bad input is one `LoaderError` naming the node type or relation, raised when the loader is built."""
+    from datapath.features import FeatureStore
+
     hg, n, _ = hetero(12)
     seeds = ("paper", torch.arange(5))
     with pytest.raises(LoaderError, match="'author'"):
@@ -41,6 +44,17 @@ def test_bad_tables_are_named(hetero) -> None:
         HeteroNeighborLoader(hg, seeds, [2], features={"venue": torch.randn(3, 2)}, device="cpu")
     with pytest.raises(LoaderError, match="'paper'"):
         HeteroNeighborLoader(hg, seeds, [2], labels=torch.zeros(3, dtype=torch.long), device="cpu")
+    with pytest.raises(LoaderError, match="'author' must be \\(num_nodes, F\\)"):
+        HeteroNeighborLoader(hg, seeds, [2], features={"author": torch.randn(n["author"])}, device="cpu")
+    store = FeatureStore(torch.randn(n["fos"] + 2, 4), device="cpu")
+    with pytest.raises(LoaderError, match="'fos' have 13 rows"):
+        HeteroNeighborLoader(hg, seeds, [2], features={"fos": store}, device="cpu")
+    with pytest.raises(LoaderError, match="'venue'"):
+        HeteroNeighborLoader(hg, ("venue", torch.arange(2)), [2], device="cpu")
+    with pytest.raises(LoaderError, match="'author'.*40 nodes"):
+        HeteroNeighborLoader(hg, ("author", torch.tensor([0, 40])), [2], device="cpu")
+    with pytest.raises(LoaderError, match="likes"):  # at construction, not in the producer thread
+        HeteroNeighborLoader(hg, seeds, {"likes": [2]}, device="cpu")
 
 
 def test_hotness_counts_presampled_reads(hetero) -> None:

@@ -205,7 +205,11 @@ class HeteroGraph:
             if t not in self.num_nodes:
                 raise HeteroGraphError(f"{what} name node type {t!r}, which is not in the graph; its node types "
                                        f"are {self.node_types}")
-            rows = getattr(table, "shape", (None,))[0]
+            shape = tuple(getattr(table, "shape", (None,)))
+            if len(shape) < 2:
+                raise HeteroGraphError(f"{what} of node type {t!r} must be (num_nodes, F) rows, got shape {shape}; "
+                                       f"give a 1-wide feature as x.unsqueeze(1)")
+            rows = shape[0]
             if rows != self.num_nodes[t]:
                 raise HeteroGraphError(f"{what} of node type {t!r} have {rows} rows but the type has "
                                        f"{self.num_nodes[t]} nodes; pass one row per node of the type")

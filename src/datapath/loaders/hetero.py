@@ -30,7 +30,7 @@ from datapath.loaders.batch import Batch, GatherCheck
 from datapath.loaders.errors import LoaderError
 from datapath.loaders.loader import Table, fetch_rows
 from datapath.memory import ErrorFlag, host_of
-from datapath.sampling import HeteroBlock, HeteroNeighborSampler
+from datapath.sampling import HeteroBlock, HeteroNeighborSampler, SamplingError
 
 
 @dataclass
@@ -119,7 +119,8 @@ class HeteroNeighborLoader:
         try:
             graph.check_ids(t, ids, "seeds")
             self.features = graph.check_features(features or {}, "features")
-        except HeteroGraphError as exc:
+            sampler.relation_fanouts(graph)  # fanouts naming a relation the graph lacks fail here, not in a thread
+        except (HeteroGraphError, SamplingError) as exc:
             raise LoaderError(str(exc)) from exc
         ids = ids.to("cpu", torch.int64)
         if torch.unique(ids).numel() != ids.numel():

@@ -11,6 +11,7 @@ from torch import nn
 from datapath.nn.hgt_conv import HGTConv
 from datapath.nn.rgat_conv import RGATConv
 from datapath.nn.rgcn_conv import RGCNConv
+from datapath.ops import FeatureShapeError
 from datapath.ops.typed import relations_into
 
 HETERO_MODELS = ("rgat", "rgcn", "hgt")
@@ -60,6 +61,15 @@ class HeteroGNN(nn.Module):
     def forward(self, blocks: Sequence[Any], x: Mapping[str, torch.Tensor]) -> torch.Tensor:
         if len(blocks) != len(self.convs):
             raise ValueError(f"the model has {len(self.convs)} layers but got {len(blocks)} blocks")
+        for t, v in x.items():
+            if t not in self.proj:
+                raise FeatureShapeError(
+                    f"x names node type {t!r}, for which the model takes no features (it takes {sorted(self.proj)}); "
+                    f"build it with in_channels[{t!r}] or leave {t!r} out of x")
+            width = self.proj[t].in_features
+            if v.dim() != 2 or v.shape[1] != width:
+                raise FeatureShapeError(f"x[{t!r}] has shape {tuple(v.shape)} but the model takes {width} features "
+                                        f"per node of type {t!r}; pass (num_src_nodes[{t!r}], {width}) rows")
         h = {t: self.proj[t](v) for t, v in x.items() if t in self.proj}
         for t, emb in self.emb.items():
             ids = blocks[0].src_nodes[t]
