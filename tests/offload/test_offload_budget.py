@@ -316,3 +316,52 @@ def test_budget_feedback_survives_the_user_resetting_peak_counters() -> None:
     assert len(peaks) >= 3 and min(peaks) > 0.3 * budget  # real step peaks, not what was left after a reset
     assert peaks[-1] <= 1.03 * budget
     cache.close()
+
+
+class _MaskedBlock(nn.Module):
+    """A block called with a tensor beside its input (as Hugging Face blocks get the attention mask): autograd
+    saves nothing of it, but a recomputed block's checkpoint holds it until the block's backward."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x) + mask))
+
+
+class _MaskedNet(nn.Module):
+    def __init__(self, d: int = 64, layers: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_MaskedBlock(d) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(*x.shape[:2], 4 * x.shape[2]).masked_fill(x[..., :1] > 1.5, -1.0)
+        for b in self.blocks:
+            x = b(x, mask=mask)
+        return x
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", [0.8, 0.9])
+def test_first_planned_step_holds_the_budget(fraction: float) -> None:
+    """The memory model cannot see what a checkpoint holds beside a block's input (here a mask as large as the
+    block's widest activation); the timing step (every block recomputed) measures it, and the profile is moved
+    up by what the model missed, so the FIRST planned step holds the budget too, not only the ones after the
+    feedback (without the calibration it peaked at 1.08x / 1.11x here)."""
+    torch.manual_seed(0)
+    model = _MaskedNet()
+    batches = [torch.randn(8, 256, 64) for _ in range(5)]
+    loss = lambda m, x: m(x).square().mean()  # noqa: E731
+    ref = run_steps(copy.deepcopy(model), batches, loss)
+    budget = int(cpu_keep_peak(model, loss, batches[0]) * fraction)
+    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
+    cache.bandwidth = lambda: (2e7, 2e7)  # a slow store: the plans recompute (their memory is not timing's)
+    cache.attach(model)
+    got = run_steps(model, batches, loss, ctx=cache)
+    assert_identical(ref, got)
+    policy = cache.policy
+    assert policy.planned_at == 2 and cache.plan is not None and cache.plan.recompute  # after the timing step
+    assert max(policy.peaks) <= 1.03 * budget, ([round(p / budget, 3) for p in policy.peaks], budget)
+    assert policy.calibration > 0  # the timing step peaked above the model's figure for it
+    cache.close()

@@ -9,7 +9,15 @@ profile says that step fits the budget; otherwise the plan is made from the firs
 step's times.  From the two (`BudgetProfile`, moved by the change of the memory held
 before a step since the profiled one), `plan_budget` chooses, per saved storage and
 per block, keep, offload or recompute.  So the third step (the second, without the
-timing profile) runs planned.  A planned step then
+timing profile) runs planned.  The profiled step begins once the store's bandwidth
+probe has ended (the probe's device buffers, freed during the step, would otherwise
+count in the memory held before it, and every interval measured after their release
+would be moved down by their size).  The timing step is a step the memory model knows
+too (every block recomputed, nothing offloaded): where its measured peak is above the
+model's figure for it (memory the model cannot see, such as tensors a checkpoint holds
+beside a block's input), every interval of the profile is moved up by the difference
+(`BudgetPolicy.calibration`; never down), so that the first planned step holds the
+budget rather than the second.  A planned step then
 
 - offloads the planned prefix of storages, admitting each store only while the
   device's allocated memory stays under the budget minus the forward's measured
@@ -60,6 +68,7 @@ FREE_LEAD = 16       # units a planned step's CPU may run ahead of the GPU past 
 OVER = 1.005         # a planned step over this share of the budget corrects the plan (measurement noise below)
 TRIAL_COSTS = (4.0, 1e3)  # offload cost factors of the plans tried against one that offloads (1e3: fewest bytes)
 MAX_TRIAL_ROUNDS = 2      # trials per policy (a plan remade after a correction may be tried again)
+PROBE_WAIT_S = 30.0       # the longest the profiled step waits for the store's bandwidth probe to end
 
 
 def _shape(plan: BudgetPlan) -> tuple[int, int, tuple[int, ...]]:
@@ -100,6 +109,8 @@ class BudgetPolicy(Policy):
         self._profiling: Record | None = None   # the memory profile: everything offloaded
         self._memory: Record | None = None      # ... once measured, until the timing profile is too
         self._timing: Record | None = None      # the time profile: nothing offloaded, every block recomputed
+        self._timing_peak: int | None = None    # ... its measured peak (its base: ``mem_base``)
+        self.calibration = 0                    # bytes the profile was moved up to meet the timing step's peak
         self._want_timing = False
         self._pending_peak: int | None = None
         self._overshot = False
@@ -165,6 +176,7 @@ class BudgetPolicy(Policy):
         elif rec.timing:
             rec.t_end = self.clock.mark()
             rec.bwd_done = True
+            self._timing_peak = peak
         elif rec.plan is not None:
             if self.planned_at is None:
                 self.planned_at = self._records - 1
@@ -231,6 +243,9 @@ class BudgetPolicy(Policy):
         if self.plan is None:
             if self._memory is None and self._profiling is None:
                 rec.profiling = True
+                # the probe's device buffers are freed when it ends: counted in the memory held before the
+                # profiled step, they would be taken off every interval measured after it (see the docstring)
+                self.bandwidth.probed(wait=PROBE_WAIT_S)
                 rec.mem_base = self.meter.allocated()
                 self._profiling = rec
             elif self._memory is not None and self._timing is None and self._want_timing:
@@ -238,7 +253,9 @@ class BudgetPolicy(Policy):
                 # every block recomputed and nothing offloaded (about checkpointing's memory)
                 rec.timing = True
                 rec.plan = KEEP_ALL
+                rec.mem_base = self.meter.allocated()
                 self._timing = rec
+                self._timing_peak = None
                 set_recompute(self.models.blocks, self._recomputable(self._memory))
         self._records += 1
 
@@ -364,8 +381,18 @@ class BudgetPolicy(Policy):
     def _set_profile(self, rec: Record, timing: Record | None) -> None:
         """The profile from the memory record ``rec`` (times from ``timing`` when given), moved by the change
         of the memory held at a step's start since ``rec`` began (optimizer state made after it, ...)."""
-        delta = self.meter.allocated() - rec.mem_base
-        self.profile = shifted(self._build_profile(rec, timing), delta)
+        now = self.meter.allocated()
+        self.profile = shifted(self._build_profile(rec, timing), now - rec.mem_base)
+        if timing is not None and self._timing_peak is not None:
+            # the timing step ran a configuration the model knows (every block recomputed, nothing offloaded):
+            # its measured peak above the memory it began with, against the model's figure above ``now``
+            blocks = self._recomputable(rec)
+            miss = (self._timing_peak - timing.mem_base) - (modelled_peak(self.profile, blocks, 0) - now)
+            self.calibration = max(0, int(miss))
+            if self.calibration:
+                self.profile = shifted(self.profile, self.calibration)
+                log.info("memory budget: the timing step peaked %s above the memory model's figure for it; every "
+                         "interval of the profile moved up by that", _gb(self.calibration))
         segs = rec.segments
         # what the forward allocates beyond what it holds at a segment's start, over the next few segments:
         # a pack waits for stores while the device holds more than the budget minus that
