@@ -28,7 +28,7 @@ class Entry:
     __slots__ = ("sid", "nbytes", "device", "record", "segment", "slot", "state", "src", "tensor", "version",
                  "pack_event", "pack_stream", "gpu", "ready", "ready_event", "alloc_stream", "handles",
                  "released", "forwarded", "cancelled", "modified", "error", "name", "counted", "ahead",
-                 "__weakref__")
+                 "hold", "__weakref__")
 
     def __init__(self, sid: int, nbytes: int, device: torch.device, record: Any, segment: int,
                  slot: Slot, src: torch.Tensor, tensor: torch.Tensor) -> None:
@@ -44,7 +44,8 @@ class Entry:
         self.version = tensor._version
         self.pack_event: Any = None
         self.pack_stream: Any = None
-        self.gpu: torch.Tensor | None = None       # the bytes in device memory (forwarded or reloaded)
+        self.gpu: torch.Tensor | None = None       # the bytes in device memory (forwarded or reloaded) ...
+        self.hold: weakref.ref[Hold] | None = None  # ... or, once handed to autograd, in its handles' `Hold`
         self.ready = threading.Event()
         self.ready_event: Any = None
         self.alloc_stream: Any = None
@@ -62,6 +63,36 @@ class Entry:
     def store(self) -> Store:
         return self.slot.store
 
+    def data(self) -> torch.Tensor | None:
+        """The bytes in device memory: the entry's own, or those handed over to its handles (`hand_over`)."""
+        if self.gpu is not None:
+            return self.gpu
+        hold = self.hold() if self.hold is not None else None
+        return None if hold is None else hold.data
+
+    def hand_over(self) -> None:
+        """Give the bytes in device memory to the entry's handles (a resident entry being unpacked).
+
+        From then on only the handles autograd holds keep them: when the last handle dies they go back to
+        the allocator at once, in C (a `Hold` runs no Python code when it dies), not at the next drain of
+        `Releases` (which may come only after the next block's loads were allocated: one more block's
+        activations at the step's peak).
+        """
+        if self.gpu is None or self.state != RESIDENT or self.hold is None:
+            return
+        hold = self.hold()
+        if hold is not None:
+            hold.data, self.gpu = self.gpu, None
+
+
+class Hold:
+    """The bytes of an entry in device memory once autograd has them: held by the entry's handles only."""
+
+    __slots__ = ("data", "__weakref__")
+
+    def __init__(self) -> None:
+        self.data: torch.Tensor | None = None
+
 
 class _HandleRef(weakref.ref):
     """A weak reference to a `Handle` that remembers its entry (the handle is gone when it is read)."""
@@ -77,6 +108,7 @@ class Releases:
     cache closes -- releases its entry through ``drop``.  A Ctrl-C can then never land inside a finalizer,
     where Python prints "Exception ignored" and the interrupt is lost.  Once the cache is closed no main flow
     is left to drain: `release_at_death` makes the remaining handles release their entries as they die.
+    The device memory of an unpacked entry does not wait for a drain: its handles hold it (`Entry.hand_over`).
     """
 
     __slots__ = ("drop", "_dead", "_refs")
@@ -123,12 +155,18 @@ class Releases:
 class Handle:
     """What autograd keeps instead of an offloaded tensor: the entry and the view to rebuild.
 
-    It has no ``__del__``: `Releases` notices when it dies (see there)."""
+    It has no ``__del__``: `Releases` notices when it dies (see there), and the bytes autograd was given
+    (`Entry.hand_over`) go with the entry's last handle."""
 
-    __slots__ = ("entry", "spec", "tref", "version", "__weakref__")
+    __slots__ = ("entry", "hold", "spec", "tref", "version", "__weakref__")
 
     def __init__(self, releases: Releases, entry: Entry, t: torch.Tensor) -> None:
         self.entry = entry
+        hold = entry.hold() if entry.hold is not None else None
+        if hold is None:  # the entry's first handle (handles of one entry share its `Hold`)
+            hold = Hold()
+            entry.hold = weakref.ref(hold)
+        self.hold = hold
         self.spec = ViewSpec.of(t)
         self.tref = weakref.ref(t)
         self.version = t._version

@@ -272,6 +272,7 @@ class SavedTensorHooks:
             if rec.segments and not rec.segments[e.segment].prefetched:
                 scopes.prefetch_range(rec, e.segment)  # no module hooks fired: prefetch from here on
             data = transfers.acquire(e)
+            e.hand_over()  # autograd's handles own the bytes now: they go with the last one, not at a drain
             self.stats.unpacks += 1
         return rebuild(data, h.spec)
 

@@ -358,7 +358,7 @@ class Transfers:
         """
         forwarded = e.state == STORING or (e.state == RESIDENT and e.alloc_stream is None)
         if forwarded:
-            data = e.src if e.state == STORING else e.gpu
+            data = e.src if e.state == STORING else e.data()
             assert data is not None
             if data.is_cuda:
                 cur = torch.cuda.current_stream(data.device)
@@ -377,7 +377,7 @@ class Transfers:
         e.record.wait_s += waited
         if e.error is not None:
             raise fresh(e.error)
-        data, ev, stream = e.gpu, e.ready_event, e.alloc_stream
+        data, ev, stream = e.data(), e.ready_event, e.alloc_stream
         assert data is not None, f"offloaded storage {e.sid} has no data in state {e.state}"
         if data.is_cuda:
             cur = torch.cuda.current_stream(data.device)
