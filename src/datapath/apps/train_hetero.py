@@ -10,6 +10,7 @@ Epochs run through `datapath.apps.training.train_epoch`, the homogeneous models'
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -50,7 +51,7 @@ def place(cfg: Any, data: HeteroData, device: torch.device) -> dict[str, Any]:
         sampler = HeteroNeighborSampler(list(cfg.fanouts), seed=cfg.seed)
         hot = hetero_hotness(data.graph, (data.target, data.train_idx), sampler, batch_size=cfg.batch_size,
                              seed=cfg.seed)
-        row_bytes = {t: x[0].numel() * x.element_size() for t, x in data.features.items()}
+        row_bytes = {t: math.prod(x.shape[1:]) * x.element_size() for t, x in data.features.items()}
         budget = parse_budget(cfg.gpu_cache, info["feature_bytes"], "--gpu-cache") or 0
         cache_rows = hetero_cache_rows({t: hot[t] for t in data.features}, row_bytes, budget)
         directory = Path(cfg.dataset)
