@@ -234,7 +234,9 @@ class HeteroNeighborLoader:
             if self.device != self.sample_device:
                 blocks = [b.to(self.device) for b in blocks]
                 seeds = seeds.to(self.device)
-        if self.device.type == "cuda":  # everything the sampling stream did for this batch
+        if check is not None:  # the batch's sampling (its sampling stream may hold later batches' by now)
+            events.append(st.pending.event)
+        elif self.device.type == "cuda":  # everything this stream did for the batch (sampled and gathered here)
             events.append(torch.cuda.Event(blocking=True))
             events[-1].record()
         batch = HeteroBatch(blocks, x, y, seeds, sample_s=st.sample_s, gather_s=sw.wall(),
