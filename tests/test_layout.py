@@ -214,13 +214,9 @@ def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
     return out
 
 
-# The bar is at most one import circle.  These are the ones left, each owned by the work that removes it; a
-# circle may shrink or split, never grow, and no new one may appear (offload's, unified_tensor's, loaders' and nn's
-# are gone).
+# The bar is at most one import circle.  This is the one left, owned by the work that removes it; it may shrink or
+# split, never grow, and no new one may appear (offload's, unified_tensor's, loaders', nn's and graph's are gone).
 KNOWN_CIRCLES: dict[str, tuple[str, ...]] = {  # module-name patterns (fnmatch)
-    # graph.Graph.load / datasets / importers call each other through function-level imports
-    "graph: Graph, datasets, importers": tuple(
-        f"datapath.graph.{m}" for m in ("datasets", "graph", "importers", "ogb", "reordering", "synthetic")),
     # ops: the plan, its tuner and the backends
     "ops: plan, tuner, backends": tuple(
         f"datapath.ops.{m}" for m in ("_cuda_backend", "_inputs", "_spmm", "_tune", "aggregate", "plan")),

@@ -121,10 +121,10 @@ def test_presets_and_papers_scaling() -> None:
 
 _OVERWRITE_THEN_HANG = r"""
 import sys, time
-import datapath.graph.synthetic as synthetic
+import datapath.graph.presets as presets
 from datapath.graph import prepare_dataset
 
-real = synthetic.generate
+real = presets.generate
 
 def slow_generate(*args, **kwargs):
     ds = real(*args, **kwargs)  # the new features are already in the (temporary) features.npy
@@ -132,7 +132,7 @@ def slow_generate(*args, **kwargs):
     time.sleep(120)  # killed here
     return ds
 
-synthetic.generate = slow_generate
+presets.generate = slow_generate
 prepare_dataset("tiny", sys.argv[1], seed=0, device="cpu", progress=False, overwrite=True)
 """
 

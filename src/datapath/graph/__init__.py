@@ -9,7 +9,7 @@
 the seed datasets (``tiny``, ``reddit``, ``products``, ``papers``).
 """
 from datapath.graph.csr import CSR, CSRGraph
-from datapath.graph.datasets import Dataset, get_dataset, load_dataset, prepare_dataset
+from datapath.graph.datasets import Dataset, load_dataset
 from datapath.graph.errors import DatasetError, InvalidGraphError
 from datapath.graph.feature_shards import ShardLayout, shard_file
 from datapath.graph.graph import Graph, validate_csr
@@ -17,6 +17,7 @@ from datapath.graph.external_sort import CSRFiles, edges_to_csr
 from datapath.graph.hetero import EdgeType, HeteroGraph, HeteroGraphError
 from datapath.graph.hetero_synthetic import HETERO_PRESETS, HeteroData, HeteroSpec, generate_hetero, is_hetero_dataset
 from datapath.graph.importers import KINDS as IMPORT_KINDS, import_dataset
+from datapath.graph.presets import get_dataset, prepare_dataset
 from datapath.graph.reordering import METHODS as REORDER_METHODS, permute, reorder, window_locality
 from datapath.graph.synthetic import PRESETS, SyntheticSpec, generate, papers_spec, preset_spec
 

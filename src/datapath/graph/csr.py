@@ -29,7 +29,9 @@ class CSR(Protocol):
         num_dst_nodes: number of destination rows.
 
     An optional boolean attribute ``trusted`` says the contents are valid by construction
-    (sampled blocks): consumers then check shapes and dtypes but not the index range.
+    (sampled blocks): consumers then check shapes and dtypes but not the index range.  An
+    optional method ``with_csr(indptr, indices)`` rebuilds the object's own kind over another
+    CSR of its nodes (`datapath.graph.permute` uses it; without it the result is a `CSRGraph`).
     """
 
     indptr: torch.Tensor

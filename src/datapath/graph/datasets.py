@@ -2,8 +2,9 @@
 
 A dataset directory holds ``indptr.npy``, ``indices.npy``, ``features.npy``,
 ``labels.npy``, ``train_idx.npy``, ``val_idx.npy``, ``test_idx.npy`` and ``meta.json``;
-`load_dataset` memory-maps it.  `prepare_dataset` writes a synthetic preset
-(`datapath.graph.synthetic`) into one; `get_dataset` takes either.  Written with ``shards=N``,
+`load_dataset` memory-maps it.  `Dataset.from_pyg` / `Dataset.from_dgl` build one from arrays in
+memory; `datapath.graph.presets` writes a synthetic preset into a directory, and
+`datapath.graph.importers` files in other formats.  Written with ``shards=N``,
 the features are cut into ``N`` shard files instead of ``features.npy``
 (`datapath.graph.feature_shards`), and ``load_dataset(d, shard=(rank, N))`` reads only one.
 """
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from datapath.graph._files import (atomic_directory, check_free_space, check_manifest, disk_full, load_npy,
-                                   manifest, named, npy_bytes, reserve, save_npy)
+                                   manifest, save_npy)
 from datapath.graph.errors import DatasetError
 from datapath.graph.feature_shards import ShardLayout, check_job, concat_shards, read_shard, write_shards
 from datapath.graph.graph import Graph
@@ -68,16 +69,22 @@ class Dataset:
     def from_pyg(cls, data: Any, name: str = "pyg", split: dict[str, Any] | None = None) -> "Dataset":
         """From a PyTorch Geometric ``Data``: ``edge_index``, ``x``, ``y`` and ``train_mask``/``val_mask``/``test_mask``
         (or ``split={"train": ids, "valid": ids, "test": ids}``, as OGB's ``get_idx_split()`` gives)."""
-        from datapath.graph.importers import dataset_from_pyg  # noqa: PLC0415 - importers build Datasets
-
-        return dataset_from_pyg(data, name, split)
+        x, y = getattr(data, "x", None), getattr(data, "y", None)
+        if x is None or y is None:
+            raise DatasetError(f"the PyG data has no {'x' if x is None else 'y'}; a dataset needs node features (x) "
+                               f"and labels (y)")
+        splits = split if split is not None else {k: getattr(data, f"{k}_mask", None) for k in ("train", "val", "test")}
+        return _from_arrays(name, Graph.from_pyg(data), x, y, splits, {"from": "pyg"})
 
     @classmethod
     def from_dgl(cls, g: Any, name: str = "dgl", split: dict[str, Any] | None = None) -> "Dataset":
         """From a DGL graph with ``ndata`` ``feat``, ``label`` and ``train_mask``/``val_mask``/``test_mask``."""
-        from datapath.graph.importers import dataset_from_dgl  # noqa: PLC0415
-
-        return dataset_from_dgl(g, name, split)
+        nd = g.ndata
+        for k in ("feat", "label"):
+            if k not in nd:
+                raise DatasetError(f"the DGL graph has no ndata[{k!r}]; a dataset needs node features and labels")
+        splits = split if split is not None else {k: nd.get(f"{k}_mask") for k in ("train", "val", "test")}
+        return _from_arrays(name, Graph.from_dgl(g), nd["feat"], nd["label"], splits, {"from": "dgl"})
 
     def save(self, directory: str | Path, *, overwrite: bool = False, shards: int | None = None) -> Path:
         """Write the dataset as a directory of ``.npy`` files plus ``meta.json``, all at once.
@@ -94,13 +101,13 @@ class Dataset:
         target = Path(directory)
         arrays = [self.features, self.labels, self.train_idx, self.val_idx, self.test_idx, self.graph.indptr,
                   self.graph.indices] + ([] if self.graph.edge_ids is None else [self.graph.edge_ids])
-        needed = sum(a.numel() * a.element_size() + _NPY_HEADER for a in arrays) + _JSON_MARGIN
+        needed = sum(a.numel() * a.element_size() + _NPY_HEADER for a in arrays) + JSON_MARGIN
         with atomic_directory(target, overwrite, "dataset") as tmp:
             try:
                 check_free_space(target.absolute().parent, needed)
                 self._write(tmp, layout)
             except OSError as exc:
-                raise _named_disk_full(exc, tmp, target, needed) from None
+                raise named_disk_full(exc, tmp, target, needed) from None
         return target
 
     def _write(self, tmp: Path, layout: ShardLayout | None) -> None:
@@ -112,12 +119,48 @@ class Dataset:
             write_shards(tmp, feats, layout)
         for name in ("labels", "train_idx", "val_idx", "test_idx"):
             save_npy(tmp / f"{name}.npy", host_of(getattr(self, name)).cpu().numpy())
-        _write_meta(tmp, {**self.meta, "name": self.name, "num_classes": self.num_classes,
+        write_meta(tmp, {**self.meta, "name": self.name, "num_classes": self.num_classes,
                           "num_nodes": self.graph.num_nodes, "num_edges": self.graph.num_edges,
                           "num_features": self.num_features}, layout)
 
 
-def _write_meta(d: Path, meta: dict[str, Any], layout: ShardLayout | None = None) -> None:
+def _from_arrays(name: str, graph: Graph, x: Any, y: Any, splits: dict[str, Any], meta: dict[str, Any]) -> Dataset:
+    """A `Dataset` of in-memory arrays: features (N, F), labels (N,) or (N, 1) and the splits (ids or masks)."""
+    n = graph.num_nodes
+    x = torch.as_tensor(x).cpu()
+    if x.dim() != 2 or x.shape[0] != n:
+        raise DatasetError(f"node features have shape {tuple(x.shape)}; expected ({n}, F)")
+    y = torch.as_tensor(y).cpu()
+    if y.dim() == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.shape != (n,):
+        raise DatasetError(f"labels have shape {tuple(y.shape)}; expected ({n},) or ({n}, 1): one class a node")
+    if y.dtype.is_floating_point:
+        if not torch.equal(y, y.round()):
+            raise DatasetError("labels hold non-integer values; expected class ids")
+        y = y.long()
+    if n and int(y.min()) < 0:
+        raise DatasetError(f"labels hold {int(y.min())}; class ids must be >= 0")
+    ids = {}
+    for key in ("train", "val", "test"):
+        v = splits.get(key, splits.get("valid") if key == "val" else None)
+        if v is None:
+            raise DatasetError(f"no {key} split: pass split={{'train': ids, 'valid': ids, 'test': ids}} or give "
+                               f"the data {key}_mask")
+        v = torch.as_tensor(v).cpu()
+        if v.dtype == torch.bool:
+            if v.shape != (n,):
+                raise DatasetError(f"{key}_mask has shape {tuple(v.shape)}; expected ({n},) (one split; for "
+                                   f"several, pass split= with one of them)")
+            v = v.nonzero().view(-1)
+        if v.numel() and (int(v.min()) < 0 or int(v.max()) >= n):
+            raise DatasetError(f"the {key} split holds node ids outside [0, {n})")
+        ids[key] = v.long()
+    return Dataset(name, graph, x.float().contiguous(), y.long(), ids["train"], ids["val"], ids["test"],
+                   int(y.max()) + 1 if n else 0, meta=meta)
+
+
+def write_meta(d: Path, meta: dict[str, Any], layout: ShardLayout | None = None) -> None:
     """``meta.json`` with the manifest of the files beside it (written last: a directory with it is complete)."""
     names = sorted(p.name for p in d.iterdir() if p.suffix == ".npy" or p.name == "graph.json")
     meta = {k: v for k, v in meta.items() if k != "feature_shards"}
@@ -231,59 +274,7 @@ def _check_float(feats: np.ndarray, path: Path) -> None:
                            f"meta.json with Dataset.save")
 
 
-def prepare_dataset(name: str, directory: str | Path, *, memory_gb: float | None = None, seed: int = 0,
-                    device: str | None = None, progress: bool = True, overwrite: bool = False,
-                    shards: int | None = None) -> Path:
-    """Generate preset ``name`` and write it to ``directory`` (features streamed into a memory-mapped .npy).
-
-    Written like `Dataset.save`: into a temporary sibling, then swapped into place, so an
-    interrupted run leaves the old dataset loadable.  A non-empty ``directory`` is replaced
-    only with ``overwrite=True``; the check happens before any generation starts.
-    ``shards``: cut the features into that many shard files (one per rank of a job that shards
-    them, ``train-gnn --shard-features``) instead of one ``features.npy``; the whole table is
-    written once first, then split (disk space for twice the features is needed meanwhile).
-    """
-    from datapath.graph.synthetic import generate, preset_spec  # noqa: PLC0415 - synthetic builds on Dataset
-
-    spec = preset_spec(name, memory_gb=memory_gb, seed=seed)
-    layout = None if shards is None else ShardLayout.even(spec.num_nodes, shards)
-    target = Path(directory)
-    shape = (spec.num_nodes, spec.num_features)
-    needed = npy_bytes(shape, np.float32) * (1 if layout is None else 2)  # refined once the graph is known
-    with atomic_directory(target, overwrite, "dataset") as tmp:
-        try:
-            check_free_space(target.absolute().parent, needed)
-
-            def features_out(graph: Graph) -> np.ndarray:
-                nonlocal needed
-                needed = _bytes_needed(spec, graph, layout)
-                check_free_space(target.absolute().parent, needed)  # before the first byte is written
-                path = tmp / "features.npy"
-                with named(path):
-                    feats = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
-                    reserve(path, npy_bytes(shape, np.float32))  # stores into the mapping never meet a full disk
-                return feats
-
-            ds = generate(spec, device=device, progress=progress, features_out=features_out)
-            feats = ds.features.numpy()
-            width = ds.num_features
-            if layout is not None:
-                write_shards(tmp, feats, layout)
-            del feats, ds.features
-            if layout is not None:
-                (tmp / "features.npy").unlink()
-            ds.graph.save(tmp)
-            for split in ("labels", "train_idx", "val_idx", "test_idx"):
-                save_npy(tmp / f"{split}.npy", getattr(ds, split).numpy())
-            _write_meta(tmp, {**ds.meta, "name": ds.name, "num_classes": ds.num_classes,
-                              "num_nodes": ds.graph.num_nodes, "num_edges": ds.graph.num_edges,
-                              "num_features": width}, layout)
-        except OSError as exc:
-            raise _named_disk_full(exc, tmp, target, needed) from None
-    return target
-
-
-def _named_disk_full(exc: OSError, tmp: Path, target: Path, needed: int) -> OSError:
+def named_disk_full(exc: OSError, tmp: Path, target: Path, needed: int) -> OSError:
     """``exc`` as a `DiskFullError` naming ``target`` (not its temporary sibling) when the disk is full."""
     if exc.filename is not None:
         exc.filename = str(exc.filename).replace(str(tmp), str(target.absolute()))
@@ -291,33 +282,5 @@ def _named_disk_full(exc: OSError, tmp: Path, target: Path, needed: int) -> OSEr
     return exc if full is None else full
 
 
-def _bytes_needed(spec: Any, graph: Graph, layout: ShardLayout | None) -> int:
-    """The bytes of the files `prepare_dataset` writes for ``spec`` with ``graph`` (exact for the arrays; a
-    margin for the JSON files); twice the features with shards (the whole table is written first)."""
-    n = spec.num_nodes
-    n_train, n_val = int(spec.train_frac * n), int(spec.val_frac * n)
-    n_test = min(int(spec.test_frac * n), n - n_train - n_val)
-    feats = npy_bytes((n, spec.num_features), np.float32)
-    if layout is not None:
-        feats += feats + 128 * layout.shards
-    return (feats + npy_bytes((n + 1,), graph.indptr.numpy().dtype) + npy_bytes((graph.num_edges,),
-            graph.indices.numpy().dtype) + npy_bytes((n,), np.int64) + sum(npy_bytes((k,), np.int64)
-            for k in (n_train, n_val, n_test)) + _JSON_MARGIN)
-
-
-_JSON_MARGIN = 64 << 10  # meta.json and graph.json
+JSON_MARGIN = 64 << 10  # meta.json and graph.json
 _NPY_HEADER = 128  # the .npy header of an array of one or two dimensions (np.save pads it to 64-byte lines)
-
-
-def get_dataset(name_or_dir: str | Path, *, device: str | None = None, progress: bool = True,
-                memory_gb: float | None = None, seed: int = 0) -> Dataset:
-    """A dataset directory (loaded, memory-mapped) or a preset name (generated in memory)."""
-    from datapath.graph.synthetic import PRESETS, generate, preset_spec  # noqa: PLC0415
-
-    p = Path(name_or_dir)
-    if p.is_dir():
-        return load_dataset(p)
-    name = str(name_or_dir)
-    if name not in PRESETS and name != "papers":
-        raise DatasetError(f"{name!r} is neither a dataset directory nor a preset ({sorted([*PRESETS, 'papers'])})")
-    return generate(preset_spec(name, memory_gb=memory_gb, seed=seed), device=device, progress=progress)

@@ -15,6 +15,7 @@ import torch
 
 from datapath.graph._files import load_npy, save_json, save_npy
 from datapath.graph.errors import DatasetError, InvalidGraphError
+from datapath.graph.reordering import reorder as reorder_graph
 from datapath.memory import PLACEMENTS, host_of, placement_of, to_placement
 
 log = logging.getLogger("datapath.graph")
@@ -192,17 +193,20 @@ class Graph:
 
     @classmethod
     def from_pyg(cls, data: Any) -> "Graph":
-        """From a PyTorch Geometric ``Data`` (its ``edge_index`` and ``num_nodes``); see `from_edge_index`."""
-        from datapath.graph.importers import graph_from_pyg  # noqa: PLC0415 - importers build Graphs
-
-        return graph_from_pyg(data)
+        """From a PyTorch Geometric ``Data`` (its ``edge_index`` and ``num_nodes``): row ``v`` lists the sources
+        of the edges into ``v``; see `from_edge_index`."""
+        ei = getattr(data, "edge_index", None)
+        if ei is None:
+            raise DatasetError(f"{type(data).__name__} has no edge_index; expected a torch_geometric.data.Data")
+        return cls.from_edge_index(ei.cpu(), num_nodes=int(data.num_nodes))
 
     @classmethod
     def from_dgl(cls, g: Any) -> "Graph":
-        """From a homogeneous DGL graph (``g.edges()``); see `from_edge_index`."""
-        from datapath.graph.importers import graph_from_dgl  # noqa: PLC0415
-
-        return graph_from_dgl(g)
+        """From a homogeneous DGL graph (``g.edges()``: sources, destinations); see `from_edge_index`."""
+        if len(getattr(g, "ntypes", ())) > 1 or len(getattr(g, "canonical_etypes", ())) > 1:
+            raise DatasetError("a heterogeneous DGL graph: convert it with dgl.to_homogeneous first")
+        src, dst = g.edges()
+        return cls.from_edge_index(torch.stack([src.cpu(), dst.cpu()]), num_nodes=int(g.num_nodes()))
 
     # -- files ----------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
@@ -274,9 +278,12 @@ class Graph:
     def reorder(self, method: str = "degree") -> "tuple[Graph, torch.Tensor]":
         """This graph renumbered for locality (`datapath.graph.reorder`): ``(new_graph, perm)`` with
         ``perm[new_id] = old_id``; ``"degree"``, ``"rcm"`` or ``"community"``."""
-        from datapath.graph.reordering import reorder  # noqa: PLC0415 - reorder builds Graphs
+        return reorder_graph(self, method)
 
-        return reorder(self, method)
+    def with_csr(self, indptr: torch.Tensor, indices: torch.Tensor) -> "Graph":
+        """A `Graph` over ``indptr``/``indices``, another CSR of this graph's nodes (a renumbering of it: see
+        `datapath.graph.permute`), in their memory; edge ids are not carried over.  Validated."""
+        return Graph(indptr, indices, num_src_nodes=self.num_src_nodes)
 
     # -- queries ----------------------------------------------------------------------------
     @property

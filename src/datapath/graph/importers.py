@@ -14,226 +14,26 @@ a time, and the directory is written into a temporary sibling and swapped into p
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from datapath.graph._files import atomic_directory, check_free_space, disk_full, npy_bytes, save_json, save_npy
+from datapath.graph.datasets import JSON_MARGIN, Dataset, write_meta
 from datapath.graph.errors import DatasetError
 from datapath.graph.external_sort import edges_to_csr, read_budget
 from datapath.graph.npy_stream import NpyWriter
-from datapath.graph.tables import ArrayTable, CsvTable, EdgeIndexTable, ParquetTable, Table, check_ids, edge_chunks
+from datapath.graph.ogb import ogb_source
+from datapath.graph.sources import EDGE_LIST_KINDS, Source, edge_list_source
+from datapath.graph.tables import Table, check_ids, edge_chunks
 
 log = logging.getLogger("datapath.graph.importers")
 
-KINDS = ("pyg", "ogb", "csv", "parquet", "npz")
-_FEATURE_KEYS = ("node_feat", "x", "features", "feat")
-_LABEL_KEYS = ("node_label", "y", "labels", "label")
-_SPLIT_KEYS = {"train": ("train_idx", "train_mask"), "val": ("val_idx", "valid_idx", "val_mask", "valid_mask"),
-               "test": ("test_idx", "test_mask")}
+KINDS = ("pyg", "ogb", *EDGE_LIST_KINDS)
 
 
-# -- in memory ------------------------------------------------------------------------------------
-def graph_from_pyg(data: Any) -> Any:
-    """`Graph` of a PyG ``Data`` (``edge_index``, ``num_nodes``): row ``v`` lists the sources of edges into ``v``."""
-    from datapath.graph.graph import Graph  # noqa: PLC0415
-
-    ei = getattr(data, "edge_index", None)
-    if ei is None:
-        raise DatasetError(f"{type(data).__name__} has no edge_index; expected a torch_geometric.data.Data")
-    return Graph.from_edge_index(ei.cpu(), num_nodes=int(data.num_nodes))
-
-
-def dataset_from_pyg(data: Any, name: str = "pyg", split: dict[str, Any] | None = None) -> Any:
-    """`Dataset` of a PyG ``Data``: ``edge_index``, ``x`` (N, F), ``y`` (N,) or (N, 1) and the splits.
-
-    The splits come from ``split`` (``{"train": ids, "valid" or "val": ids, "test": ids}``, as
-    OGB's ``get_idx_split()`` returns) or else from ``data.train_mask`` / ``val_mask`` / ``test_mask``.
-    """
-    x, y = getattr(data, "x", None), getattr(data, "y", None)
-    if x is None or y is None:
-        raise DatasetError(f"the PyG data has no {'x' if x is None else 'y'}; a dataset needs node features (x) "
-                           f"and labels (y)")
-    splits = split if split is not None else {k: getattr(data, f"{k}_mask", None) for k in ("train", "val", "test")}
-    return _dataset(name, graph_from_pyg(data), x, y, splits, {"from": "pyg"})
-
-
-def graph_from_dgl(g: Any) -> Any:
-    """`Graph` of a homogeneous DGL graph (``g.edges()``: sources, destinations)."""
-    from datapath.graph.graph import Graph  # noqa: PLC0415
-
-    if len(getattr(g, "ntypes", ())) > 1 or len(getattr(g, "canonical_etypes", ())) > 1:
-        raise DatasetError("a heterogeneous DGL graph: convert it with dgl.to_homogeneous first")
-    src, dst = g.edges()
-    return Graph.from_edge_index(torch.stack([src.cpu(), dst.cpu()]), num_nodes=int(g.num_nodes()))
-
-
-def dataset_from_dgl(g: Any, name: str = "dgl", split: dict[str, Any] | None = None) -> Any:
-    """`Dataset` of a DGL graph with ``ndata`` ``feat``, ``label`` and ``train_mask`` / ``val_mask`` / ``test_mask``."""
-    nd = g.ndata
-    for k in ("feat", "label"):
-        if k not in nd:
-            raise DatasetError(f"the DGL graph has no ndata[{k!r}]; a dataset needs node features and labels")
-    splits = split if split is not None else {k: nd.get(f"{k}_mask") for k in ("train", "val", "test")}
-    return _dataset(name, graph_from_dgl(g), nd["feat"], nd["label"], splits, {"from": "dgl"})
-
-
-def _dataset(name: str, graph: Any, x: Any, y: Any, splits: dict[str, Any], meta: dict[str, Any]) -> Any:
-    from datapath.graph.datasets import Dataset  # noqa: PLC0415
-
-    n = graph.num_nodes
-    x = torch.as_tensor(x).cpu()
-    if x.dim() != 2 or x.shape[0] != n:
-        raise DatasetError(f"node features have shape {tuple(x.shape)}; expected ({n}, F)")
-    y = torch.as_tensor(y).cpu()
-    if y.dim() == 2 and y.shape[1] == 1:
-        y = y[:, 0]
-    if y.shape != (n,):
-        raise DatasetError(f"labels have shape {tuple(y.shape)}; expected ({n},) or ({n}, 1): one class a node")
-    if y.dtype.is_floating_point:
-        if not torch.equal(y, y.round()):
-            raise DatasetError("labels hold non-integer values; expected class ids")
-        y = y.long()
-    if n and int(y.min()) < 0:
-        raise DatasetError(f"labels hold {int(y.min())}; class ids must be >= 0")
-    ids = {}
-    for key in ("train", "val", "test"):
-        v = splits.get(key, splits.get("valid") if key == "val" else None)
-        if v is None:
-            raise DatasetError(f"no {key} split: pass split={{'train': ids, 'valid': ids, 'test': ids}} or give "
-                               f"the data {key}_mask")
-        v = torch.as_tensor(v).cpu()
-        if v.dtype == torch.bool:
-            if v.shape != (n,):
-                raise DatasetError(f"{key}_mask has shape {tuple(v.shape)}; expected ({n},) (one split; for "
-                                   f"several, pass split= with one of them)")
-            v = v.nonzero().view(-1)
-        if v.numel() and (int(v.min()) < 0 or int(v.max()) >= n):
-            raise DatasetError(f"the {key} split holds node ids outside [0, {n})")
-        ids[key] = v.long()
-    return Dataset(name, graph, x.float().contiguous(), y.long(), ids["train"], ids["val"], ids["test"],
-                   int(y.max()) + 1 if n else 0, meta=meta)
-
-
-# -- from files -----------------------------------------------------------------------------------
-@dataclass
-class Source:
-    """What `write_source` writes: an edge table, optional node tables and splits (node ids, int64)."""
-
-    name: str
-    edges: Table
-    num_nodes: int | None = None
-    features: Table | None = None
-    labels: Table | None = None
-    splits: dict[str, np.ndarray] | None = None
-    reverse: bool = False
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
-def table_of(path: str | Path, *, integer: bool, header: bool = False) -> Table:
-    """A node table (features, labels, ids) in ``.npy``, ``.csv[.gz]``/``.txt``/``.tsv`` or ``.parquet``."""
-    p = Path(path)
-    if not p.exists():
-        raise DatasetError(f"{p} is missing")
-    suffix = p.suffixes[-2] if p.suffix == ".gz" and len(p.suffixes) > 1 else p.suffix
-    if suffix == ".npy":
-        return ArrayTable(p)
-    if suffix == ".parquet":
-        return ParquetTable(p)
-    if suffix in (".csv", ".txt", ".tsv"):
-        return CsvTable(p, integer=integer, header=header)
-    raise DatasetError(f"{p}: unknown table format {suffix!r}; use .npy, .csv, .csv.gz, .txt, .tsv or .parquet")
-
-
-def read_ids(path: str | Path | Table, num_nodes: int | None) -> np.ndarray:
-    """The node ids in a one-column table (a split), int64, checked against ``num_nodes``."""
-    t = path if isinstance(path, Table) else table_of(path, integer=True)
-    if t.num_cols != 1:
-        raise DatasetError(f"{t.name} has {t.num_cols} columns; a list of node ids has one")
-    parts = [check_ids(t, first, a, num_nodes, "node id") for first, a in t.blocks(64 << 20)]
-    return np.concatenate(parts).reshape(-1) if parts else np.empty(0, np.int64)
-
-
-def edge_list_source(kind: str, path: str | Path, *, features: str | Path | None = None,
-                     labels: str | Path | None = None, split: str | Path | None = None,
-                     num_nodes: int | None = None, header: bool = False, columns: list[str] | None = None,
-                     add_reverse_edges: bool = False) -> Source:
-    """A `Source` for an edge list: ``csv`` (two columns src,dst; ``.gz`` read through gzip), ``parquet``
-    (``columns``, default the first two) or ``npz`` (an ``.npz`` with ``edge_index`` and optionally
-    ``node_feat``/``x``, ``node_label``/``y``, ``train_idx``/``train_mask``...; or an ``.npy`` (2, E) /
-    (E, 2) array).  ``features`` / ``labels``: node tables in files; ``split``: a folder with
-    ``train``, ``valid`` (or ``val``) and ``test`` id files (.npy / .csv / .csv.gz)."""
-    p = Path(path)
-    if not p.exists():
-        raise DatasetError(f"{p} is missing")
-    feats = table_of(features, integer=False) if features is not None else None
-    labs = table_of(labels, integer=False) if labels is not None else None
-    splits = _split_folder(Path(split), num_nodes) if split is not None else None
-    if kind == "csv":
-        edges: Table = CsvTable(p, integer=True, header=header, num_cols=2)
-    elif kind == "parquet":
-        t = ParquetTable(p, columns)
-        edges = t if columns else ParquetTable(p, t.columns[:2])
-    elif kind == "npz" and p.suffix == ".npy":
-        t = ArrayTable(p)
-        edges = EdgeIndexTable(p) if t.reader.shape[:1] == (2,) and len(t.reader.shape) == 2 else t
-    elif kind == "npz":
-        keys = npz_keys(p)
-        if "edge_index" not in keys:
-            raise DatasetError(f"{p} has no edge_index (2, E) array; it holds {', '.join(sorted(keys))}")
-        edges = EdgeIndexTable(p, "edge_index")
-        feats = feats or next((ArrayTable(p, k) for k in _FEATURE_KEYS if k in keys), None)
-        labs = labs or next((ArrayTable(p, k) for k in _LABEL_KEYS if k in keys), None)
-        if splits is None and any(k in keys for keys_ in _SPLIT_KEYS.values() for k in keys_):
-            splits = _npz_splits(p, keys)
-    else:
-        raise DatasetError(f"unknown source kind {kind!r}; one of {', '.join(KINDS)}")
-    n = num_nodes if num_nodes is not None else feats.num_rows if feats is not None else None
-    return Source(name=p.name.split(".")[0], edges=edges, num_nodes=n, features=feats, labels=labs,
-                  splits=splits, reverse=add_reverse_edges,
-                  meta={"from": kind, "path": str(p.absolute()), "add_reverse_edges": add_reverse_edges})
-
-
-def npz_keys(p: Path) -> set[str]:
-    """The array names in the ``.npz`` archive ``p``; `DatasetError` naming it when it is not one."""
-    import zipfile  # noqa: PLC0415
-
-    try:
-        with zipfile.ZipFile(p) as z:
-            return {n[:-4] for n in z.namelist() if n.endswith(".npy")}
-    except zipfile.BadZipFile as exc:
-        raise DatasetError(f"{p} cannot be read as an .npz archive ({exc})") from exc
-
-
-def _npz_splits(p: Path, keys: set[str]) -> dict[str, np.ndarray]:
-    out = {}
-    for split, names in _SPLIT_KEYS.items():
-        key = next((k for k in names if k in keys), None)
-        if key is None:
-            raise DatasetError(f"{p} has no {split} split ({' / '.join(names)})")
-        t = ArrayTable(p, key)
-        if t.dtype == np.bool_:
-            out[split] = np.flatnonzero(t.reader.read_all().reshape(-1)).astype(np.int64)
-        else:
-            out[split] = read_ids(t, None)
-    return out
-
-
-def _split_folder(d: Path, num_nodes: int | None) -> dict[str, np.ndarray]:
-    if not d.is_dir():
-        raise DatasetError(f"--split {d}: not a folder (it should hold train, valid and test id files)")
-    out = {}
-    for split, stems in (("train", ("train",)), ("val", ("valid", "val")), ("test", ("test",))):
-        found = [p for s in stems for ext in (".npy", ".csv", ".csv.gz", ".txt") if (p := d / f"{s}{ext}").is_file()]
-        if not found:
-            raise DatasetError(f"{d} has no {split} ids ({'/'.join(stems)}.npy, .csv or .csv.gz)")
-        out[split] = read_ids(found[0], num_nodes)
-    return out
-
-
+# -- into a dataset directory --------------------------------------------------------------------
 def write_source(src: Source, directory: str | Path, *, memory: int, overwrite: bool = False, seed: int = 0,
                  progress: bool = True) -> Path:
     """Write ``src`` as a dataset directory (or, with neither features nor labels, a graph directory).
@@ -270,7 +70,7 @@ def _bytes_needed(src: Source, num_nodes: int | None, num_edges: int | None) -> 
     n, e = num_nodes or 0, num_edges or 0
     item = 4 if n < 2**31 else 8  # the sort's runs and ``indices`` are int32 below 2**31 nodes
     csr = npy_bytes((n + 1,), np.int64) + npy_bytes((e,), np.int32 if item == 4 else np.int64)
-    return csr + max(2 * item * e, _node_bytes(src, n)) + _JSON_MARGIN
+    return csr + max(2 * item * e, _node_bytes(src, n)) + JSON_MARGIN
 
 
 def _node_bytes(src: Source, n: int) -> int:
@@ -280,9 +80,6 @@ def _node_bytes(src: Source, n: int) -> int:
     splits = sum(npy_bytes((len(v),), np.int64) for v in src.splits.values()) if src.splits else \
         npy_bytes((n,), np.int64) + 2 * npy_bytes((0,), np.int64)  # a random split of at most every node
     return npy_bytes((n, src.features.num_cols), np.float32) + npy_bytes((n,), np.int64) + splits
-
-
-_JSON_MARGIN = 64 << 10  # graph.json and meta.json
 
 
 def _write_source(src: Source, tmp: Path, edges: int | None, parent: Path, memory: int, seed: int,
@@ -299,7 +96,7 @@ def _write_source(src: Source, tmp: Path, edges: int | None, parent: Path, memor
         for k, v in (src.splits or {}).items():
             if v.size and int(v.max()) >= n:
                 raise DatasetError(f"the {k} split holds node id {int(v.max())} but the graph has {n:,} nodes")
-        check_free_space(parent, _node_bytes(src, n) + _JSON_MARGIN)  # the sort counted the nodes
+        check_free_space(parent, _node_bytes(src, n) + JSON_MARGIN)  # the sort counted the nodes
         width = _write_features(src.features, tmp / "features.npy", n, read_budget(memory))
         num_classes, unlabelled, labelled = _write_labels(src.labels, tmp / "labels.npy", n, read_budget(memory),
                                                           src.splits)
@@ -308,9 +105,7 @@ def _write_source(src: Source, tmp: Path, edges: int | None, parent: Path, memor
         else:
             for k, v in src.splits.items():
                 save_npy(tmp / f"{k}_idx.npy", v.astype(np.int64))
-        from datapath.graph.datasets import _write_meta  # noqa: PLC0415 - the one writer of meta.json
-
-        _write_meta(tmp, {**meta, "num_classes": num_classes, "num_features": width,
+        write_meta(tmp, {**meta, "num_classes": num_classes, "num_features": width,
                           "unlabelled_nodes": unlabelled,
                           "split": "random 80/10/10" if src.splits is None else "given"})
 
@@ -411,17 +206,15 @@ def import_dataset(kind: str, src: str | Path, directory: str | Path, *, memory:
 
     ``pyg``: a file written by ``torch.save(data)`` (a ``Data``; loaded with pickle: only open
     files you trust).  ``ogb``: an OGB node-property folder (`datapath.graph.ogb`), ``split`` its
-    scheme.  ``csv`` / ``parquet`` / ``npz``: an edge list (`edge_list_source`), ``split`` a
-    folder of id files.  ``memory``: bytes for the external sort's buffers and the node tables'
-    blocks.  Returns ``directory``.
+    scheme.  ``csv`` / ``parquet`` / ``npz``: an edge list (`datapath.graph.sources.edge_list_source`),
+    ``split`` a folder of id files.  ``memory``: bytes for the external sort's buffers and the node
+    tables' blocks.  Returns ``directory``.
     """
     if kind not in KINDS:
         raise DatasetError(f"unknown source kind {kind!r}; one of {', '.join(KINDS)}")
     if kind == "pyg":
         return _import_pyg(Path(src), directory, name, overwrite)
     if kind == "ogb":
-        from datapath.graph.ogb import ogb_source  # noqa: PLC0415 - ogb builds on Source
-
         source = ogb_source(src, split, add_reverse_edges)
     else:
         source = edge_list_source(kind, src, features=features, labels=labels, split=split, num_nodes=num_nodes,
@@ -442,7 +235,7 @@ def _import_pyg(p: Path, directory: str | Path, name: str | None, overwrite: boo
         from torch_geometric.data import Data  # noqa: PLC0415
 
         obj = Data.from_dict(obj[0])
-    ds = dataset_from_pyg(obj, name=name or p.stem)
+    ds = Dataset.from_pyg(obj, name=name or p.stem)
     ds.meta["source"] = {"from": "pyg", "path": str(p.absolute())}
     ds.save(directory, overwrite=overwrite)
     return Path(directory)

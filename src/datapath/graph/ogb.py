@@ -18,15 +18,16 @@ from pathlib import Path
 import numpy as np
 
 from datapath.graph.errors import DatasetError
-from datapath.graph.importers import Source, npz_keys, read_ids
 from datapath.graph.npy_stream import NpyReader
+from datapath.graph.sources import Source, npz_keys, read_ids
 from datapath.graph.tables import ArrayTable, CsvTable, EdgeIndexTable, Table
 
 SPLITS = {"train": "train", "valid": "val", "test": "test"}
 
 
 def ogb_source(folder: str | Path, split: str | None = None, add_reverse_edges: bool = False) -> Source:
-    """The parts of the OGB node-property dataset in ``folder``, to be written by `write_source`.
+    """The parts of the OGB node-property dataset in ``folder``, to be written by
+    `datapath.graph.importers.write_source`.
 
     ``split``: the scheme under ``split/`` (default: the only one there).  ``add_reverse_edges``:
     add ``v -> u`` after each ``u -> v`` (OGB's ``add_inverse_edge``; ogbn-products and

@@ -149,10 +149,9 @@ def permute(graph: Any, perm: torch.Tensor) -> Any:
     order = torch.argsort(new_rows * n + cols)
     new_idx = cols.index_select(0, order).to(graph.indices.dtype)
     new_ptr = new_ptr.to(graph.indptr.dtype)
-    from datapath.graph.graph import Graph  # noqa: PLC0415 - Graph builds on this module's package
-
-    if isinstance(graph, Graph):
-        return Graph(new_ptr, new_idx, num_src_nodes=n, validate=False)
+    with_csr = getattr(graph, "with_csr", None)
+    if with_csr is not None:  # a graph that rebuilds its own kind (`datapath.graph.Graph`)
+        return with_csr(new_ptr, new_idx)
     return CSRGraph(new_ptr, new_idx, n, n, trusted=bool(getattr(graph, "trusted", False)))
 
 
@@ -161,8 +160,9 @@ def reorder(graph: Any, method: str = "rcm") -> tuple[Any, torch.Tensor]:
 
     Returns ``(new_graph, perm)``: ``perm`` (N,) int64 on the graph's device with
     ``perm[new_id] = old_id``, so features follow as ``x[perm]`` and results map back as
-    ``out_new[inv]`` with ``inv[perm] = arange(N)``.  The new graph is a `datapath.graph.Graph`
-    for a `Graph`, else a `datapath.graph.CSRGraph`, on the same device.
+    ``out_new[inv]`` with ``inv[perm] = arange(N)``.  The new graph is of the input's kind where it
+    has a ``with_csr`` method (a `datapath.graph.Graph` does), else a `datapath.graph.CSRGraph`, on
+    the same device.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
