@@ -153,7 +153,7 @@ class Bench:
                            "method at check_seq; "
                            "trained parameters' gradients against checkpointing's: bitwise, else the largest "
                            "difference over the largest gradient",
-            "check_seq": self.args.check_seq, "torchtune": torchtune_offload()[1]})
+            "check_seq": self.args.check_seq, "torchtune": torchtune_offload()[1], "bars": bars(self.records)})
 
     # ---------------------------------------------------------------- one method at one length
     @contextlib.contextmanager
@@ -273,6 +273,9 @@ class Bench:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+            # pinned host memory a method freed stays in PyTorch's caching host allocator: hand it back, or the
+            # methods after it (the host has less RAM than the activations of one 16K step) run out of host memory
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
         if out is None:
             assert failure is not None
             return self.rec(method, seq, budget, oom=failure[0] == "oom", status=failure[0], reason=failure[1], **kw)
@@ -365,7 +368,7 @@ class Bench:
         capacity = (torch.cuda.get_device_properties(self.device).total_memory - MARGIN) if cuda else None
         upto = [s for s in seqs if s <= max(timed)]
         beyond = [s for s in seqs if s > max(timed)]
-        small = [s for s in seqs if s <= a.check_seq]
+        small = [s for s in seqs if s <= min(timed)]
         schedule: list[tuple[str, list[int], str | None]] = [
             ("checkpoint", upto, None), ("keep", seqs, None),
             ("datapath-budget", sorted({a.check_seq, *timed}), "checkpoint peak"),
@@ -473,6 +476,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     keys = list(dict.fromkeys((r["method"], r.get("budget_of"), r.get("activation_memory_budget"))
                               for r in records))
+    failed: list[dict[str, Any]] = []
     for method, of, amb in keys:
         rs = sorted((r for r in records if (r["method"], r.get("budget_of"), r.get("activation_memory_budget"))
                      == (method, of, amb)), key=lambda r: r["seq"])
@@ -483,13 +487,16 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
             ax2.plot([r["seq"] for r in ok], [r["peak_gb"] for r in ok], "o-", color=line.get_color(), label=label)
             color = line.get_color()
         else:
-            color = None
-        for r in rs:
-            if r.get("oom"):
-                ax1.scatter([r["seq"]], [0], marker="x", color=color, s=60)
+            color = "black"
+        for i, r in enumerate(r for r in rs if r.get("oom") or r.get("status") == "error"):
+            y = -250.0 * (1 + len(failed))
+            failed.append(r)
+            ax1.scatter([r["seq"]], [y], marker="x" if r.get("oom") else "s", color=color, s=50)
+            ax1.annotate(label + (" OOM" if r.get("oom") else " refused"), (r["seq"], y), fontsize=6,
+                         xytext=(5, -3), textcoords="offset points")
     ax1.set_xscale("log", base=2)
     ax2.set_xscale("log", base=2)
-    ax1.set_xlabel("sequence length (x: out of memory)")
+    ax1.set_xlabel("sequence length (below 0: x out of memory, square refused; single steps off the timed lengths)")
     ax1.set_ylabel("tokens/s per GPU")
     ax2.set_xlabel("sequence length")
     ax2.set_ylabel("peak allocated (GB)")
@@ -500,6 +507,35 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     fig.suptitle(f"B6 offloading at 8B scale ({records[0]['setting'].rsplit('-', 1)[0] if records else ''}) on {dev}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def finish(args: argparse.Namespace) -> int:
+    """Complete the records of a run that ended early: every method in ``--methods`` without a record gets one
+    (``status: "not run"``, ``--reason``); the run's other fields are kept, ``partial`` stays true."""
+    doc = json.loads(Path(args.finish).read_text())
+    records = doc["records"]
+    done = {r["method"] for r in records}
+    dev = next((r["device"] for r in records if r.get("device")), None)
+    first = min((r["seq"] for r in records), default=args.check_seq)
+    mode = args.mode
+    for m in [m for m in args.methods.split(",") if m and m not in done]:
+        why = args.reason
+        if m == "torchtune" and doc.get("torchtune"):  # it never imports here: that is the reason, not the end
+            why = f"torchtune does not import on the machine of the run: {doc['torchtune']}"
+        records.append({"setting": f"{mode}-8b-{first // 1024}k", "method": m, "budget_gb": None,
+                        "tokens_per_s": None, "peak_gb": None, "peak_gb_per_rank": None, "mfu": None,
+                        "grads_match": None, "seq": first, "device": dev, "oom": False, "status": "not run",
+                        "reason": why})
+    keep = {k: v for k, v in doc.items() if k not in ("benchmark", "date", "command", "machine", "records")}
+    # the run's machine, command and date stay; this completion is named beside them
+    keep.update(machine=doc.get("machine"), command=doc.get("command"), date=doc.get("date"),
+                finished_by=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
+    write_result(args.name, {**keep, "records": records, "bars": bars(records)})
+    plot(records, RESULTS_DIR / f"{args.name}.png")
+    print_table([{k: r.get(k) for k in ("setting", "method", "budget_gb", "tokens_per_s", "peak_gb", "mfu",
+                                        "grads_match", "oom", "status")} for r in records])
+    print_table(bars(records))
+    return 0
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -518,7 +554,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--time-budget", type=float, default=360.0, help="seconds; later work is skipped and recorded")
     ap.add_argument("--name", default="offload_scale")
     ap.add_argument("--quick", action="store_true", help="tiny configs on the CPU (fsdp2: 2 gloo processes)")
-    ap.add_argument("--launched", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--finish", metavar="JSON", help="a run's JSON cut short (partial): add a record for each method "
+                                                       "it never reached (--reason says why) and write the result "
+                                                       "and the plot to benchmarks/results/")
+    ap.add_argument("--reason", default="not reached: the run ended first")
     args = ap.parse_args(argv)
     if args.quick:
         args.seqs = args.seqs or "32,64"
@@ -533,6 +572,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.finish:
+        return finish(args)
     if args.mode == "fsdp2" and args.quick and "RANK" not in os.environ:
         # the CPU check of the FSDP2 path: two gloo processes through torchrun
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
