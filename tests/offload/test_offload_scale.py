@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+pytest.importorskip("transformers")
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
@@ -42,6 +44,7 @@ def test_chunked_loss_matches_cross_entropy(weight_grad: bool) -> None:
 
 
 def test_flops_count_matches_the_models_parameters() -> None:
+    pytest.importorskip("peft")  # not in the test extras: the LoRA checks run where it is installed
     cfg = llama_config(tiny=True, max_seq=64)
     model = add_lora(build_llama(cfg, torch.device("cpu"), torch.float32))
     lm = causal_lm(model)
@@ -66,6 +69,7 @@ def _run(tmp_path: Path, *args: str) -> dict:
 
 @pytest.mark.slow
 def test_lora_quick_run_records_every_method(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
     doc = _run(tmp_path, "--methods", "checkpoint,keep,datapath-budget,selective_checkpoint,datapath-all,torchtune")
     recs = doc["records"]
     assert doc["partial"] is False
