@@ -172,7 +172,8 @@ def selective_context_fn() -> Any:
 def set_checkpointing(model: nn.Module, mode: str | None) -> None:
     """Hugging Face activation checkpointing of each decoder layer (non-reentrant): ``"full"``, ``"selective"``
     (`selective_context_fn`), ``"offload"`` (full, the layer inputs it keeps in pinned host memory through
-    ``save_on_cpu``, as Hugging Face's ``offload=True`` and torchtune's checkpointing + offloading do), or None (off)."""
+    ``save_on_cpu``, as Hugging Face's ``offload=True`` and torchtune's checkpointing + offloading do), or None
+    (off)."""
     lm = causal_lm(model)
     if mode is None:
         fn = getattr(lm, "activation_checkpointing_disable", None) or lm.gradient_checkpointing_disable

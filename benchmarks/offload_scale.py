@@ -21,10 +21,12 @@ Records (``benchmarks/results/offload_scale.json``, written after every method s
 it measured): {setting, method, budget_gb, tokens_per_s, peak_gb (the largest rank's), peak_gb_per_rank, mfu,
 grads_match, seq, device, oom, steps, ...}.  MFU: `model_flops_per_token` (LoRA: 4 N_base + 6 N_lora + causal
 attention 6 L S H per token; full: 6 N + attention) times tokens/s over the device's dense bf16 peak.
-grads_match: one more step per method at ``--check-seq`` (2048: keep fits) with deterministic algorithms and
-SDPA's math attention (flash attention's backward is not bitwise reproducible), the trained parameters' gradients compared with checkpointing's at that length (the
-same arithmetic: recomputation reruns the same kernels, offloading moves bytes): ``grads_match_kind`` "bitwise",
-else their largest difference relative to the largest gradient (``grads_rel_diff``).  Peak: ``torch.cuda.max_memory_allocated()`` over a step.
+grads_match: two more steps per method at ``--check-seq`` (2048: keep fits) with deterministic algorithms and SDPA's
+math attention (flash attention's backward is not bitwise reproducible); the first's trained parameters' gradients
+compared with checkpointing's at that length (the same arithmetic: recomputation reruns the same kernels,
+offloading moves bytes): ``grads_match_kind`` "bitwise", else their largest difference relative to the largest
+gradient (``grads_rel_diff``; against keep's: ``grads_rel_diff_keep``); ``grads_repeat_bitwise``: the method's two
+check steps agree bit for bit.  Peak: ``torch.cuda.max_memory_allocated()`` over a step.
 
 Run: PYTHONPATH=src:. python benchmarks/offload_scale.py [--mode lora] [--time-budget 360]
      torchrun --nproc-per-node 2 benchmarks/offload_scale.py --mode fsdp2 --seqs 8192,16384
@@ -35,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import statistics
 import subprocess
@@ -59,6 +60,7 @@ from benchmarks._llama8b import (  # noqa: E402
     CausalLMLoss, add_lora, build_llama, causal_lm, llama_config, model_flops_per_token, peak_flops,
     set_checkpointing,
 )
+from benchmarks._offload_scale_report import rel_diff, bars, finish, plot  # noqa: E402
 from benchmarks._offload_workloads import torchtune_offload  # noqa: E402
 from datapath.offload import offload, offload_rank  # noqa: E402
 
@@ -91,7 +93,7 @@ class Bench:
         seqs = [int(s) for s in args.seqs.split(",")]
         self.cfg = llama_config(args.quick, max(seqs))
         self.records: list[dict[str, Any]] = []
-        self.ref: dict[int, list[torch.Tensor]] = {}   # seq -> checkpointing's gradients (the grads check)
+        self.ref: dict[str, dict[int, list[torch.Tensor]]] = {}  # checkpoint/keep -> seq -> gradients
         self.ckpt_peak: dict[int, float] = {}
         self.build()
 
@@ -149,10 +151,10 @@ class Bench:
             "loss": "chunked linear cross-entropy (4096 positions a chunk, gradients formed in the forward), "
                     "the same for every method",
             "peak": "torch.cuda.max_memory_allocated() over zero_grad + forward + backward + AdamW step",
-            "grads_check": "one deterministic step (torch.use_deterministic_algorithms, SDPA math attention) per "
-                           "method at check_seq; "
-                           "trained parameters' gradients against checkpointing's: bitwise, else the largest "
-                           "difference over the largest gradient",
+            "grads_check": "two deterministic steps (torch.use_deterministic_algorithms, SDPA math attention) per "
+                           "method at check_seq (grads_repeat_bitwise: the two equal); the first's trained "
+                           "parameters' gradients against checkpointing's: bitwise, else the largest difference over "
+                           "the largest gradient (grads_rel_diff; against keep's: grads_rel_diff_keep)",
             "check_seq": self.args.check_seq, "torchtune": torchtune_offload()[1], "bars": bars(self.records)})
 
     # ---------------------------------------------------------------- one method at one length
@@ -222,17 +224,22 @@ class Bench:
                 if i >= warmup:
                     times.append(time.perf_counter() - t)
                     peaks.append(self.peak_now())
-            if check:
+            repeat_same = None
+            if check:  # twice: whether the method's own check step repeats bit for bit says what a mismatch means
+                runs = []
                 try:
                     torch.use_deterministic_algorithms(True, warn_only=True)
-                    self.opt.zero_grad(set_to_none=True)
-                    with make_ctx():
-                        fn(ids).backward()
-                    # FSDP2: this rank's shard of each gradient
-                    grads = [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().float().cpu()
-                             .clone() if p.grad is not None else torch.zeros(()) for p in self.trainable]
+                    for _ in range(2):
+                        self.opt.zero_grad(set_to_none=True)
+                        with make_ctx(), sdpa_kernel(SDPBackend.MATH):
+                            fn(ids).backward()
+                        # FSDP2: this rank's shard of each gradient
+                        runs.append([(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().float()
+                                     .cpu().clone() if p.grad is not None else torch.zeros(()) for p in self.trainable])
                 finally:
                     torch.use_deterministic_algorithms(False)
+                grads = runs[0]
+                repeat_same = all(torch.equal(x, y) for x, y in zip(*runs))
             extra: dict[str, Any] = {}
             cache = self.cache
             if cache is not None:
@@ -246,7 +253,8 @@ class Bench:
                     extra["plan"] = plan.as_dict() if plan is not None and hasattr(plan, "as_dict") else None
         self.opt.zero_grad(set_to_none=True)
         step_s = statistics.median(times)
-        return {"step_s": step_s, "steps_s": times, "peak": max(peaks), "grads": grads, **extra}
+        return {"step_s": step_s, "steps_s": times, "peak": max(peaks), "grads": grads,
+                "grads_repeat_bitwise": repeat_same, **extra}
 
     def attempt(self, method: str, seq: int, budget: int | None, timed: bool, check: bool,
                 loss_fn: Any = None, **kw: Any) -> dict[str, Any]:
@@ -286,19 +294,21 @@ class Bench:
         mfu = tps * model_flops_per_token(self.cfg, seq, self.n_trainable, lora) / self.peak_flops \
             if self.peak_flops else None
         grads = out.pop("grads")
-        match = kind = rel = None
+        match = kind = rel = rel_keep = None
         if grads is not None:
-            if method == "checkpoint":
-                self.ref[seq] = grads
-            ref = self.ref.get(seq)
+            if method in ("checkpoint", "keep"):
+                self.ref.setdefault(method, {})[seq] = grads
+            ref = self.ref.get("checkpoint", {}).get(seq)
             if ref is not None:
                 bitwise = all(torch.equal(x, y) for x, y in zip(grads, ref))
-                scale = max(float(y.abs().max()) for y in ref) or 1.0
-                rel = max(float((x - y).abs().max()) for x, y in zip(grads, ref)) / scale
+                rel = rel_diff(grads, ref)
                 match = bitwise or rel <= 1e-2
                 kind = "bitwise" if bitwise else "bf16 ordering" if match else None
+            if seq in self.ref.get("keep", {}):
+                rel_keep = rel_diff(grads, self.ref["keep"][seq])
         return self.rec(method, seq, budget, tokens_per_s=tps, peak_gb=max(peaks), peak_gb_per_rank=peaks, mfu=mfu,
-                        grads_match=match, grads_match_kind=kind, grads_rel_diff=rel, status="ok",
+                        grads_match=match, grads_match_kind=kind, grads_rel_diff=rel, grads_rel_diff_keep=rel_keep,
+                        status="ok",
                         steps=len(out["steps_s"]), step_s=out["step_s"], steps_s=out["steps_s"],
                         **{k: v for k, v in out.items() if k not in ("step_s", "steps_s", "peak")}, **kw)
 
@@ -442,100 +452,6 @@ class Bench:
                 for layer in layers:
                     layer._compiled_call_impl = None  # what nn.Module.compile set: the eager call again
                 fconfig.activation_memory_budget = 1.0
-
-
-def bars(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's LoRA checks: datapath's longest length >= checkpointing's; at checkpointing's longest length,
-    datapath's tokens/s >= 1.15x checkpointing's; every datapath budget held (peak <= 1.03 budget)."""
-    ok = [r for r in records if r.get("status") == "ok"]
-    out = []
-    for mode in dict.fromkeys(r["setting"].split("-")[0] for r in records):
-        rs = [r for r in ok if r["setting"].startswith(mode)]
-        ck = max((r["seq"] for r in rs if r["method"] == "checkpoint"), default=None)
-        dp = max((r["seq"] for r in rs if r["method"].startswith("datapath")), default=None)
-        out.append({"mode": mode, "check": "longest datapath >= checkpoint", "checkpoint": ck, "datapath": dp,
-                    "met": ck is not None and dp is not None and dp >= ck})
-        if ck is not None:
-            c = next(r for r in rs if r["method"] == "checkpoint" and r["seq"] == ck)
-            d = max((r for r in rs if r["method"].startswith("datapath") and r["seq"] == ck),
-                    key=lambda r: r["tokens_per_s"], default=None)
-            out.append({"mode": mode, "check": f"tokens/s at {ck} >= 1.15x checkpoint",
-                        "ratio": d["tokens_per_s"] / c["tokens_per_s"] if d else None,
-                        "met": bool(d) and d["tokens_per_s"] >= 1.15 * c["tokens_per_s"]})
-        held = [r["peak_gb"] <= 1.03 * r["budget_gb"] for r in rs if r["method"] == "datapath-budget"]
-        out.append({"mode": mode, "check": "every budget held", "n": len(held), "met": bool(held) and all(held)})
-    return out
-
-
-def plot(records: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    keys = list(dict.fromkeys((r["method"], r.get("budget_of"), r.get("activation_memory_budget"))
-                              for r in records))
-    failed: list[dict[str, Any]] = []
-    for method, of, amb in keys:
-        rs = sorted((r for r in records if (r["method"], r.get("budget_of"), r.get("activation_memory_budget"))
-                     == (method, of, amb)), key=lambda r: r["seq"])
-        label = method + (f" ({of})" if of else "") + (f" {amb}" if amb is not None else "")
-        ok = [r for r in rs if r.get("tokens_per_s")]
-        if ok:
-            line = ax1.plot([r["seq"] for r in ok], [r["tokens_per_s"] for r in ok], "o-", label=label)[0]
-            ax2.plot([r["seq"] for r in ok], [r["peak_gb"] for r in ok], "o-", color=line.get_color(), label=label)
-            color = line.get_color()
-        else:
-            color = "black"
-        for i, r in enumerate(r for r in rs if r.get("oom") or r.get("status") == "error"):
-            y = -250.0 * (1 + len(failed))
-            failed.append(r)
-            ax1.scatter([r["seq"]], [y], marker="x" if r.get("oom") else "s", color=color, s=50)
-            ax1.annotate(label + (" OOM" if r.get("oom") else " refused"), (r["seq"], y), fontsize=6,
-                         xytext=(5, -3), textcoords="offset points")
-    ax1.set_xscale("log", base=2)
-    ax2.set_xscale("log", base=2)
-    ax1.set_xlabel("sequence length (below 0: x out of memory, square refused; single steps off the timed lengths)")
-    ax1.set_ylabel("tokens/s per GPU")
-    ax2.set_xlabel("sequence length")
-    ax2.set_ylabel("peak allocated (GB)")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-    ax1.legend(fontsize=7)
-    dev = next((r["device"] for r in records if r.get("device")), "")
-    fig.suptitle(f"B6 offloading at 8B scale ({records[0]['setting'].rsplit('-', 1)[0] if records else ''}) on {dev}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def finish(args: argparse.Namespace) -> int:
-    """Complete the records of a run that ended early: every method in ``--methods`` without a record gets one
-    (``status: "not run"``, ``--reason``); the run's other fields are kept, ``partial`` stays true."""
-    doc = json.loads(Path(args.finish).read_text())
-    records = doc["records"]
-    done = {r["method"] for r in records}
-    dev = next((r["device"] for r in records if r.get("device")), None)
-    first = min((r["seq"] for r in records), default=args.check_seq)
-    mode = args.mode
-    for m in [m for m in args.methods.split(",") if m and m not in done]:
-        why = args.reason
-        if m == "torchtune" and doc.get("torchtune"):  # it never imports here: that is the reason, not the end
-            why = f"torchtune does not import on the machine of the run: {doc['torchtune']}"
-        records.append({"setting": f"{mode}-8b-{first // 1024}k", "method": m, "budget_gb": None,
-                        "tokens_per_s": None, "peak_gb": None, "peak_gb_per_rank": None, "mfu": None,
-                        "grads_match": None, "seq": first, "device": dev, "oom": False, "status": "not run",
-                        "reason": why})
-    keep = {k: v for k, v in doc.items() if k not in ("benchmark", "date", "command", "machine", "records")}
-    # the run's machine, command and date stay; this completion is named beside them
-    keep.update(machine=doc.get("machine"), command=doc.get("command"), date=doc.get("date"),
-                finished_by=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
-    write_result(args.name, {**keep, "records": records, "bars": bars(records)})
-    plot(records, RESULTS_DIR / f"{args.name}.png")
-    print_table([{k: r.get(k) for k in ("setting", "method", "budget_gb", "tokens_per_s", "peak_gb", "mfu",
-                                        "grads_match", "oom", "status")} for r in records])
-    print_table(bars(records))
-    return 0
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

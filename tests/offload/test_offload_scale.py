@@ -83,6 +83,9 @@ def test_lora_quick_run_records_every_method(tmp_path: Path) -> None:
         assert at32[m]["tokens_per_s"] > 0 and at32[m]["peak_gb"] > 0
         # recomputation reruns the same kernels and offloading moves bytes: the same gradients, bit for bit
         assert at32[m]["grads_match"] is True and at32[m]["grads_match_kind"] == "bitwise", at32[m]
+        assert at32[m]["grads_repeat_bitwise"] is True, at32[m]
+        if m != "checkpoint":  # checkpointing runs before keep
+            assert at32[m]["grads_rel_diff_keep"] == 0.0, at32[m]
     bud = at32["datapath-budget"]
     assert bud["budget_gb"] == pytest.approx(at32["checkpoint"]["peak_gb"])
     assert bud["peak_gb"] <= 1.03 * bud["budget_gb"]
