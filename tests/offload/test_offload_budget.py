@@ -365,3 +365,69 @@ def test_first_planned_step_holds_the_budget(fraction: float) -> None:
     assert max(policy.peaks) <= 1.03 * budget, ([round(p / budget, 3) for p in policy.peaks], budget)
     assert policy.calibration > 0  # the timing step peaked above the model's figure for it
     cache.close()
+
+
+def _ckpt_peak(model: nn.Module, batch: torch.Tensor) -> int:
+    """The CPU meter's peak of one step with every block under torch's non-reentrant checkpoint."""
+    m = copy.deepcopy(model)
+    m.use_checkpoint = "non-reentrant"
+    return cpu_keep_peak(m, _lm_loss, batch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store_share", [0.3, 0.05])
+def test_budget_at_checkpointing_peak_with_a_store_too_small(store_share: float) -> None:
+    """The host store holds a fraction of the step's activations (a long sequence against the pinned budget):
+    the profiled step recomputes the blocks that would not fit (its peak stays at checkpointing's, not keep's),
+    the next is profiled with every block recomputed, and a budget equal to checkpointing's measured peak is
+    planned and held (before: the profile kept what the store refused, its floor ignored recomputation, and the
+    budget was refused), gradients bit-identical with dropout on."""
+    torch.manual_seed(11)
+    model = GPT(vocab=64, h=64, heads=4, layers=6, dropout=0.1, tied=False)
+    batches = [torch.randint(0, 64, (8, 64)) for _ in range(6)]
+    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    keep, ckpt = _keep_peak(model, batches[0]), _ckpt_peak(model, batches[0])
+    assert ckpt < 0.6 * keep  # the bar: what checkpointing reaches, far below keeping
+    host = int(store_share * (keep - params))
+    cache = TensorCache("host", memory_budget=ckpt, min_bytes=1024, offload_cpu_tensors=True,
+                        host_budget_bytes=host)
+    cache.attach(model)
+    got = run_steps(model, batches, _lm_loss, ctx=cache)  # raised OffloadConfigError ("measured minimum")
+    assert_identical(ref, got)
+    policy = cache.policy
+    assert policy.store_full and policy.base_recompute == tuple(range(6))
+    assert cache.plan is not None and cache.plan.recompute == tuple(range(6))
+    # neither profiled step needs more than checkpointing (before, the first kept what the store refused), but
+    # for what the store refused of the block it ran out of room in (more than the room, when that is < a block)
+    over = policy.block_bytes_max if host < policy.block_bytes_max else 0
+    assert len(policy.profile_peaks) == 2, policy.profile_peaks
+    assert max(policy.profile_peaks) <= 1.05 * ckpt + over, (policy.profile_peaks, ckpt, over)
+    assert policy.peaks and max(policy.peaks) <= 1.03 * ckpt, ([round(p / ckpt, 3) for p in policy.peaks], ckpt)
+    assert cache.store.peak_in_use <= host
+    cache.close()
+
+
+@pytest.mark.slow
+def test_store_with_room_keeps_the_everything_offloaded_profile() -> None:
+    """A store with room for every activation: one profiled step, everything offloaded, nothing recomputed
+    for the store's sake (the plans of that regime are unchanged)."""
+    model, batches, ref, cache = _gpt_at_60_percent(seed=12, dropout=0.1, steps=5)
+    cache.attach(model)
+    got = run_steps(model, batches, _lm_loss, ctx=cache)
+    assert_identical(ref, got)
+    policy = cache.policy
+    assert not policy.store_full and policy.base_recompute == () and len(policy.profile_peaks) == 1
+    cache.close()
+
+
+def test_store_room_counts_reservations() -> None:
+    from datapath.offload.host_store import HostStore  # noqa: PLC0415
+    store = HostStore(1 << 20, pinned=False)
+    assert store.room() == 1 << 20
+    slot = store.reserve(5000)
+    assert slot is not None and store.room() == (1 << 20) - 8192  # rounded to 4 KiB
+    assert store.reserve(1 << 20) is None
+    store.unreserve(slot)
+    assert store.room() == 1 << 20
+    store.close()

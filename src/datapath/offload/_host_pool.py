@@ -6,6 +6,9 @@ first-fit, 4 KiB aligned (O_DIRECT-ready), and merged again when freed.  Slabs
 are kept for the life of the pool, so the first step sizes the pool and later
 steps reuse it without pinning anything new.  ``budget`` caps the bytes handed
 out; `try_reserve` lets the placement decision be made without allocating.
+`HostPool.clear` drops the slabs and hands PyTorch's cached free pinned blocks back
+to the driver (a freed slab otherwise stays pinned in the caching host allocator for
+the life of the process).
 """
 from __future__ import annotations
 
@@ -38,6 +41,20 @@ def aligned_empty(nbytes: int, *, pinned: bool) -> torch.Tensor:
         raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip: skip + nbytes]
+
+
+def release_cached_pinned() -> bool:
+    """Give the free blocks PyTorch's caching host allocator keeps back to the driver (``cudaFreeHost``); blocks
+    still in use stay.  False where there is nothing to call (no CUDA initialised, no such function)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return False
+    empty = getattr(torch._C, "_host_emptyCache", None)  # noqa: SLF001
+    if empty is None:
+        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is None:
+        return False
+    empty()
+    return True
 
 
 def _pow2(n: int) -> int:
@@ -147,6 +164,13 @@ class HostPool:
             self.reserved -= block.size
 
     def clear(self) -> None:
-        """Drop every slab (all blocks must have been freed)."""
+        """Drop every slab (all blocks must have been freed) and, where they were pinned, hand the cached pinned
+        memory back (`release_cached_pinned`)."""
         with self._lock:
+            pinned = self.pinned and bool(self._slabs)
             self._slabs.clear()
+        if pinned:
+            try:
+                release_cached_pinned()
+            except RuntimeError as exc:  # at interpreter exit, or a CUDA error of a step: the memory goes at exit
+                log.debug("cached pinned memory not released: %s", exc)

@@ -123,7 +123,7 @@ class TensorCache:
         if config.policy == "budget":
             assert config.memory_budget is not None
             return BudgetPolicy(*parts, budget=parse_memory_budget(config.memory_budget, self.meter.total()),
-                                meter=self.meter, models=self.models, clock=self.clock)
+                                meter=self.meter, models=self.models, clock=self.clock, room=self.store.room)
         return AllPolicy(*parts)
 
     def _use_meter(self, meter: MemoryMeter) -> None:

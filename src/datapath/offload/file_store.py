@@ -89,6 +89,9 @@ class FileStore(Store):
         with self._lock:
             self.reserved -= round_up(slot.nbytes)
 
+    def room(self) -> int | None:
+        return max(0, self.max_disk_bytes - self.reserved)
+
     def free(self, slot: Slot) -> bool:
         path, slot.loc = slot.loc, None
         removed = self._unlink(path) if path is not None else False

@@ -37,6 +37,9 @@ class HostStore(Store):
     def unreserve(self, slot: Slot) -> None:
         self.pool.unreserve(slot.nbytes)
 
+    def room(self) -> int | None:
+        return max(0, self.pool.budget - self.pool.reserved)
+
     def write(self, slot: Slot, src: torch.Tensor, ready: Any, streams: Streams | None, name: str,
               abort: Callable[[], bool]) -> IOResult:
         block = self.pool.alloc(src.numel())

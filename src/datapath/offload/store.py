@@ -118,6 +118,10 @@ class Store(abc.ABC):
         """Where there was no room, for the warning of a storage kept because this store is full."""
         return f"the {self.kind} store (its budget is full)"
 
+    def room(self) -> int | None:
+        """Bytes `reserve` may still promise now; None where the store does not know (no fixed budget)."""
+        return None
+
     @property
     def in_use(self) -> int:
         """Bytes held now."""

@@ -31,6 +31,10 @@ class TieredStore(Store):
     def unreserve(self, slot: Slot) -> None:
         slot.store.unreserve(slot)
 
+    def room(self) -> int | None:
+        rooms = [tier.room() for tier in self.tiers]
+        return None if None in rooms else sum(r for r in rooms if r is not None)
+
     def write(self, slot: Slot, src: torch.Tensor, ready: Any, streams: Streams | None, name: str,
               abort: Callable[[], bool]) -> IOResult:
         return slot.store.write(slot, src, ready, streams, name, abort)
