@@ -19,9 +19,13 @@ steps, on one producer thread).  One exchange:
    straight into the batch's rows.
 
 Steps 3-5 are skipped when no rank asks for anything.  The exchange runs on a process group of
-its own (NCCL between GPUs, gloo between CPUs), so that the loader's producer thread exchanges
-rows while the training thread runs DDP's all-reduce on the default group.  Only the features
-are sharded: every rank holds the whole graph and samples from it without communication.
+its own (NCCL between GPUs, gloo between CPUs), on the loader's exchange thread, while the
+training thread runs DDP's all-reduce on the default group.  The two threads take turns
+(`datapath.loaders.CollectiveOrder`): batch ``j``'s exchange is submitted between two
+training steps, at the same place of the schedule on every rank, as NCCL asks of two
+communicators (submitted in the same order on every rank, never at once); its GPU work still
+runs beside the next steps.  Only the features are sharded: every rank holds the whole graph
+and samples from it without communication.
 """
 from __future__ import annotations
 

@@ -13,14 +13,15 @@ background threads).  Blocks convert to PyG's form with ``block.to_pyg()``.
 """
 from datapath._deprecated import forward
 from datapath.loaders.batch import Batch
+from datapath.loaders.collective_order import CollectiveOrder
 from datapath.loaders.distributed import DistributedNeighborLoader, RankBatch
 from datapath.loaders.errors import LoaderError
 from datapath.loaders.hetero import HeteroBatch, HeteroNeighborLoader, hetero_cache_rows, hetero_hotness
 from datapath.loaders.loader import NeighborLoader
 
 __all__ = [
-    "Batch", "DistributedNeighborLoader", "HeteroBatch", "HeteroNeighborLoader", "LoaderError", "NeighborLoader",
-    "RankBatch", "hetero_cache_rows", "hetero_hotness",
+    "Batch", "CollectiveOrder", "DistributedNeighborLoader", "HeteroBatch", "HeteroNeighborLoader", "LoaderError",
+    "NeighborLoader", "RankBatch", "hetero_cache_rows", "hetero_hotness",
 ]
 
 __getattr__ = forward(__name__)  # old paths (datapath.loaders.Graph, .train_epoch, ...), one more release

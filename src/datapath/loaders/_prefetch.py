@@ -22,6 +22,7 @@ import torch
 
 from datapath._runtime.pinned import gpu_wait_seconds
 from datapath.loaders.batch import Batch, GatherCheck
+from datapath.loaders.collective_order import CollectiveOrder
 
 SAMPLE_AHEAD = 2
 """Batches whose sampling the GPU producer keeps queued ahead of the one it prepares."""
@@ -151,7 +152,10 @@ class _Producer:
         # a collective feature store: one worker hands its batches to the exchange stage, which finishes their
         # gathers (the exchange with the other ranks) in order, while the worker samples the next batches
         self.exchange: _Exchange | None = None
+        # and the exchanges take turns with the consumer's collectives, in the same order on every rank
+        self.order: CollectiveOrder | None = None
         if k == 1 and steps.exchange:
+            self.order = CollectiveOrder(len(work), max(1, steps.depth), self.stop)
             self.exchange = _Exchange(self, self.queues[0])
             self.threads.append(self.exchange.thread)
 
@@ -162,6 +166,8 @@ class _Producer:
     def close(self) -> None:
         """Stop the workers, drop what they queued, and join them (idempotent)."""
         self.stop.set()
+        if self.order is not None:
+            self.order.end()
         for q in self.queues + ([self.exchange.inbox] if self.exchange is not None else []):
             while True:
                 try:
@@ -288,7 +294,9 @@ class _Exchange:
     ranks) on a CUDA stream of its own that waits only for that batch's gather, runs the ``prepare``
     hook, and passes the batch on.  Meanwhile the worker samples and gathers the next batches, so a
     rank's exchange overlaps its sampling instead of following it.  A worker's error takes its batch's
-    place in the order: the other ranks learn of it in that exchange (`FeatureStore.abort`).
+    place in the order: the other ranks learn of it in that exchange (`FeatureStore.abort`).  Each
+    exchange waits for its turn (`CollectiveOrder`): batch ``j``'s is submitted when the consumer has
+    asked for batch ``j - A``, between two of its steps, never beside the consumer's own collectives.
     """
 
     def __init__(self, producer: _Producer, out: queue.Queue) -> None:
@@ -307,6 +315,7 @@ class _Exchange:
 
     def _run(self) -> None:
         p, steps = self.producer, self.producer.steps
+        order = p.order
         try:
             stream = prepare_stream = None
             if p.cuda:
@@ -317,18 +326,26 @@ class _Exchange:
                     steps.streams[-1] = (torch.cuda.Stream(steps.device, priority=high),)
                 stream = steps.streams[-1][0]
                 prepare_stream = p._streams(0)[2] if steps.gather_stream != "serial" else None
+            j = 0  # the batch whose exchange comes next
             while True:
                 item = self._get()
                 if item is _DONE:
                     p._put(self.out, _DONE)
                     return
+                if order is not None and not order.exchange_turn(j):
+                    return  # stopped while waiting for its turn
                 if isinstance(item, BaseException):
                     if steps.abort is not None:  # this batch's exchange: the other ranks raise, naming this one
                         steps.abort(item)
+                    if order is not None:
+                        order.end()
                     p._put(self.out, item)
                     return
                 batch: Batch = item
                 self._finish(batch, stream)
+                if order is not None:
+                    order.exchanged(j)
+                j += 1
                 if stream is not None and prepare_stream is None:
                     with torch.cuda.stream(stream):  # after the exchange, off the training's stream
                         steps.prepare(batch, None)
@@ -337,7 +354,12 @@ class _Exchange:
                 if not p._put(self.out, batch):
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            if order is not None:  # first: the consumer may wait for this exchange, the queue full before it
+                order.end()
             p._put(self.out, exc)
+        finally:
+            if order is not None:  # nothing more to wait for: the end or the error comes through the queue
+                order.end()
 
     @staticmethod
     def _finish(batch: Batch, stream: torch.cuda.Stream | None) -> None:
@@ -390,6 +412,8 @@ class PrefetchIter:
             self.close()
             raise StopIteration
         queues = self._producer.queues
+        if self._producer.order is not None:  # the exchanges ahead are submitted before this batch's step
+            self._producer.order.consumer_turn(self._next)
         item = queues[self._next % len(queues)].get()
         self._next += 1
         if item is _DONE:  # a worker ended early (stopped): nothing more comes in order

@@ -43,6 +43,12 @@ class DistributedNeighborLoader(NeighborLoader):
             (`datapath.features.sharded_store`: every rank's gathers pair up in its exchange);
             stopping a loop early (``break``) would leave a rank's prefetched exchanges unpaired.
 
+    Over a collective store the exchange of batch ``k + prefetch`` is submitted when the loop asks
+    for batch ``k`` (the iterator waits for it), and no exchange is submitted while the loop runs a
+    step: the loop's own collectives (DDP's all-reduce) and the exchanges come in the same order on
+    every rank, which NCCL needs of two communicators (`datapath.loaders.collective_order`).  A loop may issue
+    collectives anywhere between two requests for a batch.
+
     Every rank shuffles all seeds with the same generator (``seed``, epoch), cuts
     global batch ``i`` as a one-process loader with batch ``world_size * batch_size``
     would, and takes the ``rank``-th of its ``world_size`` near-equal parts; the
