@@ -15,6 +15,7 @@ from datapath.apps.train_gnn import global_mean_loss, wrap_ddp
 from datapath.features import sharded_store
 from datapath.graph import ShardLayout, SyntheticSpec, generate
 from datapath.loaders import CollectiveOrder, DistributedNeighborLoader, NeighborLoader
+from datapath.memory import to_placement
 from datapath.nn.models import build_model
 
 STEPS, BATCH, PREFETCH = 9, 24, 2
@@ -76,17 +77,21 @@ def test_a_stop_or_an_end_releases_every_wait() -> None:
         CollectiveOrder(3, -1, threading.Event())
 
 
-def _ordered_training(jitter_s: float) -> dict:
+def _ordered_training(jitter_s: float, device: str = "cpu") -> dict:
     """This rank trains through `train_epoch` with DDP over a sharded store, logging every collective it submits.
 
     The loader's exchange thread and the training thread sleep at random (per rank) between their collectives.
+    ``device="cuda"``: one GPU per rank, NCCL for both groups.
     """
-    ctx = init_distributed("cpu")
+    ctx = init_distributed(device)
     torch.set_num_threads(1)
+    dev = ctx.device
     ds = generate(SPEC, device="cpu", progress=False)
+    graph, labels = (ds.graph, ds.labels) if dev.type == "cpu" else (ds.graph.to("unified"),
+                                                                    to_placement(ds.labels, "cuda"))
     layout = ShardLayout.even(ds.graph.num_nodes, ctx.world_size)
     lo, hi = layout.rows(ctx.rank)
-    store = sharded_store(ds.features[lo:hi], layout, device="cpu", piece_bytes=1024)
+    store = sharded_store(ds.features[lo:hi], layout, device=dev, piece_bytes=1024)
     log: list[str] = []
     import datapath.features.exchange as exchange  # noqa: PLC0415 - the spies wrap the real collectives
     real_gather, real_all_to_all = exchange._all_gather, dist.all_to_all_single  # noqa: SLF001
@@ -106,11 +111,11 @@ def _ordered_training(jitter_s: float) -> dict:
     def jitter(batch):  # runs on the exchange thread, after each exchange
         time.sleep(rng.random() * jitter_s)
 
-    loader = DistributedNeighborLoader(ds.graph, ds.train_idx, [5, 3], BATCH, shuffle=True, rank=ctx.rank,
-                                       world_size=ctx.world_size, features=store, labels=ds.labels, device="cpu",
+    loader = DistributedNeighborLoader(graph, ds.train_idx, [5, 3], BATCH, shuffle=True, rank=ctx.rank,
+                                       world_size=ctx.world_size, features=store, labels=labels, device=dev,
                                        prefetch=PREFETCH, max_steps=STEPS, prepare=jitter)
     torch.manual_seed(0)
-    model = wrap_ddp(build_model("sage", ds.num_features, 16, ds.num_classes, 2, dropout=0.0), ctx)
+    model = wrap_ddp(build_model("sage", ds.num_features, 16, ds.num_classes, 2, dropout=0.0).to(dev), ctx)
 
     def hook(state, bucket):  # DDP's all-reduce of a bucket of gradients, as the default hook does it
         if bucket.index() == 0:
@@ -161,3 +166,14 @@ def test_every_rank_submits_its_collectives_in_the_same_order(world: int) -> Non
     if world == WORLD:  # the global batch's mean loss (the ranks' mean) is the one process's, step by step
         got = torch.tensor([r["losses"] for r in res], dtype=torch.float64).mean(0)
         torch.testing.assert_close(got, torch.tensor(_reference_losses(), dtype=torch.float64), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_two_gpus_submit_nccl_collectives_in_the_same_order() -> None:
+    """The same on two GPUs: the exchange group and DDP's both NCCL communicators of one device per rank."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    logs = [r["log"] for r in launch(_ordered_training, 2, (0.01, "cuda"))]
+    assert logs[1] == logs[0], f"rank 1's collectives came in another order than rank 0's:\n{logs[1]}\n{logs[0]}"
+    for epoch in logs[0].split("|")[1:]:
+        assert epoch.replace("x", "") == _canonical(STEPS, PREFETCH), epoch
