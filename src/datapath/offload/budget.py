@@ -19,18 +19,10 @@ beside a block's input), every interval of the profile is moved up by the differ
 (`BudgetPolicy.calibration`; never down), so that the first planned step holds the
 budget rather than the second.
 
-Where the store cannot hold every activation of the profiled step (a long sequence
-against the host's pinned budget), what it refuses would stay on the device and the
-step would need more memory than keeping everything.  So the profiled step watches
-the store's room (`Store.room`): at the first store of each block it compares the room
-left with the blocks still to run times the largest block stored so far, and when they
-would not fit (or a store is about to be refused) the blocks that would not fit are
-recomputed from there on (the step needs about checkpointing's memory; more only by
-what the store refuses of a block larger than its whole room).
-Its profile is then not the model's "everything offloaded", so the next step is
-profiled instead with every block recomputed and every other storage offloaded, and
-every plan recomputes every block (`BudgetPolicy.base_recompute`): the lowest plan is
-about checkpointing's memory, and a budget checkpointing meets is met.  Where the store
+Where the store cannot hold every activation of the profiled step, the profiled step
+recomputes the blocks that would not fit, the next step is profiled with every block
+recomputed and every plan recomputes every block (`datapath.offload.store_room`;
+`BudgetPolicy.base_recompute`): a budget checkpointing meets is met.  Where the store
 holds everything, nothing of this runs.  A planned step then
 
 - offloads the planned prefix of storages, admitting each store only while the
@@ -73,9 +65,10 @@ from datapath.offload.errors import OffloadConfigError
 from datapath.offload.memory_meter import MemoryMeter
 from datapath.offload.models import AttachedModels
 from datapath.offload.policy import Backpressure, Policy, derived_bound
-from datapath.offload.recompute import already_recomputed, clear_recompute, is_recomputed, set_recompute
+from datapath.offload.recompute import already_recomputed, clear_recompute, set_recompute
 from datapath.offload.records import Clock, Record, Segment
 from datapath.offload.stats import OffloadStats
+from datapath.offload.store_room import StoreRoom
 
 log = logging.getLogger("datapath.offload.budget")
 
@@ -152,12 +145,23 @@ class BudgetPolicy(Policy):
         self._trial_next: list[BudgetPlan] | None = None  # the trial's plans still to run (None: no trial open)
         self._trial_runs: list[tuple[BudgetPlan, int, object, object]] = []  # the round's (plan, peak, t0, t_end)
         self._last_run: tuple[BudgetPlan, int, object, object] | None = None
-        self.room = room
-        self.store_full = False   # the profiled step's activations did not all fit the store
-        self.base_recompute: tuple[int, ...] = ()  # blocks every plan recomputes (profiled recomputed)
-        self._seen_block = -1     # the profiled step's last block whose first store was seen
-        self.block_bytes_max = 0  # the most bytes one block of the first profiled step saved (store too small)
+        self.room = StoreRoom(room)  # a store too small for the profiled step's activations
         self.profile_peaks: list[int] = []  # the measured peak of each profiled step (memory profiles)
+
+    @property
+    def store_full(self) -> bool:
+        """The profiled step's activations did not all fit the store."""
+        return self.room.full
+
+    @property
+    def base_recompute(self) -> tuple[int, ...]:
+        """The blocks every plan recomputes (the store did not hold the profiled step; else empty)."""
+        return self.room.base_recompute
+
+    @property
+    def block_bytes_max(self) -> int:
+        """The most bytes one block of the first profiled step saved (a store too small)."""
+        return self.room.block_bytes_max
 
     # ------------------------------------------------------------ steps
     def on_step_start(self) -> None:
@@ -170,8 +174,13 @@ class BudgetPolicy(Policy):
         if rec is not None and rec.backward_started and rec.bwd_done:
             self._profiling = None
             self.profile_peaks.append(_record_peak(rec))
-            if self.store_full and not self.base_recompute and self._reprofile(rec):
-                return  # the next step is profiled again, every block recomputed
+            per_block = self.room.reprofile(rec, self.models.blocks)
+            if per_block is not None:  # the next step is profiled again, every block recomputed
+                for b, nb in per_block.items():
+                    self._block_bytes[b] = self._block_bytes.get(b, 0) + nb
+                self.room.block_bytes_max = max(self.room.block_bytes_max,
+                                                max(self._block_bytes.values(), default=0))
+                return
             self._memory = rec
             self._set_profile(rec, None)
             blocks = self._recomputable(rec)
@@ -281,9 +290,7 @@ class BudgetPolicy(Policy):
         if self.plan is None:
             if self._memory is None and self._profiling is None:
                 rec.profiling = True
-                self._seen_block = -1
-                if self.base_recompute:  # the store did not hold everything: every block recomputed
-                    set_recompute(self.models.blocks, self.base_recompute)
+                self.room.step_started(self.models.blocks)  # after a store too small: every block recomputed
                 # the probe's device buffers are freed when it ends: counted in the memory held before the
                 # profiled step, they would be taken off every interval measured after it (see the docstring)
                 self.bandwidth.probed(wait=PROBE_WAIT_S)
@@ -322,8 +329,8 @@ class BudgetPolicy(Policy):
     def admit(self, rec: Record, nbytes: int) -> float:
         t = self.flow
         if rec.plan is None:  # the memory profile: the lowest memory, two storages in flight
-            if rec.profiling and not self.base_recompute:
-                self._watch_room(rec, nbytes)
+            if rec.profiling:
+                self.room.watch(rec, nbytes, self.models.blocks)
             return t.admit(nbytes, 2.0 * self.max_storage_bytes)
         if self._drain:  # the floor: the store of every earlier storage is over before the next is queued
             return t.admit(nbytes, 0.0)
@@ -429,63 +436,6 @@ class BudgetPolicy(Policy):
             plan = dataclasses.replace(plan, recompute=tuple(sorted(set(plan.recompute) | set(self.base_recompute))))
         return plan
 
-    # ------------------------------------------------------------ a store too small for the profiled step
-    def _watch_room(self, rec: Record, nbytes: int) -> None:
-        """Before a store of the profiled step: where the blocks still to run would not fit the store's room,
-        recompute those that would not (they would stay on the device otherwise), from the next block on."""
-        room = self.room() if self.room is not None else None
-        if room is None:
-            return
-        blocks = self.models.blocks
-        b = rec.segments[-1].block if rec.segments else -1
-        if 0 <= b < len(blocks) and b > self._seen_block:  # the first store of block b
-            self._seen_block = b
-            per: dict[int, int] = {}
-            for si, nb, _ in rec.tensors[:-1]:  # the last one is this storage (recorded before its store)
-                bb = rec.segments[si].block
-                if 0 <= bb < b:
-                    per[bb] = per.get(bb, 0) + nb
-            most = max(per.values(), default=0)
-            self.block_bytes_max = max(self.block_bytes_max, most)
-            todo = [i for i in range(b, len(blocks))
-                    if not already_recomputed(blocks[i]) and not is_recomputed(blocks[i])]
-            if most and room < len(todo) * most:
-                fit = int(room // most) - 1  # blocks after b that still fit (b itself takes one share)
-                self._overflow(b + 1 + max(0, fit), room, len(todo) * most)
-                return
-        if room < nbytes:  # this store will be refused: recompute every block after this one
-            self._overflow(b + 1 if b >= 0 else len(blocks), room, nbytes)
-
-    def _overflow(self, start: int, room: int, need: int) -> None:
-        """Recompute every block from ``start`` on (in this forward already: a block's forward is looked up
-        when it is called)."""
-        blocks = self.models.blocks
-        on = {i for i, blk in enumerate(blocks) if is_recomputed(blk)}
-        new = {i for i in range(start, len(blocks)) if not already_recomputed(blocks[i])}
-        if not self.store_full:
-            log.info("memory budget: the store has room for %s, the profiled step needs %s more; blocks %d.. are "
-                     "recomputed, and the next step is profiled with every block recomputed", _gb(room),
-                     _gb(need), start)
-        self.store_full = True
-        if new - on:
-            set_recompute(blocks, sorted(on | new))
-
-    def _reprofile(self, rec: Record) -> bool:
-        """The profiled step ``rec`` did not fit the store: profile the next with every block recomputed and
-        every other storage offloaded (False where no block can be recomputed: ``rec`` stays the profile)."""
-        blocks = self.models.blocks
-        base = tuple(i for i in range(len(blocks)) if not already_recomputed(blocks[i]))
-        if not base:
-            return False
-        for si, nb, _ in rec.tensors:  # a recomputed block's activations come back at once in its backward
-            b = rec.segments[si].block
-            if b >= 0:
-                self._block_bytes[b] = self._block_bytes.get(b, 0) + nb
-        self.block_bytes_max = max(self.block_bytes_max, max(self._block_bytes.values(), default=0))
-        self.base_recompute = base
-        clear_recompute(blocks)
-        return True
-
     def _set_profile(self, rec: Record, timing: Record | None) -> None:
         """The profile from the memory record ``rec`` (times from ``timing`` when given), moved by the change
         of the memory held at a step's start since ``rec`` began (optimizer state made after it, ...)."""
@@ -507,7 +457,7 @@ class BudgetPolicy(Policy):
         grow = [max(0, s.mem_fwd - s.alloc_fwd) for s in segs]
         self._head_fwd = [max(grow[i: i + LOOKAHEAD]) for i in range(len(grow))]
         self._head_bwd = max((s.mem_bwd - s.alloc_bwd for s in segs if s.mem_bwd is not None), default=0)
-        self._block_bytes = {b: self.block_bytes_max for b in self.base_recompute}  # measured by the first step
+        self._block_bytes = {b: self.room.block_bytes_max for b in self.base_recompute}  # measured by the first step
         for si, nb, _ in rec.tensors:
             b = segs[si].block
             if b >= 0:
