@@ -268,7 +268,7 @@ def run(args: argparse.Namespace) -> dict:
         "min_ratio_sync_vs_default": min(r["dp_sync_GBps"] / r["datapath_GBps"] for r in rows),
     }
     settings = {k: getattr(gather_config, k) for k in ("launcher", "threads_per_block", "blocks_per_sm", "sort_indices",
-                                                        "sort_min_rows_short", "sort_short_row_bytes",
+                                                        "sort_min_rows_short", "sort_min_bytes_short", "sort_short_row_bytes",
                                                         "sort_min_rows", "sort_max_row_bytes", "sort_min_rows_long",
                                                         "sort_min_bytes_long",
                                                         "sort_min_table_bytes", "sort_method", "host_window_bytes",

@@ -117,7 +117,8 @@ def test_tiered_gather_cpu_twin() -> None:
 
 def test_sort_rule() -> None:
     cfg = GatherConfig()
-    assert not cfg.sorts(4096, 256, 4 << 30) and cfg.sorts(8192, 256, 4 << 30)  # short rows: from 8K
+    assert not cfg.sorts(4096, 512, 4 << 30) and cfg.sorts(8192, 512, 4 << 30)  # short rows: from 8K ...
+    assert not cfg.sorts(16383, 256, 4 << 30) and cfg.sorts(16384, 256, 4 << 30)  # ... and 4 MB
     assert not cfg.sorts(16384, 1024, 4 << 30) and cfg.sorts(32768, 1024, 4 << 30)  # from 32K below 2 KB
     assert cfg.sorts(65536, 512, 4 << 30) and not cfg.sorts(65536, 512, 64 << 20)
     # long rows: from 512 MiB a call, and 65K rows

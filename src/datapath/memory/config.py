@@ -61,13 +61,16 @@ class GatherConfig:
             feature store's GPU cache): HBM wants more requests in flight.
         sort_indices: visit the rows in sorted index order (``True``/``False``), or
             ``"auto"``: when the table is in host memory, has at least ``sort_min_table_bytes``, and the call
-            moves at least ``sort_min_rows_short`` rows of fewer than ``sort_short_row_bytes`` bytes,
+            moves at least ``sort_min_rows_short`` rows (and ``sort_min_bytes_short`` bytes) of fewer than
+            ``sort_short_row_bytes`` bytes,
             ``sort_min_rows`` rows of fewer than ``sort_max_row_bytes`` bytes, or longer rows: at least
             ``sort_min_rows_long`` of them and ``sort_min_bytes_long`` bytes in all.  Random rows of a
             multi-GB table each cost an address-translation miss, which limits short rows far below
             PCIe bandwidth; sorted, neighbouring warps share translations.  The sort costs tens of
             microseconds of host and GPU time, which only calls of enough rows win back: the
-            thresholds are where sorted calls measured faster (CHANGELOG, B1).
+            thresholds are where sorted calls measured faster (CHANGELOG, B1).  Below ~4 MB of short
+            rows the sort's host time is near the whole call's GPU time, so a slower host loses
+            what the sort saves (8K rows of 256 B: sorted 0.84-1.08x unsorted across H100 runs).
         sort_method: how a sorted visit orders the indices: ``"buckets"`` (the default: a
             counting sort into about one bucket per index, buckets ascending, in one cooperative
             launch; a fraction of ``torch.sort``'s GPU time), ``"buckets_unfused"`` (the same in four
@@ -94,6 +97,7 @@ class GatherConfig:
     device_blocks_per_sm: int = 8
     sort_indices: bool | Literal["auto"] = "auto"
     sort_min_rows_short: int = 8192
+    sort_min_bytes_short: int = 4 << 20
     sort_short_row_bytes: int = 1024
     sort_min_rows: int = 32768
     sort_max_row_bytes: int = 2048
@@ -147,7 +151,7 @@ class GatherConfig:
         if not on_host or table_bytes < self.sort_min_table_bytes:
             return math.inf
         if row_bytes < self.sort_short_row_bytes:
-            return float(self.sort_min_rows_short)
+            return float(max(self.sort_min_rows_short, -(-self.sort_min_bytes_short // max(row_bytes, 1))))
         if row_bytes < self.sort_max_row_bytes:
             return float(self.sort_min_rows)
         return float(max(self.sort_min_rows_long, -(-self.sort_min_bytes_long // max(row_bytes, 1))))
