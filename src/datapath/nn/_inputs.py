@@ -65,6 +65,19 @@ def layer_inputs(graph: Any, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     (a pair's tensors) must have them and live on the graph's device (a table read through ``src_ids`` may live in
     host memory) -- checked here, before a layer's first matmul, so that the error names the argument."""
     csr = as_csr(graph)
+    if src_ids is None and isinstance(x, torch.Tensor):  # the common call, checked inline (it runs every step)
+        width = in_channels[0] if isinstance(in_channels, tuple) else in_channels
+        if x.dim() != 2 or (width is not None and x.shape[1] != width) or x.device != csr.indices.device:
+            _check_x(x, width, csr, "x", True)  # raises, naming what is wrong
+        nd = csr.num_dst
+        if nd > csr.num_src:
+            raise FeatureShapeError(
+                f"the graph has more destination ({nd}) than source ({csr.num_src}) nodes, so x_dst "
+                f"cannot be x[:num_dst]; pass x as a pair (x_src, x_dst)"
+            )
+        # a whole graph (every source is a destination): x itself, not a full-length slice, whose backward would
+        # cost a zero-filled gradient and a copy
+        return LayerInputs(csr, x, x if x.shape[0] == nd else x[:nd], None)
     w_src, w_dst = in_channels if isinstance(in_channels, tuple) else (in_channels, in_channels)
     if isinstance(x, tuple):
         if src_ids is not None:
@@ -85,12 +98,4 @@ def layer_inputs(graph: Any, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
         ids = check_ids(src_ids, table.shape[0], csr.num_src, "src_ids")
         x_dst = gather_rows(x, ids[: csr.num_dst])
         return LayerInputs(csr, x, x_dst, ids)
-    _check_x(x, w_src, csr, "x", True)
-    if csr.num_dst > csr.num_src:
-        raise FeatureShapeError(
-            f"the graph has more destination ({csr.num_dst}) than source ({csr.num_src}) nodes, so x_dst "
-            f"cannot be x[:num_dst]; pass x as a pair (x_src, x_dst)"
-        )
-    # a whole graph (every source is a destination): x itself, not a full-length slice, whose backward would
-    # cost a zero-filled gradient and a copy
-    return LayerInputs(csr, x, x if x.shape[0] == csr.num_dst else x[: csr.num_dst], None)
+    raise FeatureShapeError(f"x must be a torch.Tensor (or a pair (x_src, x_dst)), got {type(x).__name__}")

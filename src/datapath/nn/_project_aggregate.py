@@ -29,29 +29,37 @@ from datapath.ops import CSRView, aggregate, transposed_aggregator
 ROOTS = ("none", "shared", "own")
 
 
+def _forward(x: torch.Tensor, x_dst: torch.Tensor | None, weight: torch.Tensor, root_weight: torch.Tensor | None,
+             bias: torch.Tensor | None, scale: torch.Tensor | None, csr: CSRView, reduce: str, norm: str | None,
+             root: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(out, h, r)``: the layer's output, ``h = x W^T`` and the root term before its scale (None: not kept)."""
+    nd = csr.num_dst
+    h = torch.mm(x, weight.t())
+    out = aggregate(csr, h, reduce, norm=norm)
+    r = None
+    if root == "shared":
+        r = h if h.shape[0] == nd else h[:nd]
+    elif root == "own":
+        xd = x[:nd] if x_dst is None else x_dst
+        r = torch.mm(xd, root_weight.t()) if scale is not None else None
+        if r is None:
+            out.addmm_(xd, root_weight.t())
+    if r is not None and scale is not None:
+        out.addcmul_(r, scale)
+    elif r is not None:
+        out.add_(r)
+    if bias is not None:
+        out.add_(bias)
+    return out, h, r
+
+
 class _ProjectAggregate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, x_dst: torch.Tensor | None, weight: torch.Tensor,  # type: ignore[override]
                 root_weight: torch.Tensor | None, bias: torch.Tensor | None, scale: torch.Tensor | None,
                 csr: CSRView, reduce: str, norm: str | None, root: str) -> torch.Tensor:
-        nd = csr.num_dst
-        h = torch.mm(x, weight.t())
-        out = aggregate(csr, h, reduce, norm=norm)
-        r = None
-        if root == "shared":
-            r = h if h.shape[0] == nd else h[:nd]
-        elif root == "own":
-            xd = x[:nd] if x_dst is None else x_dst
-            r = torch.mm(xd, root_weight.t()) if scale is not None else None
-            if r is None:
-                out.addmm_(xd, root_weight.t())
-        if r is not None and scale is not None:
-            out.addcmul_(r, scale)
-        elif r is not None:
-            out.add_(r)
-        if bias is not None:
-            out.add_(bias)
-        ctx.nd, ctx.root = nd, root
+        out, h, r = _forward(x, x_dst, weight, root_weight, bias, scale, csr, reduce, norm, root)
+        ctx.nd, ctx.root = csr.num_dst, root
         need = ctx.needs_input_grad  # the backward's aggregation resolved here, so that it only launches there
         ctx.run_t = transposed_aggregator(csr, h.shape[1], h.dtype, reduce, norm) if need[0] or need[2] else None
         ctx.r = r if scale is not None and ctx.needs_input_grad[5] else None
@@ -99,7 +107,8 @@ def project_aggregate(csr: CSRView, x: torch.Tensor, weight: torch.Tensor, *, re
                       norm: str | None = None, bias: torch.Tensor | None = None, root: str = "none",
                       x_dst: torch.Tensor | None = None, root_weight: torch.Tensor | None = None,
                       scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``AGG(x W^T) + root + b`` as one autograd node (see the module docstring).
+    """``AGG(x W^T) + root + b`` as one autograd node (see the module docstring); with grad mode off (inference)
+    the same computation, without a node or anything resolved for a backward.
 
     Args:
         csr: the graph's validated view; x: (num_src, in); weight: (out, in).
@@ -113,6 +122,8 @@ def project_aggregate(csr: CSRView, x: torch.Tensor, weight: torch.Tensor, *, re
     """
     if root not in ROOTS:
         raise ValueError(f"root must be one of {ROOTS}, got {root!r}")
+    if not torch.is_grad_enabled():  # no graph to record (inference): no autograd node, no backward resolved
+        return _forward(x, x_dst, weight, root_weight, bias, scale, csr, reduce, norm, root)[0]
     return _ProjectAggregate.apply(x, x_dst, weight, root_weight, bias, scale, csr, reduce, norm, root)
 
 

@@ -53,18 +53,22 @@ class GINConv(nn.Module):
         # have its id or address passed to a successor while the entry lives
         kept = self.__dict__.get("_one_plus_kept")
         if kept is None or kept[0] is not eps or kept[1] != eps._version or kept[3] != eps.data_ptr():
+            if torch.is_inference_mode_enabled():  # an inference tensor: no later autograd call may save it
+                return 1 + eps.detach()
             kept = (eps, eps._version, eps.untyped_storage(), eps.data_ptr(), 1 + eps.detach())
             self.__dict__["_one_plus_kept"] = kept
         return kept[4]
 
-    def _in_width(self) -> int | None:
-        """The width ``nn`` takes where it says (a Linear, or a Sequential starting with one), else None."""
-        first = self.nn[0] if isinstance(self.nn, torch.nn.Sequential) and len(self.nn) else self.nn
+    @staticmethod
+    def _in_width(net: nn.Module) -> int | None:
+        """The width ``net`` takes where it says (a Linear, or a Sequential starting with one), else None."""
+        # read through _modules, not indexing: a Sequential's [0] and a Module's attribute lookup cost per call
+        first = next(iter(net._modules.values()), None) if isinstance(net, torch.nn.Sequential) else net
         return first.in_features if isinstance(first, torch.nn.Linear) else None
 
-    def _projects_first(self, x_width: int) -> bool:
+    def _projects_first(self, x_width: int, lin: nn.Module | None = None) -> bool:
         """``nn`` is one Linear not widening the rows: project, then aggregate (the same function, no more bytes)."""
-        lin = self.nn
+        lin = self.nn if lin is None else lin
         return (self.aggr in ("sum", "mean") and isinstance(lin, torch.nn.Linear)
                 and lin.in_features == x_width and lin.out_features <= lin.in_features)
 
@@ -82,15 +86,17 @@ class GINConv(nn.Module):
 
     def forward(self, graph: Any, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                 src_ids: torch.Tensor | None = None, edge_weight: torch.Tensor | None = None) -> torch.Tensor:
-        inp = layer_inputs(graph, x, src_ids, self._in_width())
-        if not inp.fused and fusable(inp.x_src, edge_weight) and self._projects_first(inp.x_src.shape[-1]):
-            lin = self.nn  # the layer as one autograd node: AGG(x W^T) + (1 + eps) x_dst W^T + b
+        net = self._modules["nn"]  # looked up once a call
+        inp = layer_inputs(graph, x, src_ids, self._in_width(net))
+        projects = not inp.fused and self._projects_first(inp.x_src.shape[-1], net)
+        if projects and fusable(inp.x_src, edge_weight):
+            lin = net  # the layer as one autograd node: AGG(x W^T) + (1 + eps) x_dst W^T + b
             pair = isinstance(x, tuple)
             return project_aggregate(inp.csr, inp.x_src, lin.weight, reduce=self.aggr, bias=lin.bias,
                                      root="own" if pair else "shared", x_dst=inp.x_dst if pair else None,
                                      root_weight=lin.weight if pair else None, scale=self._one_plus_eps())
-        if not inp.fused and self._projects_first(inp.x_src.shape[-1]):
-            lin = self.nn
+        if projects:
+            lin = net
             h_src = F.linear(inp.x_src, lin.weight)
             if isinstance(x, tuple):
                 h_dst = F.linear(inp.x_dst, lin.weight)
@@ -99,7 +105,7 @@ class GINConv(nn.Module):
             h = torch.addcmul(aggregate(inp.csr, h_src, self.aggr, edge_weight), h_dst, self._one_plus_eps())
             return h + lin.bias if lin.bias is not None else h
         h = aggregate(inp.csr, inp.x_src, self.aggr, edge_weight, src_ids=inp.src_ids)
-        return self.nn(torch.addcmul(h, inp.x_dst, self._one_plus_eps()))  # one kernel: the sum and the scaling
+        return net(torch.addcmul(h, inp.x_dst, self._one_plus_eps()))  # one kernel: the sum and the scaling
 
     def extra_repr(self) -> str:
         return f"aggr={self.aggr!r}"
