@@ -38,10 +38,13 @@ RACE_MODES = ("plan:groups", "plan:tensor_core", "probe:groups", "probe:tensor_c
 
 
 def _races(case: Any) -> bool:
-    """Cases whose kernels use shared memory: neighbor groups, tensor-core tiles, multi-head, sorted gathers."""
+    """Cases whose kernels use shared memory: neighbor groups, tensor-core tiles, multi-head (the typed groups' too),
+    sorted gathers."""
     p = case.params
     if case.op == "aggregate":
         return p.get("mode") in RACE_MODES or p.get("heads", 1) > 1
+    if case.op in ("relations_into", "rgat", "hgt"):  # multi-head aggregations over the merged typed CSRs
+        return p.get("heads", 1) > 1
     return case.op == "gather" and p.get("sort") is True
 
 
@@ -214,7 +217,8 @@ def _coverage(res: list[dict[str, Any]]) -> dict[str, Any]:
     cnt: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for r in res:
         p = r["case"]["params"]
-        for k in ("graph", "dtype", "mode", "reduce", "table", "path", "launcher", "probe", "scenario", "form"):
+        for k in ("graph", "dtype", "mode", "reduce", "table", "path", "launcher", "probe", "scenario", "form", "kind",
+                  "decomp"):
             if k in p:
                 cnt[k][str(p[k]) if k != "mode" else str(p[k]).split(":")[-1] if ":" in str(p[k]) else "default"] += 1
         for k in ("width", "in", "out"):

@@ -13,12 +13,13 @@ from datapath.ops import FeatureShapeError, GraphFormatError
 EdgeType = tuple[str, str, str]
 
 
-def hetero_inputs(graph: Any, x: Mapping[str, torch.Tensor], edge_types: Sequence[EdgeType]
-                  ) -> tuple[dict[str, int], dict[str, int]]:
+def hetero_inputs(graph: Any, x: Mapping[str, torch.Tensor], edge_types: Sequence[EdgeType],
+                  in_channels: int | Mapping[str, int] | None = None) -> tuple[dict[str, int], dict[str, int]]:
     """(num_src, num_dst) per node type of ``graph`` (a `HeteroBlock` or `HeteroGraph`), after checking ``x``.
 
-    Raises `FeatureShapeError` naming the node type whose rows do not match the graph, and
-    `GraphFormatError` naming a relation the layer was not built for.
+    Raises `FeatureShapeError` naming the node type whose rows do not match the graph or whose width is not the
+    layer's ``in_channels`` (one for every type, or per type), and `GraphFormatError` naming a relation the layer
+    was not built for.
     """
     rels = getattr(graph, "relations", None)
     if rels is None or not isinstance(x, Mapping):
@@ -39,6 +40,10 @@ def hetero_inputs(graph: Any, x: Mapping[str, torch.Tensor], edge_types: Sequenc
         if v.dim() != 2 or v.shape[0] != num_src[t]:
             raise FeatureShapeError(f"x[{t!r}] has shape {tuple(v.shape)} but node type {t!r} has {num_src[t]} "
                                     f"source rows in this layer; pass (num_src_nodes[{t!r}], F)")
+        want = in_channels.get(t) if isinstance(in_channels, Mapping) else in_channels
+        if want is not None and v.shape[1] != want:
+            raise FeatureShapeError(f"x[{t!r}] has {v.shape[1]} features but the layer takes {want} for node type "
+                                    f"{t!r}; project node type {t!r} to {want} features first")
     for et in rels:
         if et[0] not in x and rels[et].num_edges:
             raise FeatureShapeError(f"relation {et} reads node type {et[0]!r}, which has no rows in x")

@@ -120,7 +120,7 @@ class HGTConv(nn.Module):
         return torch.cat(ws, 1), torch.cat(bs)
 
     def forward(self, graph: Any, x: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        _, num_dst = hetero_inputs(graph, x, self.edge_types)
+        _, num_dst = hetero_inputs(graph, x, self.edge_types, self.in_channels)
         f, hh = self.out_channels, self.heads
         d = f // hh
         folded = x_all = None

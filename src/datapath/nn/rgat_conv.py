@@ -90,7 +90,7 @@ class RGATConv(nn.Module):
         return self.weight
 
     def forward(self, graph: Any, x: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        _, num_dst = hetero_inputs(graph, x, self.edge_types)
+        _, num_dst = hetero_inputs(graph, x, self.edge_types, self.in_channels)
         hh, c = self.heads, self.out_channels
         out: dict[str, torch.Tensor] = {}
         w_all = wq_all = x_all = None

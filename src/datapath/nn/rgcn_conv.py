@@ -76,7 +76,7 @@ class RGCNConv(nn.Module):
         return self.weight
 
     def forward(self, graph: Any, x: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        _, num_dst = hetero_inputs(graph, x, self.edge_types)
+        _, num_dst = hetero_inputs(graph, x, self.edge_types, self.in_channels)
         dense = None if self.num_blocks is not None else self.relation_weights()
         x_all = None
         out: dict[str, torch.Tensor] = {}

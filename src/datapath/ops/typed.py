@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from datapath.graph.csr import CSRGraph
-from datapath.ops.errors import FeatureShapeError, GraphFormatError
+from datapath.ops._graph import as_csr
+from datapath.ops.errors import FeatureShapeError, GraphFormatError, GraphIndexError
 
 EdgeType = tuple[str, str, str]
 
@@ -106,11 +107,16 @@ def _merge(graph: Any, dst_type: str, compact: bool) -> TypedRelations:
         raise GraphFormatError(f"node type {dst_type!r} is not in the graph; its types are {sorted(num_dst)}")
     ets = [et for et in rels if et[2] == dst_type]
     n = int(num_dst[dst_type])
-    dev = next(iter(rels.values())).indices.device
+    dev = next(iter(rels.values())).indices.device if rels else getattr(graph, "device", torch.device("cpu"))
     sources, degs, ptrs, idxs = [], [], [], []
     offsets = [0]
     for et in ets:
         r = rels[et]
+        if getattr(r, "trusted", True) is False:  # a relation its maker did not vouch for: checked once here,
+            try:  # as the ops check an untrusted graph (the merged CSRs below are trusted by the kernels)
+                as_csr(r)
+            except (GraphFormatError, GraphIndexError) as exc:
+                raise type(exc)(f"relation {et} (source type {et[0]!r}, {num_src[et[0]]} nodes): {exc}") from exc
         ptr = r.indptr.to(torch.int64)
         idx = r.indices.to(torch.int64)
         if compact:

@@ -15,8 +15,10 @@ Ops (`OPS`): ``aggregate`` (sum/mean/max, GCN norm, edge weights, heads; the def
 by a plan, or chosen by a probe limited to it; ``DATAPATH_OPS_PROBE`` on and off), ``aggregate_fused``
 (``src_ids`` into cuda / unified / as_unified / pinned / cpu tables), ``aggregate_transposed`` (and
 ``transposed_aggregator``), ``sddmm``, ``edge_softmax``, the layers ``sage``, ``gcn``, ``gin``, ``gat``,
-the full-graph models ``full_gcn``/``full_gin``, ``gather`` (the row fetch and its bad indices) and
-``bad_input`` (`datapath.testing.fuzz_errors`).  Each compares forward and every gradient with
+the full-graph models ``full_gcn``/``full_gin``, ``gather`` (the row fetch and its bad indices),
+``bad_input`` (`datapath.testing.fuzz_errors`) and the typed groups of `datapath.testing.fuzz_typed`
+(``typed_linear``, ``relations_into``, ``stacked_mean``, the relational layers ``rgcn``/``rgat``/``hgt``,
+``add_self_loops``, ``typed_bad_input``).  Each compares forward and every gradient with
 `datapath.testing.fuzz_reference` under `datapath.ops.tolerance`.
 """
 from __future__ import annotations
@@ -37,11 +39,16 @@ from datapath.testing import fuzz_checks as C
 from datapath.testing.fuzz_errors import SCENARIOS, UnclearError, check_bad_input
 from datapath.testing.fuzz_graphs import GRAPH_KINDS, SQUARE_KINDS
 from datapath.testing.fuzz_memory import check_gather
+from datapath.testing.fuzz_typed import TYPED_OPS, TYPED_WEIGHTS, typed_params
+from datapath.testing.fuzz_typed import check_add_self_loops, check_relations_into, check_stacked_mean, \
+    check_typed_linear
+from datapath.testing.fuzz_typed_errors import check_typed_bad_input
+from datapath.testing.fuzz_typed_layers import check_typed_layer
 
 OPS = ("aggregate", "aggregate_fused", "aggregate_transposed", "sddmm", "edge_softmax", "sage", "gcn", "gin", "gat",
-       "full_gcn", "full_gin", "gather", "bad_input")
-"""Every op the fuzz draws."""
-WEIGHTS = (30, 8, 5, 6, 5, 10, 6, 6, 6, 2, 2, 10, 4)
+       "full_gcn", "full_gin", "gather", "bad_input") + TYPED_OPS
+"""Every op the fuzz draws (the typed groups: `datapath.testing.fuzz_typed`)."""
+WEIGHTS = (30, 8, 5, 6, 5, 10, 6, 6, 6, 2, 2, 10, 4) + TYPED_WEIGHTS
 EDGE_BUDGET = {"gpu": 800_000, "cpu": 60_000}
 """Edges x width per case: keeps the float64 reference cheap."""
 WIDTHS = (1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 96, 127, 128, 129, 255, 256, 257, 512, 602, 1023,
@@ -259,6 +266,9 @@ def make_case(seed: int, index: int, device: str = "cpu", *, scale: str | None =
     elif op == "bad_input":
         p["scenario"] = _pick(rng, SCENARIOS)
         p["table"] = _pick(rng, ("cuda", "unified", "pinned") if gpu else ("cpu", "unified"))
+    elif op in TYPED_OPS:
+        p["op"] = op
+        typed_params(rng, op, p, gpu)
     return FuzzCase(op, p, str(device), int(seed), int(index))
 
 
@@ -292,7 +302,9 @@ CHECKS: dict[str, Callable[[dict[str, Any], Any, list], None]] = {
     "aggregate_transposed": C.check_aggregate_transposed, "sddmm": C.check_sddmm,
     "edge_softmax": C.check_edge_softmax, "sage": C.check_layer, "gcn": C.check_layer, "gin": C.check_layer,
     "gat": C.check_layer, "full_gcn": C.check_layer, "full_gin": C.check_layer, "gather": check_gather,
-    "bad_input": check_bad_input,
+    "bad_input": check_bad_input, "typed_linear": check_typed_linear, "relations_into": check_relations_into,
+    "stacked_mean": check_stacked_mean, "rgcn": check_typed_layer, "rgat": check_typed_layer,
+    "hgt": check_typed_layer, "add_self_loops": check_add_self_loops, "typed_bad_input": check_typed_bad_input,
 }
 
 
