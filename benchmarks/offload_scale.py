@@ -379,10 +379,11 @@ class Bench:
         upto = [s for s in seqs if s <= max(timed)]
         beyond = [s for s in seqs if s > max(timed)]
         small = [s for s in seqs if s <= min(timed)]
+        budgets = {"checkpoint": ("datapath-budget", sorted({a.check_seq, *timed}), "checkpoint peak"),
+                   "device": ("datapath-budget", [s for s in seqs if s >= max(timed)], "device memory")}
         schedule: list[tuple[str, list[int], str | None]] = [
             ("checkpoint", upto, None), ("keep", seqs, None),
-            ("datapath-budget", sorted({a.check_seq, *timed}), "checkpoint peak"),
-            ("datapath-budget", [s for s in seqs if s >= max(timed)], "device memory"),
+            *(budgets[k] for k in a.datapath_budgets.split(",") if k),
             ("checkpoint", beyond, None), ("selective_checkpoint", seqs, None),
             ("datapath-all", small, None), ("checkpoint_offload", [a.check_seq] + beyond, None),
             ("save_on_cpu", seqs[:1], None), ("torchtune", [a.check_seq], None),
@@ -465,6 +466,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--budget-warmup", type=int, default=6, help="extra warm-up steps of datapath-budget (it "
                                                                    "profiles, plans and tries plans)")
+    ap.add_argument("--datapath-budgets", default="checkpoint,device",
+                    help="datapath-budget's budgets, in this order: checkpoint (checkpointing's peak at the length), "
+                         "device (the GPU's memory less a margin, at the longest timed lengths)")
     ap.add_argument("--compile-budgets", default="0.5")
     ap.add_argument("--compile-cost", type=float, default=90.0, help="seconds a compiled method is expected to cost")
     ap.add_argument("--time-budget", type=float, default=360.0, help="seconds; later work is skipped and recorded")
@@ -480,6 +484,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.timed = args.timed or "32"
         args.check_seq = args.check_seq or 32
         args.budget_warmup = min(args.budget_warmup, 4)
+    bad = set(args.datapath_budgets.split(",")) - {"checkpoint", "device", ""}
+    if bad:
+        ap.error(f"--datapath-budgets takes checkpoint and/or device, not {sorted(bad)}")
     args.seqs = args.seqs or LADDER
     args.timed = args.timed or "16384,32768"
     args.check_seq = args.check_seq or 2048

@@ -17,6 +17,7 @@ model (the units of ``units="blocks"``, what ``compile=True`` compiles one by on
 the SSD plan, presets) lives in `datapath.analysis`.
 """
 from datapath._deprecated import forward
+from datapath.offload.attention_saved import AttentionCosts, attention_saved_contexts
 from datapath.offload.budget_planner import BudgetPlan, BudgetProfile, SegmentCost, plan_budget
 from datapath.offload.cache import TensorCache
 from datapath.offload.cheap_recompute import is_cheap, set_cheap_recompute
@@ -37,10 +38,10 @@ from datapath.offload.store import Slot, Store
 from datapath.offload.tiered_store import TieredStore
 
 __all__ = [
-    "BudgetPlan", "BudgetProfile", "FileStore", "FlowOptions", "HostStore", "OffloadConfig", "OffloadConfigError",
+    "AttentionCosts", "BudgetPlan", "BudgetProfile", "FileStore", "FlowOptions", "HostStore", "OffloadConfig", "OffloadConfigError",
     "OffloadError", "OffloadPlan", "OffloadStats", "OffloadWarning", "SegmentCost", "SegmentProfile",
     "SelectOptions", "Slot", "SpillDir", "StepProfile", "Store", "StoreOptions", "TensorCache", "TensorProfile",
-    "TieredStore", "auto_blocks", "clean_stale", "clean_stale_ranks", "compile_blocks", "is_cheap", "offload", "offload_rank", "parse_memory_budget",
+    "TieredStore", "attention_saved_contexts", "auto_blocks", "clean_stale", "clean_stale_ranks", "compile_blocks", "is_cheap", "offload", "offload_rank", "parse_memory_budget",
     "patch_schedules", "plan_budget", "plan_offload", "rank_path", "reclaim_stale", "restore_patches",
     "set_cheap_recompute", "set_recompute", "uncompile_blocks",
 ]

@@ -56,6 +56,7 @@ import logging
 import math
 from collections.abc import Callable
 
+from datapath.offload.attention_saved import AttentionCosts
 from datapath.offload.bandwidth import StoreBandwidth
 from datapath.offload.budget_planner import (
     KEEP_ALL, BudgetPlan, BudgetProfile, SegmentCost, modelled_peak, plan_budget, shifted,
@@ -81,9 +82,9 @@ MAX_TRIAL_ROUNDS = 2      # trials per policy (a plan remade after a correction 
 PROBE_WAIT_S = 30.0       # the longest the profiled step waits for the store's bandwidth probe to end
 
 
-def _shape(plan: BudgetPlan) -> tuple[int, int, tuple[int, ...]]:
+def _shape(plan: BudgetPlan) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
     """What a plan does (two plans of one shape run the same step)."""
-    return plan.cut_segment, plan.cut_bytes, plan.recompute
+    return plan.cut_segment, plan.cut_bytes, plan.recompute, plan.attention_saved
 
 
 def _gb(n: float) -> str:
@@ -147,6 +148,8 @@ class BudgetPolicy(Policy):
         self._last_run: tuple[BudgetPlan, int, object, object] | None = None
         self.room = StoreRoom(room)  # a store too small for the profiled step's activations
         self.profile_peaks: list[int] = []  # the measured peak of each profiled step (memory profiles)
+        self.attention = AttentionCosts()   # profiled steps' recomputed blocks: their attention's bytes and time
+        self._attention: dict[int, tuple[int, float]] = {}  # ... as the planner takes them
 
     @property
     def store_full(self) -> bool:
@@ -288,6 +291,7 @@ class BudgetPolicy(Policy):
         if self.plan is not None and (self._trial_due or self._trial_next is not None):
             rec.t0 = self.clock.mark()  # a step a trial measures
         if self.plan is None:
+            self.attention.attach(self.models.blocks)  # a profiled step: what keeping attention would cost
             if self._memory is None and self._profiling is None:
                 rec.profiling = True
                 self.room.step_started(self.models.blocks)  # after a store too small: every block recomputed
@@ -420,7 +424,7 @@ class BudgetPolicy(Policy):
 
     def _use(self, plan: BudgetPlan) -> None:
         self.plan = plan
-        set_recompute(self.models.blocks, plan.recompute)
+        set_recompute(self.models.blocks, plan.recompute, plan.attention_saved)
 
     # ------------------------------------------------------------ planning
     def _recomputable(self, rec: Record) -> list[int]:
@@ -431,7 +435,8 @@ class BudgetPolicy(Policy):
     def _plan_for(self, target: float, offload_cost: float = 1.0) -> BudgetPlan:
         """`plan_budget` for ``target`` bytes; the blocks the profile was taken recomputed stay recomputed."""
         assert self.profile is not None
-        plan = plan_budget(self.profile, int(target), offload_cost=offload_cost)
+        plan = plan_budget(self.profile, int(target), offload_cost=offload_cost, attention=self._attention,
+                           recomputed=self.base_recompute)
         if self.base_recompute:
             plan = dataclasses.replace(plan, recompute=tuple(sorted(set(plan.recompute) | set(self.base_recompute))))
         return plan
@@ -440,6 +445,8 @@ class BudgetPolicy(Policy):
         """The profile from the memory record ``rec`` (times from ``timing`` when given), moved by the change
         of the memory held at a step's start since ``rec`` began (optimizer state made after it, ...)."""
         now = self.meter.allocated()
+        self._attention = self.attention.gains()
+        self.attention.detach(self.models.blocks)
         self.profile = shifted(self._build_profile(rec, timing), now - rec.mem_base)
         if timing is not None and self._timing_peak is not None:
             # the timing step ran a configuration the model knows (every block recomputed, nothing offloaded):
@@ -477,10 +484,11 @@ class BudgetPolicy(Policy):
             return  # the same step as before (a relaxed target that changes nothing): its measures stand
         self.plan = plan
         self._trial_due = (plan.offload_bytes > 0 and not self._at_floor and len(self.trials) < MAX_TRIAL_ROUNDS)
-        set_recompute(self.models.blocks, plan.recompute)
-        log.info("memory budget %s (planning for %s): offload %s (%d segments), recompute %d block(s) %s, "
-                 "predicted peak %s, predicted step %.1f ms", _gb(self.budget), _gb(self.target),
+        set_recompute(self.models.blocks, plan.recompute, plan.attention_saved)
+        log.info("memory budget %s (planning for %s): offload %s (%d segments), recompute %d block(s) %s (attention "
+                 "kept in %s), predicted peak %s, predicted step %.1f ms", _gb(self.budget), _gb(self.target),
                  _gb(plan.offload_bytes), plan.cut_segment, len(plan.recompute), list(plan.recompute),
+                 list(plan.attention_saved),
                  _gb(plan.predicted_peak), plan.predicted_time * 1e3)
 
     def _times(self, rec: Record) -> list[float]:
@@ -518,6 +526,7 @@ class BudgetPolicy(Policy):
                              backward_ratio=ratio, storage_inputs=list(rec.input_of))
 
     def close(self) -> None:
+        self.attention.detach(self.models.blocks)
         clear_recompute(self.models.blocks)
 
     @property

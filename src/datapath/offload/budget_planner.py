@@ -31,6 +31,13 @@ costs beyond its transfers (host work the pacing exposes on a model of short blo
 copies competing with the step's kernels): ``offload_cost`` weighs offloading more,
 and the budget policy measures such plans against the first (`BudgetPolicy`).
 
+Attention kept.  A recomputed block may keep its attention outputs
+(`datapath.offload.attention_saved`): given their measured bytes and forward time per
+block (``attention``), those bytes are resident like the block's input (from its
+forward to its backward) and its recompute costs that much less time.  For each
+candidate plan the most such blocks that still fit the budget are chosen, the last
+ones first (their bytes are freed first in the backward).
+
 Search.  For each number ``m`` of recomputed blocks (the last ``m`` recomputable
 ones, identical layers being equally good per byte and the first ones having the
 most time to store), the shortest offloaded prefix that fits the budget (binary
@@ -91,6 +98,7 @@ class BudgetPlan:
     budget: int
     infeasible: bool = False
     min_peak: int = 0
+    attention_saved: tuple[int, ...] = ()   # recomputed blocks that keep their attention outputs
 
     def offloads(self, segment: int, done_in_segment: int) -> bool:
         """Whether a storage of ``segment`` is offloaded, ``done_in_segment`` bytes of it being offloaded already."""
@@ -100,7 +108,7 @@ class BudgetPlan:
         return {"cut_segment": self.cut_segment, "cut_bytes": self.cut_bytes, "recompute": list(self.recompute),
                 "offload_bytes": self.offload_bytes, "predicted_peak": self.predicted_peak,
                 "predicted_time": self.predicted_time, "budget": self.budget, "infeasible": self.infeasible,
-                "min_peak": self.min_peak}
+                "min_peak": self.min_peak, "attention_saved": list(self.attention_saved)}
 
 
 KEEP_ALL = BudgetPlan(0, 0, (), 0, 0, 0.0, 0)  # offloads nothing, recomputes nothing
@@ -162,8 +170,10 @@ class _Model:
         return best
 
 
-def _kept(model: _Model, recompute: set[int], k: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
-    """(resident ranges, offloaded storages) when the first ``k`` eligible storages are offloaded.
+def _kept(model: _Model, recompute: set[int], k: int, saved: dict[int, int] | None = None,
+          ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """(resident ranges, offloaded storages) when the first ``k`` eligible storages are offloaded; the blocks
+    of ``saved`` (block -> bytes) keep their attention outputs from their forward to their backward.
 
     A kept storage is resident between its save and its use (`_Model.middle`).  A recomputed
     block's storages are not saved, but its backward recomputes them all at once: each is
@@ -195,6 +205,10 @@ def _kept(model: _Model, recompute: set[int], k: int) -> tuple[list[tuple[int, i
         if b in model.first_seg and b in p.block_inputs:
             lo, hi = model.middle(model.first_seg[b])
             res.append((lo, hi, p.block_inputs[b]))
+    for b, nb in (saved or {}).items():
+        if b in model.first_seg:
+            lo, hi = model.middle(model.first_seg[b])
+            res.append((lo, hi, nb))
     return res, off
 
 
@@ -238,11 +252,29 @@ def _time(model: _Model, recompute: set[int], off: list[tuple[int, int]], slack:
 
 
 
-def modelled_peak(profile: BudgetProfile, recompute: tuple[int, ...] | list[int] = (), offloaded: int = 0) -> float:
+def modelled_peak(profile: BudgetProfile, recompute: tuple[int, ...] | list[int] = (), offloaded: int = 0,
+                  saved: dict[int, int] | None = None) -> float:
     """The peak the memory model gives when the blocks ``recompute`` are recomputed and the first
-    ``offloaded`` eligible storages offloaded (the rest kept)."""
+    ``offloaded`` eligible storages offloaded (the rest kept); ``saved``: block -> attention bytes it keeps."""
     model = _Model(profile)
-    return model.peak(_kept(model, set(recompute), offloaded)[0])
+    return model.peak(_kept(model, set(recompute), offloaded, saved)[0])
+
+
+def _keep_attention(model: _Model, rec: set[int], k: int, budget: int, attention: dict[int, tuple[int, float]],
+                    recomputed: set[int]) -> tuple[dict[int, int], float]:
+    """The most recomputed blocks of ``rec`` and ``recomputed`` (those the profile ran recomputed; last first,
+    each saving time) whose attention outputs fit ``budget`` with the blocks ``rec`` recomputed and ``k``
+    storages offloaded: (block -> bytes, seconds saved)."""
+    cands = sorted((b for b in rec | recomputed if b in attention and attention[b][1] > 0), reverse=True)
+    lo, hi = 0, len(cands)
+    while lo < hi:  # the largest count that fits (memory grows with it)
+        mid = (lo + hi + 1) // 2
+        if model.peak(_kept(model, rec, k, {b: attention[b][0] for b in cands[:mid]})[0]) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    chosen = cands[:lo]
+    return {b: attention[b][0] for b in chosen}, sum(attention[b][1] for b in chosen)
 
 
 def shifted(profile: BudgetProfile, delta: int) -> BudgetProfile:
@@ -257,13 +289,18 @@ def shifted(profile: BudgetProfile, delta: int) -> BudgetProfile:
 
 
 def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
-                offload_cost: float = 1.0) -> BudgetPlan:
+                offload_cost: float = 1.0, attention: dict[int, tuple[int, float]] | None = None,
+                recomputed: tuple[int, ...] | list[int] = ()) -> BudgetPlan:
     """The fastest plan whose modelled peak fits ``budget`` bytes (see the module docstring).
 
     ``offload_cost`` multiplies what offloading costs in the time model (its transfer times and
     its pacing share): above 1 the planner recomputes more and offloads less (a large value: the
     plan that offloads the fewest bytes, recomputing wherever that fits the budget); the budget
     policy tries such plans against the first one and keeps the fastest measured.
+
+    ``attention``: block -> (bytes, seconds) of keeping its attention outputs when recomputed (measured:
+    `datapath.offload.attention_saved.AttentionCosts.gains`); ``recomputed``: blocks the profile ran recomputed
+    (every plan recomputes them; they may keep their attention outputs too).
     """
     if not offload_cost > 0:
         raise ValueError(f"offload_cost must be > 0, got {offload_cost!r}")
@@ -274,7 +311,8 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
         return _Model(dataclasses.replace(p, write_bandwidth=p.write_bandwidth * safety / cost,
                                           read_bandwidth=p.read_bandwidth * safety / cost))
     tmodel = timed(offload_cost)
-    best: tuple[float, int, int, set[int], float] | None = None
+    best: tuple[float, int, int, set[int], float, dict[int, int]] | None = None
+    always = set(recomputed)
     lowest = math.inf
     lowest_plan: tuple[int, set[int]] = (0, set())
     order = list(p.recomputable)
@@ -293,25 +331,30 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
                 hi = mid
             else:
                 lo = mid + 1
-        kept, off = _kept(model, rec, lo)
+        saved: dict[int, int] = {}
+        gain = 0.0
+        if attention:
+            saved, gain = _keep_attention(model, rec, lo, budget, attention, always)
+        kept, off = _kept(model, rec, lo, saved)
         peak = model.peak(kept)
-        lowest = min(lowest, peak)
-        t = _time(tmodel, rec, off, max(0.0, budget - peak), PACING_COST * offload_cost)
+        lowest = min(lowest, model.peak(_kept(model, rec, lo)[0]))
+        t = _time(tmodel, rec, off, max(0.0, budget - peak), PACING_COST * offload_cost) - gain
         key = (t, sum(nb for _, nb in off))
         if best is None or key < (best[0], best[2]):
-            best = (t, lo, sum(nb for _, nb in off), rec, peak)
+            best = (t, lo, sum(nb for _, nb in off), rec, peak, saved)
     if best is None:  # the plan with the lowest modelled peak, marked infeasible
         k, rec = lowest_plan
         cut_segment, cut_bytes = _cut(p, rec, k)
         off = _kept(model, rec, k)[1]
         return BudgetPlan(cut_segment, cut_bytes, tuple(sorted(rec)), sum(nb for _, nb in off), int(lowest),
                           math.inf, budget, infeasible=True, min_peak=int(min(lowest, p.min_peak)))
-    t, k, nbytes, rec, peak = best
+    t, k, nbytes, rec, peak, saved = best
     cut_segment, cut_bytes = _cut(p, rec, k)
     if offload_cost != 1.0:  # the time the plain model gives this plan (comparable with other plans')
-        t = _time(timed(1.0), rec, _kept(model, rec, k)[1], max(0.0, budget - peak))
+        t = _time(timed(1.0), rec, _kept(model, rec, k)[1], max(0.0, budget - peak)) - \
+            (sum(attention[b][1] for b in saved) if attention else 0.0)
     return BudgetPlan(cut_segment, cut_bytes, tuple(sorted(rec)), nbytes, int(peak), t, budget,
-                      min_peak=int(min(lowest, p.min_peak)))
+                      min_peak=int(min(lowest, p.min_peak)), attention_saved=tuple(sorted(saved)))
 
 
 def _cut(p: BudgetProfile, recompute: set[int], k: int) -> tuple[int, int]:

@@ -7,7 +7,8 @@ is held by the checkpoint, and in backward the forward runs again with the CPU
 and CUDA RNG states it first ran with (``preserve_rng_state``), so dropout draws
 the same masks and gradients stay bit-identical.  As with Hugging Face's own
 checkpointing, a recomputed block runs without a KV cache.  `set_recompute`
-switches blocks on and off between steps.
+switches blocks on and off between steps; its ``attention_saved`` blocks keep their attention
+outputs (`datapath.offload.attention_saved`: the attention forward is not run again in the backward).
 """
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+from datapath.offload.attention_saved import attention_saved_contexts, probe_contexts, probe_of
 
 _ORIGINAL = "_datapath_recompute_original"
+_KEEP_ATTENTION = "_datapath_recompute_attention_saved"
 
 
 def already_recomputed(block: nn.Module) -> bool:
@@ -53,26 +57,52 @@ def without_kv_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tup
     return args, kwargs
 
 
-def _wrap(original: Any) -> Any:
+def keeps_attention(block: nn.Module) -> bool:
+    """True when ``block`` is recomputed with its attention outputs saved."""
+    return is_recomputed(block) and bool(block.__dict__.get(_KEEP_ATTENTION))
+
+
+def _context_fn(block: nn.Module) -> Any:
+    """The checkpoint contexts of ``block``'s next forward: attention saved, probed, or plain."""
+    if block.__dict__.get(_KEEP_ATTENTION):
+        return attention_saved_contexts
+    probe = probe_of(block)
+    if probe is not None:
+        costs, index = probe
+        return lambda: probe_contexts(costs, index)
+    return noop_context_fn
+
+
+def _wrap(block: nn.Module, original: Any) -> Any:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
         # a recomputed block runs without a KV cache (the recomputation would append to it a second time)
         args, kwargs = without_kv_cache(args, kwargs)
-        return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=_context_fn(block), **kwargs)
     return forward
 
 
-def set_recompute(blocks: list[nn.Module], which: Iterable[int]) -> None:
-    """Recompute exactly the blocks whose indices are in ``which``; restore the others."""
+def set_recompute(blocks: list[nn.Module], which: Iterable[int], attention_saved: Iterable[int] = ()) -> None:
+    """Recompute exactly the blocks whose indices are in ``which``; restore the others.  The blocks in
+    ``attention_saved`` (a subset of ``which``) keep their attention ops' outputs instead of running them again."""
     chosen = set(which)
+    keep = set(attention_saved)
+    if not keep <= chosen:
+        raise ValueError(f"attention_saved blocks {sorted(keep - chosen)} are not recomputed: a block keeps its "
+                         f"attention outputs only when it is recomputed (pass it in ``which`` too)")
     for i, block in enumerate(blocks):
+        if i in keep:
+            block.__dict__[_KEEP_ATTENTION] = True
+        else:
+            block.__dict__.pop(_KEEP_ATTENTION, None)
         on = is_recomputed(block)
         if i in chosen and not on:
             had_own = "forward" in block.__dict__
             original = block.forward
             block.__dict__[_ORIGINAL] = (original, had_own)
-            block.forward = _wrap(original)  # type: ignore[method-assign]
+            block.forward = _wrap(block, original)  # type: ignore[method-assign]
         elif i not in chosen and on:
             original, had_own = block.__dict__.pop(_ORIGINAL)
             if had_own:
