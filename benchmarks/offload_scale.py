@@ -251,6 +251,9 @@ class Bench:
                     extra["step_peaks_gb"] = [p / 1e9 for p in getattr(pol, "peaks", [])]
                     plan = getattr(cache, "plan", None)
                     extra["plan"] = plan.as_dict() if plan is not None and hasattr(plan, "as_dict") else None
+                    att = getattr(pol, "attention", None)  # per block: bytes kept, seconds saved (measured)
+                    if att is not None:
+                        extra["attention_gains"] = {str(b): [nb / 1e9, sec] for b, (nb, sec) in att.gains().items()}
         self.opt.zero_grad(set_to_none=True)
         step_s = statistics.median(times)
         return {"step_s": step_s, "steps_s": times, "peak": max(peaks), "grads": grads,
@@ -469,6 +472,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--datapath-budgets", default="checkpoint,device",
                     help="datapath-budget's budgets, in this order: checkpoint (checkpointing's peak at the length), "
                          "device (the GPU's memory less a margin, at the longest timed lengths)")
+    ap.add_argument("--log-plans", action="store_true", help="print datapath's planning log (INFO)")
     ap.add_argument("--compile-budgets", default="0.5")
     ap.add_argument("--compile-cost", type=float, default=90.0, help="seconds a compiled method is expected to cost")
     ap.add_argument("--time-budget", type=float, default=360.0, help="seconds; later work is skipped and recorded")
@@ -495,6 +499,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.log_plans:
+        import logging  # noqa: PLC0415
+
+        logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+        logging.getLogger("datapath.offload").setLevel(logging.INFO)
     if args.finish:
         return finish(args)
     if args.mode == "fsdp2" and args.quick and "RANK" not in os.environ:
