@@ -185,3 +185,20 @@ def test_budget_keeps_attention_with_a_store_too_small_and_holds() -> None:
             loss.backward()
     assert bwd.calls == 0 and all(b.__dict__.get("_datapath_recompute_attention_saved") for b in blocks)
     cache.close()
+
+
+def test_compiled_blocks_are_not_probed() -> None:
+    """A dispatch mode around a compiled region would run it eagerly: compiled blocks are never probed (so the
+    planner never keeps their attention outputs), the others are."""
+    from datapath.offload import compile_blocks, uncompile_blocks
+    from datapath.offload.attention_saved import probe_of
+
+    model = _llama(layers=3)
+    blocks = list(model.model.layers)
+    compile_blocks(blocks[:2])
+    costs = AttentionCosts()
+    costs.attach(blocks)
+    assert probe_of(blocks[0]) is None and probe_of(blocks[1]) is None and probe_of(blocks[2]) == (costs, 2)
+    AttentionCosts.detach(blocks)
+    uncompile_blocks(blocks[:2])
+    assert all(probe_of(b) is None for b in blocks)

@@ -107,9 +107,14 @@ class AttentionCosts:
         return out
 
     def attach(self, blocks: Sequence[nn.Module]) -> None:
-        """Probe the blocks' forwards while they are recomputed (until `detach`)."""
+        """Probe the blocks' forwards while they are recomputed (until `detach`).  Compiled blocks
+        (``compile=True``) are left alone: a dispatch mode around a compiled region would run it eagerly, and
+        what such a block saves is the compiler's choice."""
+        from datapath.offload.regional_compile import is_compiled  # noqa: PLC0415  (it imports recompute)
+
         for i, block in enumerate(blocks):
-            block.__dict__[_PROBE] = (self, i)
+            if not is_compiled(block):
+                block.__dict__[_PROBE] = (self, i)
 
     @staticmethod
     def detach(blocks: Iterable[nn.Module]) -> None:
