@@ -80,3 +80,27 @@ def test_placements_on_gpu(hetero) -> None:
         assert moved.placement == where
         for et in eid:
             assert torch.equal(moved[et].edge_index().cpu(), hg[et].edge_index())
+
+
+@pytest.mark.gpu
+def test_a_relation_without_edges_moves_samples_and_trains_in_unified_memory(hetero, cuda_device) -> None:
+    """0 bytes are never pinned: an empty relation once made its unified graph refuse its own arrays."""
+    from datapath.nn import RGCNConv
+    from datapath.sampling import HeteroNeighborSampler
+
+    hg, n, eid = hetero(6)
+    eid = dict(eid)
+    eid[("fos", "unused", "paper")] = torch.empty(2, 0, dtype=torch.long)
+    full = HeteroGraph(n, eid)
+    for where in ("unified", "cuda"):
+        moved = full.to(where)
+        assert moved.placement == where and moved[("fos", "unused", "paper")].num_edges == 0
+    seeds = torch.arange(0, n["paper"], 3)
+    HeteroNeighborSampler([4], seed=1).sample(full.to("unified"), ("paper", seeds.to(cuda_device)))  # no error
+    torch.manual_seed(0)
+    conv = RGCNConv(8, 5, full.edge_types).double()
+    x = {t: torch.randn(c, 8, dtype=torch.float64) for t, c in n.items()}
+    ref = conv(full, x)
+    got = conv.to(cuda_device)(full.to("unified").to("cuda"), {t: v.to(cuda_device) for t, v in x.items()})
+    for t in ref:
+        torch.testing.assert_close(got[t].cpu(), ref[t])

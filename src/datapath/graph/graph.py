@@ -114,9 +114,8 @@ class Graph:
         indices = _as_index_tensor(indices, "indices")
         if edge_ids is not None:
             edge_ids = _as_index_tensor(edge_ids, "edge_ids")
-        where = {placement_of(indptr), placement_of(indices)}
-        if edge_ids is not None:
-            where.add(placement_of(edge_ids))
+        # an empty array holds no bytes (pinned memory of 0 bytes is not pinned): only the others must agree
+        where = {placement_of(t) for t in (indptr, indices, edge_ids) if t is not None and (t is indptr or t.numel())}
         if len(where) != 1:
             raise InvalidGraphError(f"indptr, indices and edge_ids must live in one memory, got {sorted(where)}")
         n = indptr.numel() - 1
@@ -251,8 +250,8 @@ class Graph:
     # -- placement -------------------------------------------------------------------------
     @property
     def placement(self) -> str:
-        """``"cpu"``, ``"unified"`` or ``"cuda"``."""
-        return placement_of(self.indices)
+        """``"cpu"``, ``"unified"`` or ``"cuda"`` (of ``indptr``, which is never empty)."""
+        return placement_of(self.indptr)
 
     @property
     def device(self) -> torch.device:

@@ -143,6 +143,8 @@ def kernel_view(t: torch.Tensor, what: str = "the tensor") -> torch.Tensor:
     if t.device.type == "cuda" and not is_unified(t):
         return t
     host = host_of(t)
+    if host.numel() == 0 and torch.cuda.is_available():  # nothing to read (and 0 bytes are never pinned)
+        return torch.empty(host.shape, dtype=host.dtype, device="cuda")
     if not torch.cuda.is_available() or not host.is_pinned():
         raise PlacementError(
             f"{what} is in pageable host memory, which a GPU kernel cannot read; make it unified "
