@@ -192,12 +192,13 @@ def test_compiled_blocks_are_not_probed() -> None:
     planner never keeps their attention outputs), the others are."""
     from datapath.offload import compile_blocks, uncompile_blocks
     from datapath.offload.attention_saved import probe_of
+    from datapath.offload.regional_compile import is_compiled  # what memory_budget's policy passes as skip
 
     model = _llama(layers=3)
     blocks = list(model.model.layers)
     compile_blocks(blocks[:2])
     costs = AttentionCosts()
-    costs.attach(blocks)
+    costs.attach(blocks, skip=is_compiled)
     assert probe_of(blocks[0]) is None and probe_of(blocks[1]) is None and probe_of(blocks[2]) == (costs, 2)
     AttentionCosts.detach(blocks)
     uncompile_blocks(blocks[:2])

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -106,14 +106,12 @@ class AttentionCosts:
                 out[b] = (nb, self.seconds(b) - 2 * DISPATCH_S * self.ops.get(b, 0))
         return out
 
-    def attach(self, blocks: Sequence[nn.Module]) -> None:
-        """Probe the blocks' forwards while they are recomputed (until `detach`).  Compiled blocks
-        (``compile=True``) are left alone: a dispatch mode around a compiled region would run it eagerly, and
-        what such a block saves is the compiler's choice."""
-        from datapath.offload.regional_compile import is_compiled  # noqa: PLC0415  (it imports recompute)
-
+    def attach(self, blocks: Sequence[nn.Module], skip: Callable[[nn.Module], bool] = lambda block: False) -> None:
+        """Probe the blocks' forwards while they are recomputed (until `detach`), but those ``skip`` names:
+        the caller passes `datapath.offload.regional_compile.is_compiled`, since a dispatch mode around a
+        compiled region would run it eagerly, and what such a block saves is the compiler's choice."""
         for i, block in enumerate(blocks):
-            if not is_compiled(block):
+            if not skip(block):
                 block.__dict__[_PROBE] = (self, i)
 
     @staticmethod
