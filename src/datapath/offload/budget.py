@@ -33,10 +33,9 @@ holds everything, nothing of this runs.  A planned step then
 - loads ahead in the backward only while the memory stays under the budget.
 
 The time model cannot see everything offloading costs, so a plan that offloads is
-put to the test: after its first step, the plans made with offloading weighed more
-(`TRIAL_COSTS`: less offloaded, more recomputed) run one step each, and the fastest
-measured step (GPU time from the forward's start to the backward's end) whose peak
-held the budget is kept (`BudgetPolicy.trials` says what ran and what was kept).
+put to the test (`datapath.offload.plan_trials`): the plans that offload less run one
+step each and the fastest whose peak held the budget is kept (`BudgetPolicy.trials`
+says what ran and what was kept).
 
 Each step's measured peak is compared with the budget: above it, the plan is
 made again for a budget lowered by the excess (a step whose peak exceeds the
@@ -65,8 +64,12 @@ from datapath.offload.config import OffloadConfig
 from datapath.offload.errors import OffloadConfigError
 from datapath.offload.memory_meter import MemoryMeter
 from datapath.offload.models import AttachedModels
+from datapath.offload.plan_trials import MAX_TRIAL_ROUNDS, PlanTrials, Run
+from datapath.offload.plan_trials import gb as _gb
+from datapath.offload.plan_trials import plan_shape as _shape
 from datapath.offload.policy import Backpressure, Policy, derived_bound
 from datapath.offload.recompute import already_recomputed, clear_recompute, set_recompute
+from datapath.offload.regional_compile import is_compiled
 from datapath.offload.records import Clock, Record, Segment
 from datapath.offload.stats import OffloadStats
 from datapath.offload.store_room import StoreRoom
@@ -77,19 +80,7 @@ RELAX_BELOW = 0.93   # a planned step under this share of the budget may relax t
 LOOKAHEAD = 4        # forward segments whose working set a pack's admission leaves room for
 FREE_LEAD = 16       # units a planned step's CPU may run ahead of the GPU past its offloaded segments
 OVER = 1.005         # a planned step over this share of the budget corrects the plan (measurement noise below)
-TRIAL_COSTS = (4.0, 1e3)  # offload cost factors of the plans tried against one that offloads (1e3: fewest bytes)
-MAX_TRIAL_ROUNDS = 2      # trials per policy (a plan remade after a correction may be tried again)
 PROBE_WAIT_S = 30.0       # the longest the profiled step waits for the store's bandwidth probe to end
-
-
-def _shape(plan: BudgetPlan) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
-    """What a plan does (two plans of one shape run the same step)."""
-    return plan.cut_segment, plan.cut_bytes, plan.recompute, plan.attention_saved
-
-
-def _gb(n: float) -> str:
-    """Bytes for a message: GB with 2 decimals, MB below 0.1 GB."""
-    return f"{n / 1e9:.2f} GB" if abs(n) >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 def _record_peak(rec: Record) -> int:
@@ -141,15 +132,17 @@ class BudgetPolicy(Policy):
         self._head_bwd = 0
         self._block_bytes: dict[int, int] = {}   # block -> bytes of the storages it saves
         self._error: OffloadConfigError | None = None
-        self.trials: list[dict[str, object]] = []   # per trial round: the plans run, their step ms and peaks, kept
-        self._trial_due = False   # the plan in force offloads: its first measured step opens a trial
-        self._trial_next: list[BudgetPlan] | None = None  # the trial's plans still to run (None: no trial open)
-        self._trial_runs: list[tuple[BudgetPlan, int, object, object]] = []  # the round's (plan, peak, t0, t_end)
-        self._last_run: tuple[BudgetPlan, int, object, object] | None = None
+        self._trials = PlanTrials(clock)
+        self._last_run: Run | None = None
         self.room = StoreRoom(room)  # a store too small for the profiled step's activations
         self.profile_peaks: list[int] = []  # the measured peak of each profiled step (memory profiles)
         self.attention = AttentionCosts()   # profiled steps' recomputed blocks: their attention's bytes and time
         self._attention: dict[int, tuple[int, float]] = {}  # ... as the planner takes them
+
+    @property
+    def trials(self) -> list[dict[str, object]]:
+        """Per trial round: the plans run, their step ms and peaks, and which was kept."""
+        return self._trials.rounds
 
     @property
     def store_full(self) -> bool:
@@ -204,13 +197,15 @@ class BudgetPolicy(Policy):
         peak, self._pending_peak = self._pending_peak, None
         if peak is None:
             return
-        if self._trial_next is not None:
-            self._trial_step()
+        if self._trials.open:
+            self._use(self._trials.step(self.budget, OVER, self.replans))
             return
         self._feedback(peak)
         run = self._last_run
-        if self._trial_due and run is not None and run[0] is self.plan:
-            self._open_trial(run)
+        if self._trials.due and run is not None and run[0] is self.plan:
+            first = self._trials.start(run, self.plan, lambda cost: self._plan_for(self.target, cost))
+            if first is not None:
+                self._use(first)
 
     def on_backward_end(self, rec: Record) -> None:
         # a planned step's peak is read, not reset: whoever measures the step after it still sees it
@@ -233,8 +228,7 @@ class BudgetPolicy(Policy):
             if rec.t0 is not None:
                 rec.t_end = self.clock.mark()
                 self._last_run = (rec.plan, peak, rec.t0, rec.t_end)
-                if self._trial_next is not None:
-                    self._trial_runs.append(self._last_run)
+                self._trials.record(self._last_run)
 
     def _feedback(self, peak: int) -> None:
         if self.plan is None or self.profile is None:
@@ -288,10 +282,11 @@ class BudgetPolicy(Policy):
         if self.plan is not None and not self._drain:
             # the plan offloads a prefix of segments: past it every storage is kept (the pack hook's quick way)
             rec.quiet_from = self.plan.cut_segment + (1 if self.plan.cut_bytes else 0)
-        if self.plan is not None and (self._trial_due or self._trial_next is not None):
+        if self.plan is not None and (self._trials.due or self._trials.open):
             rec.t0 = self.clock.mark()  # a step a trial measures
         if self.plan is None:
-            self.attention.attach(self.models.blocks)  # a profiled step: what keeping attention would cost
+            self.attention.attach(self.models.blocks, skip=is_compiled)  # a profiled step: what keeping attention
+            # would cost (compiled blocks are the compiler's)
             if self._memory is None and self._profiling is None:
                 rec.profiling = True
                 self.room.step_started(self.models.blocks)  # after a store too small: every block recomputed
@@ -384,44 +379,6 @@ class BudgetPolicy(Policy):
         return lead if segment <= plan.cut_segment + LOOKAHEAD else max(lead, FREE_LEAD)
 
     # ------------------------------------------------------------ trials
-    def _open_trial(self, run: tuple[BudgetPlan, int, object, object]) -> None:
-        """The plan in force offloads and its step held the budget: run the plans that offload less."""
-        assert self.profile is not None and self.plan is not None
-        self._trial_due = False
-        seen = {_shape(self.plan)}
-        todo: list[BudgetPlan] = []
-        for cost in TRIAL_COSTS:
-            p = self._plan_for(self.target, cost)
-            if not p.infeasible and _shape(p) not in seen:
-                seen.add(_shape(p))
-                todo.append(p)
-        if not todo:
-            return
-        self._trial_runs = [run]
-        self._trial_next = todo
-        self._use(todo.pop(0))
-
-    def _trial_step(self) -> None:
-        """A trial's step ended: run its next plan, or keep the fastest that held the budget."""
-        assert self._trial_next is not None
-        if self._trial_next:
-            self._use(self._trial_next.pop(0))
-            return
-        self._trial_next = None
-        runs = []
-        for plan, peak, t0, t1 in self._trial_runs:
-            runs.append((self.clock.seconds(t0, t1), peak, plan))
-        self._trial_runs = []
-        held = [r for r in runs if r[1] <= OVER * self.budget]
-        best = min(held, key=lambda r: r[0]) if held else runs[0]
-        self.trials.append({
-            "plans": [dict(p.as_dict(), step_ms=t * 1e3, peak=pk) for t, pk, p in runs],
-            "kept": runs.index(best), "replans": self.replans})
-        self._use(best[2])
-        log.info("memory budget: plans tried %s; kept offload %s, recompute %s (%.1f ms)",
-                 ", ".join(f"{t * 1e3:.1f} ms ({_gb(p.offload_bytes)} offloaded, recompute {list(p.recompute)})"
-                           for t, _, p in runs), _gb(best[2].offload_bytes), list(best[2].recompute), best[0] * 1e3)
-
     def _use(self, plan: BudgetPlan) -> None:
         self.plan = plan
         set_recompute(self.models.blocks, plan.recompute, plan.attention_saved)
@@ -483,7 +440,7 @@ class BudgetPolicy(Policy):
         if self.plan is not None and _shape(plan) == _shape(self.plan):
             return  # the same step as before (a relaxed target that changes nothing): its measures stand
         self.plan = plan
-        self._trial_due = (plan.offload_bytes > 0 and not self._at_floor and len(self.trials) < MAX_TRIAL_ROUNDS)
+        self._trials.due = (plan.offload_bytes > 0 and not self._at_floor and len(self.trials) < MAX_TRIAL_ROUNDS)
         set_recompute(self.models.blocks, plan.recompute, plan.attention_saved)
         log.info("memory budget %s (planning for %s): offload %s (%d segments), recompute %d block(s) %s (attention "
                  "kept in %s), predicted peak %s, predicted step %.1f ms", _gb(self.budget), _gb(self.target),

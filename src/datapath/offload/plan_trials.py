@@ -1,0 +1,93 @@
+"""Putting a `memory_budget` plan that offloads to the test: the plans that offload less run one step each.
+
+The time model cannot see everything offloading costs (stalls, PCIe shared with the step's own
+traffic), so after a plan that offloads has run one measured step within the budget, the plans made
+with offloading weighed more (``TRIAL_COSTS``: less offloaded, more recomputed) run one step each, and
+the fastest measured step (GPU time from the forward's start to the backward's end) whose peak held
+the budget is kept.  `PlanTrials` holds a trial's state; `datapath.offload.budget.BudgetPolicy` asks
+it which plan runs next.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from datapath.offload.budget_planner import BudgetPlan
+from datapath.offload.records import Clock
+
+log = logging.getLogger("datapath.offload.budget")
+
+TRIAL_COSTS = (4.0, 1e3)  # offload cost factors of the plans tried against one that offloads (1e3: fewest bytes)
+MAX_TRIAL_ROUNDS = 2      # trials per policy (a plan remade after a correction may be tried again)
+
+Run = tuple[BudgetPlan, int, object, object]  # (plan, measured peak bytes, clock mark at start, at end)
+
+
+def plan_shape(plan: BudgetPlan) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+    """What a plan does (two plans of one shape run the same step)."""
+    return plan.cut_segment, plan.cut_bytes, plan.recompute, plan.attention_saved
+
+
+def gb(n: float) -> str:
+    """Bytes for a message: GB with 2 decimals, MB below 0.1 GB."""
+    return f"{n / 1e9:.2f} GB" if abs(n) >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+class PlanTrials:
+    """The trial rounds of one policy: what ran, what was kept (``rounds``), and the round in progress."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.rounds: list[dict[str, object]] = []  # per round: the plans run, their step ms and peaks, kept
+        self.due = False                  # the plan in force offloads: its first measured step opens a round
+        self.next: list[BudgetPlan] | None = None  # the round's plans still to run (None: no round open)
+        self.runs: list[Run] = []         # the round's measured steps
+
+    @property
+    def open(self) -> bool:
+        """A round is in progress."""
+        return self.next is not None
+
+    def record(self, run: Run) -> None:
+        """A planned step ended with ``run``: part of the round in progress, if one is."""
+        if self.next is not None:
+            self.runs.append(run)
+
+    def start(self, run: Run, current: BudgetPlan, plan_for: Callable[[float], BudgetPlan]) -> BudgetPlan | None:
+        """Open a round after ``run``, the first measured step of ``current`` (a plan that offloads).
+
+        ``plan_for(cost)`` makes the plan with offloading weighed ``cost`` times.  Returns the first
+        plan to run, or None where every such plan is infeasible or is ``current`` again.
+        """
+        self.due = False
+        seen = {plan_shape(current)}
+        todo: list[BudgetPlan] = []
+        for cost in TRIAL_COSTS:
+            p = plan_for(cost)
+            if not p.infeasible and plan_shape(p) not in seen:
+                seen.add(plan_shape(p))
+                todo.append(p)
+        if not todo:
+            return None
+        self.runs = [run]
+        self.next = todo
+        return todo.pop(0)
+
+    def step(self, budget: int, over: float, replans: int) -> BudgetPlan:
+        """A round's step ended: the round's next plan, or (closing it) the fastest measured plan whose peak
+        held ``budget`` x ``over`` (the round's first plan where none did)."""
+        assert self.next is not None
+        if self.next:
+            return self.next.pop(0)
+        self.next = None
+        runs = [(self.clock.seconds(t0, t1), peak, plan) for plan, peak, t0, t1 in self.runs]
+        self.runs = []
+        held = [r for r in runs if r[1] <= over * budget]
+        best = min(held, key=lambda r: r[0]) if held else runs[0]
+        self.rounds.append({
+            "plans": [dict(p.as_dict(), step_ms=t * 1e3, peak=pk) for t, pk, p in runs],
+            "kept": runs.index(best), "replans": replans})
+        log.info("memory budget: plans tried %s; kept offload %s, recompute %s (%.1f ms)",
+                 ", ".join(f"{t * 1e3:.1f} ms ({gb(p.offload_bytes)} offloaded, recompute {list(p.recompute)})"
+                           for t, _, p in runs), gb(best[2].offload_bytes), list(best[2].recompute), best[0] * 1e3)
+        return best[2]
