@@ -26,11 +26,38 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": machine_info(),
+        "host_control": host_control(),
         **payload,
     }
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(doc, indent=1, default=str))
     return path
+
+
+_HOST_CONTROL: dict[str, float] = {}
+
+
+def host_control() -> dict[str, float]:
+    """This process's host speed, measured once: ns per step of a pure-Python loop and, with CUDA, us per launch
+    of a tiny CUDA op (the calls queue; the GPU is not the limit).  Host-bound records (small graphs, small
+    gathers, layer steps) move with it from process to process (1.5-2.2x seen on one machine): read them against it."""
+    if not _HOST_CONTROL:
+        t, acc = time.perf_counter(), 0
+        for i in range(500_000):
+            acc += i
+        _HOST_CONTROL["python_loop_ns"] = (time.perf_counter() - t) / 500_000 * 1e9
+        if torch.cuda.is_available():
+            a = torch.ones(64, device="cuda")
+            out = torch.empty_like(a)
+            for _ in range(1000):
+                torch.add(a, a, out=out)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(5000):
+                torch.add(a, a, out=out)
+            _HOST_CONTROL["cuda_launch_us"] = (time.perf_counter() - t) / 5000 * 1e6
+            torch.cuda.synchronize()
+    return dict(_HOST_CONTROL)
 
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> None:
