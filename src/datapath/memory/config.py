@@ -70,7 +70,7 @@ class GatherConfig:
             microseconds of host and GPU time, which only calls of enough rows win back: the
             thresholds are where sorted calls measured faster (CHANGELOG, B1).  Below ~4 MB of short
             rows the sort's host time is near the whole call's GPU time, so a slower host loses
-            what the sort saves (8K rows of 256 B: sorted 0.84-1.17x unsorted over five B1 runs).
+            what the sort saves.
         sort_method: how a sorted visit orders the indices: ``"buckets"`` (the default: a
             counting sort into about one bucket per index, buckets ascending, in one cooperative
             launch; a fraction of ``torch.sort``'s GPU time), ``"buckets_unfused"`` (the same in four
