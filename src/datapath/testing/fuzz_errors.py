@@ -110,17 +110,23 @@ def check_bad_input(params: dict[str, Any], device: Any, out: Checks) -> None:
     if name not in scen:  # a GPU scenario on the CPU: nothing to check
         return
     word, call = scen[name]
+    expect_clear_error(name, call, CLEAR_ERRORS, word, out, f"the bad {word!r}")
+
+
+def expect_clear_error(name: str, call: Callable[[], Any], expected: Any, word: str, out: Checks,
+                       what: str = "the bad input") -> None:
+    """Run ``call``; append ``(name, 0.0)`` to ``out`` if it raised an ``expected`` error naming ``word``, else raise
+    `UnclearError` (another error, an error that does not name it, or none: ``what`` was accepted)."""
     try:
         call()
-    except CLEAR_ERRORS as exc:
-        msg = str(exc)
-        if word.lower() not in msg.lower():
-            raise UnclearError(f"{name}: {type(exc).__name__} does not name {word!r}: {msg[:300]}") from exc
+    except expected as exc:
+        if word.lower() not in str(exc).lower():
+            raise UnclearError(f"{name}: {type(exc).__name__} does not name {word!r}: {str(exc)[:300]}") from exc
         out.append((name, 0.0))
     except Exception as exc:  # noqa: BLE001 - any other exception is not the clear error asked for
         raise UnclearError(f"{name}: {type(exc).__name__} instead of a clear error: {str(exc)[:300]}") from exc
     else:
-        raise UnclearError(f"{name}: no exception (the bad {word!r} was accepted)")
+        raise UnclearError(f"{name}: no exception ({what} was accepted)")
     finally:
         if torch.cuda.is_available():
             torch.ones(4, device="cuda").sum().item()
