@@ -3,6 +3,8 @@ bit-identical with dropout on, recompute replays the RNG, bad budgets and imposs
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 
 import pytest
 import torch
@@ -189,6 +191,23 @@ def test_planner_reports_the_minimum_of_an_impossible_budget() -> None:
     prof = _profile(4, bandwidth=10e9)
     plan = plan_budget(prof, budget=50)
     assert plan.infeasible and plan.min_peak >= 100 + (8 << 20)
+
+
+def test_planner_below_the_floor_runs_the_fastest_of_the_lowest_plans() -> None:
+    # the floor is an interval no plan changes (a large tail, block inputs of no bytes): offloading everything
+    # and recomputing everything reach it alike; at 50 MB/s the recompute is far faster and must be the one run
+    mb = 8 << 20
+    base = _profile(6, bandwidth=50e6)
+    prof = dataclasses.replace(base, mem_tail=100 + 20 * mb, block_inputs={b: 0 for b in range(6)})
+    plan = plan_budget(prof, budget=100 + 10 * mb)
+    assert plan.infeasible and plan.budget == 100 + 10 * mb
+    assert plan.predicted_peak == plan.min_peak == 100 + 20 * mb
+    assert plan.recompute == tuple(range(6)) and plan.offload_bytes == 0
+    assert math.isfinite(plan.predicted_time)
+    everything_offloaded = plan_budget(dataclasses.replace(prof, recomputable=[]), budget=100 + 10 * mb)
+    assert everything_offloaded.offload_bytes == 6 * mb  # the other plan at that floor, ~1 s of stores
+    assert plan.predicted_time < everything_offloaded.predicted_time or \
+        not math.isfinite(everything_offloaded.predicted_time)
 
 
 def test_impossible_budget_raises_naming_the_measured_minimum() -> None:

@@ -342,7 +342,12 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
         key = (t, sum(nb for _, nb in off))
         if best is None or key < (best[0], best[2]):
             best = (t, lo, sum(nb for _, nb in off), rec, peak, saved)
-    if best is None:  # the plan with the lowest modelled peak, marked infeasible
+    if best is None:  # the fastest plan with the lowest modelled peak, marked infeasible
+        floor_plan = plan_budget(profile, int(lowest), safety=safety, offload_cost=offload_cost,
+                                 attention=attention, recomputed=recomputed)
+        if not floor_plan.infeasible:  # several plans may reach the floor (an interval none of them changes)
+            return dataclasses.replace(floor_plan, budget=budget, infeasible=True,
+                                       min_peak=int(min(lowest, p.min_peak)))
         k, rec = lowest_plan
         cut_segment, cut_bytes = _cut(p, rec, k)
         off = _kept(model, rec, k)[1]
