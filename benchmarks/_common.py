@@ -15,7 +15,7 @@ import torch
 
 from datapath.apps import machine_info
 
-RESULTS_DIR = Path(os.environ.get("DATAPATH_RESULTS", Path(__file__).resolve().parent / "results"))
+RESULTS_DIR = Path(os.environ.get("BENCH_RESULTS_DIR", Path(__file__).resolve().parent / "results"))
 
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:

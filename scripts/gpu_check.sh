@@ -16,7 +16,8 @@
 #   b4        B4 offloading on real models       benchmarks/offload.py          (~11 min for all three models)
 #             (B4_ARGS / B4_TIMEOUT override; the committed runs, two calls merged with `offload.py --merge`:
 #             B4_TIMEOUT=575 B4_ARGS="--models llama,gpt2 --steps 7 --warmup 2 --time-budget 265" (390 s) and
-#             B4_TIMEOUT=300 B4_ARGS="--models gpt-h8192 --steps 5 --warmup 2 --time-budget 250" (190 s))
+#             B4_TIMEOUT=420 B4_ARGS="--models gpt-h8192 --steps 5 --warmup 2 --time-budget 330 --datapath-compile both"
+#             (250 s): eager and compiled datapath, the faster counts)
 #   rok       ROK curve                          benchmarks/rok.py                           (~2.5 min)
 #   fuzz      differential kernel fuzz           benchmarks/kernel_fuzz.py: 10,000 cases, then 520 under
 #             compute-sanitizer memcheck and 48 under racecheck (~4.5 min; FUZZ_ARGS / T_FUZZ override)
@@ -73,7 +74,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # kvikio (+ libkvikio, rapids-logger, cu
     && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export DATAPATH_RESULTS="$OUT"
+export BENCH_RESULTS_DIR="$OUT"
 
 python3 -m datapath.cli info | tee "$L/info.txt"  # also builds the native launcher before anything is timed
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \

@@ -59,7 +59,7 @@ def test_flops_count_matches_the_models_parameters() -> None:
 
 
 def _run(tmp_path: Path, *args: str) -> dict:
-    env = {**os.environ, "DATAPATH_RESULTS": str(tmp_path),
+    env = {**os.environ, "BENCH_RESULTS_DIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload_scale.py"), "--quick", *args],
                           env=env, capture_output=True, text=True, timeout=600)
