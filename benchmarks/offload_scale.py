@@ -131,6 +131,11 @@ class Bench:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
+    def spent(self) -> float:
+        """Seconds of the run so far, the same on every rank (the most of any): ranks that decided apart
+        whether to run a method would wait for each other's collectives for ever."""
+        return max(self.gather(self.elapsed()))
+
     # ---------------------------------------------------------------- records
     def rec(self, method: str, seq: int, budget: float | None = None, **kw: Any) -> dict[str, Any]:
         r = {"setting": self.setting(seq), "method": method, "budget_gb": None if budget is None else budget / 1e9,
@@ -216,8 +221,12 @@ class Bench:
                     fn(ids).backward()
                 self.opt.step()
 
+            retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
+            reserved = 0
             for i in range(warmup + steps):
                 self.reset_peak()
+                if i == warmup:  # the allocator's retries (a full device: cached blocks freed, synchronising)
+                    retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
                 t = time.perf_counter()
                 with self.meter if not cuda else contextlib.nullcontext():
                     step()
@@ -226,6 +235,12 @@ class Bench:
                 if i >= warmup:
                     times.append(time.perf_counter() - t)
                     peaks.append(self.peak_now())
+                    if cuda:
+                        reserved = max(reserved, torch.cuda.max_memory_reserved())
+            retries = (torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0) if cuda else 0
+            if self.dist:  # a step ends when the slowest rank's does: each timed step at its slowest rank's time
+                per_rank = self.gather(times)
+                times = [max(ts) for ts in zip(*per_rank)]
             repeat_same = None
             if check:  # twice: whether the method's own check step repeats bit for bit says what a mismatch means
                 runs = []
@@ -258,6 +273,9 @@ class Bench:
                         extra["attention_gains"] = {str(b): [nb / 1e9, sec] for b, (nb, sec) in att.gains().items()}
         self.opt.zero_grad(set_to_none=True)
         step_s = statistics.median(times)
+        if cuda:
+            extra["alloc_retries_per_rank"] = self.gather(retries)
+            extra["reserved_gb_per_rank"] = [r / 1e9 for r in self.gather(reserved)]
         return {"step_s": step_s, "steps_s": times, "peak": max(peaks), "grads": grads,
                 "grads_repeat_bitwise": repeat_same, **extra}
 
@@ -317,14 +335,18 @@ class Bench:
                         steps=len(out["steps_s"]), step_s=out["step_s"], steps_s=out["steps_s"],
                         **{k: v for k, v in out.items() if k not in ("step_s", "steps_s", "peak")}, **kw)
 
-    def gather_peaks(self, peak: float) -> list[float]:
+    def gather(self, value: Any) -> list[Any]:
+        """``value`` of every rank, in rank order (``[value]`` without FSDP2)."""
         if not self.dist:
-            return [peak]
+            return [value]
         import torch.distributed as dist  # noqa: PLC0415
 
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, peak)
-        return [float(p) for p in out]
+        dist.all_gather_object(out, value)
+        return out
+
+    def gather_peaks(self, peak: float) -> list[float]:
+        return [float(p) for p in self.gather(peak)]
 
     def skip(self, method: str, seq: int, reason: str, **kw: Any) -> None:
         self.rec(method, seq, None, status="skipped", reason=reason, **kw)
@@ -354,9 +376,10 @@ class Bench:
                 (a.budget_warmup + (0 if seq in timed else 1) if method == "datapath-budget" else 0)
             est = self.estimate(seq, steps) * (1.5 if method in ("datapath-all", "datapath-budget", "save_on_cpu",
                                                                   "checkpoint_offload") else 1.0)
-            if self.elapsed() + est > a.time_budget:
+            spent = self.spent()
+            if spent + est > a.time_budget:
                 self.skip(method, seq, f"time budget of the run ({est:.0f} s expected, "
-                                       f"{a.time_budget - self.elapsed():.0f} s left)", **kw)
+                                       f"{a.time_budget - spent:.0f} s left)", **kw)
                 break
             b = budget(seq) if budget is not None else None
             if budget is not None and b is None:
@@ -413,8 +436,8 @@ class Bench:
                 self.compiled(m, ms)
             else:
                 self.ladder(m, ms)
-        self.save(partial=False)
-        if self.rank == 0:
+        if self.rank == 0:  # every rank holds the same records (times and peaks gathered): one writes them
+            self.save(partial=False)
             if any(r.get("tokens_per_s") for r in self.records):
                 plot(self.records, RESULTS_DIR / f"{a.name}.png")
             print_table([{k: r.get(k) for k in ("setting", "method", "budget_gb", "tokens_per_s", "peak_gb", "mfu",
@@ -442,7 +465,7 @@ class Bench:
             self.skip(method, a.check_seq, "not wired: it needs a selective-checkpointing policy marking each "
                                            "tensor MUST_CPU_OFFLOAD inside compiled regions; not run this time")
             return
-        if self.elapsed() + a.compile_cost > a.time_budget:
+        if self.spent() + a.compile_cost > a.time_budget:
             self.skip(method, a.check_seq, "time budget of the run (compiling 32 layers' regions costs "
                                            f"~{a.compile_cost:.0f} s)")
             return
@@ -510,8 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         return finish(args)
     if args.mode == "fsdp2" and args.quick and "RANK" not in os.environ:
         # the CPU check of the FSDP2 path: two gloo processes through torchrun
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(29500 + os.getpid() % 1000), __file__, *(argv if argv is not None else sys.argv[1:])]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
+               *(argv if argv is not None else sys.argv[1:])]  # --standalone: a free port of its own
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT),
                                                             os.environ.get("PYTHONPATH", "")])}
         return subprocess.run(cmd, env=env).returncode
