@@ -16,8 +16,10 @@ would be moved down by their size).  The timing step is a step the memory model 
 too (every block recomputed, nothing offloaded): where its measured peak is above the
 model's figure for it (memory the model cannot see, such as tensors a checkpoint holds
 beside a block's input), every interval of the profile is moved up by the difference
-(`BudgetPolicy.calibration`; never down), so that the first planned step holds the
-budget rather than the second.
+(`BudgetPolicy.calibration`), so that the first planned step holds the budget rather
+than the second.  Where no plan is modelled under the budget and the lowest plan's step
+holds it all the same, the profile moves down by what the model overstated (once,
+within the device's memory) and the plan is made again.
 
 Where the store cannot hold every activation of the profiled step, the profiled step
 recomputes the blocks that would not fit, the next step is profiled with every block
@@ -57,9 +59,8 @@ from collections.abc import Callable
 
 from datapath.offload.attention_saved import AttentionCosts
 from datapath.offload.bandwidth import StoreBandwidth
-from datapath.offload.budget_planner import (
-    KEEP_ALL, BudgetPlan, BudgetProfile, SegmentCost, modelled_peak, plan_budget, shifted,
-)
+from datapath.offload.budget_planner import KEEP_ALL, BudgetPlan, BudgetProfile, modelled_peak, plan_budget, shifted
+from datapath.offload.budget_profile import profile_of, record_peak
 from datapath.offload.config import OffloadConfig
 from datapath.offload.errors import OffloadConfigError
 from datapath.offload.memory_meter import MemoryMeter
@@ -80,13 +81,8 @@ RELAX_BELOW = 0.93   # a planned step under this share of the budget may relax t
 LOOKAHEAD = 4        # forward segments whose working set a pack's admission leaves room for
 FREE_LEAD = 16       # units a planned step's CPU may run ahead of the GPU past its offloaded segments
 OVER = 1.005         # a planned step over this share of the budget corrects the plan (measurement noise below)
+FLOOR_DEVICE_SHARE = 0.97  # a plan made after the lowest one's step came in under the model: its unmoved figure's cap
 PROBE_WAIT_S = 30.0       # the longest the profiled step waits for the store's bandwidth probe to end
-
-
-def _record_peak(rec: Record) -> int:
-    """The highest interval peak a profiled record measured (bytes)."""
-    peaks = [s.mem_fwd for s in rec.segments] + [s.mem_bwd for s in rec.segments if s.mem_bwd is not None]
-    return int(max(peaks + [rec.mem_tail]))
 
 
 class BudgetPolicy(Policy):
@@ -120,7 +116,7 @@ class BudgetPolicy(Policy):
         self._memory: Record | None = None      # ... once measured, until the timing profile is too
         self._timing: Record | None = None      # the time profile: nothing offloaded, every block recomputed
         self._timing_peak: int | None = None    # ... its measured peak (its base: ``mem_base``)
-        self.calibration = 0                    # bytes the profile was moved up to meet the timing step's peak
+        self.calibration = 0                    # bytes the profile was moved (up: the timing step; down: the floor)
         self._want_timing = False
         self._pending_peak: int | None = None
         self._overshot = False
@@ -128,6 +124,7 @@ class BudgetPolicy(Policy):
         self._at_floor = False    # the plan in force is the lowest the model has (it predicted no fit)
         self._drain = False       # ... and every store is drained before the next pack (the floor)
         self._floor_peaks: list[int] = []
+        self._floor_checked = False  # the lowest plan's measured step was compared with its modelled peak
         self._head_fwd: list[int] = []
         self._head_bwd = 0
         self._block_bytes: dict[int, int] = {}   # block -> bytes of the storages it saves
@@ -169,7 +166,7 @@ class BudgetPolicy(Policy):
         rec = self._profiling
         if rec is not None and rec.backward_started and rec.bwd_done:
             self._profiling = None
-            self.profile_peaks.append(_record_peak(rec))
+            self.profile_peaks.append(record_peak(rec))
             per_block = self.room.reprofile(rec, self.models.blocks)
             if per_block is not None:  # the next step is profiled again, every block recomputed
                 for b, nb in per_block.items():
@@ -250,6 +247,9 @@ class BudgetPolicy(Policy):
             log.info("memory budget: the step's peak %s exceeded the budget %s; planning for %s",
                      _gb(peak), _gb(self.budget), _gb(self.target))
             self._replan()
+        elif self._at_floor and not self._floor_checked and peak < self.plan.predicted_peak:
+            self._floor_checked = True
+            self._lower_to(peak)
         elif (peak < RELAX_BELOW * self.budget and not self._overshot and not self._relaxed
               and (self.plan.offload_bytes or self.plan.recompute)):
             self._relaxed = True
@@ -259,6 +259,23 @@ class BudgetPolicy(Policy):
             log.info("memory budget: the step's peak %s is well under the budget %s; planning for %s",
                      _gb(peak), _gb(self.budget), _gb(self.target))
             self._replan()
+
+    def _lower_to(self, peak: int) -> None:
+        """The lowest plan, modelled over the budget, held it at ``peak``: the model counts memory the step does not
+        hold (under FSDP2, 1.5 GB at 8B).  Every interval moves down by the difference and the plan is made again,
+        where a plan then fits and its figure before the move stays under ``FLOOR_DEVICE_SHARE`` of the device."""
+        assert self.profile is not None and self.plan is not None
+        miss = self.plan.predicted_peak - peak
+        before = self.profile
+        self.profile = shifted(before, -miss)
+        plan = self._plan_for(self.target)
+        if plan.infeasible or plan.predicted_peak + miss > FLOOR_DEVICE_SHARE * self.meter.total():
+            self.profile = before
+            return
+        self.calibration -= miss
+        log.info("memory budget: the lowest plan's step peaked %s under the memory model's figure for it; every "
+                 "interval of the profile moved down by that", _gb(miss))
+        self._replan()
 
     def _refuse(self, floor: int) -> None:
         plan = self.plan
@@ -448,39 +465,9 @@ class BudgetPolicy(Policy):
                  list(plan.attention_saved),
                  _gb(plan.predicted_peak), plan.predicted_time * 1e3)
 
-    def _times(self, rec: Record) -> list[float]:
-        """Forward compute time of each segment of ``rec`` (the time it waited for stores left out)."""
-        sc = self.clock
-        n = len(rec.segments)
-        out = []
-        for i, s in enumerate(rec.segments):
-            if s.t_start is not None and s.t_end is not None:
-                t = sc.seconds(s.t_start, s.t_end)
-            elif s.t_start is not None and i + 1 < n and rec.segments[i + 1].t_start is not None:
-                t = sc.seconds(s.t_start, rec.segments[i + 1].t_start)
-            else:
-                t = 0.0
-            out.append(max(0.0, t - s.wait_s))
-        return out
-
     def _build_profile(self, rec: Record, timing: Record | None) -> BudgetProfile:
         """Memory from the everything-offloaded step ``rec``; times from the recompute step ``timing``."""
-        times = self._times(rec)
-        ratio = 2.0
-        if timing is not None and len(timing.segments) == len(rec.segments):
-            times = self._times(timing)
-            sc = self.clock
-            t_f = sum(times)
-            t_b = sc.seconds(timing.t_bwd0, timing.t_end) if timing.t_bwd0 is not None and timing.t_end \
-                is not None else 0.0
-            recomputed = sum(t for t, s in zip(times, rec.segments) if s.block >= 0)
-            if t_f > 0 and t_b > recomputed:
-                ratio = min(4.0, max(1.0, (t_b - recomputed) / t_f))
-        segs = [SegmentCost(s.is_unit, s.block, t, s.mem_fwd, s.mem_bwd) for s, t in zip(rec.segments, times)]
-        storages = [(si, nb) for si, nb, _ in rec.tensors]
-        w, r = self.bandwidth.now()
-        return BudgetProfile(segs, storages, rec.mem_tail, dict(rec.block_inputs), w, r, self._recomputable(rec),
-                             backward_ratio=ratio, storage_inputs=list(rec.input_of))
+        return profile_of(rec, timing, self.clock, self.bandwidth.now(), self._recomputable(rec))
 
     def close(self) -> None:
         self.attention.detach(self.models.blocks)
