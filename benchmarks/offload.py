@@ -189,6 +189,7 @@ def run_method(w: Workload, method: str, args: argparse.Namespace, budget: int |
             if method == "datapath-budget":
                 extra["step_peaks_gb"] = [p / 1e9 for p in cache.policy.peaks]
                 extra["plan_trials"] = cache.policy.trials
+                extra["planning_s"] = cache.policy.planning_s  # the planner's host time, every plan it made
     opt.zero_grad(set_to_none=True)
 
     gc.collect()

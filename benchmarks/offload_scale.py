@@ -266,6 +266,8 @@ class Bench:
                 pol = getattr(cache, "policy", None)
                 if method == "datapath-budget" and pol is not None:
                     extra["step_peaks_gb"] = [p / 1e9 for p in getattr(pol, "peaks", [])]
+                    extra["planning_s"] = getattr(pol, "planning_s", None)  # the planner's host time, all plans
+                    extra["steps_unhooked"] = st.records_unhooked  # planned steps that stored nothing: no hooks
                     plan = getattr(cache, "plan", None)
                     extra["plan"] = plan.as_dict() if plan is not None and hasattr(plan, "as_dict") else None
                     att = getattr(pol, "attention", None)  # per block: bytes kept, seconds saved (measured)

@@ -212,6 +212,30 @@ def test_planner_below_the_floor_runs_the_fastest_of_the_lowest_plans() -> None:
         not math.isfinite(everything_offloaded.predicted_time)
 
 
+def test_planning_an_8b_shaped_step_is_cheap() -> None:
+    """The plan's own cost at 32 layers: an 8B-shaped profile (32 blocks of 14 saved storages, 450 segments,
+    attention gains per block) is planned at a tight and a loose budget in well under a second each."""
+    import time  # noqa: PLC0415
+
+    segs = [SegmentCost(False, -1, 0.001, 64 << 30, None)]
+    storages = []
+    mb = 1 << 20
+    for b in range(32):
+        for k in range(14):
+            segs.append(SegmentCost(True, b, 0.002, (64 << 30) + 600 * mb, (64 << 30) + 700 * mb))
+            storages.append((len(segs) - 1, (40 + 20 * (k % 3)) * mb))
+    segs.append(SegmentCost(False, -1, 0.01, (64 << 30) + 900 * mb, None))
+    prof = BudgetProfile(segs, storages, (64 << 30) + 500 * mb, {b: 64 * mb for b in range(32)}, 50e9, 50e9,
+                         recomputable=list(range(32)))
+    attention = {b: (68 * mb, 0.002) for b in range(32)}
+    for budget in ((64 << 30) + 4 * (1 << 30), (64 << 30) + 20 * (1 << 30)):
+        t0 = time.perf_counter()
+        plan = plan_budget(prof, budget, attention=attention)
+        took = time.perf_counter() - t0
+        assert not plan.infeasible and plan.predicted_peak <= budget
+        assert took < 1.0, took
+
+
 def test_impossible_budget_raises_naming_the_measured_minimum() -> None:
     torch.manual_seed(2)
     model = GPT(vocab=64, h=64, heads=4, layers=3, dropout=0.0, tied=False)
@@ -412,6 +436,7 @@ def test_floor_step_under_the_model_moves_the_profile_down(monkeypatch: pytest.M
     assert floor.infeasible and cache.plan is not None and not cache.plan.infeasible
     assert cache.plan.offload_bytes < floor.offload_bytes  # it left the floor
     assert policy.calibration < 0, policy.calibration  # moved down by what the lowest plan's step showed
+    assert 0 < policy.planning_s < 5  # every plan it made, host seconds
     assert policy.peaks[-1] <= 1.03 * budget, ([round(p / budget, 3) for p in policy.peaks], budget)
     cache.close()
 

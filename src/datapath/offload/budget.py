@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Callable
 
 from datapath.offload.attention_saved import AttentionCosts
@@ -110,6 +111,7 @@ class BudgetPolicy(Policy):
         self.last_peak: int | None = None
         self.peaks: list[int] = []
         self.replans = 0
+        self.planning_s = 0.0                   # host seconds spent in the planner (every plan made so far)
         self.planned_at: int | None = None      # the index of the first step that ran planned
         self._records = 0
         self._profiling: Record | None = None   # the memory profile: everything offloaded
@@ -409,8 +411,10 @@ class BudgetPolicy(Policy):
     def _plan_for(self, target: float, offload_cost: float = 1.0) -> BudgetPlan:
         """`plan_budget` for ``target`` bytes; the blocks the profile was taken recomputed stay recomputed."""
         assert self.profile is not None
+        t0 = time.perf_counter()
         plan = plan_budget(self.profile, int(target), offload_cost=offload_cost, attention=self._attention,
                            recomputed=self.base_recompute)
+        self.planning_s += time.perf_counter() - t0
         if self.base_recompute:
             plan = dataclasses.replace(plan, recompute=tuple(sorted(set(plan.recompute) | set(self.base_recompute))))
         return plan
