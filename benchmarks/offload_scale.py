@@ -409,17 +409,18 @@ class Bench:
         upto = [s for s in seqs if s <= max(timed)]
         beyond = [s for s in seqs if s > max(timed)]
         small = [s for s in seqs if s <= min(timed)]
-        budgets = {"checkpoint": ("datapath-budget", sorted({a.check_seq, *timed}), "checkpoint peak"),
+        first = a.check_seq if a.check_seq > 0 else seqs[0]  # the one length of the single-length methods
+        budgets = {"checkpoint": ("datapath-budget", sorted({first, *timed}), "checkpoint peak"),
                    "device": ("datapath-budget", [s for s in seqs if s >= max(timed)], "device memory")}
         schedule: list[tuple[str, list[int], str | None]] = [
             ("checkpoint", upto, None), ("keep", seqs, None),
             *(budgets[k] for k in a.datapath_budgets.split(",") if k),
             ("checkpoint", beyond, None), ("selective_checkpoint", seqs, None),
-            ("datapath-all", small, None), ("checkpoint_offload", [a.check_seq] + beyond, None),
-            ("save_on_cpu", seqs[:1], None), ("torchtune", [a.check_seq], None),
-            ("compile_budget", [a.check_seq], None), ("compiler_offload", [a.check_seq], None)]
+            ("datapath-all", small, None), ("checkpoint_offload", [first] + beyond, None),
+            ("save_on_cpu", seqs[:1], None), ("torchtune", [first], None),
+            ("compile_budget", [first], None), ("compiler_offload", [first], None)]
         if not cuda:  # the CPU check: every length of every method
-            schedule = [(m, [a.check_seq] if m == "datapath-budget" else seqs,
+            schedule = [(m, [first] if m == "datapath-budget" else seqs,
                          "checkpoint peak" if m == "datapath-budget" else None) for m in METHODS]
         for m, ms, of in schedule:
             if m not in methods or not ms:
@@ -491,7 +492,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--seqs", default=None, help=f"the ladder of sequence lengths [{LADDER}]")
     ap.add_argument("--timed", default=None, help="lengths timed with --warmup/--steps (the settings) [16384,32768]")
-    ap.add_argument("--check-seq", type=int, default=None, help="length of the gradient check [2048]")
+    ap.add_argument("--check-seq", type=int, default=None, help="length of the gradient check, added to the ladder "
+                                                                 "[2048; 0: no check]")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--budget-warmup", type=int, default=6, help="extra warm-up steps of datapath-budget (it "
@@ -520,7 +522,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--datapath-budgets takes checkpoint and/or device, not {sorted(bad)}")
     args.seqs = args.seqs or LADDER
     args.timed = args.timed or "16384,32768"
-    args.check_seq = args.check_seq or 2048
+    args.check_seq = 2048 if args.check_seq is None else args.check_seq
+    if args.check_seq > 0:  # the gradient check runs in the ladder: its length is always one of the lengths
+        args.seqs = ",".join(str(n) for n in sorted({int(n) for n in args.seqs.split(",") if n} | {args.check_seq}))
     return args
 
 
