@@ -343,9 +343,9 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
         if best is None or key < (best[0], best[2]):
             best = (t, lo, sum(nb for _, nb in off), rec, peak, saved)
     if best is None:  # the fastest plan with the lowest modelled peak, marked infeasible
-        floor_plan = plan_budget(profile, int(lowest), safety=safety, offload_cost=offload_cost,
-                                 attention=attention, recomputed=recomputed)
-        if not floor_plan.infeasible:  # several plans may reach the floor (an interval none of them changes)
+        floor_plan = plan_budget(profile, math.ceil(lowest), safety=safety, offload_cost=offload_cost,
+                                 attention=attention, recomputed=recomputed) if budget < lowest < math.inf else None
+        if floor_plan is not None and not floor_plan.infeasible:  # several plans may reach the floor
             return dataclasses.replace(floor_plan, budget=budget, infeasible=True,
                                        min_peak=int(min(lowest, p.min_peak)))
         k, rec = lowest_plan
