@@ -264,7 +264,7 @@ class BudgetPolicy(Policy):
 
     def _lower_to(self, peak: int) -> None:
         """The lowest plan, modelled over the budget, held it at ``peak``: the model counts memory the step does not
-        hold (under FSDP2, 1.5 GB at 8B).  Every interval moves down by the difference and the plan is made again,
+        hold, as under FSDP2).  Every interval moves down by the difference and the plan is made again,
         where a plan then fits and its figure before the move stays under ``FLOOR_DEVICE_SHARE`` of the device."""
         assert self.profile is not None and self.plan is not None
         miss = self.plan.predicted_peak - peak
