@@ -221,8 +221,7 @@ class Bench:
                     fn(ids).backward()
                 self.opt.step()
 
-            retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
-            reserved = 0
+            retries0 = reserved = 0
             for i in range(warmup + steps):
                 self.reset_peak()
                 if i == warmup:  # the allocator's retries (a full device: cached blocks freed, synchronising)

@@ -105,6 +105,16 @@ def cpu_keep_peak(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Te
     return meter.lap()
 
 
+def cpu_hf_checkpoint_peak(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any) -> int:
+    """`cpu_keep_peak` of a copy of the Hugging Face ``model`` with its own gradient checkpointing on
+    (non-reentrant): the budget a user sets to match checkpointing."""
+    import copy  # noqa: PLC0415
+
+    hf = copy.deepcopy(model)
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return cpu_keep_peak(hf, loss_fn, batch)
+
+
 def assert_identical(ref: list[Any], got: list[Any]) -> None:
     assert len(ref) == len(got)
     for step, ((l0, g0), (l1, g1)) in enumerate(zip(ref, got)):

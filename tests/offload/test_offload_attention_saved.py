@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _offload_models import assert_identical, cpu_keep_peak, run_steps
+from _offload_models import assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, run_steps
 from datapath.offload import (
     AttentionCosts, BudgetProfile, SegmentCost, TensorCache, plan_budget, set_recompute,
 )
@@ -160,9 +160,7 @@ def test_budget_keeps_attention_with_a_store_too_small_and_holds() -> None:
     ref = run_steps(copy.deepcopy(model), batches, _loss)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     keep = cpu_keep_peak(model, _loss, batches[0])
-    hf = copy.deepcopy(model)
-    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ckpt = cpu_keep_peak(hf, _loss, batches[0])
+    ckpt = cpu_hf_checkpoint_peak(model, _loss, batches[0])
     budget = int(ckpt + 0.5 * (keep - ckpt))
     cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True,
                         host_budget_bytes=int(0.25 * (keep - params)))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _offload_models import GPT, assert_identical, cpu_keep_peak, run_steps
+from _offload_models import GPT, assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, run_steps
 from datapath.offload import (
     BudgetProfile, OffloadConfigError, SegmentCost, TensorCache, offload, parse_memory_budget, plan_budget,
     set_recompute,
@@ -297,16 +297,21 @@ def test_recompute_replays_dropout_bit_identically() -> None:
     assert list(model.state_dict()) == list(copy.deepcopy(model).state_dict())
 
 
+def _tiny_hf_llama(layers: int, positions: int) -> nn.Module:
+    """A small Hugging Face Llama from its config (hidden 64, eager attention, attention dropout 0.1), seed 4."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(4)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=layers,
+                                   num_attention_heads=4, vocab_size=128, max_position_embeddings=positions,
+                                   attention_dropout=0.1, attn_implementation="eager")
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("slow_store", [False, True], ids=["offload", "recompute"])
 def test_hf_llama_budget_on_cpu(slow_store: bool) -> None:
     """use_cache left on (the config's default): recomputed layers run without the KV cache, as in HF."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(4)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=3,
-                                   num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
-                                   attention_dropout=0.1, attn_implementation="eager")
-    model = transformers.LlamaForCausalLM(cfg).train()
+    model = _tiny_hf_llama(layers=3, positions=64)
     batches = [torch.randint(0, 128, (4, 32)) for _ in range(8)]
 
     def loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -514,12 +519,7 @@ def test_hf_llama_budget_at_checkpointing_peak_with_a_store_too_small() -> None:
     """The 8B LoRA case in small: Hugging Face Llama blocks (keyword arguments, rotary embeddings passed in), a
     host store with room for a quarter of the activations, the budget at HF gradient checkpointing's measured
     peak: planned and held, gradients bit-identical (attention dropout on)."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(4)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=4,
-                                   num_attention_heads=4, vocab_size=128, max_position_embeddings=128,
-                                   attention_dropout=0.1, attn_implementation="eager")
-    model = transformers.LlamaForCausalLM(cfg).train()
+    model = _tiny_hf_llama(layers=4, positions=128)
     batches = [torch.randint(0, 128, (4, 64)) for _ in range(6)]
 
     def loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -528,9 +528,7 @@ def test_hf_llama_budget_at_checkpointing_peak_with_a_store_too_small() -> None:
     ref = run_steps(copy.deepcopy(model), batches, loss)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     keep = cpu_keep_peak(model, loss, batches[0])
-    hf = copy.deepcopy(model)
-    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ckpt = cpu_keep_peak(hf, loss, batches[0])
+    ckpt = cpu_hf_checkpoint_peak(model, loss, batches[0])
     host = int(0.25 * (keep - params))
     cache = TensorCache("host", memory_budget=ckpt, min_bytes=1024, offload_cpu_tensors=True, host_budget_bytes=host)
     cache.attach(model)
