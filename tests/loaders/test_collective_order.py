@@ -1,8 +1,10 @@
 """The order of a rank's collectives: a sharded store's exchanges (loader thread) and DDP's all-reduce (training
-thread) are submitted in the same order on every rank, whatever the threads' timing (`datapath.loaders.CollectiveOrder`)."""
+thread) are submitted in the same order on every rank, whatever the threads' timing (`CollectiveOrder`);
+each exchange in two turns (its counts, then the rest), its counts read between them, outside the consumer's wait."""
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 
@@ -27,61 +29,134 @@ def _canonical(total: int, ahead: int) -> str:
     return "X" * (ahead + 1) + "AX" * (total - ahead - 1) + "A" * (ahead + 1)
 
 
+def _two_turns(total: int, ahead: int, brackets: bool = False) -> str:
+    """Each exchange in two turns: turn t holds R(t - 1) (the rest of batch t - 1's exchange) then C(t) (batch t's
+    counts); the request for batch k releases the turns up to k + A + 1; A: a step's all-reduce.  With ``brackets``
+    each turn is written ``[...]``."""
+    out, done = [], -1
+    for k in range(total):
+        while done < min(k + ahead + 1, total):
+            done += 1
+            body = ("R" if done > 0 else "") + ("C" if done < total else "")
+            out.append(f"[{body}]" if brackets else body)
+        out.append("A")
+    return "".join(out)
+
+
+def test_the_two_turn_schedule() -> None:
+    assert _two_turns(4, 1) == "C" "RC" "RC" "A" "RC" "A" "R" "A" "A"
+    assert _two_turns(2, 2) == "C" "RC" "R" "A" "A"
+
+
+def _run_turns(total: int, ahead: int, phases: int, delays: list[tuple[float, float]]) -> str:
+    """An exchange thread (X, or C then R in two turns) and a consumer (A) with the given delays; the log."""
+    order = CollectiveOrder(total, ahead, threading.Event(), phases=phases)
+    log: list[str] = []
+
+    def exchange() -> None:
+        try:
+            for t in range(order.turns):
+                time.sleep(delays[min(t, total - 1)][0])
+                assert order.exchange_turn(t)
+                if phases == 1:
+                    log.append("X")
+                else:
+                    log.append(("R" if t > 0 else "") + ("C" if t < total else ""))
+                order.exchanged(t)
+        finally:
+            order.end()
+
+    t = threading.Thread(target=exchange)
+    t.start()
+    for k in range(total):
+        order.consumer_turn(k)
+        time.sleep(delays[k][1])
+        log.append("A")
+    t.join(10)
+    return "".join(log)
+
+
+@pytest.mark.parametrize("phases", [1, 2])
 @pytest.mark.parametrize("ahead", [1, 2, 3])
-def test_two_threads_take_turns_in_the_canonical_order(ahead: int) -> None:
+def test_two_threads_take_turns_in_the_canonical_order(ahead: int, phases: int) -> None:
     """An exchange thread and a consumer with random delays: the order of their turns is fixed by the batch numbers."""
     total = 12
     for trial in range(5):
         rng = random.Random(trial * 10 + ahead)
         delays = [(rng.random() * 0.004, rng.random() * 0.004) for _ in range(total)]
-        order = CollectiveOrder(total, ahead, threading.Event())
-        log: list[str] = []
-
-        def exchange() -> None:
-            try:
-                for j in range(total):
-                    time.sleep(delays[j][0])
-                    assert order.exchange_turn(j)
-                    log.append("X")
-                    order.exchanged(j)
-            finally:
-                order.end()
-
-        t = threading.Thread(target=exchange)
-        t.start()
-        for k in range(total):
-            order.consumer_turn(k)
-            time.sleep(delays[k][1])
-            log.append("A")
-        t.join(10)
-        assert "".join(log) == _canonical(total, ahead), trial
+        want = _canonical(total, ahead) if phases == 1 else _two_turns(total, ahead)
+        assert _run_turns(total, ahead, phases, delays) == want, trial
 
 
-def test_a_stop_or_an_end_releases_every_wait() -> None:
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_the_consumer_does_not_wait_for_the_counts_read_between_two_turns(ahead: int) -> None:
+    """Two turns: the request for batch k waits for turn k + A + 1 (batch k + A + 1's counts submitted), not for the
+    read of those counts, which the exchange thread does after the turn; with one turn per exchange it would."""
+    total = 6
+    order = CollectiveOrder(total, ahead, threading.Event(), phases=2)
+    unread = threading.Event()  # the read of the counts submitted in the last released turn may finish
+    read: list[int] = []
+
+    def exchange() -> None:
+        try:
+            for t in range(order.turns):
+                if not order.exchange_turn(t):
+                    return
+                order.exchanged(t)
+                if t == ahead + 2:  # batch A + 2's counts, submitted in the turn released by request 1
+                    unread.wait(10)  # its read (a host synchronisation) blocks until the consumer got past request 1
+                read.append(t)
+        finally:
+            order.end()
+
+    t = threading.Thread(target=exchange)
+    t.start()
+    order.consumer_turn(0)
+    t0 = time.perf_counter()
+    order.consumer_turn(1)  # turn A + 2 submitted: returns though the read after it has not
+    assert time.perf_counter() - t0 < 5 and read == list(range(ahead + 2)), read
+    unread.set()
+    for k in range(2, total):
+        order.consumer_turn(k)
+    t.join(10)
+    assert read == list(range(order.turns)) and not t.is_alive()
+
+
+@pytest.mark.parametrize("phases", [1, 2])
+def test_a_stop_or_an_end_releases_every_wait(phases: int) -> None:
     stop = threading.Event()
-    order = CollectiveOrder(5, 1, stop)
+    order = CollectiveOrder(5, 1, stop, phases=phases)
     done: list[bool] = []
     t = threading.Thread(target=lambda: done.append(order.exchange_turn(4)))
     t.start()
     time.sleep(0.2)
-    assert not done  # batch 4's exchange is not released before the consumer asks for batch 3
+    assert not done  # turn 4 is not released before the consumer asks for batch 4 - A - (phases - 1)
     stop.set()
     t.join(2)
     assert done == [False]  # stopped: the exchange thread submits nothing
-    order = CollectiveOrder(5, 2, threading.Event())
+    t0 = time.perf_counter()
+    order.consumer_turn(0)  # stopped: the consumer does not wait either
+    assert time.perf_counter() - t0 < 1
+    order = CollectiveOrder(5, 2, threading.Event(), phases=phases)
     t0 = time.perf_counter()
     threading.Timer(0.2, order.end).start()
     order.consumer_turn(0)  # nothing was exchanged; the exchange thread ends (its error reaches the queue)
     assert 0.15 < time.perf_counter() - t0 < 5
     with pytest.raises(ValueError, match="ahead must be >= 0"):
         CollectiveOrder(3, -1, threading.Event())
+    with pytest.raises(ValueError, match="phases must be 1 or 2"):
+        CollectiveOrder(3, 1, threading.Event(), phases=3)
 
 
 def _ordered_training(jitter_s: float, device: str = "cpu") -> dict:
     """This rank trains through `train_epoch` with DDP over a sharded store, logging every collective it submits.
 
     The loader's exchange thread and the training thread sleep at random (per rank) between their collectives.
-    ``device="cuda"``: one GPU per rank, NCCL for both groups.
+    ``device="cuda"``: one GPU per rank, NCCL for both groups.  The log: ``X`` an exchange's counts all_gather,
+    ``x`` an all_to_all, ``A`` a step's all-reduce, ``[`` / ``]`` the exchange thread's turns (`CollectiveOrder`),
+    ``s`` a read of an exchange's counts (its host synchronisation), ``|`` an epoch.  The read of batch j's counts
+    (j > A) waits until the consumer's request for batch j - A - 1 has returned: it must return with those counts
+    unread (``late`` lists the reads that waited for it in vain).
     """
     ctx = init_distributed(device)
     torch.set_num_threads(1)
@@ -104,8 +179,44 @@ def _ordered_training(jitter_s: float, device: str = "cpu") -> dict:
         log.append("x")
         return real_all_to_all(*a, **k)
 
+    ahead = max(1, PREFETCH)  # the loader's CollectiveOrder's A
+    cond = threading.Condition()
+    state: dict = {"epoch": 0, "reads": 0, "returned": set(), "late": []}
+    real_read = exchange._host_counts  # noqa: SLF001
+    real_turn, real_xturn, real_xed = (CollectiveOrder.consumer_turn, CollectiveOrder.exchange_turn,
+                                       CollectiveOrder.exchanged)
+
+    def consumer_turn(self, k):
+        real_turn(self, k)
+        with cond:
+            state["returned"].add((state["epoch"], k))
+            cond.notify_all()
+
+    def exchange_turn(self, t):
+        ok = real_xturn(self, t)
+        if ok:
+            log.append("[")
+        return ok
+
+    def exchanged(self, t):
+        log.append("]")
+        real_xed(self, t)
+
+    def read_counts(c):  # the exchange thread, between its turns: not before the consumer got batch j - A - 1
+        with cond:
+            j, epoch = state["reads"], state["epoch"]
+            state["reads"] += 1
+            key = (epoch, j - ahead - 1)
+            if j > ahead and not state["late"] and not cond.wait_for(lambda: key in state["returned"], timeout=3):
+                state["late"].append((epoch, j))
+        log.append("s")
+        return real_read(c)
+
     exchange._all_gather = counts  # noqa: SLF001
     dist.all_to_all_single = all_to_all
+    exchange._host_counts = read_counts  # noqa: SLF001
+    CollectiveOrder.consumer_turn, CollectiveOrder.exchange_turn = consumer_turn, exchange_turn
+    CollectiveOrder.exchanged = exchanged
     rng = random.Random(1000 + ctx.rank)
 
     def jitter(batch):  # runs on the exchange thread, after each exchange
@@ -133,11 +244,34 @@ def _ordered_training(jitter_s: float, device: str = "cpu") -> dict:
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    for _ in range(2):
+    for epoch in range(2):
+        with cond:
+            state["epoch"], state["reads"] = epoch, 0
         log.append("|")
         losses += train_epoch(model, loader, opt, loss_fn=loss_fn).losses
     exchange._all_gather, dist.all_to_all_single = real_gather, real_all_to_all  # noqa: SLF001
-    return {"log": "".join(log), "losses": losses}
+    exchange._host_counts = real_read  # noqa: SLF001
+    CollectiveOrder.consumer_turn, CollectiveOrder.exchange_turn = real_turn, real_xturn
+    CollectiveOrder.exchanged = real_xed
+    return {"log": "".join(log), "losses": losses, "late": state["late"]}
+
+
+def _check_two_turns(res: list[dict]) -> None:
+    """Every rank's log the same (but for where its counts reads fall beside the steps), each epoch in the two-turn
+    schedule: the counts read once between two turns, never inside one, and never inside the consumer's wait."""
+    ahead = max(1, PREFETCH)
+    submitted = [r["log"].replace("s", "") for r in res]
+    for r, lg in enumerate(submitted):  # identical on every rank
+        assert lg == submitted[0], f"rank {r}'s collectives came in another order than rank 0's:\n{lg}\n{submitted[0]}"
+    for r in res:
+        assert not r["late"], f"a read of an exchange's counts waited for the consumer's request to return: {r['late']}"
+        for epoch in r["log"].split("|")[1:]:
+            calls = re.sub("x+", "R", epoch).replace("X", "C")  # one exchange's all_to_alls (ids, row pieces): R
+            assert calls.replace("s", "") == _two_turns(STEPS, ahead, brackets=True), epoch
+            # its counts read between the turn that submitted them and the next, once: never inside a turn
+            assert calls.replace("A", "") == "".join(
+                f"[{'R' if t else ''}{'C' if t < STEPS else ''}]" + ("s" if t < STEPS else "") for t in range(STEPS + 1)
+            ), epoch
 
 
 def _reference_losses() -> list[float]:
@@ -158,11 +292,7 @@ WORLD = 2
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_rank_submits_its_collectives_in_the_same_order(world: int) -> None:
     res = launch(_ordered_training, world, (0.03,))
-    logs = [r["log"] for r in res]
-    for r, lg in enumerate(logs):  # identical on every rank, and the order the schedule names
-        assert lg == logs[0], f"rank {r}'s collectives came in another order than rank 0's:\n{lg}\n{logs[0]}"
-    for epoch in logs[0].split("|")[1:]:
-        assert epoch.replace("x", "") == _canonical(STEPS, PREFETCH), epoch
+    _check_two_turns(res)
     if world == WORLD:  # the global batch's mean loss (the ranks' mean) is the one process's, step by step
         got = torch.tensor([r["losses"] for r in res], dtype=torch.float64).mean(0)
         torch.testing.assert_close(got, torch.tensor(_reference_losses(), dtype=torch.float64), rtol=1e-4, atol=1e-5)
@@ -173,7 +303,4 @@ def test_gpu_two_gpus_submit_nccl_collectives_in_the_same_order() -> None:
     """The same on two GPUs: the exchange group and DDP's both NCCL communicators of one device per rank."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    logs = [r["log"] for r in launch(_ordered_training, 2, (0.01, "cuda"))]
-    assert logs[1] == logs[0], f"rank 1's collectives came in another order than rank 0's:\n{logs[1]}\n{logs[0]}"
-    for epoch in logs[0].split("|")[1:]:
-        assert epoch.replace("x", "") == _canonical(STEPS, PREFETCH), epoch
+    _check_two_turns(launch(_ordered_training, 2, (0.01, "cuda")))

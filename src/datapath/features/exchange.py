@@ -21,11 +21,14 @@ steps, on one producer thread).  One exchange:
 Steps 3-5 are skipped when no rank asks for anything.  The exchange runs on a process group of
 its own (NCCL between GPUs, gloo between CPUs), on the loader's exchange thread, while the
 training thread runs DDP's all-reduce on the default group.  The two threads take turns
-(`datapath.loaders.CollectiveOrder`): batch ``j``'s exchange is submitted between two
-training steps, at the same place of the schedule on every rank, as NCCL asks of two
-communicators (submitted in the same order on every rank, never at once); its GPU work still
-runs beside the next steps.  Only the features are sharded: every rank holds the whole graph
-and samples from it without communication.
+(`datapath.loaders.CollectiveOrder`), at the same places of the schedule on every rank, as NCCL
+asks of two communicators (submitted in the same order on every rank, never at once).  The
+loader submits each exchange in two parts (`ShardedTier.start_fetch_slots`): steps 1-2 in one
+turn, not waited for (the counts are copied to pinned memory behind the all_gather), steps 3-5
+in the next, and it reads the counts (`SplitExchange.read`, the host synchronisation) between
+the two turns, while the training thread runs a step; the GPU work still runs beside the next
+steps.  Only the features are sharded: every rank holds the whole graph and samples from it
+without communication.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from datapath._runtime.pinned import pinned_empty
 from datapath.features.errors import FeatureStoreError, ShardExchangeError
 from datapath.features.tiers import FetchTier
 from datapath.graph import ShardLayout
@@ -94,7 +98,7 @@ class ShardedTier(FetchTier):
         self._row_bytes = math.prod(self._rest) * shard.element_size()
         self._lock = threading.Lock()
         self._flag = ErrorFlag() if self.device.type == "cuda" else None
-        self._events: list[tuple[torch.cuda.Event, ...]] = []  # (start, counted, ids sent, rows placed) per exchange
+        self._events: list[tuple[torch.cuda.Event, ...]] = []  # (start, counted, resumed, ids sent, rows placed)
         self._events_lock = threading.Lock()  # the producer thread appends, `stats` (any thread) folds
         self._joined = False  # this exchange has entered its first collective
         self._broken: str | None = None
@@ -108,11 +112,13 @@ class ShardedTier(FetchTier):
         self._remote_hits = torch.zeros((), dtype=torch.int64, device=self.device)
         # per stage (GPU time on CUDA, host time otherwise): counts = ids sorted by owner + the counts all_gather
         # (the one host synchronisation), ids = their all_to_all, exchange = owner's gather + rows all_to_all +
-        # scatter into the batch; wall = host time of the whole call; remote_cache_rows: rows of other shards this
-        # rank's batches found in its own GPU cache (not fetched)
+        # scatter into the batch; wall = host time of the whole call: submit (its two parts, what a loader's turns
+        # take) + counts_wait (the host's wait for the counts); remote_cache_rows: rows of other shards this rank's
+        # batches found in its own GPU cache (not fetched)
         self._stats.extra.update(exchanges=0, received_rows=0, received_bytes=0, sent_rows=0, sent_bytes=0,
                                  sent_from_cache_rows=0, remote_cache_rows=0, id_bytes=0, counts_seconds=0.0,
-                                 ids_seconds=0.0, exchange_seconds=0.0, wall_seconds=0.0)
+                                 ids_seconds=0.0, exchange_seconds=0.0, wall_seconds=0.0, submit_seconds=0.0,
+                                 counts_wait_seconds=0.0)
 
     def attach(self, cache: torch.Tensor | None, slots: torch.Tensor) -> None:
         """Serve the other ranks' requests through the store's tiers: rows in ``cache`` (its GPU cache) from there.
@@ -155,6 +161,20 @@ class ShardedTier(FetchTier):
         with self._lock:
             self._guarded(lambda: self._fetch_slots(ids, loc, out, flag))
 
+    def start_fetch_slots(self, ids: torch.Tensor, loc: torch.Tensor, out: torch.Tensor,
+                          flag: Any = None) -> "SplitExchange":
+        """`fetch_slots` in three parts: this one sorts the ids by owner and submits the counts all_gather
+        on the current stream, without waiting for it; `SplitExchange.read` then waits for the counts
+        (the exchange's one host synchronisation) and `SplitExchange.finish` submits the ids and rows
+        all_to_alls and the scatter into ``out`` (on the then current stream).
+
+        A loader submits the two parts in two turns of its `datapath.loaders.CollectiveOrder` and reads
+        the counts between them.  Every rank calls the parts in the same order as its other exchanges
+        (collective, as `exchange`); an error of any part is raised as by `fetch_slots`.
+        """
+        with self._lock:
+            return SplitExchange(self, self._guarded(lambda: self._start_slots(ids, loc, out, flag)))
+
     def exchange(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` ((k,) int64 rows of the whole table, any device; repeats allowed) as (k, *rest) on ``device``.
 
@@ -170,11 +190,12 @@ class ShardedTier(FetchTier):
         with self._lock:  # one exchange at a time: threads of one rank take turns (each call is self-contained)
             return self._guarded(lambda: self._exchange(ids.reshape(-1)))
 
-    def _guarded(self, run: Any) -> Any:
-        """``run()``, one exchange; a failure before its first collective tells the others, one in it breaks it."""
+    def _guarded(self, run: Any, joined: bool = False) -> Any:
+        """``run()``, one exchange (or a part of it after its first collective: ``joined``); a failure before its
+        first collective tells the others, one in it breaks it."""
         if self._broken is not None:
             raise ShardExchangeError(self._broken)
-        self._joined = False
+        self._joined = joined
         try:
             return run()
         except (IndexError, ShardExchangeError):
@@ -212,6 +233,11 @@ class ShardedTier(FetchTier):
         return dest
 
     def _fetch_slots(self, ids: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, flag: Any) -> None:
+        c = self._start_slots(ids, loc, out, flag)
+        self._read(c)
+        self._rows(c)
+
+    def _start_slots(self, ids: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, flag: Any) -> "_Counts":
         n = self.layout.num_rows
         ids = ids.to(self.device).long()
         ids = torch.where(ids < 0, ids + n, ids)
@@ -220,7 +246,7 @@ class ShardedTier(FetchTier):
             c = self._remote_slot.numel() - 1  # slots 1..c: the cache; c + 1..: this rank's shard
             hit = self._remote_slot[torch.where((loc > 0) & (loc <= c), loc, 0).long()]
             self._remote_hits += hit.sum()
-        self._run(ids, loc < 0, out, flag)
+        return self._count(ids, loc < 0, out, flag)
 
     def _run(self, ids: torch.Tensor, want: torch.Tensor | None, dest: torch.Tensor, flag: Any) -> None:
         """``dest[k] = row ids[k]`` for the ``k`` in ``want`` (all if None): one exchange, one host synchronisation.
@@ -228,6 +254,12 @@ class ShardedTier(FetchTier):
         ids: (k,) int64 on ``device``; an id outside the table on any rank fails every rank's exchange
         (this rank raises ``IndexError``, the others `ShardExchangeError` naming it).
         """
+        c = self._count(ids, want, dest, flag)
+        self._read(c)
+        self._rows(c)
+
+    def _count(self, ids: torch.Tensor, want: torch.Tensor | None, dest: torch.Tensor, flag: Any) -> "_Counts":
+        """The exchange's first part: the ids sorted by owner and the counts all_gather submitted (not waited for)."""
         cuda = self.device.type == "cuda"
         t0 = time.perf_counter()
         start = _event() if cuda else None
@@ -243,31 +275,56 @@ class ShardedTier(FetchTier):
         asks = cuts[1:] - cuts[:-1]
         asks = torch.where((~inside).any(), torch.full_like(asks, -1), asks)  # a bad id: every rank stops
         self._joined = True
-        matrix = self._counts(asks)  # the exchange's one host synchronisation
-        t_counts = time.perf_counter()
-        counted = _event() if cuda else None
-        self._raise_failed(matrix, ids, flag)
+        c = _Counts(ids, ordered, perm, asks, dest, flag, start)
+        c.out = torch.empty(self.world_size * self.world_size, dtype=torch.int64, device=self._comm)
+        if self._comm.type == "cuda":  # queued on the stream; its values copied to pinned memory behind it
+            _all_gather(c.out, asks.to(self._comm), group=self.group)
+            c.host = pinned_empty((c.out.numel(),), torch.int64)
+            c.host.copy_(c.out, non_blocking=True)
+            c.ready = torch.cuda.Event(blocking=True)
+            c.ready.record()
+        else:  # gloo runs it on its own thread: waited for in `_read`
+            c.work = _all_gather(c.out, asks.to(self._comm), group=self.group, async_op=True)
+        c.counted = _event() if cuda else None
+        c.host_s = time.perf_counter() - t0
+        return c
+
+    def _read(self, c: "_Counts") -> None:
+        """The exchange's one host synchronisation: wait for the counts matrix and raise if a rank failed."""
+        t0 = time.perf_counter()
+        c.matrix = _host_counts(c)
+        c.wait_s = time.perf_counter() - t0
+        self._stats.extra["counts_wait_seconds"] += c.wait_s
+        self._raise_failed(c.matrix, c.ids, c.flag)
+
+    def _rows(self, c: "_Counts") -> None:
+        """The exchange's second part (the counts read): the ids and rows all_to_alls, the scatter into ``c.dest``."""
+        cuda = self.device.type == "cuda"
+        t1 = time.perf_counter()
+        resumed = _event() if cuda else None
+        matrix = c.matrix
         ex = self._stats.extra
         ex["exchanges"] += 1
         mine = matrix[self.rank]  # rows this rank asks of each rank
         theirs = [matrix[r][self.rank] for r in range(self.world_size)]  # rows each rank asks of this one
         total = sum(mine)
+        counts_s = c.host_s + c.wait_s  # host time of the first part (CPU: the counts stage)
         if any(any(row) for row in matrix):
-            local = ordered[:total] - torch.repeat_interleave(self._bounds[:-1], asks, output_size=total)
+            local = c.ordered[:total] - torch.repeat_interleave(self._bounds[:-1], c.asks, output_size=total)
             wanted = torch.empty(sum(theirs), dtype=self._id_dtype, device=self._comm)
             dist.all_to_all_single(wanted, local.to(self._comm, self._id_dtype), theirs, mine, group=self.group)
             mid = _event() if cuda else None
             t_mid = time.perf_counter()
-            self._send_rows(wanted, mine, theirs, self._pieces(matrix), dest, perm[:total])
+            self._send_rows(wanted, mine, theirs, self._pieces(matrix), c.dest, c.perm[:total])
             if cuda:
                 with self._events_lock:
-                    self._events.append((start, counted, mid, _event()))
+                    self._events.append((c.start, c.counted, resumed, mid, _event()))
             else:
-                t1 = time.perf_counter()
-                ex["counts_seconds"] += t_counts - t0
-                ex["ids_seconds"] += t_mid - t_counts
-                ex["exchange_seconds"] += t1 - t_mid
-                self._stats.add(seconds=t1 - t0)
+                t2 = time.perf_counter()
+                ex["counts_seconds"] += counts_s
+                ex["ids_seconds"] += t_mid - t1
+                ex["exchange_seconds"] += t2 - t_mid
+                self._stats.add(seconds=counts_s + t2 - t1)
             remote_in = total - mine[self.rank]
             remote_out = sum(theirs) - theirs[self.rank]
             ex["received_rows"] += remote_in
@@ -276,9 +333,11 @@ class ShardedTier(FetchTier):
             ex["sent_bytes"] += remote_out * self._row_bytes
             ex["id_bytes"] += (remote_in + remote_out) * wanted.element_size()
         elif not cuda:
-            ex["counts_seconds"] += t_counts - t0
-            self._stats.add(seconds=t_counts - t0)
-        ex["wall_seconds"] += time.perf_counter() - t0
+            ex["counts_seconds"] += counts_s
+            self._stats.add(seconds=counts_s)
+        submit = c.host_s + time.perf_counter() - t1
+        ex["submit_seconds"] += submit
+        ex["wall_seconds"] += submit + c.wait_s
         self._stats.add(rows=total, nbytes=total * self._row_bytes)
 
     def _pieces(self, matrix: list[list[int]]) -> int:
@@ -371,12 +430,13 @@ class ShardedTier(FetchTier):
             keep = []
             ex = self._stats.extra
             for evs in self._events:
-                a, c, m, b = evs
+                a, c, r, m, b = evs  # start, counted; resumed (the second part), ids sent, rows placed
                 if b.query():
-                    self._stats.add(seconds=a.elapsed_time(b) / 1e3)
-                    ex["counts_seconds"] += a.elapsed_time(c) / 1e3
-                    ex["ids_seconds"] += c.elapsed_time(m) / 1e3
-                    ex["exchange_seconds"] += m.elapsed_time(b) / 1e3
+                    parts = (a.elapsed_time(c) / 1e3, r.elapsed_time(m) / 1e3, m.elapsed_time(b) / 1e3)
+                    self._stats.add(seconds=sum(parts))  # the time between the two parts is not the exchange's
+                    ex["counts_seconds"] += parts[0]
+                    ex["ids_seconds"] += parts[1]
+                    ex["exchange_seconds"] += parts[2]
                 else:
                     keep.append(evs)
             self._events = keep
@@ -384,6 +444,58 @@ class ShardedTier(FetchTier):
     def close(self) -> None:
         """Drop the shard (the process group belongs to the job and is left alone)."""
         self._broken = self._broken or f"rank {self.rank}: this sharded feature store was closed"
+
+
+class _Counts:
+    """One exchange between its two parts: what the first left for the second (`ShardedTier._count`)."""
+
+    def __init__(self, ids: torch.Tensor, ordered: torch.Tensor, perm: torch.Tensor, asks: torch.Tensor,
+                 dest: torch.Tensor, flag: Any, start: Any) -> None:
+        self.ids, self.ordered, self.perm, self.asks, self.dest, self.flag = ids, ordered, perm, asks, dest, flag
+        self.start = start  # CUDA: the event before the first part
+        self.out: torch.Tensor | None = None  # (W * W,) int64: the counts all_gather's output
+        self.host: torch.Tensor | None = None  # its pinned copy (CUDA), complete at ``ready``
+        self.ready: torch.cuda.Event | None = None
+        self.work: Any = None  # gloo's pending all_gather
+        self.counted: Any = None
+        self.matrix: list[list[int]] | None = None
+        self.host_s = self.wait_s = 0.0
+
+
+def _host_counts(c: _Counts) -> list[list[int]]:
+    """The counts matrix on the host: the one wait of an exchange (for the all_gather and the copy behind it only)."""
+    if c.work is not None:
+        c.work.wait()
+        flat = c.out.tolist()
+    else:
+        c.ready.synchronize()  # sleeps without the interpreter lock; later work on the stream is not waited for
+        flat = c.host.tolist()
+    w = int(round(len(flat) ** 0.5))
+    return [flat[i * w:(i + 1) * w] for i in range(w)]
+
+
+class SplitExchange:
+    """An exchange submitted in parts (`ShardedTier.start_fetch_slots`): its counts are submitted; `read`, then
+    `finish`, each once, in that order."""
+
+    def __init__(self, tier: ShardedTier, counts: _Counts) -> None:
+        self._tier, self._c = tier, counts
+
+    def read(self) -> None:
+        """Wait for the counts (host synchronisation); raise as `ShardedTier.fetch_slots` when a rank failed."""
+        if self._c.matrix is not None:
+            return
+        t = self._tier
+        with t._lock:  # noqa: SLF001 - the tier's own parts
+            t._guarded(lambda: t._read(self._c), joined=True)  # noqa: SLF001
+
+    def finish(self) -> None:
+        """Submit the ids and rows all_to_alls and the scatter (on the current stream); reads the counts first if
+        `read` has not (then the host synchronisation falls here)."""
+        self.read()
+        t = self._tier
+        with t._lock:  # noqa: SLF001
+            t._guarded(lambda: t._rows(self._c), joined=True)  # noqa: SLF001
 
 
 def _event() -> torch.cuda.Event:

@@ -481,6 +481,30 @@ class PendingGather:
         self._rows = out
         self.out = out.view(shape)
         self._args = None if flat is None else (flat, loc, own_flag, schedule, step)
+        self._split: Any = None  # a collective tier's exchange whose counts are submitted (`start`)
+
+    def start(self) -> bool:
+        """Submit the first part of a collective tier's exchange (its counts) on the current stream, without waiting.
+
+        True when the fetch is split so (one collective tier that reads the slot map, no superbatch
+        schedule): then `read` waits for the counts (the host synchronisation) and `finish` submits the
+        rest, each on the stream current then.  False: `finish` does the whole fetch, as without `start`.
+        """
+        if self._args is None or self._split is not None:
+            return self._split is not None
+        flat, loc, own_flag, schedule, step = self._args
+        fetch = self.store._fetch
+        if not (len(fetch) == 1 and fetch[0].collective and fetch[0].reads_slots and schedule is None
+                and hasattr(fetch[0], "start_fetch_slots")):
+            return False
+        self._args = None
+        self._split = fetch[0].start_fetch_slots(flat, loc, self._rows, own_flag)
+        return True
+
+    def read(self) -> None:
+        """After `start`: wait for the exchange's counts (raises if a rank failed); nothing otherwise."""
+        if self._split is not None:
+            self._split.read()
 
     def tensors(self) -> list[torch.Tensor]:
         """The CUDA tensors `finish` reads or writes (another stream that finishes records them)."""
@@ -488,6 +512,9 @@ class PendingGather:
 
     def finish(self) -> torch.Tensor:
         """Fetch the remaining rows into ``out`` (queued on the current stream); idempotent.  Returns ``out``."""
+        split, self._split = self._split, None
+        if split is not None:
+            split.finish()
         args, self._args = self._args, None
         if args is not None:
             flat, loc, own_flag, schedule, step = args

@@ -155,7 +155,7 @@ class _Producer:
         # and the exchanges take turns with the consumer's collectives, in the same order on every rank
         self.order: CollectiveOrder | None = None
         if k == 1 and steps.exchange:
-            self.order = CollectiveOrder(len(work), max(1, steps.depth), self.stop)
+            self.order = CollectiveOrder(len(work), max(1, steps.depth), self.stop, phases=2)
             self.exchange = _Exchange(self, self.queues[0])
             self.threads.append(self.exchange.thread)
 
@@ -294,9 +294,14 @@ class _Exchange:
     ranks) on a CUDA stream of its own that waits only for that batch's gather, runs the ``prepare``
     hook, and passes the batch on.  Meanwhile the worker samples and gathers the next batches, so a
     rank's exchange overlaps its sampling instead of following it.  A worker's error takes its batch's
-    place in the order: the other ranks learn of it in that exchange (`FeatureStore.abort`).  Each
-    exchange waits for its turn (`CollectiveOrder`): batch ``j``'s is submitted when the consumer has
-    asked for batch ``j - A``, between two of its steps, never beside the consumer's own collectives.
+    place in the order: the other ranks learn of it in that exchange (`FeatureStore.abort`).
+
+    Each exchange goes in two turns (`CollectiveOrder` with ``phases=2``): turn ``t`` submits the rest
+    of batch ``t - 1``'s exchange, then batch ``t``'s counts (`PendingGather.start`); between turns
+    ``t`` and ``t + 1`` the thread reads batch ``t``'s counts (`PendingGather.read`: the exchange's host
+    synchronisation), so the consumer, which waits while a turn is submitted, never waits for that read
+    inside a turn.  A store whose gather cannot be split (`PendingGather.start` is False) exchanges
+    whole in the second turn.
     """
 
     def __init__(self, producer: _Producer, out: queue.Queue) -> None:
@@ -326,33 +331,44 @@ class _Exchange:
                     steps.streams[-1] = (torch.cuda.Stream(steps.device, priority=high),)
                 stream = steps.streams[-1][0]
                 prepare_stream = p._streams(0)[2] if steps.gather_stream != "serial" else None
-            j = 0  # the batch whose exchange comes next
+            held: Batch | None = None  # the batch whose counts are submitted and read: the rest comes in turn t
+            t = 0  # the next turn: batch t - 1's rows, then batch t's counts
             while True:
                 item = self._get()
-                if item is _DONE:
+                if item is _DONE and held is None:  # stopped, or an epoch without batches
                     p._put(self.out, _DONE)
                     return
-                if order is not None and not order.exchange_turn(j):
+                if order is not None and not order.exchange_turn(t):
                     return  # stopped while waiting for its turn
-                if isinstance(item, BaseException):
-                    if steps.abort is not None:  # this batch's exchange: the other ranks raise, naming this one
+                if held is not None:
+                    self._rows(held, stream)
+                failed: BaseException | None = None
+                if isinstance(item, BaseException):  # this batch's counts: the other ranks raise, naming this one
+                    failed = item
+                    if steps.abort is not None:
                         steps.abort(item)
-                    if order is not None:
-                        order.end()
-                    p._put(self.out, item)
-                    return
-                batch: Batch = item
-                self._finish(batch, stream)
+                elif item is not _DONE:
+                    try:
+                        self._count(item, stream)
+                    except BaseException as exc:  # noqa: BLE001 - after the batch before it
+                        failed = exc
                 if order is not None:
-                    order.exchanged(j)
-                j += 1
-                if stream is not None and prepare_stream is None:
-                    with torch.cuda.stream(stream):  # after the exchange, off the training's stream
-                        steps.prepare(batch, None)
-                else:
-                    steps.prepare(batch, prepare_stream)
-                if not p._put(self.out, batch):
+                    order.exchanged(t)
+                if failed is None and item is not _DONE:
+                    try:
+                        self._read(item)  # between two turns: the consumer may be training meanwhile
+                    except BaseException as exc:  # noqa: BLE001 - every rank raises at this batch (same counts)
+                        failed = exc
+                if failed is not None or item is _DONE:
+                    if order is not None:  # first: the consumer may wait for a later turn, the queue full
+                        order.end()
+                    if held is not None and not self._pass(held, stream, prepare_stream):
+                        return
+                    p._put(self.out, _DONE if failed is None else failed)
                     return
+                if held is not None and not self._pass(held, stream, prepare_stream):
+                    return
+                held, t = item, t + 1
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
             if order is not None:  # first: the consumer may wait for this exchange, the queue full before it
                 order.end()
@@ -361,8 +377,46 @@ class _Exchange:
             if order is not None:  # nothing more to wait for: the end or the error comes through the queue
                 order.end()
 
+    def _pass(self, batch: Batch, stream: "torch.cuda.Stream | None",
+              prepare_stream: "torch.cuda.Stream | None") -> bool:
+        """Run ``prepare`` on a batch whose exchange is submitted and hand it on (False: stopped)."""
+        steps = self.producer.steps
+        if stream is not None and prepare_stream is None:
+            with torch.cuda.stream(stream):  # after the exchange, off the training's stream
+                steps.prepare(batch, None)
+        else:
+            steps.prepare(batch, prepare_stream)
+        return self.producer._put(self.out, batch)
+
     @staticmethod
-    def _finish(batch: Batch, stream: torch.cuda.Stream | None) -> None:
+    def _count(batch: Batch, stream: torch.cuda.Stream | None) -> None:
+        """The first part of ``batch``'s exchange (its counts), on ``stream`` after the batch's own gather."""
+        pending = batch._pending
+        if pending is None:
+            return
+        sw = Stopwatch()
+        if stream is None:
+            pending.start()
+        else:
+            if batch._events:  # the batch's own gather (and, before it, its sampling)
+                stream.wait_event(batch._events[0])
+            with torch.cuda.stream(stream):
+                for t in pending.tensors():  # made on the worker's streams, read and written here
+                    t.record_stream(stream)
+                pending.start()
+        sw.charge(batch, "gather")
+
+    @staticmethod
+    def _read(batch: Batch) -> None:
+        """Wait for ``batch``'s counts (the exchange's host synchronisation; raises if a rank failed)."""
+        if batch._pending is not None:
+            sw = Stopwatch()
+            batch._pending.read()
+            sw.charge(batch, "gather")
+
+    @staticmethod
+    def _rows(batch: Batch, stream: torch.cuda.Stream | None) -> None:
+        """The rest of ``batch``'s exchange (the whole of it if its gather is not split), on ``stream``."""
         pending, batch._pending = batch._pending, None
         if pending is None:
             return
@@ -370,12 +424,8 @@ class _Exchange:
         if stream is None:
             pending.finish()
         else:
-            if batch._events:  # the batch's own gather (and, before it, its sampling)
-                stream.wait_event(batch._events[0])
             with torch.cuda.stream(stream):
                 pending.finish()
-                for t in pending.tensors():  # made on the worker's streams, read and written here
-                    t.record_stream(stream)
                 done = torch.cuda.Event(blocking=True)
                 done.record()
             batch._events.append(done)
