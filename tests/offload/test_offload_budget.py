@@ -13,11 +13,12 @@ from torch import nn
 
 from _offload_models import GPT, assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, run_steps
 from datapath.offload import (
-    BudgetProfile, OffloadConfigError, SegmentCost, TensorCache, offload, parse_memory_budget, plan_budget,
+    BudgetProfile, OffloadConfigError, SegmentCost, TensorCache, checkpoint_plan, offload, parse_memory_budget,
+    plan_budget,
     set_recompute,
 )
 from datapath.offload.budget import BudgetPolicy
-from datapath.offload.budget_planner import shifted
+from datapath.offload.budget_planner import modelled_peak, shifted
 
 
 def _lm_loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -212,6 +213,26 @@ def test_planner_below_the_floor_runs_the_fastest_of_the_lowest_plans() -> None:
         not math.isfinite(everything_offloaded.predicted_time)
 
 
+def test_checkpoint_plan_recomputes_every_block_and_offloads_only_what_the_budget_needs() -> None:
+    mb = 8 << 20
+    prof = dataclasses.replace(_profile(4, bandwidth=1e9), recomputable=[1, 2, 3])  # block 0 stays out
+    roomy = checkpoint_plan(prof, budget=100 + 10 * mb, recomputed=(0,))
+    assert roomy.recompute == (0, 1, 2, 3) and roomy.offload_bytes == 0 and not roomy.infeasible
+    assert roomy.predicted_peak <= 100 + 10 * mb and math.isfinite(roomy.predicted_time)
+    # a large storage outside every block: the fewest such bytes offloaded that fit, or none (infeasible) below
+    segs = prof.segments + [SegmentCost(False, -1, 0.001, 100, None)]
+    big = dataclasses.replace(prof, segments=segs, storages=prof.storages + [(len(segs) - 1, 3 * mb)],
+                              storage_inputs=[])
+    plain = checkpoint_plan(big, budget=10**12, recomputed=(0,))
+    assert plain.offload_bytes == 0
+    tight = checkpoint_plan(big, budget=plain.predicted_peak - 1, recomputed=(0,))
+    lowest = modelled_peak(big, (0, 1, 2, 3), 1)
+    if lowest < plain.predicted_peak:  # offloading that storage lowers the model's peak: it is offloaded
+        assert tight.offload_bytes == 3 * mb and not tight.infeasible
+    none = checkpoint_plan(big, budget=1, recomputed=(0,))
+    assert none.infeasible and none.offload_bytes == 0 and none.recompute == (0, 1, 2, 3)
+
+
 def test_planning_an_8b_shaped_step_is_cheap() -> None:
     """The plan's own cost at 32 layers: an 8B-shaped profile (32 blocks of 14 saved storages, 450 segments,
     attention gains per block) is planned at a tight and a loose budget in well under a second each."""
@@ -239,7 +260,8 @@ def test_planning_an_8b_shaped_step_is_cheap() -> None:
 def test_impossible_budget_raises_naming_the_measured_minimum() -> None:
     torch.manual_seed(2)
     model = GPT(vocab=64, h=64, heads=4, layers=3, dropout=0.0, tied=False)
-    batches = [torch.randint(0, 64, (8, 64)) for _ in range(4)]
+    # profiled, lowest plan, checkpointing's plan measured against it, lowest plan draining: refused after
+    batches = [torch.randint(0, 64, (8, 64)) for _ in range(6)]
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     with pytest.raises(OffloadConfigError, match="measured minimum") as info:
         with offload(model, memory_budget=params + 1000, min_bytes=1024, offload_cpu_tensors=True):
@@ -451,6 +473,56 @@ def _ckpt_peak(model: nn.Module, batch: torch.Tensor) -> int:
     m = copy.deepcopy(model)
     m.use_checkpoint = "non-reentrant"
     return cpu_keep_peak(m, _lm_loss, batch)
+
+
+@pytest.mark.parametrize("min_bytes", [200_000, 600_000])
+def test_budget_at_checkpointing_peak_that_the_model_cannot_see_is_met(min_bytes: int) -> None:
+    """Activations under ``min_bytes`` are neither offloaded nor in the memory model, but recomputing a block
+    drops them: every plan is modelled over a budget equal to checkpointing's measured peak, the lowest plan's
+    step exceeds it, and checkpointing's plan, measured against it, holds it.  Before, such a budget (one
+    checkpointing meets) was refused with `OffloadConfigError`.  Gradients stay identical with dropout on."""
+    torch.manual_seed(3)
+    model = GPT(vocab=64, h=64, heads=4, layers=4, dropout=0.1, tied=False)
+    batches = [torch.randint(0, 64, (8, 64)) for _ in range(7)]
+    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
+    budget = _ckpt_peak(model, batches[0])
+    cache = TensorCache("host", memory_budget=budget, min_bytes=min_bytes, offload_cpu_tensors=True)
+    cache.attach(model)
+    got = run_steps(model, batches, _lm_loss, ctx=cache)
+    assert_identical(ref, got)
+    policy = cache.policy
+    assert cache.plan is not None and cache.plan.recompute == (0, 1, 2, 3), cache.plan
+    floor_round = policy.trials[0]
+    assert [len(p["recompute"]) for p in floor_round["plans"]] == [0, 4] and floor_round["kept"] == 1, floor_round
+    assert policy.peaks[0] > 1.03 * budget  # the lowest plan's step: over the budget
+    assert max(policy.peaks[1:]) <= 1.03 * budget, ([round(p / budget, 3) for p in policy.peaks], budget)
+    cache.close()
+
+
+def test_a_plan_that_recomputes_part_is_measured_against_checkpointing() -> None:
+    """A plan that keeps some blocks and recomputes the rest (no offloading) runs one step against
+    checkpointing's plan (every block recomputed), and the faster step that held the budget is kept."""
+    torch.manual_seed(5)
+    model = GPT(vocab=64, h=64, heads=4, layers=4, dropout=0.1, tied=False)
+    batches = [torch.randint(0, 64, (8, 64)) for _ in range(8)]
+    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
+    keep, ckpt = _keep_peak(model, batches[0]), _ckpt_peak(model, batches[0])
+    budget = int(ckpt + 0.5 * (keep - ckpt))
+    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
+    cache.bandwidth = lambda: (2e6, 2e6)  # a store this slow: the plans recompute, they do not offload
+    cache.attach(model)
+    got = run_steps(model, batches, _lm_loss, ctx=cache)
+    assert_identical(ref, got)
+    rounds = cache.policy.trials
+    assert rounds, "no plan was measured against checkpointing's"
+    plans = rounds[0]["plans"]
+    assert 0 < len(plans[0]["recompute"]) < 4 and plans[0]["offload_bytes"] == 0, plans[0]
+    assert plans[-1]["recompute"] == [0, 1, 2, 3] and plans[-1]["offload_bytes"] == 0, plans[-1]
+    kept = plans[rounds[0]["kept"]]
+    held = [p for p in plans if p["peak"] <= 1.005 * budget]
+    assert kept["step_ms"] == min(p["step_ms"] for p in held), plans
+    assert cache.plan is not None and list(cache.plan.recompute) == kept["recompute"]
+    cache.close()
 
 
 @pytest.mark.slow

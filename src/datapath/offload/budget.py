@@ -34,21 +34,20 @@ holds everything, nothing of this runs.  A planned step then
 - recomputes the planned blocks (non-reentrant checkpointing, RNG replayed);
 - loads ahead in the backward only while the memory stays under the budget.
 
-The time model cannot see everything offloading costs, so a plan that offloads is
-put to the test (`datapath.offload.plan_trials`): the plans that offload less run one
-step each and the fastest whose peak held the budget is kept (`BudgetPolicy.trials`
-says what ran and what was kept).
+The time model cannot see everything offloading costs, nor what a nearly full device
+costs a step that keeps more, so a plan that offloads or recomputes is put to the test
+(`datapath.offload.plan_trials`): the plans that offload less, and checkpointing's,
+run one step each and the fastest whose peak held the budget is kept
+(`BudgetPolicy.trials` says what ran and what was kept).
 
 Each step's measured peak is compared with the budget: above it, the plan is
 made again for a budget lowered by the excess (a step whose peak exceeds the
 budget corrects the plan for the next); well below it, once, for a budget raised
 by part of the gap.  A budget under what the model predicts even with everything
-offloaded is not refused on the prediction: the lowest plan runs, and if its step
-still exceeds the budget, once more with every store drained before the next
-(the floor: the lowest memory offloading reaches); only a budget that floor's
-measured step exceeds raises `OffloadConfigError`, naming that measured minimum
-and the plan that reached it (the lowest plan recomputes blocks where that is lower
-than offloading them).
+offloaded is not refused on the prediction (`datapath.offload.budget_floor`): the
+lowest plan runs, checkpointing's is measured against it, and only a budget every
+such step exceeds, the lowest plan's with every store drained before the next too,
+raises `OffloadConfigError`, naming the measured minimum and the plan that reached it.
 """
 from __future__ import annotations
 
@@ -60,13 +59,15 @@ from collections.abc import Callable
 
 from datapath.offload.attention_saved import AttentionCosts
 from datapath.offload.bandwidth import StoreBandwidth
-from datapath.offload.budget_planner import KEEP_ALL, BudgetPlan, BudgetProfile, modelled_peak, plan_budget, shifted
+from datapath.offload.budget_floor import Floor
+from datapath.offload.budget_planner import (
+    KEEP_ALL, BudgetPlan, BudgetProfile, checkpoint_plan, modelled_peak, plan_budget, shifted)
 from datapath.offload.budget_profile import profile_of, record_peak
 from datapath.offload.config import OffloadConfig
 from datapath.offload.errors import OffloadConfigError
 from datapath.offload.memory_meter import MemoryMeter
 from datapath.offload.models import AttachedModels
-from datapath.offload.plan_trials import MAX_TRIAL_ROUNDS, PlanTrials, Run
+from datapath.offload.plan_trials import MAX_TRIAL_ROUNDS, TRIAL_COSTS, PlanTrials, Run
 from datapath.offload.plan_trials import gb as _gb
 from datapath.offload.plan_trials import plan_shape as _shape
 from datapath.offload.policy import Backpressure, Policy, derived_bound
@@ -82,7 +83,6 @@ RELAX_BELOW = 0.93   # a planned step under this share of the budget may relax t
 LOOKAHEAD = 4        # forward segments whose working set a pack's admission leaves room for
 FREE_LEAD = 16       # units a planned step's CPU may run ahead of the GPU past its offloaded segments
 OVER = 1.005         # a planned step over this share of the budget corrects the plan (measurement noise below)
-FLOOR_DEVICE_SHARE = 0.97  # a plan made after the lowest one's step came in under the model: its unmoved figure's cap
 PROBE_WAIT_S = 30.0       # the longest the profiled step waits for the store's bandwidth probe to end
 
 
@@ -123,10 +123,7 @@ class BudgetPolicy(Policy):
         self._pending_peak: int | None = None
         self._overshot = False
         self._relaxed = False
-        self._at_floor = False    # the plan in force is the lowest the model has (it predicted no fit)
-        self._drain = False       # ... and every store is drained before the next pack (the floor)
-        self._floor_peaks: list[int] = []
-        self._floor_checked = False  # the lowest plan's measured step was compared with its modelled peak
+        self.floor = Floor()      # where no plan is modelled under the budget
         self._head_fwd: list[int] = []
         self._head_bwd = 0
         self._block_bytes: dict[int, int] = {}   # block -> bytes of the storages it saves
@@ -197,14 +194,43 @@ class BudgetPolicy(Policy):
         if peak is None:
             return
         if self._trials.open:
-            self._use(self._trials.step(self.budget, OVER, self.replans))
+            self._round_step()
             return
         self._feedback(peak)
         run = self._last_run
-        if self._trials.due and run is not None and run[0] is self.plan:
-            first = self._trials.start(run, self.plan, lambda cost: self._plan_for(self.target, cost))
+        if run is None or run[0] is not self.plan:
+            return
+        if self.floor.at and not self.floor.tried:
+            # below the model's floor the step decides: checkpointing's plan is measured against the lowest
+            assert self.profile is not None
+            alt = self.floor.alternative(self.profile, self.plan, peak, self.budget, self.base_recompute,
+                                         self.meter.total())
+            first = None if alt is None else self._trials.start(run, self.plan, [alt])
             if first is not None:
                 self._use(first)
+            return
+        if self._trials.due:
+            first = self._trials.start(run, self.plan, self._candidates())
+            if first is not None:
+                self._use(first)
+
+    def _candidates(self) -> list[BudgetPlan]:
+        """The plans a trial measures against the one in force: those made with offloading weighed more
+        (where it offloads), and checkpointing's (every block recomputed) where the model fits it and the
+        plan keeps some block (a plan that recomputes every block differs only by measured gains)."""
+        assert self.plan is not None and self.profile is not None
+        plans = [self._plan_for(self.target, cost) for cost in TRIAL_COSTS] if self.plan.offload_bytes else []
+        ckpt = checkpoint_plan(self.profile, int(self.target), recomputed=self.base_recompute)
+        return plans + ([ckpt] if ckpt.recompute != self.plan.recompute else [])
+
+    def _round_step(self) -> None:
+        """A trial round's step ended: its next plan, or the kept one.  At the floor, a kept plan other than
+        the lowest becomes the floor's (a replan that finds no fit runs it) and stores are no longer drained."""
+        runs = list(self._trials.runs)
+        plan = self._trials.step(self.budget, OVER, self.replans)
+        if self.floor.at and not self._trials.open and self.floor.round_closed(runs, plan, OVER * self.budget):
+            self.target = float(self.budget)
+        self._use(plan)
 
     def on_backward_end(self, rec: Record) -> None:
         # a planned step's peak is read, not reset: whoever measures the step after it still sees it
@@ -235,12 +261,12 @@ class BudgetPolicy(Policy):
         if peak > OVER * self.budget:
             self._overshot = True
             self.stats.plan_corrections += 1
-            if self._at_floor:
-                self._floor_peaks.append(peak)
-                if self._drain:
-                    self._refuse(min(self._floor_peaks))
+            if self.floor.at:
+                self.floor.runs.append((peak, self.plan))
+                if self.floor.drain:
+                    self._refuse()
                 # the lowest plan did not hold: drain every store before the next pack, load only on demand
-                self._drain = True
+                self.floor.drain = True
                 self.target = 0.0
                 log.info("memory budget: the lowest plan's step peaked at %s, over the budget %s; draining every "
                          "store before the next pack", _gb(peak), _gb(self.budget))
@@ -249,8 +275,7 @@ class BudgetPolicy(Policy):
             log.info("memory budget: the step's peak %s exceeded the budget %s; planning for %s",
                      _gb(peak), _gb(self.budget), _gb(self.target))
             self._replan()
-        elif self._at_floor and not self._floor_checked and peak < self.plan.predicted_peak:
-            self._floor_checked = True
+        elif self.floor.at and not self.floor.checked and peak < self.plan.predicted_peak:
             self._lower_to(peak)
         elif (peak < RELAX_BELOW * self.budget and not self._overshot and not self._relaxed
               and (self.plan.offload_bytes or self.plan.recompute)):
@@ -260,37 +285,22 @@ class BudgetPolicy(Policy):
             self.target = min(float(self.budget), self.target + 0.5 * (0.985 * self.budget - peak))
             log.info("memory budget: the step's peak %s is well under the budget %s; planning for %s",
                      _gb(peak), _gb(self.budget), _gb(self.target))
-            self._replan()
+            self._replan(relaxing=True)
 
     def _lower_to(self, peak: int) -> None:
-        """The lowest plan, modelled over the budget, held it at ``peak``: the model counts memory the step does not
-        hold, as under FSDP2).  Every interval moves down by the difference and the plan is made again,
-        where a plan then fits and its figure before the move stays under ``FLOOR_DEVICE_SHARE`` of the device."""
+        """The lowest plan, modelled over the budget, held it at ``peak``: move the profile down (`Floor.lowered`)."""
         assert self.profile is not None and self.plan is not None
-        miss = self.plan.predicted_peak - peak
-        before = self.profile
-        self.profile = shifted(before, -miss)
-        plan = self._plan_for(self.target)
-        if plan.infeasible or plan.predicted_peak + miss > FLOOR_DEVICE_SHARE * self.meter.total():
-            self.profile = before
-            return
-        self.calibration -= miss
-        log.info("memory budget: the lowest plan's step peaked %s under the memory model's figure for it; every "
-                 "interval of the profile moved down by that", _gb(miss))
-        self._replan()
+        moved = self.floor.lowered(self.profile, self.plan, peak, lambda p: self._plan_for(self.target, profile=p),
+                                   self.meter.total())
+        if moved is not None:
+            self.profile, miss = moved
+            self.calibration -= miss
+            self._replan()
 
-    def _refuse(self, floor: int) -> None:
-        plan = self.plan
-        what = "every activation offloaded" if plan is None else (
-            f"the lowest plan: {_gb(plan.offload_bytes)} offloaded, {len(plan.recompute)} of "
-            f"{len(self.models.blocks)} blocks recomputed")
+    def _refuse(self) -> None:
         clear_recompute(self.models.blocks)
         self.plan = None
-        self._error = OffloadConfigError(
-            f"memory_budget={_gb(self.budget)} cannot be met: the measured minimum for this model and batch is "
-            f"{_gb(floor)} (a step with {what}, every store drained before the next: parameters, gradients and "
-            f"optimizer state {_gb(self.models.static_bytes())} plus the smallest working set). Raise the budget "
-            f"to at least {_gb(floor * 1.03)}, or lower the batch size.")
+        self._error = self.floor.refusal(self.budget, len(self.models.blocks), self.models.static_bytes())
         raise self._error
 
     def on_record_start(self, rec: Record) -> None:
@@ -298,10 +308,10 @@ class BudgetPolicy(Policy):
         # storages are the first ones, needed last, and their loads overlap the whole backward before them
         rec.distance = self.config.flow.prefetch_distance if self.plan is None else 1 << 30
         rec.plan = self.plan
-        if self.plan is not None and not self._drain:
+        if self.plan is not None and not self.floor.drain:
             # the plan offloads a prefix of segments: past it every storage is kept (the pack hook's quick way)
             rec.quiet_from = self.plan.cut_segment + (1 if self.plan.cut_bytes else 0)
-        if self.plan is not None and (self._trials.due or self._trials.open):
+        if self.plan is not None and (self._trials.due or self._trials.open or (self.floor.at and not self.floor.tried)):
             rec.t0 = self.clock.mark()  # a step a trial measures
         if self.plan is None:
             self.attention.attach(self.models.blocks, skip=is_compiled)  # a profiled step: what keeping attention
@@ -350,7 +360,7 @@ class BudgetPolicy(Policy):
             if rec.profiling:
                 self.room.watch(rec, nbytes, self.models.blocks)
             return t.admit(nbytes, 2.0 * self.max_storage_bytes)
-        if self._drain:  # the floor: the store of every earlier storage is over before the next is queued
+        if self.floor.drain:  # the floor: the store of every earlier storage is over before the next is queued
             return t.admit(nbytes, 0.0)
         return self._hold(rec)
 
@@ -386,7 +396,7 @@ class BudgetPolicy(Policy):
 
     def stores_nothing(self, rec: Record) -> bool:
         plan = rec.plan
-        return (plan is not None and not rec.profiling and not rec.timing and not self._drain
+        return (plan is not None and not rec.profiling and not rec.timing and not self.floor.drain
                 and plan.offload_bytes == 0 and plan.cut_segment == 0 and plan.cut_bytes == 0)
 
     def forward_lead(self, rec: Record, segment: int, lead: int) -> int:
@@ -408,11 +418,14 @@ class BudgetPolicy(Policy):
         return [b for b in sorted({s.block for s in rec.segments if s.block >= 0})
                 if b < len(blocks) and not already_recomputed(blocks[b]) and b not in self.base_recompute]
 
-    def _plan_for(self, target: float, offload_cost: float = 1.0) -> BudgetPlan:
-        """`plan_budget` for ``target`` bytes; the blocks the profile was taken recomputed stay recomputed."""
-        assert self.profile is not None
+    def _plan_for(self, target: float, offload_cost: float = 1.0, profile: BudgetProfile | None = None,
+                  ) -> BudgetPlan:
+        """`plan_budget` for ``target`` bytes on ``profile`` (the policy's by default); the blocks the profile was
+        taken recomputed stay recomputed."""
+        profile = profile or self.profile
+        assert profile is not None
         t0 = time.perf_counter()
-        plan = plan_budget(self.profile, int(target), offload_cost=offload_cost, attention=self._attention,
+        plan = plan_budget(profile, int(target), offload_cost=offload_cost, attention=self._attention,
                            recomputed=self.base_recompute)
         self.planning_s += time.perf_counter() - t0
         if self.base_recompute:
@@ -448,20 +461,24 @@ class BudgetPolicy(Policy):
             if b >= 0:
                 self._block_bytes[b] = self._block_bytes.get(b, 0) + nb
 
-    def _replan(self) -> None:
+    def _replan(self, relaxing: bool = False) -> None:
+        """Plan for ``target``; ``relaxing`` (a higher target): a plan a kept one outran in a trial stays out."""
         assert self.profile is not None
         plan = self._plan_for(self.target)
+        if relaxing and _shape(plan) in self._trials.lost:
+            return
         self.replans += 1
-        self._at_floor = plan.infeasible
+        self.floor.at = plan.infeasible
         if plan.infeasible:
             # not refused on the model's word: the lowest plan runs, and its measured peak decides
             log.info("memory budget: no plan is modelled under %s (the lowest modelled: %s); running the lowest",
                      _gb(self.target), _gb(plan.predicted_peak))
-            plan = dataclasses.replace(plan, infeasible=False)
+            plan = self.floor.choice or dataclasses.replace(plan, infeasible=False)
         if self.plan is not None and _shape(plan) == _shape(self.plan):
             return  # the same step as before (a relaxed target that changes nothing): its measures stand
         self.plan = plan
-        self._trials.due = (plan.offload_bytes > 0 and not self._at_floor and len(self.trials) < MAX_TRIAL_ROUNDS)
+        self._trials.due = (bool(plan.offload_bytes or plan.recompute) and not self.floor.at
+                            and len(self.trials) < MAX_TRIAL_ROUNDS)
         set_recompute(self.models.blocks, plan.recompute, plan.attention_saved)
         log.info("memory budget %s (planning for %s): offload %s (%d segments), recompute %d block(s) %s (attention "
                  "kept in %s), predicted peak %s, predicted step %.1f ms", _gb(self.budget), _gb(self.target),
@@ -480,6 +497,6 @@ class BudgetPolicy(Policy):
     @property
     def min_peak(self) -> float:
         """The lowest peak known to be reachable: the floor's measured step, else the memory profile's."""
-        if self._floor_peaks:
-            return float(min(self._floor_peaks))
+        if self.floor.min_peak is not None:
+            return self.floor.min_peak
         return self.profile.min_peak if self.profile is not None else math.nan

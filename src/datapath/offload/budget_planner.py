@@ -362,6 +362,37 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
                       min_peak=int(min(lowest, p.min_peak)), attention_saved=tuple(sorted(saved)))
 
 
+def checkpoint_plan(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
+                    recomputed: tuple[int, ...] | list[int] = ()) -> BudgetPlan:
+    """Checkpointing's plan: every block recomputed, the fewest storages outside them offloaded that fit
+    ``budget`` by the model (none where no number fits: `infeasible` set, nothing offloaded).
+
+    The budget policy measures it against a plan the model preferred (`datapath.offload.plan_trials`): a plan
+    that keeps or offloads more is kept only where its step is faster, and below the model's floor the
+    step decides what the model cannot (a memory model that overstates a sharded step's peak)."""
+    p = profile
+    model = _Model(p)
+    rec = set(p.recomputable) | set(recomputed)
+    n_elig = _eligible(p, rec)
+    lo, hi = 0, n_elig
+    while lo < hi:  # smallest k that fits
+        mid = (lo + hi) // 2
+        if model.peak(_kept(model, rec, mid)[0]) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    infeasible = model.peak(_kept(model, rec, lo)[0]) > budget
+    k = 0 if infeasible else lo
+    kept, off = _kept(model, rec, k)
+    peak = model.peak(kept)
+    cut_segment, cut_bytes = _cut(p, rec, k)
+    tmodel = _Model(dataclasses.replace(p, write_bandwidth=p.write_bandwidth * safety,
+                                        read_bandwidth=p.read_bandwidth * safety))
+    t = _time(tmodel, rec, off, max(0.0, budget - peak))
+    return BudgetPlan(cut_segment, cut_bytes, tuple(sorted(rec)), sum(nb for _, nb in off), int(peak), t, budget,
+                      infeasible=infeasible, min_peak=int(p.min_peak))
+
+
 def _cut(p: BudgetProfile, recompute: set[int], k: int) -> tuple[int, int]:
     """The first ``k`` eligible storages as (segment before which all go, bytes of that segment that go)."""
     if k == 0:

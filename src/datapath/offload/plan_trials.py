@@ -1,16 +1,17 @@
-"""Putting a `memory_budget` plan that offloads to the test: the plans that offload less run one step each.
+"""Putting a `memory_budget` plan to the test: the plans it was preferred to run one step each.
 
 The time model cannot see everything offloading costs (stalls, PCIe shared with the step's own
-traffic), so after a plan that offloads has run one measured step within the budget, the plans made
-with offloading weighed more (``TRIAL_COSTS``: less offloaded, more recomputed) run one step each, and
-the fastest measured step (GPU time from the forward's start to the backward's end) whose peak held
-the budget is kept.  `PlanTrials` holds a trial's state; `datapath.offload.budget.BudgetPolicy` asks
+traffic), nor what a nearly full device costs a step that keeps more, so after a plan that offloads
+or recomputes has run one measured step, the plans made with offloading weighed more
+(``TRIAL_COSTS``: less offloaded, more recomputed) and checkpointing's plan (every block recomputed)
+run one step each, and the fastest measured step (GPU time from the forward's start to the
+backward's end) whose peak held the budget is kept.  Below the model's floor, checkpointing's plan
+is measured against the lowest plan the same way.  `PlanTrials` holds a trial's state; `datapath.offload.budget.BudgetPolicy` asks
 it which plan runs next.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from datapath.offload.budget_planner import BudgetPlan
 from datapath.offload.records import Clock
@@ -42,6 +43,7 @@ class PlanTrials:
         self.due = False                  # the plan in force offloads: its first measured step opens a round
         self.next: list[BudgetPlan] | None = None  # the round's plans still to run (None: no round open)
         self.runs: list[Run] = []         # the round's measured steps
+        self.lost: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()  # shapes a kept plan outran
 
     @property
     def open(self) -> bool:
@@ -53,17 +55,16 @@ class PlanTrials:
         if self.next is not None:
             self.runs.append(run)
 
-    def start(self, run: Run, current: BudgetPlan, plan_for: Callable[[float], BudgetPlan]) -> BudgetPlan | None:
-        """Open a round after ``run``, the first measured step of ``current`` (a plan that offloads).
+    def start(self, run: Run, current: BudgetPlan, candidates: list[BudgetPlan]) -> BudgetPlan | None:
+        """Open a round after ``run``, the first measured step of ``current``, against ``candidates``.
 
-        ``plan_for(cost)`` makes the plan with offloading weighed ``cost`` times.  Returns the first
-        plan to run, or None where every such plan is infeasible or is ``current`` again.
+        Infeasible candidates and those that run ``current``'s step again are left out.  Returns the
+        first plan to run, or None where none is left.
         """
         self.due = False
         seen = {plan_shape(current)}
         todo: list[BudgetPlan] = []
-        for cost in TRIAL_COSTS:
-            p = plan_for(cost)
+        for p in candidates:
             if not p.infeasible and plan_shape(p) not in seen:
                 seen.add(plan_shape(p))
                 todo.append(p)
@@ -84,6 +85,8 @@ class PlanTrials:
         self.runs = []
         held = [r for r in runs if r[1] <= over * budget]
         best = min(held, key=lambda r: r[0]) if held else runs[0]
+        if held:
+            self.lost.update(plan_shape(p) for _, _, p in runs if p is not best[2])
         self.rounds.append({
             "plans": [dict(p.as_dict(), step_ms=t * 1e3, peak=pk) for t, pk, p in runs],
             "kept": runs.index(best), "replans": replans})
