@@ -417,7 +417,7 @@ class Bench:
             ("checkpoint", beyond, None), ("selective_checkpoint", seqs, None),
             ("datapath-all", small, None), ("checkpoint_offload", [first] + beyond, None),
             ("save_on_cpu", seqs[:1], None), ("torchtune", [first], None),
-            ("compile_budget", [first], None), ("compiler_offload", [first], None)]
+            ("compile_budget", sorted({first, *timed}), None), ("compiler_offload", [first], None)]
         if not cuda:  # the CPU check: every length of every method
             schedule = [(m, [first] if m == "datapath-budget" else seqs,
                          "checkpoint peak" if m == "datapath-budget" else None) for m in METHODS]
