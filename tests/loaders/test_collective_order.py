@@ -298,6 +298,62 @@ def test_every_rank_submits_its_collectives_in_the_same_order(world: int) -> Non
         torch.testing.assert_close(got, torch.tensor(_reference_losses(), dtype=torch.float64), rtol=1e-4, atol=1e-5)
 
 
+def _break_and_fail() -> dict:
+    """Two epochs over a sharded store (gloo): one left after 3 batches on every rank, one whole; then one in which
+    rank 1's worker fails to gather its batch 4 (its exchange thread tells the others in that batch's counts)."""
+    ctx = init_distributed("cpu")
+    torch.set_num_threads(1)
+    ds = generate(SPEC, device="cpu", progress=False)
+    layout = ShardLayout.even(ds.graph.num_nodes, ctx.world_size)
+    lo, hi = layout.rows(ctx.rank)
+    store = sharded_store(ds.features[lo:hi], layout, device="cpu", piece_bytes=1024)
+    loader = DistributedNeighborLoader(ds.graph, ds.train_idx, [5, 3], BATCH, shuffle=True, rank=ctx.rank,
+                                       world_size=ctx.world_size, features=store, labels=ds.labels, device="cpu",
+                                       prefetch=PREFETCH, max_steps=STEPS)
+    out: dict = {"left": [], "whole": []}
+    for i, batch in enumerate(loader):
+        out["left"].append(torch.equal(batch.x, ds.features[batch.input_nodes]))
+        dist.all_reduce(torch.ones(1))
+        if i == 2:
+            break
+    for batch in loader:  # the exchanges still pair up after the epoch left with counts submitted ahead
+        out["whole"].append(torch.equal(batch.x, ds.features[batch.input_nodes]))
+        dist.all_reduce(torch.ones(1))
+    real, calls = store.start_gather, [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if ctx.rank == 1 and calls[0] == 5:
+            raise RuntimeError("rank 1 could not gather batch 4")
+        return real(*args, **kwargs)
+
+    store.start_gather = failing
+    out["taken"], out["error"], t0 = 0, None, time.perf_counter()
+    try:
+        for batch in loader:
+            assert torch.equal(batch.x, ds.features[batch.input_nodes])
+            dist.all_reduce(torch.ones(1))
+            out["taken"] += 1
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        out["error"] = (type(exc).__name__, str(exc))
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+@pytest.mark.slow
+def test_a_left_epoch_and_a_failed_batch_end_every_rank_in_order() -> None:
+    res = launch(_break_and_fail, WORLD)
+    for r, out in enumerate(res):
+        assert out["left"] == [True] * 3 and out["whole"] == [True] * STEPS, out
+        # every batch before the failed one, then the error in its place, on every rank, without waiting for a timeout
+        assert out["taken"] == 4 and out["seconds"] < 30, out
+        name, msg = out["error"]
+        if r == 1:
+            assert name == "RuntimeError" and "could not gather batch 4" in msg
+        else:
+            assert name == "ShardExchangeError" and "rank 1 could not fetch" in msg, msg
+
+
 @pytest.mark.gpu
 def test_gpu_two_gpus_submit_nccl_collectives_in_the_same_order() -> None:
     """The same on two GPUs: the exchange group and DDP's both NCCL communicators of one device per rank."""
