@@ -79,6 +79,10 @@ def _wrap(block: nn.Module, original: Any) -> Any:
             return original(*args, **kwargs)
         # a recomputed block runs without a KV cache (the recomputation would append to it a second time)
         args, kwargs = without_kv_cache(args, kwargs)
+        if torch.compiler.is_compiling():
+            # traced by TorchDynamo (``torch.compile(model)``): its checkpoint takes no context function, so the
+            # block is recomputed plainly (not probed, its attention outputs not kept)
+            return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
         return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True,
                           context_fn=_context_fn(block), **kwargs)
     return forward
