@@ -365,7 +365,8 @@ class Bench:
     def ladder(self, method: str, seqs: list[int], budget: Callable[[int], int | None] | None = None,
                loss_fn: Any = None, **kw: Any) -> int | None:
         """``method`` over ``seqs`` ascending, stopped at the first OOM or failure (for good: a later call for the
-        same method and budget kind runs nothing); the longest length that trained."""
+        same method and budget kind runs nothing; a budget refused at one length goes on to the next, each length
+        having a budget of its own); the longest length that trained."""
         a = self.args
         timed = {int(s) for s in a.timed.split(",") if s}
         key = (method, kw.get("budget_of"), kw.get("activation_memory_budget"))
@@ -386,6 +387,8 @@ class Bench:
             if budget is not None and b is None:
                 continue
             r = self.attempt(method, seq, b, seq in timed, check=seq == a.check_seq, loss_fn=loss_fn, **kw)
+            if r["status"] == "error" and budget is not None:
+                continue  # a budget of its own at each length: refused at one, it may be met at the next
             if r["status"] != "ok":
                 self.stopped.add(key)
                 break
@@ -394,10 +397,22 @@ class Bench:
             best = seq
         return best
 
+    def prime(self) -> None:
+        """One step at a short length before any method, so that AdamW's state (twice the trainable fp32 shards)
+        exists from the first measured step on: built inside a method's first step, it made that step's peak unlike
+        the steady steps' (under FSDP2 a first step's forward runs without it, so checkpointing's peak there, used
+        as a budget, was one no steady step reaches)."""
+        ids = torch.randint(0, self.cfg.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+        self.opt.zero_grad(set_to_none=True)
+        self.model(ids.to(self.device)).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
     def main(self) -> None:
         """The schedule: each entry a method over some lengths, in the order that answers the bar first (a later
         entry of a method continues its ladder unless an earlier one stopped it)."""
         a = self.args
+        self.prime()
         seqs = [int(s) for s in a.seqs.split(",")]
         timed = sorted(int(s) for s in a.timed.split(",") if s)
         methods = [m for m in a.methods.split(",") if m]
