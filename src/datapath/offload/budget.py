@@ -278,7 +278,7 @@ class BudgetPolicy(Policy):
         elif self.floor.at and not self.floor.checked and peak < self.plan.predicted_peak:
             self._lower_to(peak)
         elif (peak < RELAX_BELOW * self.budget and not self._overshot and not self._relaxed
-              and (self.plan.offload_bytes or self.plan.recompute)):
+              and self.target < self.budget and (self.plan.offload_bytes or self.plan.recompute)):
             self._relaxed = True
             # aim higher only where the model's own prediction erred on the safe side, never past the budget
             # (the step's peak varies with how fast its stores drain)
