@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -267,6 +268,8 @@ def test_impossible_budget_raises_naming_the_measured_minimum() -> None:
         with offload(model, memory_budget=params + 1000, min_bytes=1024, offload_cpu_tensors=True):
             run_steps(model, batches, _lm_loss)
     assert "memory_budget" in str(info.value)
+    held = re.search(r"Before a step the device holds ([0-9.]+) MB \(([0-9.]+) MB of it", str(info.value))
+    assert held is not None and float(held.group(1)) >= float(held.group(2)) >= params / 1e6 * 0.99, str(info.value)
     with pytest.raises(OffloadConfigError, match="below the model's parameters"):
         with offload(model, memory_budget=params // 2, offload_cpu_tensors=True):
             pass

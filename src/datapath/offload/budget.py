@@ -300,7 +300,8 @@ class BudgetPolicy(Policy):
     def _refuse(self) -> None:
         clear_recompute(self.models.blocks)
         self.plan = None
-        self._error = self.floor.refusal(self.budget, len(self.models.blocks), self.models.static_bytes())
+        self._error = self.floor.refusal(self.budget, len(self.models.blocks), self.models.static_bytes(),
+                                         self.meter.allocated())
         raise self._error
 
     def on_record_start(self, rec: Record) -> None:

@@ -80,13 +80,15 @@ class Floor:
         """The lowest peak a floor step measured over the budget (None: none did)."""
         return float(min(pk for pk, _ in self.runs)) if self.runs else None
 
-    def refusal(self, budget: int, blocks: int, static_bytes: int) -> OffloadConfigError:
-        """The error for a budget the floor's steps all exceeded: the lowest measured peak, its plan."""
+    def refusal(self, budget: int, blocks: int, static_bytes: int, held: int) -> OffloadConfigError:
+        """The error for a budget the floor's steps all exceeded: the lowest measured peak, its plan, and the memory
+        held before a step (``held``; ``static_bytes`` of it the models' parameters, buffers and gradients)."""
         floor, plan = min(self.runs, key=lambda r: r[0])
         what = "every activation offloaded" if plan is None else (
             f"{_gb(plan.offload_bytes)} offloaded, {len(plan.recompute)} of {blocks} blocks recomputed")
         return OffloadConfigError(
             f"memory_budget={_gb(budget)} cannot be met: the measured minimum for this model and batch is "
-            f"{_gb(floor)} (a step with {what}; the lowest plan also ran with every store drained before the next; "
-            f"parameters, gradients and optimizer state {_gb(static_bytes)} plus the smallest working set). Raise "
-            f"the budget to at least {_gb(floor * 1.03)}, or lower the batch size.")
+            f"{_gb(floor)} (a step with {what}; the lowest plan also ran with every store drained before the next). "
+            f"Before a step the device holds {_gb(held)} ({_gb(static_bytes)} of it the model's parameters, buffers "
+            f"and gradients; the rest optimizer state and other tensors). Raise the budget to at least "
+            f"{_gb(floor * 1.03)}, or lower the batch size.")
