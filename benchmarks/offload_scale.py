@@ -62,6 +62,7 @@ from benchmarks._llama8b import (  # noqa: E402
 )
 from benchmarks._offload_scale_report import rel_diff, bars, finish, plot  # noqa: E402
 from benchmarks._offload_workloads import torchtune_offload  # noqa: E402
+from benchmarks._step_trace import traced_step  # noqa: E402
 from datapath.offload import offload, offload_rank  # noqa: E402
 
 METHODS = ["checkpoint", "keep", "datapath-budget", "selective_checkpoint", "checkpoint_offload", "datapath-all",
@@ -237,6 +238,7 @@ class Bench:
                     if cuda:
                         reserved = max(reserved, torch.cuda.max_memory_reserved())
             retries = (torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0) if cuda else 0
+            traced = traced_step(step) if cuda and self.args.trace and steps > 1 else None  # one more step, untimed
             if self.dist:  # a step ends when the slowest rank's does: each timed step at its slowest rank's time
                 per_rank = self.gather(times)
                 times = [max(ts) for ts in zip(*per_rank)]
@@ -277,6 +279,8 @@ class Bench:
         if cuda:
             extra["alloc_retries_per_rank"] = self.gather(retries)
             extra["reserved_gb_per_rank"] = [r / 1e9 for r in self.gather(reserved)]
+            if traced is not None:
+                extra["trace_per_rank"] = self.gather(traced)
         return {"step_s": step_s, "steps_s": times, "peak": max(peaks), "grads": grads,
                 "grads_repeat_bitwise": repeat_same, **extra}
 
@@ -516,6 +520,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="datapath-budget's budgets, in this order: checkpoint (checkpointing's peak at the length), "
                          "device (the GPU's memory less a margin, at the longest timed lengths)")
     ap.add_argument("--log-plans", action="store_true", help="print datapath's planning log (INFO)")
+    ap.add_argument("--trace", action="store_true", help="after the timed steps, one more under torch.profiler: "
+                                                         "GPU compute / NCCL / copy time, NCCL not hidden, CPU "
+                                                         "waits on the GPU (trace_per_rank in each record)")
     ap.add_argument("--compile-budgets", default="0.5")
     ap.add_argument("--compile-cost", type=float, default=90.0, help="seconds a compiled method is expected to cost")
     ap.add_argument("--time-budget", type=float, default=360.0, help="seconds; later work is skipped and recorded")

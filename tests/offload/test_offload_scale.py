@@ -103,3 +103,33 @@ def test_fsdp2_quick_run_on_two_gloo_processes(tmp_path: Path) -> None:
         assert r["status"] == "ok" and r["setting"] == "fsdp2-tiny-32"
         assert len(r["peak_gb_per_rank"]) == 2 and r["peak_gb"] == max(r["peak_gb_per_rank"])
         assert r["grads_match"] is True, r
+
+
+def test_step_trace_interval_sums() -> None:
+    from benchmarks._step_trace import _minus, _union  # noqa: PLC0415
+
+    assert _union([(0, 2), (1, 3), (5, 6)]) == 4
+    assert _minus([(0, 10)], [(2, 3), (5, 7)]) == 7  # NCCL for 10, compute beside it for 3: 7 not hidden
+    assert _minus([(0, 2), (1, 3)], []) == 3  # overlapping NCCL kernels count once
+    assert _minus([(0, 2), (4, 6)], [(1, 5)]) == 2
+
+
+@pytest.mark.gpu
+def test_traced_step_splits_gpu_time() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from benchmarks._step_trace import traced_step  # noqa: PLC0415
+
+    a = torch.randn(2048, 2048, device="cuda")
+    host = torch.empty(2048, 2048, pin_memory=True)
+
+    def step() -> None:
+        for _ in range(4):
+            (a @ a).sum()
+        host.copy_(a, non_blocking=True)
+        torch.cuda.synchronize()
+
+    out = traced_step(step)
+    assert out["gpu_compute_ms"] > 0 and out["gpu_copy_ms"] > 0 and out["gpu_nccl_ms"] == 0
+    assert out["gpu_busy_ms"] <= out["gpu_compute_ms"] + out["gpu_copy_ms"] + 1e-6
+    assert out["cpu_sync_ms"] > 0 and out["wall_ms"] >= out["gpu_busy_ms"]
