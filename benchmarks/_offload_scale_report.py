@@ -111,3 +111,26 @@ def finish(args: argparse.Namespace) -> int:
                                         "grads_match", "oom", "status")} for r in records])
     print_table(bars(records))
     return 0
+
+
+def cache_record(cache: Any, method: str, steps: int) -> dict[str, Any]:
+    """What a datapath method's cache measured over ``steps`` steps (empty for the peers): bytes offloaded a step,
+    store bandwidths; for ``datapath-budget`` the planned steps' peaks, the planner's host time, the plan and
+    trials, and the attention gains (per block: GB kept, seconds saved)."""
+    if cache is None:
+        return {}
+    st = cache.stats
+    extra: dict[str, Any] = {"offloaded_gb_per_step": st.bytes_offloaded / 1e9 / max(1, steps),
+                             "write_GBps": st.write_bandwidth / 1e9, "read_GBps": st.read_bandwidth / 1e9}
+    pol = getattr(cache, "policy", None)
+    if method == "datapath-budget" and pol is not None:
+        extra["step_peaks_gb"] = [p / 1e9 for p in getattr(pol, "peaks", [])]
+        extra["planning_s"] = getattr(pol, "planning_s", None)  # the planner's host time, all plans
+        extra["steps_unhooked"] = st.records_unhooked  # planned steps that stored nothing: no hooks
+        plan = getattr(cache, "plan", None)
+        extra["plan"] = plan.as_dict() if plan is not None and hasattr(plan, "as_dict") else None
+        extra["plan_trials"] = getattr(pol, "trials", None)
+        att = getattr(pol, "attention", None)
+        if att is not None:
+            extra["attention_gains"] = {str(b): [nb / 1e9, sec] for b, (nb, sec) in att.gains().items()}
+    return extra

@@ -60,14 +60,12 @@ from benchmarks._llama8b import (  # noqa: E402
     CausalLMLoss, add_lora, build_llama, causal_lm, llama_config, model_flops_per_token, peak_flops,
     set_checkpointing,
 )
-from benchmarks._offload_scale_report import rel_diff, bars, finish, plot  # noqa: E402
+from benchmarks._offload_scale_args import METHODS, parse  # noqa: E402
+from benchmarks._offload_scale_report import bars, cache_record, finish, plot, rel_diff  # noqa: E402
 from benchmarks._offload_workloads import torchtune_offload  # noqa: E402
 from benchmarks._step_trace import traced_step  # noqa: E402
 from datapath.offload import offload, offload_rank  # noqa: E402
 
-METHODS = ["checkpoint", "keep", "datapath-budget", "selective_checkpoint", "checkpoint_offload", "datapath-all",
-           "save_on_cpu", "torchtune", "compile_budget", "compiler_offload"]
-LADDER = "2048,4096,8192,16384,32768,49152,65536"
 MARGIN = 2 << 30   # the GPU's memory less this: datapath's budget where it is asked for the longest sequence
 
 
@@ -258,22 +256,7 @@ class Bench:
                     torch.use_deterministic_algorithms(False)
                 grads = runs[0]
                 repeat_same = all(torch.equal(x, y) for x, y in zip(*runs))
-            extra: dict[str, Any] = {}
-            cache = self.cache
-            if cache is not None:
-                st = cache.stats
-                extra = {"offloaded_gb_per_step": st.bytes_offloaded / 1e9 / max(1, warmup + steps + check),
-                         "write_GBps": st.write_bandwidth / 1e9, "read_GBps": st.read_bandwidth / 1e9}
-                pol = getattr(cache, "policy", None)
-                if method == "datapath-budget" and pol is not None:
-                    extra["step_peaks_gb"] = [p / 1e9 for p in getattr(pol, "peaks", [])]
-                    extra["planning_s"] = getattr(pol, "planning_s", None)  # the planner's host time, all plans
-                    extra["steps_unhooked"] = st.records_unhooked  # planned steps that stored nothing: no hooks
-                    plan = getattr(cache, "plan", None)
-                    extra["plan"] = plan.as_dict() if plan is not None and hasattr(plan, "as_dict") else None
-                    att = getattr(pol, "attention", None)  # per block: bytes kept, seconds saved (measured)
-                    if att is not None:
-                        extra["attention_gains"] = {str(b): [nb / 1e9, sec] for b, (nb, sec) in att.gains().items()}
+            extra = cache_record(self.cache, method, warmup + steps + check)
         self.opt.zero_grad(set_to_none=True)
         step_s = statistics.median(times)
         if cuda:
@@ -504,53 +487,8 @@ class Bench:
                 fconfig.activation_memory_budget = 1.0
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("lora", "fsdp2"), default="lora")
-    ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--seqs", default=None, help=f"the ladder of sequence lengths [{LADDER}]")
-    ap.add_argument("--timed", default=None, help="lengths timed with --warmup/--steps (the settings) [16384,32768]")
-    ap.add_argument("--check-seq", type=int, default=None, help="length of the gradient check, added to the ladder "
-                                                                 "[2048; 0: no check]")
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--budget-warmup", type=int, default=6, help="extra warm-up steps of datapath-budget (it "
-                                                                   "profiles, plans and tries plans)")
-    ap.add_argument("--datapath-budgets", default="checkpoint,device",
-                    help="datapath-budget's budgets, in this order: checkpoint (checkpointing's peak at the length), "
-                         "device (the GPU's memory less a margin, at the longest timed lengths)")
-    ap.add_argument("--log-plans", action="store_true", help="print datapath's planning log (INFO)")
-    ap.add_argument("--trace", action="store_true", help="after the timed steps, one more under torch.profiler: "
-                                                         "GPU compute / NCCL / copy time, NCCL not hidden, CPU "
-                                                         "waits on the GPU (trace_per_rank in each record)")
-    ap.add_argument("--compile-budgets", default="0.5")
-    ap.add_argument("--compile-cost", type=float, default=90.0, help="seconds a compiled method is expected to cost")
-    ap.add_argument("--time-budget", type=float, default=360.0, help="seconds; later work is skipped and recorded")
-    ap.add_argument("--name", default="offload_scale")
-    ap.add_argument("--quick", action="store_true", help="tiny configs on the CPU (fsdp2: 2 gloo processes)")
-    ap.add_argument("--finish", metavar="JSON", help="a run's JSON cut short (partial): add a record for each method "
-                                                       "it never reached (--reason says why) and write the result "
-                                                       "and the plot to benchmarks/results/")
-    ap.add_argument("--reason", default="not reached: the run ended first")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.seqs = args.seqs or "32,64"
-        args.timed = args.timed or "32"
-        args.check_seq = args.check_seq or 32
-        args.budget_warmup = min(args.budget_warmup, 4)
-    bad = set(args.datapath_budgets.split(",")) - {"checkpoint", "device", ""}
-    if bad:
-        ap.error(f"--datapath-budgets takes checkpoint and/or device, not {sorted(bad)}")
-    args.seqs = args.seqs or LADDER
-    args.timed = args.timed or "16384,32768"
-    args.check_seq = 2048 if args.check_seq is None else args.check_seq
-    if args.check_seq > 0:  # the gradient check runs in the ladder: its length is always one of the lengths
-        args.seqs = ",".join(str(n) for n in sorted({int(n) for n in args.seqs.split(",") if n} | {args.check_seq}))
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+    args = parse(argv, __doc__.splitlines()[0])
     if args.log_plans:
         import logging  # noqa: PLC0415
 
