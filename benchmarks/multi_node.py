@@ -355,11 +355,12 @@ def record(dataset: str, run: dict[str, Any], mode: str, batch: int, cache: str 
         rec["remote_cache_hit_rate"] = hits / max(hits + sum(r["received_rows"] for r in rem), 1)
         # each exchange stage per batch (ms; GPU time on CUDA), the slowest rank: counts (sort by owner +
         # the counts all_gather, the one host sync), ids (their all_to_all), rows (owner's gather + rows
-        # all_to_all + scatter), wall (host time of the whole call) = submit (host time of its two parts, in the
-        # loader's turns) + counts_wait (the host's wait for the counts, between the turns)
+        # all_to_all + scatter), wall (host time of the whole call) = submit (host time of its collectives and
+        # what follows them, in the loader's turns; submit_cpu: the thread's CPU time in them) + prepare (what
+        # precedes them, between the turns) + counts_wait (the host's wait for the counts, between the turns)
         rec["stage_ms_per_batch"] = {
             k: max(r.get(f"{k}_seconds", 0.0) / max(r["exchanges"], 1) * 1e3 for r in rem)
-            for k in ("counts", "ids", "exchange", "wall", "submit", "counts_wait")}
+            for k in ("counts", "ids", "exchange", "wall", "submit", "submit_cpu", "prepare", "counts_wait")}
         rec["remote_bytes_per_batch"] = statistics.mean(r["received_bytes"] / max(r["exchanges"], 1) for r in rem)
         rec["id_bytes_per_batch"] = statistics.mean(r["id_bytes"] / max(r["exchanges"], 1) for r in rem)
         rec["hit_rate_local"] = statistics.mean(1.0 - r["hit_rate"] for r in rem)
@@ -459,8 +460,10 @@ def _payload(args: argparse.Namespace, records: list[dict[str, Any]], total_s: f
                   "stage_ms_per_batch": "each exchange stage per batch, slowest rank (GPU time): counts = sort by "
                                         "owner + counts all_gather (the one host sync), ids = ids all_to_all, "
                                         "exchange = owner's gather + rows all_to_all + scatter; wall = host time "
-                                        "= submit (its two parts, in the loader's turns) + counts_wait (host wait "
-                                        "for the counts, between the turns)",
+                                        "= submit (its collectives and what follows them, in the loader's turns; "
+                                        "submit_cpu: the thread's CPU time in them) + prepare (the sort, buffers "
+                                        "and split sizes, between the turns) + counts_wait (host wait for the "
+                                        "counts, between the turns)",
                   "remote_fetch_GBps": "received bytes / GPU time of the remote tier's fetches (sort, counts "
                                        "all_gather, ids all_to_all, the owner's gather, rows all_to_all), slowest rank",
                   "rows_exchange_GBps": "received bytes / GPU time of the owner's gather and the rows all_to_all",

@@ -360,3 +360,80 @@ def test_gpu_two_gpus_submit_nccl_collectives_in_the_same_order() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     _check_two_turns(launch(_ordered_training, 2, (0.01, "cuda")))
+
+
+# what the preparation of an exchange runs between the turns, never in one (a turn runs the collectives, the owner's
+# gather of the rows asked of it, with its index conversions, and the scatter behind each piece received)
+_PREPARATION = ("aten.sort.", "aten.searchsorted.", "aten.repeat_interleave.", "aten.arange.", "aten.cat.",
+                "aten.empty.")
+
+
+def _ops_in_and_between_turns() -> dict:
+    """The ops the loader's exchange thread runs from its first turn on (aten and c10d, through a dispatch mode of that
+    thread only), each with whether it ran inside a turn of its `CollectiveOrder` (2 gloo ranks, rows in pieces)."""
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
+
+    ctx = init_distributed("cpu")
+    torch.set_num_threads(1)
+    ds = generate(SPEC, device="cpu", progress=False)
+    layout = ShardLayout.even(ds.graph.num_nodes, ctx.world_size)
+    lo, hi = layout.rows(ctx.rank)
+    store = sharded_store(ds.features[lo:hi], layout, device="cpu", piece_bytes=1024)
+    ops: list[tuple[bool, str]] = []
+    here = threading.local()  # the exchange thread's mode and whether it is inside a turn
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append((here.turn, str(func)))
+            return func(*args, **(kwargs or {}))
+
+    real_xturn, real_xed, real_end = CollectiveOrder.exchange_turn, CollectiveOrder.exchanged, CollectiveOrder.end
+
+    def exchange_turn(self, t):
+        ok = real_xturn(self, t)
+        if getattr(here, "mode", None) is None:  # the exchange thread's first turn: record its ops from here on
+            here.mode = Record()
+            here.mode.__enter__()
+        here.turn = ok
+        return ok
+
+    def exchanged(self, t):
+        here.turn = False
+        real_xed(self, t)
+
+    def end(self):  # the exchange thread's last call (also made by the consumer's thread, which records nothing)
+        if getattr(here, "mode", None) is not None:
+            here.mode.__exit__(None, None, None)
+            here.mode = None
+        real_end(self)
+
+    CollectiveOrder.exchange_turn, CollectiveOrder.exchanged, CollectiveOrder.end = exchange_turn, exchanged, end
+    try:
+        loader = DistributedNeighborLoader(ds.graph, ds.train_idx, [5, 3], BATCH, shuffle=True, rank=ctx.rank,
+                                           world_size=ctx.world_size, features=store, labels=ds.labels, device="cpu",
+                                           prefetch=PREFETCH, max_steps=STEPS)
+        equal = [torch.equal(batch.x, ds.features[batch.input_nodes]) for batch in loader]
+    finally:
+        CollectiveOrder.exchange_turn, CollectiveOrder.exchanged, CollectiveOrder.end = real_xturn, real_xed, real_end
+    return {"ops": ops, "equal": equal}
+
+
+@pytest.mark.slow
+def test_a_turn_runs_only_the_collectives_and_what_follows_them() -> None:
+    """The sort by owner, the row numbers, the buffers and split sizes of an exchange are made between the turns (while
+    the consumer trains), not in a turn (while it waits): in a turn only the collectives, the owner's gather and the
+    scatter; no collective between the turns."""
+    for r, out in enumerate(launch(_ops_in_and_between_turns, WORLD)):
+        assert out["equal"] == [True] * STEPS, r
+        inside = [op for turn, op in out["ops"] if turn]
+        between = [op for turn, op in out["ops"] if not turn]
+        collectives = [op for op in inside if op.startswith("c10d.")]
+        # every exchange's counts all_gather and its ids and rows all_to_alls (several pieces), in the turns
+        assert sum("allgather" in op for op in collectives) == STEPS, collectives
+        assert sum("alltoall" in op for op in collectives) > 2 * STEPS, collectives
+        assert not [op for op in between if op.startswith("c10d.")], between
+        assert sum("index_copy" in op for op in inside) > STEPS  # each piece scattered behind its all_to_all
+        moved = sorted({op for op in inside if op.startswith(_PREPARATION)})
+        assert not moved, f"rank {r}: a turn ran preparation that needs no collective: {moved}"
+        for prep in ("aten.sort.", "aten.searchsorted.", "aten.repeat_interleave.", "aten.arange.", "aten.empty."):
+            assert any(op.startswith(prep) for op in between), (r, prep)  # made here, between the turns

@@ -23,12 +23,13 @@ its own (NCCL between GPUs, gloo between CPUs), on the loader's exchange thread,
 training thread runs DDP's all-reduce on the default group.  The two threads take turns
 (`datapath.loaders.CollectiveOrder`), at the same places of the schedule on every rank, as NCCL
 asks of two communicators (submitted in the same order on every rank, never at once).  The
-loader submits each exchange in two parts (`ShardedTier.start_fetch_slots`): steps 1-2 in one
-turn, not waited for (the counts are copied to pinned memory behind the all_gather), steps 3-5
-in the next, and it reads the counts (`SplitExchange.read`, the host synchronisation) between
-the two turns, while the training thread runs a step; the GPU work still runs beside the next
-steps.  Only the features are sharded: every rank holds the whole graph and samples from it
-without communication.
+loader submits each exchange's collectives in two turns (`ShardedTier.prepare_fetch_slots`): step
+2's all_gather in one, not waited for (the counts copied to pinned memory behind it), steps 3-5 in
+the next, and does what needs no collective between the turns, while the training thread runs a
+step: step 1's sort before the first, the counts' read (`SplitExchange.read`, the host
+synchronisation) and step 3's row numbers, buffers and split sizes before the second.  A turn holds
+the collectives and what follows them in stream order (the owner's gather, the scatter).  Only the
+features are sharded: every rank holds the whole graph and samples from it without communication.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import math
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -98,7 +99,8 @@ class ShardedTier(FetchTier):
         self._row_bytes = math.prod(self._rest) * shard.element_size()
         self._lock = threading.Lock()
         self._flag = ErrorFlag() if self.device.type == "cuda" else None
-        self._events: list[tuple[torch.cuda.Event, ...]] = []  # (start, counted, resumed, ids sent, rows placed)
+        # (start, sorted, submitted, counted, resumed, ids sent, rows placed)
+        self._events: list[tuple[torch.cuda.Event, ...]] = []
         self._events_lock = threading.Lock()  # the producer thread appends, `stats` (any thread) folds
         self._joined = False  # this exchange has entered its first collective
         self._broken: str | None = None
@@ -112,13 +114,15 @@ class ShardedTier(FetchTier):
         self._remote_hits = torch.zeros((), dtype=torch.int64, device=self.device)
         # per stage (GPU time on CUDA, host time otherwise): counts = ids sorted by owner + the counts all_gather
         # (the one host synchronisation), ids = their all_to_all, exchange = owner's gather + rows all_to_all +
-        # scatter into the batch; wall = host time of the whole call: submit (its two parts, what a loader's turns
-        # take) + counts_wait (the host's wait for the counts); remote_cache_rows: rows of other shards this rank's
-        # batches found in its own GPU cache (not fetched)
+        # scatter into the batch; wall = host time of the whole call: submit (its collectives and what follows them,
+        # what a loader's turns take) + prepare (what precedes them and needs no collective: the sort, the buffers,
+        # the split sizes; between the turns) + counts_wait (the host's wait for the counts); submit_cpu: the
+        # exchange thread's CPU time in submit (the rest of submit: waiting, for the GIL or in a call that
+        # blocks); remote_cache_rows: rows of other shards this rank's batches found in its own GPU cache (not fetched)
         self._stats.extra.update(exchanges=0, received_rows=0, received_bytes=0, sent_rows=0, sent_bytes=0,
                                  sent_from_cache_rows=0, remote_cache_rows=0, id_bytes=0, counts_seconds=0.0,
                                  ids_seconds=0.0, exchange_seconds=0.0, wall_seconds=0.0, submit_seconds=0.0,
-                                 counts_wait_seconds=0.0)
+                                 counts_wait_seconds=0.0, prepare_seconds=0.0, submit_cpu_seconds=0.0)
 
     def attach(self, cache: torch.Tensor | None, slots: torch.Tensor) -> None:
         """Serve the other ranks' requests through the store's tiers: rows in ``cache`` (its GPU cache) from there.
@@ -127,6 +131,8 @@ class ShardedTier(FetchTier):
         """
         if self._comm == self.device:  # the rows are served where the collective sends them from
             self._cache, self._slots = cache, slots
+            if cache is None:  # the tiered gather's first tier, empty
+                self._cache = torch.empty((0, *self._rest), dtype=self.shard.dtype, device=self._comm)
 
     def mark_remote_cache(self, remote: torch.Tensor) -> None:
         """``remote``: (c,) bool, whether cache slot ``s + 1`` holds a row of another shard (counted as
@@ -159,21 +165,25 @@ class ShardedTier(FetchTier):
         straight into ``out``.  Collective, as `exchange`.
         """
         with self._lock:
-            self._guarded(lambda: self._fetch_slots(ids, loc, out, flag))
+            self._guarded(lambda: self._whole(self._prepare_slots(ids, loc, out, flag)))
 
-    def start_fetch_slots(self, ids: torch.Tensor, loc: torch.Tensor, out: torch.Tensor,
-                          flag: Any = None) -> "SplitExchange":
-        """`fetch_slots` in three parts: this one sorts the ids by owner and submits the counts all_gather
-        on the current stream, without waiting for it; `SplitExchange.read` then waits for the counts
-        (the exchange's one host synchronisation) and `SplitExchange.finish` submits the ids and rows
-        all_to_alls and the scatter into ``out`` (on the then current stream).
+    def prepare_fetch_slots(self, ids: torch.Tensor, loc: torch.Tensor, out: torch.Tensor,
+                            flag: Any = None) -> "SplitExchange":
+        """`fetch_slots` in parts, each on the then current stream.  This one submits no collective: it sorts the
+        ids by owner and makes the counts' buffers.  `SplitExchange.submit` submits the counts all_gather (not
+        waited for); `SplitExchange.read` waits for the counts (the one host synchronisation) and prepares the
+        rest (the row numbers asked of each owner, the receive buffers, the split sizes); `SplitExchange.finish`
+        submits the ids and rows all_to_alls, the owner's gather and the scatter into ``out``.
 
-        A loader submits the two parts in two turns of its `datapath.loaders.CollectiveOrder` and reads
-        the counts between them.  Every rank calls the parts in the same order as its other exchanges
-        (collective, as `exchange`); an error of any part is raised as by `fetch_slots`.
+        A loader submits and finishes in two turns of its `datapath.loaders.CollectiveOrder`, and prepares and
+        reads between them.  Every rank calls the parts in the same order as its other exchanges (collective, as
+        `exchange`).  An error here is raised without telling the other ranks (that takes a collective): the
+        caller takes the exchange's place with `abort`; an error of a later part is raised as by `fetch_slots`.
         """
         with self._lock:
-            return SplitExchange(self, self._guarded(lambda: self._start_slots(ids, loc, out, flag)))
+            if self._broken is not None:
+                raise ShardExchangeError(self._broken)
+            return SplitExchange(self, self._prepare_slots(ids, loc, out, flag))
 
     def exchange(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` ((k,) int64 rows of the whole table, any device; repeats allowed) as (k, *rest) on ``device``.
@@ -221,23 +231,22 @@ class ShardedTier(FetchTier):
     def _signal_failure(self) -> None:
         """Enter this exchange's first collective with -1s: every other rank raises, naming this one."""
         try:
-            self._counts(torch.full((self.world_size,), -1, dtype=torch.int64, device=self._comm))
+            out = torch.empty(self.world_size * self.world_size, dtype=torch.int64, device=self._comm)
+            _all_gather(out, torch.full((self.world_size,), -1, dtype=torch.int64, device=self._comm), group=self.group)
+            out.tolist()  # every rank has entered it
         except Exception:  # noqa: BLE001 - the original error is what the caller raises
             log.debug("rank %d could not tell the other ranks that it failed", self.rank, exc_info=True)
 
     # -- one exchange ------------------------------------------------------------------------
     def _exchange(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` ((k,) of the whole table): one exchange; an id outside the table on any rank fails every
+        rank's (this rank raises ``IndexError``, the others `ShardExchangeError` naming it)."""
         ids = ids.to(self.device, torch.int64)
         dest = torch.empty((ids.numel(), *self._rest), dtype=self.shard.dtype, device=self.device)
-        self._run(ids, None, dest, None)
+        self._whole(self._prepare(ids, None, dest, None))
         return dest
 
-    def _fetch_slots(self, ids: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, flag: Any) -> None:
-        c = self._start_slots(ids, loc, out, flag)
-        self._read(c)
-        self._rows(c)
-
-    def _start_slots(self, ids: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, flag: Any) -> "_Counts":
+    def _prepare_slots(self, ids: torch.Tensor, loc: torch.Tensor, out: torch.Tensor, flag: Any) -> "_Counts":
         n = self.layout.num_rows
         ids = ids.to(self.device).long()
         ids = torch.where(ids < 0, ids + n, ids)
@@ -246,25 +255,23 @@ class ShardedTier(FetchTier):
             c = self._remote_slot.numel() - 1  # slots 1..c: the cache; c + 1..: this rank's shard
             hit = self._remote_slot[torch.where((loc > 0) & (loc <= c), loc, 0).long()]
             self._remote_hits += hit.sum()
-        return self._count(ids, loc < 0, out, flag)
+        return self._prepare(ids, loc < 0, out, flag)
 
-    def _run(self, ids: torch.Tensor, want: torch.Tensor | None, dest: torch.Tensor, flag: Any) -> None:
-        """``dest[k] = row ids[k]`` for the ``k`` in ``want`` (all if None): one exchange, one host synchronisation.
-
-        ids: (k,) int64 on ``device``; an id outside the table on any rank fails every rank's exchange
-        (this rank raises ``IndexError``, the others `ShardExchangeError` naming it).
-        """
-        c = self._count(ids, want, dest, flag)
+    def _whole(self, c: "_Counts") -> None:
+        """Every part of one prepared exchange at once (`fetch_slots`, `exchange`)."""
+        self._submit(c)
         self._read(c)
         self._rows(c)
 
-    def _count(self, ids: torch.Tensor, want: torch.Tensor | None, dest: torch.Tensor, flag: Any) -> "_Counts":
-        """The exchange's first part: the ids sorted by owner and the counts all_gather submitted (not waited for)."""
+    def _prepare(self, ids: torch.Tensor, want: torch.Tensor | None, dest: torch.Tensor, flag: Any) -> "_Counts":
+        """What the exchange's first collective needs, no collective submitted: the ids sorted by owner, the rows
+        this rank asks of each rank, the all_gather's buffers (on the current stream, no host synchronisation
+        but where the group is gloo and ``device`` CUDA: the counts copied to host memory)."""
         cuda = self.device.type == "cuda"
         t0 = time.perf_counter()
-        start = _event() if cuda else None
         if self._flag is not None:
             self._flag.raise_if_set(f" (rows a rank asked of rank {self.rank}'s shard: an internal error)")
+        start = _event() if cuda else None
         n = self.layout.num_rows
         inside = (ids >= 0) & (ids < n)
         # sorted, so grouped by owner; rows not wanted (and bad ids) sort last, past every shard; repeats are asked
@@ -274,118 +281,164 @@ class ShardedTier(FetchTier):
         cuts = torch.searchsorted(ordered, self._bounds)
         asks = cuts[1:] - cuts[:-1]
         asks = torch.where((~inside).any(), torch.full_like(asks, -1), asks)  # a bad id: every rank stops
-        self._joined = True
-        c = _Counts(ids, ordered, perm, asks, dest, flag, start)
+        c = _Counts(ids, ordered, perm, asks, dest, flag)
+        c.send = asks.to(self._comm)
         c.out = torch.empty(self.world_size * self.world_size, dtype=torch.int64, device=self._comm)
-        if self._comm.type == "cuda":  # queued on the stream; its values copied to pinned memory behind it
-            _all_gather(c.out, asks.to(self._comm), group=self.group)
+        if self._comm.type == "cuda":  # where the counts are copied behind the all_gather
             c.host = pinned_empty((c.out.numel(),), torch.int64)
+        if cuda:
+            c.events = [start, _event()]
+        c.prep_counts_s = time.perf_counter() - t0
+        self._stats.extra["prepare_seconds"] += c.prep_counts_s
+        return c
+
+    def _submit(self, c: "_Counts") -> None:
+        """The exchange's first collective: the counts all_gather, submitted, not waited for (on CUDA its values
+        copied to pinned memory behind it, on the current stream)."""
+        cuda = self.device.type == "cuda"
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        if cuda:
+            c.events.append(_event())
+        self._joined = True
+        if self._comm.type == "cuda":
+            _all_gather(c.out, c.send, group=self.group)
             c.host.copy_(c.out, non_blocking=True)
             c.ready = torch.cuda.Event(blocking=True)
             c.ready.record()
         else:  # gloo runs it on its own thread: waited for in `_read`
-            c.work = _all_gather(c.out, asks.to(self._comm), group=self.group, async_op=True)
-        c.counted = _event() if cuda else None
-        c.host_s = time.perf_counter() - t0
-        return c
+            c.work = _all_gather(c.out, c.send, group=self.group, async_op=True)
+        if cuda:
+            c.events.append(_event())
+        c.submitted = True
+        c.host_s, c.cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
 
     def _read(self, c: "_Counts") -> None:
-        """The exchange's one host synchronisation: wait for the counts matrix and raise if a rank failed."""
+        """The exchange's one host synchronisation: wait for the counts matrix and raise if a rank failed; then
+        prepare the second part (`_plan`)."""
         t0 = time.perf_counter()
         c.matrix = _host_counts(c)
         c.wait_s = time.perf_counter() - t0
         self._stats.extra["counts_wait_seconds"] += c.wait_s
         self._raise_failed(c.matrix, c.ids, c.flag)
+        self._plan(c)
 
-    def _rows(self, c: "_Counts") -> None:
-        """The exchange's second part (the counts read): the ids and rows all_to_alls, the scatter into ``c.dest``."""
-        cuda = self.device.type == "cuda"
-        t1 = time.perf_counter()
-        resumed = _event() if cuda else None
+    def _plan(self, c: "_Counts") -> None:
+        """What the second part's collectives need, none submitted (the counts read): the row numbers this rank
+        asks of each owner (in the owner's numbering), the receive buffers, every piece's split sizes and where
+        its rows go (on the current stream); and the part's statistics."""
+        t0 = time.perf_counter()
         matrix = c.matrix
         ex = self._stats.extra
         ex["exchanges"] += 1
         mine = matrix[self.rank]  # rows this rank asks of each rank
         theirs = [matrix[r][self.rank] for r in range(self.world_size)]  # rows each rank asks of this one
-        total = sum(mine)
-        counts_s = c.host_s + c.wait_s  # host time of the first part (CPU: the counts stage)
+        c.total = total = sum(mine)
         if any(any(row) for row in matrix):
             local = c.ordered[:total] - torch.repeat_interleave(self._bounds[:-1], c.asks, output_size=total)
-            wanted = torch.empty(sum(theirs), dtype=self._id_dtype, device=self._comm)
-            dist.all_to_all_single(wanted, local.to(self._comm, self._id_dtype), theirs, mine, group=self.group)
-            mid = _event() if cuda else None
-            t_mid = time.perf_counter()
-            self._send_rows(wanted, mine, theirs, self._pieces(matrix), c.dest, c.perm[:total])
-            if cuda:
-                with self._events_lock:
-                    self._events.append((c.start, c.counted, resumed, mid, _event()))
-            else:
-                t2 = time.perf_counter()
-                ex["counts_seconds"] += counts_s
-                ex["ids_seconds"] += t_mid - t1
-                ex["exchange_seconds"] += t2 - t_mid
-                self._stats.add(seconds=counts_s + t2 - t1)
+            c.local = local.to(self._comm, self._id_dtype)
+            c.wanted = torch.empty(sum(theirs), dtype=self._id_dtype, device=self._comm)
+            c.splits = (mine, theirs)
+            c.pieces = self._plan_pieces(mine, theirs, self._pieces(matrix), c.perm[:total], c.dest.device)
             remote_in = total - mine[self.rank]
             remote_out = sum(theirs) - theirs[self.rank]
             ex["received_rows"] += remote_in
             ex["received_bytes"] += remote_in * self._row_bytes
             ex["sent_rows"] += remote_out
             ex["sent_bytes"] += remote_out * self._row_bytes
-            ex["id_bytes"] += (remote_in + remote_out) * wanted.element_size()
+            ex["id_bytes"] += (remote_in + remote_out) * c.wanted.element_size()
+        self._stats.add(rows=total, nbytes=total * self._row_bytes)
+        c.planned = True
+        c.prep_rest_s = time.perf_counter() - t0
+        ex["prepare_seconds"] += c.prep_rest_s
+
+    def _rows(self, c: "_Counts") -> None:
+        """The exchange's second part (`_plan` done): the ids all_to_all, then per piece the owner's gather of the
+        rows asked of it, their all_to_all and the scatter into ``c.dest`` (each behind the one before it)."""
+        cuda = self.device.type == "cuda"
+        t1, cpu1 = time.perf_counter(), time.thread_time()
+        resumed = _event() if cuda else None
+        ex = self._stats.extra
+        # host time of the first part (CPU: the counts stage): its preparation, submission and wait
+        counts_s = c.prep_counts_s + c.host_s + c.wait_s
+        if c.pieces:
+            mine, theirs = c.splits
+            dist.all_to_all_single(c.wanted, c.local, theirs, mine, group=self.group)
+            mid = _event() if cuda else None
+            t_mid = time.perf_counter()
+            self._send_rows(c.wanted, c.pieces, c.dest)
+            if cuda:
+                with self._events_lock:
+                    self._events.append((*c.events, resumed, mid, _event()))
+            else:
+                t2 = time.perf_counter()
+                ex["counts_seconds"] += counts_s
+                ex["ids_seconds"] += c.prep_rest_s + t_mid - t1
+                ex["exchange_seconds"] += t2 - t_mid
+                self._stats.add(seconds=counts_s + c.prep_rest_s + t2 - t1)
         elif not cuda:
             ex["counts_seconds"] += counts_s
             self._stats.add(seconds=counts_s)
         submit = c.host_s + time.perf_counter() - t1
         ex["submit_seconds"] += submit
-        ex["wall_seconds"] += submit + c.wait_s
-        self._stats.add(rows=total, nbytes=total * self._row_bytes)
+        ex["submit_cpu_seconds"] += c.cpu_s + time.thread_time() - cpu1
+        ex["wall_seconds"] += submit + c.prep_counts_s + c.prep_rest_s + c.wait_s
 
     def _pieces(self, matrix: list[list[int]]) -> int:
         """Pieces the rows go in (the same on every rank: from the matrix all of them see)."""
         largest = max(max(row) for row in matrix) * self._row_bytes
         return max(1, min(MAX_PIECES, -(-largest // self.piece_bytes)))
 
-    def _send_rows(self, wanted: torch.Tensor, mine: list[int], theirs: list[int], pieces: int,
-                   dest: torch.Tensor, at: torch.Tensor) -> None:
-        """Serve ``wanted``, exchange the rows and scatter them: ``dest[at[i]]`` = the ``i``-th row this rank asked for.
+    def _plan_pieces(self, mine: list[int], theirs: list[int], pieces: int, at: torch.Tensor,
+                     device: torch.device) -> list["_Piece"]:
+        """The rows' all_to_alls: piece ``c`` carries rows ``n*c//pieces .. n*(c+1)//pieces`` of every segment of
+        ``n`` rows (of ``theirs`` sent, of ``mine`` received); its received rows go to ``dest[at[...]]``.
 
-        In ``pieces`` all_to_alls: piece ``c`` carries rows ``n*c//pieces .. n*(c+1)//pieces`` of every
-        segment of ``n`` rows, and is sent while the owner gathers piece ``c + 1``; each piece received is
-        scattered into ``dest`` (no staging buffer for the whole batch).
+        ``at``: (sum(mine),) int64, where the ``i``-th row this rank asked for goes.
         """
-        def put(part: torch.Tensor, where: torch.Tensor) -> None:
-            if where.numel():
-                dest.index_copy_(0, where.to(dest.device), part.to(dest.device))
-
-        if pieces == 1:
-            got = torch.empty((sum(mine), *self._rest), dtype=self.shard.dtype, device=self._comm)
-            dist.all_to_all_single(got, self._serve(wanted), mine, theirs, group=self.group)
-            put(got, at)
-            return
-        t_at = [sum(theirs[:j]) for j in range(self.world_size)]
-        m_at = [sum(mine[:j]) for j in range(self.world_size)]
-
-        def cut(n: int, c: int) -> tuple[int, int]:
-            return n * c // pieces, n * (c + 1) // pieces
-
-        sent = []
+        w = self.world_size
+        t_at = [sum(theirs[:j]) for j in range(w)]
+        m_at = [sum(mine[:j]) for j in range(w)]
+        out = []
         for c in range(pieces):
-            send = [cut(theirs[j], c) for j in range(self.world_size)]
-            recv = [cut(mine[j], c) for j in range(self.world_size)]
-            ids = torch.cat([wanted[t_at[j] + a:t_at[j] + b] for j, (a, b) in enumerate(send)])
-            part = torch.empty((sum(b - a for a, b in recv), *self._rest), dtype=self.shard.dtype, device=self._comm)
-            work = dist.all_to_all_single(part, self._serve(ids), [b - a for a, b in recv], [b - a for a, b in send],
-                                          group=self.group, async_op=True)
-            sent.append((work, part, torch.cat([at[m_at[j] + a:m_at[j] + b] for j, (a, b) in enumerate(recv)])))
-        for work, part, where in sent:
-            work.wait()
-            put(part, where)
+            send = [(theirs[j] * c // pieces, theirs[j] * (c + 1) // pieces) for j in range(w)]
+            recv = [(mine[j] * c // pieces, mine[j] * (c + 1) // pieces) for j in range(w)]
+            if pieces == 1:
+                sel, where = None, at
+            else:
+                sel = torch.cat([torch.arange(t_at[j] + a, t_at[j] + b, device=self._comm)
+                                 for j, (a, b) in enumerate(send)])
+                where = torch.cat([at[m_at[j] + a:m_at[j] + b] for j, (a, b) in enumerate(recv)])
+            sizes = [b - a for a, b in recv], [b - a for a, b in send]
+            got = torch.empty((sum(sizes[0]), *self._rest), dtype=self.shard.dtype, device=self._comm)
+            # the rows served go here (the store's tiered gather; the other gathers make their own)
+            serve = (torch.empty((sum(sizes[1]), *self._rest), dtype=self.shard.dtype, device=self._comm)
+                     if self._slots is not None else None)
+            out.append(_Piece(got, *sizes, sel, where.to(device), serve))
+        return out
 
-    def _counts(self, asks: torch.Tensor) -> list[list[int]]:
-        """The W x W matrix of rows rank i asks of rank j (all_gather of every rank's ``asks``; one host sync)."""
-        out = torch.empty(self.world_size * self.world_size, dtype=torch.int64, device=self._comm)
-        _all_gather(out, asks.to(self._comm), group=self.group)
-        return out.view(self.world_size, self.world_size).tolist()
+    def _send_rows(self, wanted: torch.Tensor, pieces: list["_Piece"], dest: torch.Tensor) -> None:
+        """Serve ``wanted``, exchange the rows in ``pieces`` and scatter them into ``dest``.
+
+        Piece ``c + 1``'s rows are gathered while piece ``c`` is sent, and each piece received is scattered
+        into ``dest`` (no staging buffer for the whole batch).
+        """
+        def put(p: _Piece) -> None:
+            if p.where.numel():
+                dest.index_copy_(0, p.where, p.got.to(dest.device))
+
+        if len(pieces) == 1:
+            p = pieces[0]
+            dist.all_to_all_single(p.got, self._serve(wanted, p.out), p.recv, p.send, group=self.group)
+            put(p)
+            return
+        sent = []
+        for p in pieces:
+            work = dist.all_to_all_single(p.got, self._serve(wanted.index_select(0, p.sel), p.out), p.recv, p.send,
+                                          group=self.group, async_op=True)
+            sent.append((work, p))
+        for work, p in sent:
+            work.wait()
+            put(p)
 
     def _raise_failed(self, matrix: list[list[int]], ids: torch.Tensor, flag: Any = None) -> None:
         failed = [r for r, row in enumerate(matrix) if any(v < 0 for v in row)]
@@ -401,18 +454,17 @@ class ShardedTier(FetchTier):
         raise ShardExchangeError(f"rank {self.rank} of {self.world_size} stops: rank {failed[0]} could not fetch its "
                                  f"feature rows (see its own error)")
 
-    def _serve(self, wanted: torch.Tensor) -> torch.Tensor:
+    def _serve(self, wanted: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The rows of this rank's shard that the others asked for, where the collective needs them.
 
         Through the store's tiers when attached (one tiered gather: cached rows from the GPU cache,
-        the others zero copy from pinned host memory), else from the shard.
+        the others zero copy from pinned host memory; into ``out`` if given), else from the shard.
         """
         if self._slots is not None:
             loc = self._slots[wanted.long() + self._lo]
-            out = torch.empty((wanted.numel(), *self._rest), dtype=self.shard.dtype, device=self._comm)
-            empty = torch.empty((0, *self._rest), dtype=self.shard.dtype, device=self._comm)
-            return gather_tiered(self._cache if self._cache is not None else empty, self.shard, loc, out,
-                                 error_flag=self._flag, counts=self._served)
+            if out is None:
+                out = torch.empty((wanted.numel(), *self._rest), dtype=self.shard.dtype, device=self._comm)
+            return gather_tiered(self._cache, self.shard, loc, out, error_flag=self._flag, counts=self._served)
         if self._comm.type == "cuda":  # zero copy from pinned host memory onto the GPU
             return gather_rows(self.shard, wanted, self._flag)
         return self.shard.index_select(0, wanted.long())
@@ -430,9 +482,12 @@ class ShardedTier(FetchTier):
             keep = []
             ex = self._stats.extra
             for evs in self._events:
-                a, c, r, m, b = evs  # start, counted; resumed (the second part), ids sent, rows placed
+                # the first part: start, sorted (its preparation), submitted, counted (the all_gather); the second:
+                # resumed, ids sent, rows placed
+                a, z, u, c, r, m, b = evs
                 if b.query():
-                    parts = (a.elapsed_time(c) / 1e3, r.elapsed_time(m) / 1e3, m.elapsed_time(b) / 1e3)
+                    parts = ((a.elapsed_time(z) + u.elapsed_time(c)) / 1e3, r.elapsed_time(m) / 1e3,
+                             m.elapsed_time(b) / 1e3)
                     self._stats.add(seconds=sum(parts))  # the time between the two parts is not the exchange's
                     ex["counts_seconds"] += parts[0]
                     ex["ids_seconds"] += parts[1]
@@ -447,19 +502,37 @@ class ShardedTier(FetchTier):
 
 
 class _Counts:
-    """One exchange between its two parts: what the first left for the second (`ShardedTier._count`)."""
+    """One exchange between its parts: what each part leaves for the next (`ShardedTier._prepare`)."""
 
     def __init__(self, ids: torch.Tensor, ordered: torch.Tensor, perm: torch.Tensor, asks: torch.Tensor,
-                 dest: torch.Tensor, flag: Any, start: Any) -> None:
+                 dest: torch.Tensor, flag: Any) -> None:
         self.ids, self.ordered, self.perm, self.asks, self.dest, self.flag = ids, ordered, perm, asks, dest, flag
-        self.start = start  # CUDA: the event before the first part
-        self.out: torch.Tensor | None = None  # (W * W,) int64: the counts all_gather's output
-        self.host: torch.Tensor | None = None  # its pinned copy (CUDA), complete at ``ready``
-        self.ready: torch.cuda.Event | None = None
-        self.work: Any = None  # gloo's pending all_gather
-        self.counted: Any = None
+        # ``send``: (W,) int64 ``asks`` where the all_gather sends from, ``out``: (W * W,) its output, ``host``: its
+        # pinned copy (CUDA), complete at ``ready``; ``work``: gloo's pending all_gather
+        self.send = self.out = self.host = self.ready = self.work = None
+        self.events: list[Any] = []  # CUDA: start, sorted (the preparation), submitted, counted (the all_gather)
+        self.submitted = self.planned = False
         self.matrix: list[list[int]] | None = None
-        self.host_s = self.wait_s = 0.0
+        # the second part, planned once the counts are read (`ShardedTier._plan`): ``local``: (total,) the row
+        # numbers this rank asks, in their owners' numbering; ``wanted``: (sum(theirs),) those asked of it
+        self.total = 0
+        self.local = self.wanted = None
+        self.splits: tuple[list[int], list[int]] | None = None  # rows this rank asks of each rank, each asks of it
+        self.pieces: list[_Piece] = []  # the rows' all_to_alls (none when no rank asks for anything)
+        self.prep_counts_s = self.host_s = self.cpu_s = self.wait_s = self.prep_rest_s = 0.0
+
+
+class _Piece(NamedTuple):
+    """One all_to_all of rows: ``got`` (m, *rest) receives ``recv[j]`` rows from each rank ``j`` while
+    ``send[j]`` go to it (the rows of ``wanted[sel]``, all of ``wanted`` when ``sel`` is None, served
+    into ``out`` if not None), then ``dest[where] = got``."""
+
+    got: torch.Tensor
+    recv: list[int]
+    send: list[int]
+    sel: torch.Tensor | None
+    where: torch.Tensor
+    out: torch.Tensor | None
 
 
 def _host_counts(c: _Counts) -> list[list[int]]:
@@ -475,23 +548,32 @@ def _host_counts(c: _Counts) -> list[list[int]]:
 
 
 class SplitExchange:
-    """An exchange submitted in parts (`ShardedTier.start_fetch_slots`): its counts are submitted; `read`, then
-    `finish`, each once, in that order."""
+    """An exchange in parts (`ShardedTier.prepare_fetch_slots`), its counts prepared: `submit`, `read`, then
+    `finish`, each once, in that order (each runs the ones before it not yet run)."""
 
     def __init__(self, tier: ShardedTier, counts: _Counts) -> None:
         self._tier, self._c = tier, counts
 
-    def read(self) -> None:
-        """Wait for the counts (host synchronisation); raise as `ShardedTier.fetch_slots` when a rank failed."""
-        if self._c.matrix is not None:
+    def submit(self) -> None:
+        """Submit the counts all_gather on the current stream (collective), not waiting for it."""
+        if self._c.submitted:
             return
         t = self._tier
         with t._lock:  # noqa: SLF001 - the tier's own parts
+            t._guarded(lambda: t._submit(self._c))  # noqa: SLF001
+
+    def read(self) -> None:
+        """Wait for the counts (host synchronisation; raise as `ShardedTier.fetch_slots` when a rank failed), then
+        prepare what `finish` submits (on the current stream; no collective)."""
+        if self._c.planned:
+            return
+        self.submit()
+        t = self._tier
+        with t._lock:  # noqa: SLF001
             t._guarded(lambda: t._read(self._c), joined=True)  # noqa: SLF001
 
     def finish(self) -> None:
-        """Submit the ids and rows all_to_alls and the scatter (on the current stream); reads the counts first if
-        `read` has not (then the host synchronisation falls here)."""
+        """Submit the ids and rows all_to_alls, the owner's gather and the scatter (on the current stream)."""
         self.read()
         t = self._tier
         with t._lock:  # noqa: SLF001

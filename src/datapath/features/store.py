@@ -481,28 +481,57 @@ class PendingGather:
         self._rows = out
         self.out = out.view(shape)
         self._args = None if flat is None else (flat, loc, own_flag, schedule, step)
-        self._split: Any = None  # a collective tier's exchange whose counts are submitted (`start`)
+        self._split: Any = None  # a collective tier's exchange in parts, prepared (`prepare`)
 
-    def start(self) -> bool:
-        """Submit the first part of a collective tier's exchange (its counts) on the current stream, without waiting.
+    def prepare(self) -> bool:
+        """Prepare a collective tier's exchange on the current stream, submitting no collective: its ids sorted
+        by owner, the buffers of its counts.
 
         True when the fetch is split so (one collective tier that reads the slot map, no superbatch
-        schedule): then `read` waits for the counts (the host synchronisation) and `finish` submits the
-        rest, each on the stream current then.  False: `finish` does the whole fetch, as without `start`.
+        schedule): then `start` submits the counts all_gather (not waited for), `read` waits for the counts
+        (the host synchronisation) and prepares the rest, and `finish` submits the rest, each on the stream
+        current then.  False: `finish` does the whole fetch, as without `prepare`.  An error is raised without
+        telling the other ranks (that takes a collective): the caller takes the exchange's place with the
+        store's `abort`.
         """
-        if self._args is None or self._split is not None:
-            return self._split is not None
-        flat, loc, own_flag, schedule, step = self._args
-        fetch = self.store._fetch
-        if not (len(fetch) == 1 and fetch[0].collective and fetch[0].reads_slots and schedule is None
-                and hasattr(fetch[0], "start_fetch_slots")):
+        if self._split is not None:
+            return True
+        tier = self._splittable()
+        if tier is None:
             return False
+        flat, loc, own_flag, _, _ = self._args
+        self._split = tier.prepare_fetch_slots(flat, loc, self._rows, own_flag)
         self._args = None
-        self._split = fetch[0].start_fetch_slots(flat, loc, self._rows, own_flag)
         return True
 
+    def start(self) -> bool:
+        """Submit the first part of a collective tier's exchange (its counts) on the current stream, without waiting
+        (`prepare` first, if not done: an error there tells the other ranks, in the collective's place).
+
+        Returns what `prepare` returns.
+        """
+        try:
+            if not self.prepare():
+                return False
+        except Exception as exc:
+            self.store.abort(exc)
+            raise
+        self._split.submit()
+        return True
+
+    def _splittable(self) -> Any:
+        """The one collective tier that fetches this gather's rows in parts, or None."""
+        if self._args is None:
+            return None
+        fetch = self.store._fetch
+        if (len(fetch) == 1 and fetch[0].collective and fetch[0].reads_slots and self._args[3] is None
+                and hasattr(fetch[0], "prepare_fetch_slots")):
+            return fetch[0]
+        return None
+
     def read(self) -> None:
-        """After `start`: wait for the exchange's counts (raises if a rank failed); nothing otherwise."""
+        """After `start`: wait for the exchange's counts (raises if a rank failed) and prepare the rest; nothing
+        otherwise."""
         if self._split is not None:
             self._split.read()
 

@@ -300,8 +300,11 @@ class _Exchange:
     of batch ``t - 1``'s exchange, then batch ``t``'s counts (`PendingGather.start`); between turns
     ``t`` and ``t + 1`` the thread reads batch ``t``'s counts (`PendingGather.read`: the exchange's host
     synchronisation), so the consumer, which waits while a turn is submitted, never waits for that read
-    inside a turn.  A store whose gather cannot be split (`PendingGather.start` is False) exchanges
-    whole in the second turn.
+    inside a turn.  What a turn's collectives need and can be made without one is made between the
+    turns too: batch ``t``'s ids sorted by owner before turn ``t`` (`PendingGather.prepare`), the rest's
+    buffers and split sizes with the read; a turn submits the collectives and what follows them on the
+    stream.  A store whose gather cannot be split (`PendingGather.prepare` is False) exchanges whole in
+    the second turn.
     """
 
     def __init__(self, producer: _Producer, out: queue.Queue) -> None:
@@ -338,6 +341,11 @@ class _Exchange:
                 if item is _DONE and held is None:  # stopped, or an epoch without batches
                     p._put(self.out, _DONE)
                     return
+                if item is not _DONE and not isinstance(item, BaseException):
+                    try:
+                        self._prepare(item, stream)  # before its turn: what its counts' collective needs
+                    except BaseException as exc:  # noqa: BLE001 - takes the batch's place: the others learn it in turn t
+                        item = exc
                 if order is not None and not order.exchange_turn(t):
                     return  # stopped while waiting for its turn
                 if held is not None:
@@ -356,7 +364,7 @@ class _Exchange:
                     order.exchanged(t)
                 if failed is None and item is not _DONE:
                     try:
-                        self._read(item)  # between two turns: the consumer may be training meanwhile
+                        self._read(item, stream)  # between two turns: the consumer may be training meanwhile
                     except BaseException as exc:  # noqa: BLE001 - every rank raises at this batch (same counts)
                         failed = exc
                 if failed is not None or item is _DONE:
@@ -389,8 +397,27 @@ class _Exchange:
         return self.producer._put(self.out, batch)
 
     @staticmethod
+    def _prepare(batch: Batch, stream: torch.cuda.Stream | None) -> None:
+        """What the first part of ``batch``'s exchange needs, no collective (its ids sorted by owner), on
+        ``stream`` after the batch's own gather."""
+        pending = batch._pending
+        if pending is None:
+            return
+        sw = Stopwatch()
+        if stream is None:
+            pending.prepare()
+        else:
+            if batch._events:  # the batch's own gather (and, before it, its sampling)
+                stream.wait_event(batch._events[0])
+            with torch.cuda.stream(stream):
+                for t in pending.tensors():  # made on the worker's streams, read and written here
+                    t.record_stream(stream)
+                pending.prepare()
+        sw.charge(batch, "gather")
+
+    @staticmethod
     def _count(batch: Batch, stream: torch.cuda.Stream | None) -> None:
-        """The first part of ``batch``'s exchange (its counts), on ``stream`` after the batch's own gather."""
+        """The first part of ``batch``'s exchange (its counts' collective), on ``stream`` after its preparation."""
         pending = batch._pending
         if pending is None:
             return
@@ -398,20 +425,21 @@ class _Exchange:
         if stream is None:
             pending.start()
         else:
-            if batch._events:  # the batch's own gather (and, before it, its sampling)
-                stream.wait_event(batch._events[0])
             with torch.cuda.stream(stream):
-                for t in pending.tensors():  # made on the worker's streams, read and written here
-                    t.record_stream(stream)
                 pending.start()
         sw.charge(batch, "gather")
 
     @staticmethod
-    def _read(batch: Batch) -> None:
-        """Wait for ``batch``'s counts (the exchange's host synchronisation; raises if a rank failed)."""
+    def _read(batch: Batch, stream: torch.cuda.Stream | None) -> None:
+        """Wait for ``batch``'s counts (the exchange's host synchronisation; raises if a rank failed) and prepare
+        the rest of its exchange (no collective), on ``stream``."""
         if batch._pending is not None:
             sw = Stopwatch()
-            batch._pending.read()
+            if stream is None:
+                batch._pending.read()
+            else:
+                with torch.cuda.stream(stream):
+                    batch._pending.read()
             sw.charge(batch, "gather")
 
     @staticmethod
