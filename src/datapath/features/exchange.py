@@ -130,7 +130,7 @@ class ShardedTier(FetchTier):
         ``slots``: the store's (N,) int32 slot map (``1..c`` cache rows, ``c+1..`` this rank's shard).
         """
         if self._comm == self.device:  # the rows are served where the collective sends them from
-            self._cache, self._slots = cache, slots
+            self._cache, self._slots = cache, slots[self._lo:self._lo + self.shard.shape[0]]  # this shard's slots
             if cache is None:  # the tiered gather's first tier, empty
                 self._cache = torch.empty((0, *self._rest), dtype=self.shard.dtype, device=self._comm)
 
@@ -461,7 +461,7 @@ class ShardedTier(FetchTier):
         the others zero copy from pinned host memory; into ``out`` if given), else from the shard.
         """
         if self._slots is not None:
-            loc = self._slots[wanted.long() + self._lo]
+            loc = self._slots.index_select(0, wanted)
             if out is None:
                 out = torch.empty((wanted.numel(), *self._rest), dtype=self.shard.dtype, device=self._comm)
             return gather_tiered(self._cache, self.shard, loc, out, error_flag=self._flag, counts=self._served)
