@@ -15,6 +15,7 @@ import torch.distributed as dist
 from datapath.apps import init_distributed, launch, train_epoch
 from datapath.apps.train_gnn import global_mean_loss, wrap_ddp
 from datapath.features import sharded_store
+from datapath.features.exchange import ShardedTier
 from datapath.graph import ShardLayout, SyntheticSpec, generate
 from datapath.loaders import CollectiveOrder, DistributedNeighborLoader, NeighborLoader
 from datapath.memory import to_placement
@@ -350,6 +351,53 @@ def test_a_left_epoch_and_a_failed_batch_end_every_rank_in_order() -> None:
         name, msg = out["error"]
         if r == 1:
             assert name == "RuntimeError" and "could not gather batch 4" in msg
+        else:
+            assert name == "ShardExchangeError" and "rank 1 could not fetch" in msg, msg
+
+
+def _fail_in_preparation() -> dict:
+    """Rank 1's exchange thread fails to prepare batch 4's exchange (between two turns, where no collective may be
+    submitted): the failure takes the batch's place in its turn, and every rank stops there."""
+    ctx = init_distributed("cpu")
+    torch.set_num_threads(1)
+    ds = generate(SPEC, device="cpu", progress=False)
+    layout = ShardLayout.even(ds.graph.num_nodes, ctx.world_size)
+    lo, hi = layout.rows(ctx.rank)
+    store = sharded_store(ds.features[lo:hi], layout, device="cpu", piece_bytes=1024)
+    real, calls = ShardedTier.prepare_fetch_slots, [0]
+
+    def failing(self, *args, **kwargs):
+        calls[0] += 1
+        if ctx.rank == 1 and calls[0] == 5:
+            raise RuntimeError("rank 1 could not prepare batch 4")
+        return real(self, *args, **kwargs)
+
+    ShardedTier.prepare_fetch_slots = failing
+    loader = DistributedNeighborLoader(ds.graph, ds.train_idx, [5, 3], BATCH, shuffle=True, rank=ctx.rank,
+                                       world_size=ctx.world_size, features=store, labels=ds.labels, device="cpu",
+                                       prefetch=PREFETCH, max_steps=STEPS)
+    out: dict = {"taken": 0, "error": None}
+    t0 = time.perf_counter()
+    try:
+        for batch in loader:
+            assert torch.equal(batch.x, ds.features[batch.input_nodes])
+            dist.all_reduce(torch.ones(1))
+            out["taken"] += 1
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        out["error"] = (type(exc).__name__, str(exc))
+    finally:
+        ShardedTier.prepare_fetch_slots = real
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+@pytest.mark.slow
+def test_a_failed_preparation_takes_its_batch_place_on_every_rank() -> None:
+    for r, out in enumerate(launch(_fail_in_preparation, WORLD)):
+        assert out["taken"] == 4 and out["seconds"] < 30, out  # batches 0..3, then the error, without a timeout
+        name, msg = out["error"]
+        if r == 1:
+            assert name == "RuntimeError" and "could not prepare batch 4" in msg
         else:
             assert name == "ShardExchangeError" and "rank 1 could not fetch" in msg, msg
 
