@@ -399,7 +399,8 @@ class _Exchange:
     @staticmethod
     def _prepare(batch: Batch, stream: torch.cuda.Stream | None) -> None:
         """What the first part of ``batch``'s exchange needs, no collective (its ids sorted by owner), on
-        ``stream`` after the batch's own gather."""
+        ``stream`` after the batch's own gather (queued ahead of the previous batch's rows, which the next turn
+        submits: they wait for this gather too)."""
         pending = batch._pending
         if pending is None:
             return
