@@ -7,6 +7,7 @@ import random
 import re
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -329,7 +330,15 @@ def _break_and_fail() -> dict:
         return real(*args, **kwargs)
 
     store.start_gather = failing
-    out["taken"], out["error"], t0 = 0, None, time.perf_counter()
+    out.update(_take_until_error(loader, ds))
+    return out
+
+
+def _take_until_error(loader: Any, ds: Any) -> dict:
+    """Train on ``loader``'s batches (rows checked, an all-reduce a step) until it ends or raises: the batches
+    taken, the error (type name, message) and the seconds it took."""
+    out: dict = {"taken": 0, "error": None}
+    t0 = time.perf_counter()
     try:
         for batch in loader:
             assert torch.equal(batch.x, ds.features[batch.input_nodes])
@@ -376,19 +385,10 @@ def _fail_in_preparation() -> dict:
     loader = DistributedNeighborLoader(ds.graph, ds.train_idx, [5, 3], BATCH, shuffle=True, rank=ctx.rank,
                                        world_size=ctx.world_size, features=store, labels=ds.labels, device="cpu",
                                        prefetch=PREFETCH, max_steps=STEPS)
-    out: dict = {"taken": 0, "error": None}
-    t0 = time.perf_counter()
     try:
-        for batch in loader:
-            assert torch.equal(batch.x, ds.features[batch.input_nodes])
-            dist.all_reduce(torch.ones(1))
-            out["taken"] += 1
-    except Exception as exc:  # noqa: BLE001 - the test reads it
-        out["error"] = (type(exc).__name__, str(exc))
+        return _take_until_error(loader, ds)
     finally:
         ShardedTier.prepare_fetch_slots = real
-    out["seconds"] = time.perf_counter() - t0
-    return out
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ outlives the loop that used it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 import time
@@ -28,6 +29,11 @@ SAMPLE_AHEAD = 2
 """Batches whose sampling the GPU producer keeps queued ahead of the one it prepares."""
 
 _DONE = object()
+
+
+def _on(stream: "torch.cuda.Stream | None") -> Any:
+    """A context that makes ``stream`` current (nothing where it is None: the CPU, or the current stream)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 class Stopwatch:
@@ -423,11 +429,8 @@ class _Exchange:
         if pending is None:
             return
         sw = Stopwatch()
-        if stream is None:
+        with _on(stream):
             pending.start()
-        else:
-            with torch.cuda.stream(stream):
-                pending.start()
         sw.charge(batch, "gather")
 
     @staticmethod
@@ -436,11 +439,8 @@ class _Exchange:
         the rest of its exchange (no collective), on ``stream``."""
         if batch._pending is not None:
             sw = Stopwatch()
-            if stream is None:
+            with _on(stream):
                 batch._pending.read()
-            else:
-                with torch.cuda.stream(stream):
-                    batch._pending.read()
             sw.charge(batch, "gather")
 
     @staticmethod

@@ -212,6 +212,19 @@ def _kept(model: _Model, recompute: set[int], k: int, saved: dict[int, int] | No
     return res, off
 
 
+def _fewest_offloaded(model: _Model, recompute: set[int], n_elig: int, budget: float) -> int:
+    """The fewest of the ``n_elig`` eligible storages offloaded (a prefix) whose modelled peak fits ``budget`` with
+    the blocks ``recompute`` recomputed (binary search: memory falls as the prefix grows); ``n_elig`` where none."""
+    lo, hi = 0, n_elig
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if model.peak(_kept(model, recompute, mid)[0]) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def _eligible(p: BudgetProfile, recompute: set[int]) -> int:
     return sum(1 for seg, _ in p.storages if p.segments[seg].block not in recompute)
 
@@ -319,18 +332,12 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
     for m in range(len(order) + 1):
         rec = set(order[len(order) - m:]) if m else set()
         n_elig = _eligible(p, rec)
-        lo, hi = 0, n_elig
         floor = model.peak(_kept(model, rec, n_elig)[0])
         if floor < lowest:
             lowest, lowest_plan = floor, (n_elig, rec)
         if floor > budget:
             continue
-        while lo < hi:  # smallest k that fits
-            mid = (lo + hi) // 2
-            if model.peak(_kept(model, rec, mid)[0]) <= budget:
-                hi = mid
-            else:
-                lo = mid + 1
+        lo = _fewest_offloaded(model, rec, n_elig, budget)
         saved: dict[int, int] = {}
         gain = 0.0
         if attention:
@@ -373,14 +380,7 @@ def checkpoint_plan(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
     p = profile
     model = _Model(p)
     rec = set(p.recomputable) | set(recomputed)
-    n_elig = _eligible(p, rec)
-    lo, hi = 0, n_elig
-    while lo < hi:  # smallest k that fits
-        mid = (lo + hi) // 2
-        if model.peak(_kept(model, rec, mid)[0]) <= budget:
-            hi = mid
-        else:
-            lo = mid + 1
+    lo = _fewest_offloaded(model, rec, _eligible(p, rec), budget)
     infeasible = model.peak(_kept(model, rec, lo)[0]) > budget
     k = 0 if infeasible else lo
     kept, off = _kept(model, rec, k)
