@@ -113,6 +113,16 @@ def finish(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_brief(plan: Any) -> dict[str, Any] | None:
+    """A budget plan in a few numbers (None before the first plan: the profiled step)."""
+    if plan is None or not hasattr(plan, "as_dict"):
+        return None
+    d = plan.as_dict()
+    return {"offload_gb": d["offload_bytes"] / 1e9, "recompute_blocks": len(d["recompute"]),
+            "cut_segment": d["cut_segment"], "predicted_peak_gb": d["predicted_peak"] / 1e9,
+            "attention_saved": len(d["attention_saved"])}
+
+
 def cache_record(cache: Any, method: str, steps: int) -> dict[str, Any]:
     """What a datapath method's cache measured over ``steps`` steps (empty for the peers): bytes offloaded a step,
     store bandwidths; for ``datapath-budget`` the planned steps' peaks, the planner's host time, the plan and

@@ -61,7 +61,7 @@ from benchmarks._llama8b import (  # noqa: E402
     set_checkpointing,
 )
 from benchmarks._offload_scale_args import METHODS, parse  # noqa: E402
-from benchmarks._offload_scale_report import bars, cache_record, finish, plot, rel_diff  # noqa: E402
+from benchmarks._offload_scale_report import bars, cache_record, finish, plan_brief, plot, rel_diff  # noqa: E402
 from benchmarks._offload_workloads import torchtune_offload  # noqa: E402
 from benchmarks._step_trace import traced_step  # noqa: E402
 from datapath.offload import offload, offload_rank  # noqa: E402
@@ -221,11 +221,20 @@ class Bench:
                 self.opt.step()
 
             retries0 = reserved = 0
+            # --trace: datapath-budget's warm-up steps (it profiles, plans, tries plans) each under the profiler
+            # too, with the plan each ran: where a plan that lost its trial spent its time
+            warm_traces: list[dict[str, Any]] = []
+            trace_warm = self.args.trace and method == "datapath-budget"
             for i in range(warmup + steps):
                 self.reset_peak()
                 if i == warmup:  # the allocator's retries (a full device: cached blocks freed, synchronising)
                     retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
                 t = time.perf_counter()
+                if trace_warm and i < warmup:
+                    plan = getattr(self.cache, "plan", None)
+                    warm_traces.append({"plan": plan_brief(plan), **traced_step(step),
+                                        "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None})
+                    continue
                 with self.meter if not cuda else contextlib.nullcontext():
                     step()
                 if cuda:
@@ -264,6 +273,8 @@ class Bench:
             extra["reserved_gb_per_rank"] = [r / 1e9 for r in self.gather(reserved)]
             if traced is not None:
                 extra["trace_per_rank"] = self.gather(traced)
+        if warm_traces:
+            extra["warmup_trace_per_rank"] = self.gather(warm_traces)
         return {"step_s": step_s, "steps_s": times, "peak": max(peaks), "grads": grads,
                 "grads_repeat_bitwise": repeat_same, **extra}
 
@@ -508,13 +519,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.manual_seed(0)
     bench = Bench(args)
+    if not bench.dist:
+        bench.main()
+        return 0
+    import torch.distributed as dist  # noqa: PLC0415
+
     try:
         bench.main()
+        # every rank past its last collective before any tears its group down: gloo aborts a rank
+        # (std::terminate) whose peer closed the connection under work still in flight
+        dist.barrier()
     finally:
-        if bench.dist:
-            import torch.distributed as dist  # noqa: PLC0415
-
-            dist.destroy_process_group()
+        dist.destroy_process_group()
     return 0
 
 

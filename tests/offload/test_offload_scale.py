@@ -105,6 +105,18 @@ def test_fsdp2_quick_run_on_two_gloo_processes(tmp_path: Path) -> None:
         assert r["grads_match"] is True, r
 
 
+@pytest.mark.slow
+def test_trace_records_each_budget_warmup_step_with_its_plan(tmp_path: Path) -> None:
+    doc = _run(tmp_path, "--methods", "checkpoint,datapath-budget", "--check-seq", "0", "--trace")
+    rec = next(r for r in doc["records"] if r["seq"] == 32 and r["method"] == "datapath-budget")
+    assert rec["status"] == "ok", rec
+    (warm,) = rec["warmup_trace_per_rank"]  # one process
+    assert len(warm) == 5  # --quick: 1 + 4 warm-up steps; the first ones profile, with no plan yet
+    assert warm[0]["plan"] is None and warm[-1]["plan"] is not None, warm
+    assert {"offload_gb", "recompute_blocks", "predicted_peak_gb"} <= set(warm[-1]["plan"])
+    assert all(w["wall_ms"] > 0 and w["alloc_retries"] == 0 for w in warm)
+
+
 def test_step_trace_interval_sums() -> None:
     from benchmarks._step_trace import _minus, _union  # noqa: PLC0415
 
@@ -133,3 +145,7 @@ def test_traced_step_splits_gpu_time() -> None:
     assert out["gpu_compute_ms"] > 0 and out["gpu_copy_ms"] > 0 and out["gpu_nccl_ms"] == 0
     assert out["gpu_busy_ms"] <= out["gpu_compute_ms"] + out["gpu_copy_ms"] + 1e-6
     assert out["cpu_sync_ms"] > 0 and out["wall_ms"] >= out["gpu_busy_ms"]
+    assert out["cuda_api_ms"].get("cudaDeviceSynchronize", 0) > 0 and out["alloc_retries"] == 0
+    assert 0 <= out["gpu_idle_ms"] <= out["wall_ms"]
+    name, ms = out["top_kernels"][0]  # the four matrix products lead the kernels
+    assert ms > 0 and any(k in name.lower() for k in ("gemm", "cutlass", "xmma")), out
