@@ -257,18 +257,20 @@ def test_the_graph_sees_function_level_imports(tmp_path: Path) -> None:
     assert not any(_package(t) == "unified_tensor" for t in graph["datapath.memory.placement"])
 
 
-def test_the_prefetcher_knows_the_loader_only_through_its_batch_steps() -> None:
-    """loaders/_prefetch.py reads none of the loader's private methods or fields (issue 37 item 4)."""
+@pytest.mark.parametrize("module", ["_prefetch.py", "_exchange_stage.py", "_batch_steps.py"])
+def test_the_prefetcher_knows_the_loader_only_through_its_batch_steps(module: str) -> None:
+    """The prefetcher's modules (loaders/_prefetch.py, its exchange stage, the batch steps) read none of the
+    loader's private methods or fields (issue 37 item 4)."""
     loader_src = ast.parse((SRC / "loaders" / "loader.py").read_text())
     private = {n.attr for n in ast.walk(loader_src) if isinstance(n, ast.Attribute) and n.attr.startswith("_")
                and isinstance(n.value, ast.Name) and n.value.id == "self"}
     private |= {n.name for n in ast.walk(loader_src) if isinstance(n, ast.FunctionDef) and n.name.startswith("_")
                 and not n.name.startswith("__")}
-    prefetch_src = ast.parse((SRC / "loaders" / "_prefetch.py").read_text())
+    prefetch_src = ast.parse((SRC / "loaders" / module).read_text())
     own = {n.name for n in ast.walk(prefetch_src) if isinstance(n, ast.FunctionDef)}
     used = sorted({n.attr for n in ast.walk(prefetch_src) if isinstance(n, ast.Attribute)} & private - own)
-    assert len(private) >= 8 and used == [], f"_prefetch.py reaches into the loader: {used}"
-    assert not any(t.startswith("datapath.loaders.loader") for t in _imports(SRC / "loaders" / "_prefetch.py"))
+    assert len(private) >= 8 and used == [], f"{module} reaches into the loader: {used}"
+    assert not any(t.startswith("datapath.loaders.loader") for t in _imports(SRC / "loaders" / module))
 
 
 def test_one_launch_path() -> None:

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from datapath.graph.hetero import HeteroGraph, HeteroGraphError
-from datapath.loaders._prefetch import BatchSteps, GatherStream, PrefetchIter, Started, Stopwatch, run_prepare
+from datapath.loaders._batch_steps import BatchSteps, GatherStream, Started, Stopwatch, run_prepare
+from datapath.loaders._prefetch import PrefetchIter
 from datapath.loaders.batch import Batch, GatherCheck
 from datapath.loaders.errors import LoaderError
 from datapath.loaders.loader import Table, fetch_rows

@@ -28,7 +28,8 @@ from datapath.features import FeatureStore
 from datapath.features.store import PendingGather
 from datapath.features.superbatch import Schedule
 from datapath.graph import Graph
-from datapath.loaders._prefetch import BatchSteps, GatherStream, PrefetchIter, Started, Stopwatch, run_prepare
+from datapath.loaders._batch_steps import BatchSteps, GatherStream, Started, Stopwatch, run_prepare
+from datapath.loaders._prefetch import PrefetchIter
 from datapath.loaders.batch import Batch, GatherCheck
 from datapath.loaders.errors import LoaderError
 from datapath.memory import gather_rows, placement_of
