@@ -170,7 +170,7 @@ def _ordered_training(jitter_s: float, device: str = "cpu") -> dict:
     lo, hi = layout.rows(ctx.rank)
     store = sharded_store(ds.features[lo:hi], layout, device=dev, piece_bytes=1024)
     log: list[str] = []
-    import datapath.features.exchange as exchange  # noqa: PLC0415 - the spies wrap the real collectives
+    import datapath.features.exchange_steps as exchange  # noqa: PLC0415 - the spies wrap the real collectives
     real_gather, real_all_to_all = exchange._all_gather, dist.all_to_all_single  # noqa: SLF001
 
     def counts(*a, **k):  # the first collective of every exchange
