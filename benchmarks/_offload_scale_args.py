@@ -24,6 +24,9 @@ def parse(argv: list[str] | None, description: str = "B6: offloading at 8B scale
     ap.add_argument("--datapath-budgets", default="checkpoint,device",
                     help="datapath-budget's budgets, in this order: checkpoint (checkpointing's peak at the length), "
                          "device (the GPU's memory less a margin, at the longest timed lengths)")
+    ap.add_argument("--datapath-pace", type=int, default=None,
+                    help="units datapath's methods let the CPU run ahead of the GPU (offload(pace=N); the "
+                         "library's default: 1); recorded as `pace`")
     ap.add_argument("--log-plans", action="store_true", help="print datapath's planning log (INFO)")
     ap.add_argument("--trace", action="store_true", help="after the timed steps, one more under torch.profiler: "
                                                          "GPU compute / NCCL / copy time, NCCL not hidden, CPU "

@@ -125,13 +125,14 @@ def plan_brief(plan: Any) -> dict[str, Any] | None:
 
 def cache_record(cache: Any, method: str, steps: int) -> dict[str, Any]:
     """What a datapath method's cache measured over ``steps`` steps (empty for the peers): bytes offloaded a step,
-    store bandwidths; for ``datapath-budget`` the planned steps' peaks, the planner's host time, the plan and
+    store bandwidths, the pacing lead (units); for ``datapath-budget`` the planned steps' peaks, the planner's host time, the plan and
     trials, and the attention gains (per block: GB kept, seconds saved)."""
     if cache is None:
         return {}
     st = cache.stats
     extra: dict[str, Any] = {"offloaded_gb_per_step": st.bytes_offloaded / 1e9 / max(1, steps),
-                             "write_GBps": st.write_bandwidth / 1e9, "read_GBps": st.read_bandwidth / 1e9}
+                             "write_GBps": st.write_bandwidth / 1e9, "read_GBps": st.read_bandwidth / 1e9,
+                             "pace": cache.config.flow.pace}
     pol = getattr(cache, "policy", None)
     if method == "datapath-budget" and pol is not None:
         extra["step_peaks_gb"] = [p / 1e9 for p in getattr(pol, "peaks", [])]

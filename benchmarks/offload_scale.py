@@ -55,18 +55,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import RESULTS_DIR, print_table, write_result  # noqa: E402
+from benchmarks._common import write_result  # noqa: E402
 from benchmarks._llama8b import (  # noqa: E402
     CausalLMLoss, add_lora, build_llama, causal_lm, llama_config, model_flops_per_token, peak_flops,
     set_checkpointing,
 )
-from benchmarks._offload_scale_args import METHODS, parse  # noqa: E402
-from benchmarks._offload_scale_report import bars, cache_record, finish, plan_brief, plot, rel_diff  # noqa: E402
+from benchmarks._offload_scale_args import parse  # noqa: E402
+from benchmarks._offload_scale_report import bars, cache_record, finish, plan_brief, rel_diff  # noqa: E402
+from benchmarks._offload_scale_schedule import run_schedule  # noqa: E402
 from benchmarks._offload_workloads import torchtune_offload  # noqa: E402
 from benchmarks._step_trace import traced_step  # noqa: E402
 from datapath.offload import offload, offload_rank  # noqa: E402
-
-MARGIN = 2 << 30   # the GPU's memory less this: datapath's budget where it is asked for the longest sequence
 
 
 class Bench:
@@ -94,6 +93,8 @@ class Bench:
         self.records: list[dict[str, Any]] = []
         self.ref: dict[str, dict[int, list[torch.Tensor]]] = {}  # checkpoint/keep -> seq -> gradients
         self.ckpt_peak: dict[int, float] = {}
+        self.stopped: set[tuple[Any, ...]] = set()  # (method, budget kind, compile budget) whose ladder ended
+        self.tt_cls, self.tt_why = torchtune_offload()
         self.build()
 
     # ---------------------------------------------------------------- model
@@ -181,6 +182,8 @@ class Bench:
         elif method in ("datapath-all", "datapath-budget"):
             opts: dict[str, Any] = dict(offload_cpu_tensors=True, min_bytes=4096) if self.device.type == "cpu" \
                 else {}
+            if self.args.datapath_pace is not None:
+                opts["pace"] = self.args.datapath_pace
             enter = offload_rank if self.dist else offload  # a rank's share of the host's pinned memory
             with enter(self.model, memory_budget=budget, **opts) as cache:
                 self.cache = cache
@@ -350,51 +353,6 @@ class Bench:
     def skip(self, method: str, seq: int, reason: str, **kw: Any) -> None:
         self.rec(method, seq, None, status="skipped", reason=reason, **kw)
 
-    # ---------------------------------------------------------------- the schedule
-    def estimate(self, seq: int, steps: int) -> float:
-        """Seconds ``steps`` steps at ``seq`` are expected to take: checkpointing's measured step at the nearest
-        length, scaled by (length ratio)^1.3 (0 before any measurement)."""
-        known = {r["seq"]: r["step_s"] for r in self.records if r["method"] == "checkpoint" and r.get("step_s")}
-        if not known:
-            return 0.0
-        near = min(known, key=lambda s: abs(s - seq))
-        return steps * known[near] * (seq / near) ** 1.3
-
-    def ladder(self, method: str, seqs: list[int], budget: Callable[[int], int | None] | None = None,
-               loss_fn: Any = None, **kw: Any) -> int | None:
-        """``method`` over ``seqs`` ascending, stopped at the first OOM or failure (for good: a later call for the
-        same method and budget kind runs nothing; a budget refused at one length goes on to the next, each length
-        having a budget of its own); the longest length that trained."""
-        a = self.args
-        timed = {int(s) for s in a.timed.split(",") if s}
-        key = (method, kw.get("budget_of"), kw.get("activation_memory_budget"))
-        best = None
-        for seq in seqs:
-            if key in self.stopped:
-                break
-            steps = (a.steps + a.warmup if seq in timed else 1) + (seq == a.check_seq) + \
-                (a.budget_warmup + (0 if seq in timed else 1) if method == "datapath-budget" else 0)
-            est = self.estimate(seq, steps) * (1.5 if method in ("datapath-all", "datapath-budget", "save_on_cpu",
-                                                                  "checkpoint_offload") else 1.0)
-            spent = self.spent()
-            if spent + est > a.time_budget:
-                self.skip(method, seq, f"time budget of the run ({est:.0f} s expected, "
-                                       f"{a.time_budget - spent:.0f} s left)", **kw)
-                break
-            b = budget(seq) if budget is not None else None
-            if budget is not None and b is None:
-                continue
-            r = self.attempt(method, seq, b, seq in timed, check=seq == a.check_seq, loss_fn=loss_fn, **kw)
-            if r["status"] == "error" and budget is not None:
-                continue  # a budget of its own at each length: refused at one, it may be met at the next
-            if r["status"] != "ok":
-                self.stopped.add(key)
-                break
-            if method == "checkpoint":
-                self.ckpt_peak[seq] = r["peak_gb"]
-            best = seq
-        return best
-
     def prime(self) -> None:
         """One step at a short length before any method, so that AdamW's state (twice the trainable fp32 shards)
         exists from the first measured step on: built inside a method's first step, it made that step's peak unlike
@@ -407,95 +365,10 @@ class Bench:
         self.opt.zero_grad(set_to_none=True)
 
     def main(self) -> None:
-        """The schedule: each entry a method over some lengths, in the order that answers the bar first (a later
-        entry of a method continues its ladder unless an earlier one stopped it)."""
-        a = self.args
+        """AdamW's state primed, then the schedule (`benchmarks/_offload_scale_schedule.py`)."""
         self.prime()
-        seqs = [int(s) for s in a.seqs.split(",")]
-        timed = sorted(int(s) for s in a.timed.split(",") if s)
-        methods = [m for m in a.methods.split(",") if m]
-        cuda = self.device.type == "cuda"
-        self.tt_cls, tt_why = torchtune_offload()
-        self.stopped: set[tuple[Any, ...]] = set()
-        capacity = (torch.cuda.get_device_properties(self.device).total_memory - MARGIN) if cuda else None
-        upto = [s for s in seqs if s <= max(timed)]
-        beyond = [s for s in seqs if s > max(timed)]
-        small = [s for s in seqs if s <= min(timed)]
-        first = a.check_seq if a.check_seq > 0 else seqs[0]  # the one length of the single-length methods
-        budgets = {"checkpoint": ("datapath-budget", sorted({first, *timed}), "checkpoint peak"),
-                   "device": ("datapath-budget", [s for s in seqs if s >= max(timed)], "device memory")}
-        schedule: list[tuple[str, list[int], str | None]] = [
-            ("checkpoint", upto, None), ("keep", seqs, None),
-            *(budgets[k] for k in a.datapath_budgets.split(",") if k),
-            ("checkpoint", beyond, None), ("selective_checkpoint", seqs, None),
-            ("datapath-all", small, None), ("checkpoint_offload", [first] + beyond, None),
-            ("save_on_cpu", seqs[:1], None), ("torchtune", [first], None),
-            ("compile_budget", sorted({first, *timed}), None), ("compiler_offload", [first], None)]
-        if not cuda:  # the CPU check: every length of every method
-            schedule = [(m, [first] if m == "datapath-budget" else seqs,
-                         "checkpoint peak" if m == "datapath-budget" else None) for m in METHODS]
-        for m, ms, of in schedule:
-            if m not in methods or not ms:
-                continue
-            if m in ("save_on_cpu", "checkpoint_offload", "torchtune") and self.dist and not cuda:
-                self.skip(m, ms[0], "not in the CPU check of the FSDP2 path")
-            elif m == "torchtune" and (self.tt_cls is None or not cuda):
-                self.skip(m, ms[0], tt_why or "needs CUDA")
-            elif m == "datapath-budget" and of == "checkpoint peak":
-                self.ladder(m, ms, budget=lambda s: int(self.ckpt_peak[s] * 1e9) if s in self.ckpt_peak else None,
-                            budget_of=of)
-            elif m == "datapath-budget":
-                if capacity is not None:
-                    self.ladder(m, ms, budget=lambda s: capacity, budget_of=of)
-            elif m in ("compile_budget", "compiler_offload"):
-                self.compiled(m, ms)
-            else:
-                self.ladder(m, ms)
-        if self.rank == 0:  # every rank holds the same records (times and peaks gathered): one writes them
-            self.save(partial=False)
-            if any(r.get("tokens_per_s") for r in self.records):
-                plot(self.records, RESULTS_DIR / f"{a.name}.png")
-            print_table([{k: r.get(k) for k in ("setting", "method", "budget_gb", "tokens_per_s", "peak_gb", "mfu",
-                                                "grads_match", "oom", "status")} for r in self.records])
-            print_table(bars(self.records))
+        run_schedule(self)
 
-    def compiled(self, method: str, seqs: list[int]) -> None:
-        """Each decoder layer compiled (``torch.compile`` regional) with an activation memory budget
-        (``compile_budget``) or with the compiler's activation offloading (``compiler_offload``)."""
-        import torch._functorch.config as fconfig  # noqa: PLC0415
-
-        a = self.args
-        if self.device.type != "cuda":
-            self.skip(method, seqs[0], "needs CUDA (inductor's GPU kernels)")
-            return
-        if method == "compiler_offload":
-            from torch.utils.checkpoint import CheckpointPolicy  # noqa: PLC0415
-
-            if "enable_activation_offloading" not in fconfig.get_config_copy() or \
-                    not hasattr(CheckpointPolicy, "MUST_CPU_OFFLOAD"):
-                self.skip(method, a.check_seq, f"torch {torch.__version__} has no compiler activation offloading "
-                                               "(functorch config enable_activation_offloading, "
-                                               "CheckpointPolicy.MUST_CPU_OFFLOAD)")
-                return
-            self.skip(method, a.check_seq, "not wired: it needs a selective-checkpointing policy marking each "
-                                           "tensor MUST_CPU_OFFLOAD inside compiled regions; not run this time")
-            return
-        if self.spent() + a.compile_cost > a.time_budget:
-            self.skip(method, a.check_seq, "time budget of the run (compiling 32 layers' regions costs "
-                                           f"~{a.compile_cost:.0f} s)")
-            return
-        layers = list(causal_lm(self.lm).model.layers)
-        for budget in [float(b) for b in a.compile_budgets.split(",") if b]:
-            torch._dynamo.reset()
-            fconfig.activation_memory_budget = budget
-            for layer in layers:
-                layer.compile()
-            try:
-                self.ladder(method, seqs, activation_memory_budget=budget, regional=True)
-            finally:
-                for layer in layers:
-                    layer._compiled_call_impl = None  # what nn.Module.compile set: the eager call again
-                fconfig.activation_memory_budget = 1.0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,10 +106,11 @@ def test_fsdp2_quick_run_on_two_gloo_processes(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_trace_records_each_budget_warmup_step_with_its_plan(tmp_path: Path) -> None:
-    doc = _run(tmp_path, "--methods", "checkpoint,datapath-budget", "--check-seq", "0", "--trace")
+def test_trace_records_each_budget_warmup_step_with_its_plan_and_the_pace_is_passed_on(tmp_path: Path) -> None:
+    doc = _run(tmp_path, "--methods", "checkpoint,datapath-budget", "--check-seq", "0", "--trace",
+               "--datapath-pace", "3")
     rec = next(r for r in doc["records"] if r["seq"] == 32 and r["method"] == "datapath-budget")
-    assert rec["status"] == "ok", rec
+    assert rec["status"] == "ok" and rec["pace"] == 3, rec
     (warm,) = rec["warmup_trace_per_rank"]  # one process
     assert len(warm) == 5  # --quick: 1 + 4 warm-up steps; the first ones profile, with no plan yet
     assert warm[0]["plan"] is None and warm[-1]["plan"] is not None, warm
