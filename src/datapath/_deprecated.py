@@ -72,7 +72,7 @@ MOVED: dict[str, dict[str, str]] = {
         **_homes("datapath.features.hotness", ("rank",)),
         **_homes("datapath.features.placement", ("GPU_RESERVE_BYTES", "graph_bytes")),
         **_homes("datapath.features.sharded", ("CACHE_SCOPES", "ShardedTier")),
-        **_homes("datapath.features.store", ("PendingGather",)),
+        **_homes("datapath.features.pending_gather", ("PendingGather",)),
         **_homes("datapath.features.superbatch", ("Schedule", "StagingPool")),
         **_homes("datapath.features.tiers", ("FetchTier", "TierStats")),
     },

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -36,9 +35,11 @@ from datapath._runtime.pinned import pin_limit_bytes, pinned_empty
 from datapath.features import _build
 from datapath.features.budget import format_bytes, parse_budget
 from datapath.features.disk import DiskTier
+from datapath.features.disk_options import DiskOptions
 from datapath.features.errors import FeatureStoreError
 from datapath.features.hotness import degree_hotness, rank
-from datapath.features.scan import BOUNCE_BUFFERS, BOUNCE_BYTES, DiskCosts, probe_disk
+from datapath.features.pending_gather import PendingGather
+from datapath.features.scan import BOUNCE_BUFFERS, DiskCosts, probe_disk
 from datapath.features.superbatch import Schedule, StagingPool
 from datapath.features.table_file import TableFile
 from datapath.features.tiers import FetchTier, TierStats
@@ -49,30 +50,6 @@ from datapath.memory import (
 from datapath.unified_tensor import as_unified
 
 log = logging.getLogger("datapath.features")
-
-
-@dataclass(frozen=True)
-class DiskOptions:
-    """How the disk tier reads: ``engine`` (``"auto"``, ``"aio"``, ``"threads"``, ``"kvikio"``), reads in flight
-    (``depth``), the longest merged read of a batch (``max_read_bytes``).
-
-    Superbatches (`datapath.features.superbatch`): ``superbatch`` is the host memory of the staging
-    buffers (a budget as for ``host_memory``: ``"10%"`` of the table, ``"4GB"``; None/0: off), taken
-    out of ``host_memory`` (the host tier shrinks by it); ``buffers`` splits it in 1 (more batches per
-    superbatch) or 2 (the next superbatch read while the current one trains); ``costs``: the disk's
-    `DiskCosts` (None: `probe_disk` measures them when the first schedule starts); ``scan_read_bytes``:
-    the size of a scan's reads; ``bounce_bytes``: each of the `BOUNCE_BUFFERS` buffers reads go through
-    (counted in the staging memory too; at least ``scan_read_bytes``).
-    """
-
-    engine: str = "auto"
-    depth: int = 256
-    max_read_bytes: int = 256 << 10
-    superbatch: str | float | int | None = None
-    buffers: int = 1
-    costs: DiskCosts | None = None
-    scan_read_bytes: int = 1 << 20
-    bounce_bytes: int = BOUNCE_BYTES
 
 
 def _source(table: Any) -> TableFile | torch.Tensor:
@@ -464,88 +441,3 @@ class FeatureStore:
 
     def __repr__(self) -> str:
         return f"FeatureStore{self.describe()}"
-
-
-class PendingGather:
-    """A `FeatureStore` gather whose GPU-read rows are launched and whose fetch tiers' rows are still to come.
-
-    ``out``: (*idx.shape, *rest) on the store's device, complete once `finish` has run (and the
-    work it queued on the then current stream is done).
-    """
-
-    def __init__(self, store: FeatureStore, out: torch.Tensor, shape: tuple[int, ...],
-                 flat: torch.Tensor | None = None, loc: torch.Tensor | None = None,
-                 own_flag: ErrorFlag | None = None, schedule: Schedule | None = None,
-                 step: int | None = None) -> None:
-        self.store = store
-        self._rows = out
-        self.out = out.view(shape)
-        self._args = None if flat is None else (flat, loc, own_flag, schedule, step)
-        self._split: Any = None  # a collective tier's exchange in parts, prepared (`prepare`)
-
-    def prepare(self) -> bool:
-        """Prepare a collective tier's exchange on the current stream, submitting no collective: its ids sorted
-        by owner, the buffers of its counts.
-
-        True when the fetch is split so (one collective tier that reads the slot map, no superbatch
-        schedule): then `start` submits the counts all_gather (not waited for), `read` waits for the counts
-        (the host synchronisation) and prepares the rest, and `finish` submits the rest, each on the stream
-        current then.  False: `finish` does the whole fetch, as without `prepare`.  An error is raised without
-        telling the other ranks (that takes a collective): the caller takes the exchange's place with the
-        store's `abort`.
-        """
-        if self._split is not None:
-            return True
-        tier = self._splittable()
-        if tier is None:
-            return False
-        flat, loc, own_flag, _, _ = self._args
-        self._split = tier.prepare_fetch_slots(flat, loc, self._rows, own_flag)
-        self._args = None
-        return True
-
-    def start(self) -> bool:
-        """Submit the first part of a collective tier's exchange (its counts) on the current stream, without waiting
-        (`prepare` first, if not done: an error there tells the other ranks, in the collective's place).
-
-        Returns what `prepare` returns.
-        """
-        try:
-            if not self.prepare():
-                return False
-        except Exception as exc:
-            self.store.abort(exc)
-            raise
-        self._split.submit()
-        return True
-
-    def _splittable(self) -> Any:
-        """The one collective tier that fetches this gather's rows in parts, or None."""
-        if self._args is None:
-            return None
-        fetch = self.store._fetch
-        if (len(fetch) == 1 and fetch[0].collective and fetch[0].reads_slots and self._args[3] is None
-                and hasattr(fetch[0], "prepare_fetch_slots")):
-            return fetch[0]
-        return None
-
-    def read(self) -> None:
-        """After `start`: wait for the exchange's counts (raises if a rank failed) and prepare the rest; nothing
-        otherwise."""
-        if self._split is not None:
-            self._split.read()
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The CUDA tensors `finish` reads or writes (another stream that finishes records them)."""
-        return [self._rows] + ([] if self._args is None else [self._args[0], self._args[1]])
-
-    def finish(self) -> torch.Tensor:
-        """Fetch the remaining rows into ``out`` (queued on the current stream); idempotent.  Returns ``out``."""
-        split, self._split = self._split, None
-        if split is not None:
-            split.finish()
-        args, self._args = self._args, None
-        if args is not None:
-            flat, loc, own_flag, schedule, step = args
-            self.store._fetch_missing(flat, loc, self._rows, own_flag, schedule, step)
-        return self.out
