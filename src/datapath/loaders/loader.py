@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from datapath.features import FeatureStore
-from datapath.features.store import PendingGather
+from datapath.features.pending_gather import PendingGather
 from datapath.features.superbatch import Schedule
 from datapath.graph import Graph
 from datapath.loaders._batch_steps import BatchSteps, GatherStream, Started, Stopwatch, run_prepare
