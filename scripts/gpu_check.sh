@@ -20,7 +20,8 @@
 #             (250 s): eager and compiled datapath, the faster counts)
 #   rok       ROK curve                          benchmarks/rok.py                           (~2.5 min)
 #   fuzz      differential kernel fuzz           benchmarks/kernel_fuzz.py: 10,000 cases, then 520 under
-#             compute-sanitizer memcheck and 48 under racecheck (~4.5 min; FUZZ_ARGS / T_FUZZ override)
+#             compute-sanitizer memcheck and 48 under racecheck (~4.5 min; FUZZ_ARGS / T_FUZZ override); then
+#             120 cases of the offload fuzz on the GPU (python -m datapath.testing.fuzz_offload; T_OFFLOAD_FUZZ)
 #   two-gpu   the tests that need 2 GPUs (offload FSDP2/DDP/Megatron TP2, data-parallel loaders, sharded store,
 #             two torchrun nodes)                                     (nvidia-h200-x2 only; ~4 min with tests/features)
 #   b5        B5 features sharded over 2 nodes: its GPU tests, then products 1 GPU vs 2 torchrun nodes
@@ -120,7 +121,12 @@ for s in "${suites[@]}"; do
     b3) bench 260 aggregate --repeat 5; bench 120 full_graph ;;
     b4) bench "${B4_TIMEOUT:-560}" offload ${B4_ARGS:---time-budget 170} ;;
     rok) bench 160 rok ;;
-    fuzz) bench "${T_FUZZ:-590}" kernel_fuzz ${FUZZ_ARGS:-} ;;
+    fuzz) bench "${T_FUZZ:-590}" kernel_fuzz ${FUZZ_ARGS:-}
+      # activation offloading on random models and configurations, on the GPU: bit-identical gradients
+      timeout "${T_OFFLOAD_FUZZ:-240}" python3 -m datapath.testing.fuzz_offload --device cuda --count 120 \
+        > "$L/offload_fuzz.log" 2>&1
+      rc=$?; [ "$rc" = 0 ] || status=1
+      echo "offload fuzz rc=$rc"; tail -n 3 "$L/offload_fuzz.log" ;;
     two-gpu)
       timeout "${T_TESTS:-500}" python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
         tests/offload/test_offload_parallel_gpu.py tests/offload/test_offload_distributed.py \

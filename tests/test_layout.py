@@ -108,7 +108,7 @@ BELOW: dict[str, tuple[str, ...]] = {
     "offload": (),
     "analysis": ("offload",),
     "integrations": ("offload",),
-    "testing": ("loaders", "nn"),
+    "testing": ("loaders", "nn", "offload"),  # fuzzers of both sides: the kernels and offloading
     "apps": ("loaders", "nn"),
     "<root>": ("apps", "analysis", "integrations", "testing"),
     "cli": ("<root>",),  # the `datapath` command: above everything

@@ -1,0 +1,293 @@
+"""A differential fuzz of activation offloading: random models, random configurations, the plain steps as reference.
+
+    from datapath.testing import run_offload_fuzz
+    bad = [r for r in run_offload_fuzz(seed=0, count=40) if not r.ok]
+    print(bad[0].reproduction())                  # python source re-running that case alone
+
+Each case draws (`make_offload_case`, seeded by the run's seed and the case's index alone) a small model whose
+saved tensors take the forms autograd hands a saved-tensor hook: views of one storage (a fused q/k/v projection
+split in three), transposed and other non-contiguous views, tensors updated in place before they are saved, integer
+indices (a gather, a top-k routing whose shapes depend on the data), boolean masks, float64 and bfloat16, one tensor
+saved by every block (a memory every block attends to), tied weights, dropout; and a configuration: everything
+offloaded to pinned host memory, to files, or to a host tier too small for the step (the rest to files), or a
+``memory_budget`` at a random share of the plain step's peak with a fast or a slow store (offloading or recomputing
+blocks), with a random ``min_bytes`` and prefetch distance.  `run_offload_case` trains the case's steps (seeded
+per step, a plain SGD update between steps) without and with offloading and requires losses and every gradient
+equal bit for bit, no file left behind, and on a budget (8-10 steps: it profiles, plans and tries plans first) its
+last step within 3% of it, or the budget refused with an `OffloadConfigError` that names the measured minimum.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pathlib
+import random
+import tempfile
+import traceback
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from datapath.offload import OffloadConfigError, TensorCache
+
+FEATURES = ("qkv_views", "transposed", "inplace", "gather", "mask", "routing", "memory", "norm")
+CONFIGS = ("host", "ssd", "tiered", "budget_fast", "budget_slow")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadCase:
+    """One drawn case: the model (``width`` a multiple of ``heads``; ``features`` each block uses), its data
+    (``steps`` batches of [batch, seq] token ids below ``vocab``), its dtype and the offload configuration."""
+
+    seed: int
+    index: int
+    layers: int
+    width: int
+    heads: int
+    vocab: int
+    batch: int
+    seq: int
+    steps: int
+    dtype: torch.dtype
+    dropout: float
+    tied: bool
+    features: tuple[str, ...]
+    config: str
+    fraction: float        # memory_budget over the plain step's peak (budget configs)
+    min_bytes: int
+    prefetch_distance: int
+
+
+@dataclasses.dataclass
+class OffloadCaseResult:
+    case: OffloadCase
+    ok: bool
+    outcome: str           # "identical", "refused" (a budget below the floor) or what went wrong
+    detail: str = ""
+
+    def reproduction(self) -> str:
+        c = self.case
+        return ("from datapath.testing.fuzz_offload import make_offload_case, run_offload_case\n"
+                f"print(run_offload_case(make_offload_case({c.seed}, {c.index})))")
+
+
+def make_offload_case(seed: int, index: int) -> OffloadCase:
+    """Case ``index`` of run ``seed`` (the same case whatever ran before it)."""
+    rng = random.Random(seed * 1_000_003 + index)
+    heads = rng.choice([1, 2, 4])
+    config = rng.choice(CONFIGS)
+    return OffloadCase(
+        seed=seed, index=index, layers=rng.randint(1, 4), width=heads * rng.choice([4, 8, 12, 16]), heads=heads,
+        vocab=rng.choice([17, 64, 100]), batch=rng.randint(1, 4), seq=rng.choice([5, 16, 33]),
+        steps=rng.randint(8, 10) if config.startswith("budget") else rng.randint(3, 5),  # a budget settles in ~6
+        dtype=rng.choices([torch.float32, torch.float64, torch.bfloat16], [6, 2, 2])[0],
+        dropout=rng.choice([0.0, 0.1, 0.3]), tied=rng.random() < 0.5,
+        features=tuple(f for f in FEATURES if rng.random() < 0.5),
+        config=config, fraction=round(rng.uniform(0.5, 0.95), 3),
+        min_bytes=rng.choice([0, 256, 4096]), prefetch_distance=rng.randint(1, 3))
+
+
+class _Block(nn.Module):
+    """Pre-norm residual block using the case's ``features`` (input and output [batch, seq, width])."""
+
+    def __init__(self, c: OffloadCase) -> None:
+        super().__init__()
+        w, f = c.width, set(c.features)
+        self.f, self.heads, self.p = f, c.heads, c.dropout
+        self.norm = nn.LayerNorm(w) if "norm" in f else nn.Identity()
+        self.qkv = nn.Linear(w, 3 * w)
+        self.proj = nn.Linear(w, w)
+        self.up = nn.Linear(w, 2 * w)
+        self.down = nn.Linear(2 * w, w)
+        self.gate = nn.Linear(w, 4, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, w, w) / w ** 0.5)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None) -> torch.Tensor:
+        b, s, w = x.shape
+        h = self.norm(x)
+        if "qkv_views" in self.f:  # three views of one storage, each saved by attention
+            q, k, v = self.qkv(h).view(b, s, 3, self.heads, w // self.heads).unbind(2)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0)
+            h = self.proj(o.transpose(1, 2).reshape(b, s, w))
+        else:
+            h = self.proj(self.qkv(h)[..., :w])
+        if "transposed" in self.f:  # a non-contiguous operand saved by the matmul
+            h = h + h @ (h.transpose(1, 2) @ h) / (s * w)
+        if "memory" in self.f and memory is not None:  # one tensor saved by every block
+            h = h + torch.softmax(h @ memory.transpose(1, 2) / w ** 0.5, -1) @ memory
+        u = self.up(F.dropout(h, self.p, self.training))
+        if "inplace" in self.f:  # updated in place, then saved by the activation
+            u.mul_(0.5).add_(0.1)
+        u = F.gelu(u)
+        if "mask" in self.f:  # a boolean mask saved by where
+            u = torch.where(u > 0.05, u, u * 0.1)
+        h = self.down(u)
+        if "gather" in self.f:  # int64 indices saved by gather
+            idx = h.detach().argsort(-1)
+            h = h + torch.gather(h, -1, idx) * 0.5
+        if "routing" in self.f:  # data-dependent shapes: each token to its top expert
+            flat = h.reshape(-1, w)
+            top = self.gate(flat).argmax(-1)
+            out = torch.zeros_like(flat)
+            for e in range(self.experts.shape[0]):
+                rows = (top == e).nonzero().squeeze(1)
+                if rows.numel():
+                    out = out.index_add(0, rows, flat.index_select(0, rows) @ self.experts[e])
+            h = h + out.view(b, s, w)
+        return x + h
+
+
+class FuzzModel(nn.Module):
+    """Embedding, the case's blocks in a ModuleList (the offload units), a norm and an LM head."""
+
+    def __init__(self, c: OffloadCase) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(c.vocab, c.width)
+        self.blocks = nn.ModuleList(_Block(c) for _ in range(c.layers))
+        self.out_norm = nn.LayerNorm(c.width)
+        self.head = nn.Linear(c.width, c.vocab, bias=False)
+        if c.tied:
+            self.head.weight = self.emb.weight
+        self.memory = "memory" in c.features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        memory = torch.tanh(x) if self.memory else None
+        for blk in self.blocks:
+            x = blk(x, memory)
+        logits = self.head(self.out_norm(x)).float()
+        return F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten())
+
+
+def _steps(model: nn.Module, batches: list[torch.Tensor], cache: TensorCache | None, seed: int
+           ) -> list[tuple[torch.Tensor, list[torch.Tensor | None]]]:
+    out = []
+    for i, ids in enumerate(batches):
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(seed + i)  # the same dropout masks with and without offloading
+        if cache is None:
+            loss = model(ids)
+            loss.backward()
+        else:
+            with cache:
+                loss = model(ids)
+                loss.backward()
+        out.append((loss.detach().clone(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.sub_(1e-2 * p.grad)
+    return out
+
+
+def _difference(ref: list[Any], got: list[Any]) -> str:
+    """'' when every loss and gradient is equal bit for bit, else where the first difference is."""
+    for step, ((l0, g0), (l1, g1)) in enumerate(zip(ref, got)):
+        if not torch.equal(l0, l1):
+            return f"step {step}: loss {l0.item()!r} != {l1.item()!r}"
+        for k, (a, b) in enumerate(zip(g0, g1)):
+            if (a is None) != (b is None):
+                return f"step {step}: gradient {k} present in one run only"
+            if a is not None and not torch.equal(a, b):
+                return f"step {step}: gradient {k} differs by up to {(a - b).abs().max().item():.3g}"
+    return "" if len(ref) == len(got) else f"{len(ref)} reference steps, {len(got)} offloaded"
+
+
+def _keep_peak(model: nn.Module, ids: torch.Tensor, device: torch.device) -> int:
+    """One plain step's peak memory (bytes): the CUDA allocator's, or on the CPU the datapath meter's."""
+    m = copy.deepcopy(model)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        m(ids).backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    from datapath.offload.memory_meter import CpuMeter  # noqa: PLC0415
+
+    meter = CpuMeter(sum(p.numel() * p.element_size() for p in m.parameters()))
+    meter.lap()
+    with meter:
+        m(ids).backward()
+    return meter.lap()
+
+
+def run_offload_case(case: OffloadCase, device: str | torch.device = "cpu") -> OffloadCaseResult:
+    """Train ``case`` without and with offloading on ``device``; the comparison (never raises for a failed check)."""
+    dev = torch.device(device)
+    try:
+        torch.manual_seed(case.seed * 7919 + case.index)
+        model = FuzzModel(case).to(dev, case.dtype).train()
+        g = torch.Generator().manual_seed(case.index)
+        batches = [torch.randint(0, case.vocab, (case.batch, case.seq), generator=g).to(dev)
+                   for _ in range(case.steps)]
+        ref = _steps(copy.deepcopy(model), batches, None, case.index)
+        with tempfile.TemporaryDirectory(prefix="datapath-fuzz-") as tmp:
+            opts: dict[str, Any] = dict(min_bytes=case.min_bytes, prefetch_distance=case.prefetch_distance,
+                                        offload_cpu_tensors=dev.type == "cpu")
+            budget = None
+            if case.config == "host":
+                cache = TensorCache("host", **opts)
+            elif case.config in ("ssd", "tiered"):
+                host = (16 << 10) if case.config == "tiered" else None
+                cache = TensorCache(case.config, tmp, host_budget_bytes=host, **opts)
+            else:
+                budget = max(1, int(_keep_peak(model, batches[0], dev) * case.fraction))
+                cache = TensorCache("host", memory_budget=budget, **opts)
+                if case.config == "budget_slow":
+                    cache.bandwidth = lambda: (1e5, 1e5)
+            try:
+                cache.attach(model)
+                got = _steps(model, batches, cache, case.index)
+            except OffloadConfigError as exc:  # a budget below what the model can reach: refused, saying why
+                if budget is not None and ("minimum" in str(exc) or "raise the budget" in str(exc)):
+                    return OffloadCaseResult(case, True, "refused", str(exc)[:200])
+                raise
+            finally:
+                cache.close()
+            diff = _difference(ref, got)
+            if diff:
+                return OffloadCaseResult(case, False, "gradients differ", diff)
+            left = [str(p) for p in pathlib.Path(tmp).rglob("*") if p.is_file()]
+            if left:
+                return OffloadCaseResult(case, False, "files left behind", ", ".join(left[:3]))
+            peaks = getattr(cache.policy, "peaks", [])
+            if budget is not None and peaks and peaks[-1] > 1.03 * budget:
+                return OffloadCaseResult(case, False, "budget exceeded",
+                                         f"last step {peaks[-1]} bytes over a budget of {budget}")
+        return OffloadCaseResult(case, True, "identical", f"{cache.stats.bytes_offloaded} bytes offloaded")
+    except Exception as exc:  # noqa: BLE001 - a crash is a finding, reported with its case
+        return OffloadCaseResult(case, False, f"{type(exc).__name__}: {str(exc)[:200]}", traceback.format_exc())
+
+
+def run_offload_fuzz(seed: int = 0, count: int = 40, device: str | torch.device = "cpu") -> list[OffloadCaseResult]:
+    """Cases 0..count-1 of run ``seed``, in one process, in order."""
+    return [run_offload_case(make_offload_case(seed, i), device) for i in range(count)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(description="differential fuzz of activation offloading (bit-identical gradients)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--count", type=int, default=100)
+    ap.add_argument("--device", default="cpu")
+    a = ap.parse_args(argv)
+    bad = 0
+    for i in range(a.count):
+        r = run_offload_case(make_offload_case(a.seed, i), a.device)
+        c = r.case
+        print(f"case {i:4d} {c.config:11s} {str(c.dtype)[6:]:8s} layers {c.layers} {','.join(c.features) or '-'}: "
+              f"{r.outcome}", flush=True)
+        if not r.ok:
+            bad += 1
+            print(r.detail, "\n", r.reproduction(), flush=True)
+    print(f"{a.count - bad} of {a.count} cases passed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
