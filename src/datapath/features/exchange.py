@@ -279,7 +279,8 @@ class ShardedTier(ExchangeSteps, FetchTier):
             self._events = keep
 
     def close(self) -> None:
-        """Drop the shard (the process group belongs to the job and is left alone)."""
+        """Mark the tier closed: a later fetch raises, naming this rank (the shard's memory goes with the tier
+        object; the process group belongs to the job and is left alone)."""
         self._broken = self._broken or f"rank {self.rank}: this sharded feature store was closed"
 
 
