@@ -14,7 +14,9 @@ from datapath.testing import OffloadCase, make_offload_case, run_offload_case, r
 def test_cases_are_reproducible_and_cover_every_configuration() -> None:
     assert make_offload_case(3, 17) == make_offload_case(3, 17)
     cases = [make_offload_case(0, i) for i in range(60)]
-    assert {c.config for c in cases} == {"host", "ssd", "tiered", "budget_fast", "budget_slow"}
+    assert {c.config for c in cases} == {"host", "ssd", "tiered", "adaptive", "budget_fast", "budget_slow"}
+    assert {c.loop for c in cases} == {"plain", "accumulate", "interleaved", "eval"}
+    assert {c.units for c in cases} == {None, "blocks", "leaves"} and any(c.frozen for c in cases)
     assert {torch.float32, torch.float64, torch.bfloat16} <= {c.dtype for c in cases}
     assert all(c.steps >= 8 for c in cases if c.config.startswith("budget"))
 
@@ -33,7 +35,7 @@ def _first(config: str, **fields: object) -> OffloadCase:
 
 
 def test_the_fuzz_catches_a_corrupted_reload(monkeypatch: pytest.MonkeyPatch) -> None:
-    case = _first("host", min_bytes=0, layers=2, steps=2, dtype=torch.float32, batch=2, seq=16)
+    case = _first("host", min_bytes=0, layers=2, steps=2, dtype=torch.float32, batch=2, seq=16, loop="plain")
     assert run_offload_case(case).outcome == "identical"
     read = HostStore.read
 

@@ -9,15 +9,19 @@ saved tensors take the forms autograd hands a saved-tensor hook: views of one st
 split in three), transposed and other non-contiguous views, tensors updated in place before they are saved, integer
 indices (a gather, a top-k routing whose shapes depend on the data), boolean masks, float64 and bfloat16, one tensor
 saved by every block (a memory every block attends to), tied weights, dropout; and a configuration: everything
-offloaded to pinned host memory, to files, or to a host tier too small for the step (the rest to files), or a
-``memory_budget`` at a random share of the plain step's peak with a fast or a slow store (offloading or recomputing
-blocks), with a random ``min_bytes`` and prefetch distance.  `run_offload_case` trains the case's steps (seeded
+offloaded to pinned host memory, to files, or to a host tier too small for the step (the rest to files), the
+adaptive policy, or a ``memory_budget`` at a random share of the plain step's peak with a fast or a slow store
+(offloading or recomputing blocks), with a random ``min_bytes``, prefetch distance and units (blocks or leaves);
+and a training loop: one micro-batch a step, two accumulated, two interleaved as a pipeline schedule runs them
+(both forwards, then both backwards, with micro-batch hints), or a ``torch.no_grad`` forward before the step; some
+cases freeze the embedding and the q/k/v projections.  `run_offload_case` trains the case's steps (seeded
 per step, a plain SGD update between steps) without and with offloading and requires losses and every gradient
 equal bit for bit, no file left behind, and on a budget (8-10 steps: it profiles, plans and tries plans first) its
 last step within 3% of it, or the budget refused with an `OffloadConfigError` that names the measured minimum.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import pathlib
@@ -33,7 +37,8 @@ from torch import nn
 from datapath.offload import OffloadConfigError, TensorCache
 
 FEATURES = ("qkv_views", "transposed", "inplace", "gather", "mask", "routing", "memory", "norm")
-CONFIGS = ("host", "ssd", "tiered", "budget_fast", "budget_slow")
+CONFIGS = ("host", "ssd", "tiered", "adaptive", "budget_fast", "budget_slow")
+LOOPS = ("plain", "accumulate", "interleaved", "eval")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +63,9 @@ class OffloadCase:
     fraction: float        # memory_budget over the plain step's peak (budget configs)
     min_bytes: int
     prefetch_distance: int
+    loop: str = "plain"    # one of LOOPS
+    frozen: bool = False   # the embedding and every block's q/k/v projection frozen (adapter-style fine-tuning)
+    units: str | None = None  # attach(units=...): None (the policy's default), "blocks" or "leaves"
 
 
 @dataclasses.dataclass
@@ -86,7 +94,9 @@ def make_offload_case(seed: int, index: int) -> OffloadCase:
         dropout=rng.choice([0.0, 0.1, 0.3]), tied=rng.random() < 0.5,
         features=tuple(f for f in FEATURES if rng.random() < 0.5),
         config=config, fraction=round(rng.uniform(0.5, 0.95), 3),
-        min_bytes=rng.choice([0, 256, 4096]), prefetch_distance=rng.randint(1, 3))
+        min_bytes=rng.choice([0, 256, 4096]), prefetch_distance=rng.randint(1, 3), loop=rng.choice(LOOPS),
+        frozen=rng.random() < 0.3,
+        units=None if config.startswith("budget") else rng.choice([None, "blocks", "leaves"]))
 
 
 class _Block(nn.Module):
@@ -162,21 +172,42 @@ class FuzzModel(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten())
 
 
-def _steps(model: nn.Module, batches: list[torch.Tensor], cache: TensorCache | None, seed: int
+def _steps(model: nn.Module, batches: list[torch.Tensor], cache: TensorCache | None, seed: int, loop: str
            ) -> list[tuple[torch.Tensor, list[torch.Tensor | None]]]:
+    """Per step (``batches[i]``: [batch, seq] ids): the loss and every parameter's gradient, then a plain SGD update.
+    ``loop``: ``plain`` (one forward and backward), ``accumulate`` (two micro-batches, one after the other, their
+    gradients summed), ``interleaved`` (both forwards, then both backwards in reverse order, with the
+    `TensorCache.set_microbatch` hints a pipeline schedule gives), ``eval`` (a forward under ``torch.no_grad``
+    first, as a validation pass in the loop)."""
     out = []
     for i, ids in enumerate(batches):
         for p in model.parameters():
             p.grad = None
         torch.manual_seed(seed + i)  # the same dropout masks with and without offloading
-        if cache is None:
-            loss = model(ids)
-            loss.backward()
-        else:
-            with cache:
-                loss = model(ids)
-                loss.backward()
-        out.append((loss.detach().clone(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]))
+        with cache if cache is not None else contextlib.nullcontext():
+            if loop == "eval":
+                with torch.no_grad():
+                    model(ids)
+            if loop in ("accumulate", "interleaved") and ids.shape[0] > 1:
+                parts = list(ids.chunk(2))
+            else:
+                parts = [ids]
+            losses = []
+            if loop == "interleaved":
+                for k, part in enumerate(parts):
+                    if cache is not None:
+                        cache.set_microbatch(k)
+                    losses.append(model(part))
+                for k in reversed(range(len(parts))):
+                    if cache is not None:
+                        cache.set_microbatch(k)
+                    losses[k].backward()
+            else:
+                for part in parts:
+                    losses.append(model(part))
+                    losses[-1].backward()
+            loss = torch.stack([x.detach() for x in losses]).sum()
+        out.append((loss.clone(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]))
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:
@@ -221,16 +252,20 @@ def run_offload_case(case: OffloadCase, device: str | torch.device = "cpu") -> O
     try:
         torch.manual_seed(case.seed * 7919 + case.index)
         model = FuzzModel(case).to(dev, case.dtype).train()
+        if case.frozen:
+            model.emb.weight.requires_grad_(False)
+            for blk in model.blocks:
+                blk.qkv.requires_grad_(False)
         g = torch.Generator().manual_seed(case.index)
         batches = [torch.randint(0, case.vocab, (case.batch, case.seq), generator=g).to(dev)
                    for _ in range(case.steps)]
-        ref = _steps(copy.deepcopy(model), batches, None, case.index)
+        ref = _steps(copy.deepcopy(model), batches, None, case.index, case.loop)
         with tempfile.TemporaryDirectory(prefix="datapath-fuzz-") as tmp:
             opts: dict[str, Any] = dict(min_bytes=case.min_bytes, prefetch_distance=case.prefetch_distance,
                                         offload_cpu_tensors=dev.type == "cpu")
             budget = None
-            if case.config == "host":
-                cache = TensorCache("host", **opts)
+            if case.config in ("host", "adaptive"):
+                cache = TensorCache("host", policy="all" if case.config == "host" else "adaptive", **opts)
             elif case.config in ("ssd", "tiered"):
                 host = (16 << 10) if case.config == "tiered" else None
                 cache = TensorCache(case.config, tmp, host_budget_bytes=host, **opts)
@@ -240,8 +275,8 @@ def run_offload_case(case: OffloadCase, device: str | torch.device = "cpu") -> O
                 if case.config == "budget_slow":
                     cache.bandwidth = lambda: (1e5, 1e5)
             try:
-                cache.attach(model)
-                got = _steps(model, batches, cache, case.index)
+                cache.attach(model, units=case.units)
+                got = _steps(model, batches, cache, case.index, case.loop)
             except OffloadConfigError as exc:  # a budget below what the model can reach: refused, saying why
                 if budget is not None and ("minimum" in str(exc) or "raise the budget" in str(exc)):
                     return OffloadCaseResult(case, True, "refused", str(exc)[:200])
@@ -280,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(a.count):
         r = run_offload_case(make_offload_case(a.seed, i), a.device)
         c = r.case
-        print(f"case {i:4d} {c.config:11s} {str(c.dtype)[6:]:8s} layers {c.layers} {','.join(c.features) or '-'}: "
-              f"{r.outcome}", flush=True)
+        print(f"case {i:4d} {c.config:11s} {c.loop:11s} {str(c.dtype)[6:]:8s} layers {c.layers} "
+              f"{','.join(c.features) or '-'}{' frozen' if c.frozen else ''}: {r.outcome}", flush=True)
         if not r.ok:
             bad += 1
             print(r.detail, "\n", r.reproduction(), flush=True)
