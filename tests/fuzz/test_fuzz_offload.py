@@ -3,6 +3,7 @@ and gradients bit for bit, and the fuzz itself catches a corrupted reload."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ def test_cases_are_reproducible_and_cover_every_configuration() -> None:
     assert {c.config for c in cases} == {"host", "ssd", "tiered", "adaptive", "budget_fast", "budget_slow"}
     assert {c.loop for c in cases} == {"plain", "accumulate", "interleaved", "eval"}
     assert {c.units for c in cases} == {None, "blocks", "leaves"} and any(c.frozen for c in cases)
+    files = [c for c in cases if c.config in ("ssd", "tiered")]
+    assert {c.fault for c in files} == {"none", "write", "read"} and {c.on_error for c in files} == {"raise", "keep"}
+    assert {c.fault for c in cases if c not in files} == {"none"}
     assert {torch.float32, torch.float64, torch.bfloat16} <= {c.dtype for c in cases}
     assert all(c.steps >= 10 for c in cases if c.config.startswith("budget"))
 
@@ -48,6 +52,14 @@ def test_the_fuzz_catches_a_corrupted_reload(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(HostStore, "read", flip_a_bit)
     r = run_offload_case(case)
     assert not r.ok and r.outcome == "gradients differ", r
+
+
+def test_an_injected_write_fault_raises_or_is_kept_as_asked() -> None:
+    raising = _first("ssd", fault="write", fault_at=0, fault_errno=errno.ENOSPC, on_error="raise", min_bytes=0)
+    r = run_offload_case(raising)
+    assert r.ok and r.outcome == "raised" and r.detail.startswith(f"{errno.ENOSPC}:"), r
+    r = run_offload_case(dataclasses.replace(raising, on_error="keep"))
+    assert r.ok and r.outcome == "identical", r
 
 
 @pytest.mark.gpu

@@ -14,7 +14,11 @@ adaptive policy, or a ``memory_budget`` at a random share of the plain step's pe
 (offloading or recomputing blocks), with a random ``min_bytes``, prefetch distance and units (blocks or leaves);
 and a training loop: one micro-batch a step, two accumulated, two interleaved as a pipeline schedule runs them
 (both forwards, then both backwards, with micro-batch hints), or a ``torch.no_grad`` forward before the step; some
-cases freeze the embedding and the q/k/v projections.  `run_offload_case` trains the case's steps (seeded
+cases freeze the embedding and the q/k/v projections.  On the file targets a case may make one write (ENOSPC or
+EIO) or one read (EIO) of the file engine fail: the step must raise `OffloadError` with that errno (a failed write
+with ``on_error="keep"`` keeps the tensor instead, and the steps stay bit-identical) and leave no file behind once
+the next backward has run (PyTorch keeps a failed backward's unfinished work, and with it the step's graph, queued
+on the thread until then).  `run_offload_case` trains the case's steps (seeded
 per step, a plain SGD update between steps) without and with offloading and requires losses and every gradient
 equal bit for bit, no file left behind, and on a budget (10-12 steps: it profiles, plans and tries plans first) its
 last step within 3% of it, or the budget refused with an `OffloadConfigError` that names the measured minimum.
@@ -24,6 +28,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import errno
+import gc
+import os
 import pathlib
 import random
 import tempfile
@@ -34,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from datapath.offload import OffloadConfigError, TensorCache
+from datapath.offload import OffloadConfigError, OffloadError, TensorCache
 
 FEATURES = ("qkv_views", "transposed", "inplace", "gather", "mask", "routing", "memory", "norm")
 CONFIGS = ("host", "ssd", "tiered", "adaptive", "budget_fast", "budget_slow")
@@ -66,6 +73,10 @@ class OffloadCase:
     loop: str = "plain"    # one of LOOPS
     frozen: bool = False   # the embedding and every block's q/k/v projection frozen (adapter-style fine-tuning)
     units: str | None = None  # attach(units=...): None (the policy's default), "blocks" or "leaves"
+    fault: str = "none"    # files only: "write" or "read": the ``fault_at``-th call of that kind fails
+    fault_at: int = 0
+    fault_errno: int = errno.EIO
+    on_error: str = "raise"  # TensorCache(on_error=...): "raise" or "keep" (a failed store keeps the tensor)
 
 
 @dataclasses.dataclass
@@ -97,7 +108,17 @@ def make_offload_case(seed: int, index: int) -> OffloadCase:
         config=config, fraction=round(rng.uniform(0.5, 0.95), 3),
         min_bytes=rng.choice([0, 256, 4096]), prefetch_distance=rng.randint(1, 3), loop=rng.choice(LOOPS),
         frozen=rng.random() < 0.3,
-        units=None if config.startswith("budget") else rng.choice([None, "blocks", "leaves"]))
+        units=None if config.startswith("budget") else rng.choice([None, "blocks", "leaves"]),
+        **_fault(rng, config))
+
+
+def _fault(rng: random.Random, config: str) -> dict[str, Any]:
+    """An I/O fault for the file targets (drawn last: the fields before it do not depend on it)."""
+    fault = rng.choice(["none", "write", "read"])
+    at, code, on_error = rng.randint(0, 12), rng.choice([errno.ENOSPC, errno.EIO]), rng.choice(["raise", "keep"])
+    if config not in ("ssd", "tiered"):
+        return {}
+    return dict(fault=fault, fault_at=at, fault_errno=code if fault == "write" else errno.EIO, on_error=on_error)
 
 
 class _Block(nn.Module):
@@ -247,6 +268,36 @@ def _keep_peak(model: nn.Module, ids: torch.Tensor, device: torch.device) -> int
     return meter.lap()
 
 
+def _is_probe(fd: int) -> bool:
+    try:
+        return "probe-" in os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:  # no /proc: every call counts
+        return False
+
+
+def _inject(cache: TensorCache, case: OffloadCase) -> dict[str, int]:
+    """Make the ``fault_at``-th write (``pwrite``) or read (``preadv``) of the cache's file engine fail with
+    ``fault_errno`` (the store's bandwidth probe not counted: its failure is ignored by design, the planner then
+    uses measured transfers); the count of calls and of faults raised."""
+    seen = {"calls": 0, "fired": 0}
+    fs = cache.file_store
+    if case.fault == "none" or fs is None:
+        return seen
+    name = "pwrite" if case.fault == "write" else "preadv"
+    real = getattr(fs.posix, name)
+
+    def failing(*args: Any) -> int:
+        if _is_probe(args[0]):  # the bandwidth probe's file: a failed probe is meant to go unnoticed
+            return real(*args)
+        seen["calls"] += 1
+        if seen["calls"] - 1 == case.fault_at:
+            seen["fired"] += 1
+            raise OSError(case.fault_errno, os.strerror(case.fault_errno))
+        return real(*args)
+    setattr(fs.posix, name, failing)
+    return seen
+
+
 def run_offload_case(case: OffloadCase, device: str | torch.device = "cpu") -> OffloadCaseResult:
     """Train ``case`` without and with offloading on ``device``; the comparison (never raises for a failed check)."""
     dev = torch.device(device)
@@ -263,7 +314,7 @@ def run_offload_case(case: OffloadCase, device: str | torch.device = "cpu") -> O
         ref = _steps(copy.deepcopy(model), batches, None, case.index, case.loop)
         with tempfile.TemporaryDirectory(prefix="datapath-fuzz-") as tmp:
             opts: dict[str, Any] = dict(min_bytes=case.min_bytes, prefetch_distance=case.prefetch_distance,
-                                        offload_cpu_tensors=dev.type == "cpu")
+                                        offload_cpu_tensors=dev.type == "cpu", on_error=case.on_error)
             budget = None
             if case.config in ("host", "adaptive"):
                 cache = TensorCache("host", policy="all" if case.config == "host" else "adaptive", **opts)
@@ -275,6 +326,8 @@ def run_offload_case(case: OffloadCase, device: str | torch.device = "cpu") -> O
                 cache = TensorCache("host", memory_budget=budget, **opts)
                 if case.config == "budget_slow":
                     cache.bandwidth = lambda: (1e5, 1e5)
+            seen = _inject(cache, case)
+            raised: OffloadError | None = None
             try:
                 cache.attach(model, units=case.units)
                 got = _steps(model, batches, cache, case.index, case.loop)
@@ -282,8 +335,31 @@ def run_offload_case(case: OffloadCase, device: str | torch.device = "cpu") -> O
                 if budget is not None and ("minimum" in str(exc) or "raise the budget" in str(exc)):
                     return OffloadCaseResult(case, True, "refused", str(exc)[:200])
                 raise
+            except OffloadError as exc:  # an injected fault: it must surface as this error, with its errno
+                raised = exc
             finally:
-                cache.close()
+                try:  # a fault in the last step's stores surfaces here, when the cache is closed
+                    cache.close(raise_errors=raised is None)
+                except OffloadError as exc:
+                    raised = exc
+            if raised is not None:
+                message = f"{raised.errno}: {str(raised)[:200]}"
+                wanted = seen["fired"] and (case.fault == "read" or case.on_error == "raise") and \
+                    raised.errno == case.fault_errno
+                del raised
+                # PyTorch keeps a backward's unfinished work (the failed step's graph, and with it the offloaded
+                # copies) queued on the thread until the next backward there: the next step's
+                torch.ones(1, device=dev, requires_grad=True).sum().backward()
+                gc.collect()  # the error's traceback held the step's graph too
+                left = [str(p) for p in pathlib.Path(tmp).rglob("*") if p.is_file()]
+                if not wanted:
+                    return OffloadCaseResult(case, False, "unexpected OffloadError", message)
+                if left:
+                    return OffloadCaseResult(case, False, "files left behind after a fault", ", ".join(left[:3]))
+                return OffloadCaseResult(case, True, "raised", message)
+            if seen["fired"] and (case.fault == "read" or case.on_error == "raise"):
+                return OffloadCaseResult(case, False, "fault swallowed",
+                                         f"the injected {case.fault} error never reached the step")
             diff = _difference(ref, got)
             if diff:
                 return OffloadCaseResult(case, False, "gradients differ", diff)
