@@ -21,7 +21,7 @@ from datapath._runtime.pinned import pinned_empty
 from datapath.features.errors import ShardExchangeError
 from datapath.memory import gather_rows, gather_tiered
 
-log = logging.getLogger("datapath.features.exchange")  # the exchange's logger, as before its steps had a module
+log = logging.getLogger("datapath.features.exchange")  # one logger for the tier and its steps
 
 MAX_PIECES = 4
 
