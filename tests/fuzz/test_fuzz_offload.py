@@ -22,7 +22,7 @@ def test_cases_are_reproducible_and_cover_every_configuration() -> None:
     assert {c.fault for c in files} == {"none", "write", "read"} and {c.on_error for c in files} == {"raise", "keep"}
     assert {c.fault for c in cases if c not in files} == {"none"}
     assert {torch.float32, torch.float64, torch.bfloat16} <= {c.dtype for c in cases}
-    assert all(c.steps >= 10 for c in cases if c.config.startswith("budget"))
+    assert all(c.steps >= 16 for c in cases if c.config.startswith("budget"))
 
 
 @pytest.mark.slow

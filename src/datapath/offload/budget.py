@@ -134,6 +134,9 @@ class BudgetPolicy(Policy):
         self.profile_peaks: list[int] = []  # the measured peak of each profiled step (memory profiles)
         self.attention = AttentionCosts()   # profiled steps' recomputed blocks: their attention's bytes and time
         self._attention: dict[int, tuple[int, float]] = {}  # ... as the planner takes them
+        # records whose forward ran and whose backward has not ended (micro-batches interleaved by a pipeline
+        # schedule): while one waits, the blocks' wrapping must not change (see `_waiting`)
+        self._open: list[Record] = []
 
     @property
     def trials(self) -> list[dict[str, object]]:
@@ -156,12 +159,25 @@ class BudgetPolicy(Policy):
         return self.room.block_bytes_max
 
     # ------------------------------------------------------------ steps
+    def _waiting(self, rec: Record | None = None) -> bool:
+        """Whether a micro-batch other than ``rec`` (a record of a pipeline schedule's hints,
+        `TensorCache.set_microbatch`) ran its forward and waits for its backward.  A plan switch or a timing step
+        re-wraps the blocks (`set_recompute`); a record's backward must see the blocks as its forward did: the
+        user's own checkpointing (Hugging Face's, Megatron's) calls a block again in backward, and a block
+        wrapped since would save other tensors (`torch.utils.checkpoint.CheckpointError`).  Without hints one
+        forward's backward comes before the next forward, and nothing waits."""
+        self._open = [r for r in self._open if not (r.bwd_done or r.complete)]
+        return any(r is not rec and r.microbatch is not None and r.segments for r in self._open)
+
     def on_step_start(self) -> None:
         """A forward begins: a new memory lap (the peak is read at the end of the backward), and the
-        plan is made or corrected from what the last steps measured."""
+        plan is made or corrected from what the last steps measured (not while an earlier micro-batch waits for
+        its backward: the next step's first forward does it)."""
         if self._error is not None:
             raise self._error
         self.meter.lap()
+        if self._waiting():
+            return
         rec = self._profiling
         if rec is not None and rec.backward_started and rec.bwd_done:
             self._profiling = None
@@ -233,6 +249,7 @@ class BudgetPolicy(Policy):
         self._use(plan)
 
     def on_backward_end(self, rec: Record) -> None:
+        rec.bwd_done = True  # no longer waiting (`_waiting`)
         # a planned step's peak is read, not reset: whoever measures the step after it still sees it
         peak = self.meter.lap() if rec.profiling else self.meter.peak()
         if rec.profiling:
@@ -325,7 +342,7 @@ class BudgetPolicy(Policy):
                 self.bandwidth.probed(wait=PROBE_WAIT_S)
                 rec.mem_base = self.meter.allocated()
                 self._profiling = rec
-            elif self._memory is not None and self._timing is None and self._want_timing:
+            elif self._memory is not None and self._timing is None and self._want_timing and not self._waiting(rec):
                 # compute times without offloading's stalls, and each block's recompute cost: one step with
                 # every block recomputed and nothing offloaded (about checkpointing's memory)
                 rec.timing = True
@@ -335,8 +352,10 @@ class BudgetPolicy(Policy):
                 self._timing_peak = None
                 set_recompute(self.models.blocks, self._recomputable(self._memory))
         self._records += 1
+        self._open.append(rec)
 
     def on_record_dropped(self, rec: Record) -> None:
+        self._open = [r for r in self._open if r is not rec]
         if self._profiling is rec:
             self._profiling = None
         if self._timing is rec:

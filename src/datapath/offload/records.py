@@ -81,7 +81,7 @@ class Record:
         self.pace_bwd: collections.deque[Any] = collections.deque()
         self.bwd_paced = False
         self.end_queued = False    # a callback runs at the end of this record's backward
-        self.bwd_done = False      # profiling: the backward finished and its last interval is measured
+        self.bwd_done = False      # the backward finished (profiling: and its last interval is measured)
         self.bytes_written = 0
         self.write_s = 0.0
         self.bytes_read = 0
