@@ -79,6 +79,23 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = 
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
+def seconds_per_call(fn: Callable[[], Any], iters: int, cuda: bool) -> float:
+    """Seconds per call of ``fn`` over ``iters`` calls: CUDA events on the current stream where ``cuda``, else the
+    wall clock.  Call it warmed up and synchronised."""
+    if cuda:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3 / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
+
+
 def cuda_time_ms(fn: Callable[[], Any], warmup: int = 3, repeat: int = 10) -> float:
     """Median time of ``fn`` in milliseconds, measured with CUDA events (synchronising around)."""
     for _ in range(warmup):

@@ -8,10 +8,11 @@ import json
 import os
 import signal
 import statistics
-import time
 from typing import Any
 
 import torch
+
+from benchmarks._common import seconds_per_call
 
 
 def alltoall_bandwidth(nbytes: int, iters: int = 20) -> dict[str, Any]:
@@ -38,18 +39,7 @@ def alltoall_bandwidth(nbytes: int, iters: int = 20) -> dict[str, Any]:
     dist.barrier(group=group)
     if cuda:
         torch.cuda.synchronize(dev)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            once()
-        b.record()
-        b.synchronize()
-        seconds = a.elapsed_time(b) / 1e3 / iters
-    else:
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            once()
-        seconds = (time.perf_counter() - t0) / iters
+    seconds = seconds_per_call(once, iters, cuda)
     every: list[Any] = [None] * world
     dist.all_gather_object(every, send.numel() / seconds / 1e9)
     dist.destroy_process_group(group)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import RESULTS_DIR, print_table, write_result
+from benchmarks._common import RESULTS_DIR, print_table, seconds_per_call, write_result
 from datapath.apps import init_distributed, launch, shared_dataset, train_epoch
 from datapath.apps.launch import all_gather_objects, DistContext
 from datapath.apps.shared_data import memory_footprint
@@ -103,18 +103,7 @@ def _timed(ctx: DistContext, fn: Any, iters: int) -> float:
     """Seconds per call of ``fn`` (CUDA events; wall clock on the CPU)."""
     fn()
     _sync(ctx)
-    if ctx.device.type == "cuda":
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3 / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters
+    return seconds_per_call(fn, iters, ctx.device.type == "cuda")
 
 
 def contention(ctx: DistContext, feats: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:

@@ -160,15 +160,10 @@ def _ordered_training(jitter_s: float, device: str = "cpu") -> dict:
     (j > A) waits until the consumer's request for batch j - A - 1 has returned: it must return with those counts
     unread (``late`` lists the reads that waited for it in vain).
     """
-    ctx = init_distributed(device)
-    torch.set_num_threads(1)
+    ctx, ds, store = _rank_store(device)
     dev = ctx.device
-    ds = generate(SPEC, device="cpu", progress=False)
     graph, labels = (ds.graph, ds.labels) if dev.type == "cpu" else (ds.graph.to("unified"),
                                                                     to_placement(ds.labels, "cuda"))
-    layout = ShardLayout.even(ds.graph.num_nodes, ctx.world_size)
-    lo, hi = layout.rows(ctx.rank)
-    store = sharded_store(ds.features[lo:hi], layout, device=dev, piece_bytes=1024)
     log: list[str] = []
     import datapath.features.exchange_steps as exchange  # noqa: PLC0415 - the spies wrap the real collectives
     real_gather, real_all_to_all = exchange._all_gather, dist.all_to_all_single  # noqa: SLF001
@@ -303,15 +298,8 @@ def test_every_rank_submits_its_collectives_in_the_same_order(world: int) -> Non
 def _break_and_fail() -> dict:
     """Two epochs over a sharded store (gloo): one left after 3 batches on every rank, one whole; then one in which
     rank 1's worker fails to gather its batch 4 (its exchange thread tells the others in that batch's counts)."""
-    ctx = init_distributed("cpu")
-    torch.set_num_threads(1)
-    ds = generate(SPEC, device="cpu", progress=False)
-    layout = ShardLayout.even(ds.graph.num_nodes, ctx.world_size)
-    lo, hi = layout.rows(ctx.rank)
-    store = sharded_store(ds.features[lo:hi], layout, device="cpu", piece_bytes=1024)
-    loader = DistributedNeighborLoader(ds.graph, ds.train_idx, [5, 3], BATCH, shuffle=True, rank=ctx.rank,
-                                       world_size=ctx.world_size, features=store, labels=ds.labels, device="cpu",
-                                       prefetch=PREFETCH, max_steps=STEPS)
+    ctx, ds, store = _rank_store("cpu")
+    loader = _cpu_loader(ctx, ds, store)
     out: dict = {"left": [], "whole": []}
     for i, batch in enumerate(loader):
         out["left"].append(torch.equal(batch.x, ds.features[batch.input_nodes]))
@@ -332,6 +320,24 @@ def _break_and_fail() -> dict:
     store.start_gather = failing
     out.update(_take_until_error(loader, ds))
     return out
+
+
+def _rank_store(device: str) -> tuple[Any, Any, Any]:
+    """This rank's process group (one thread), the dataset (every rank generates the same) and this rank's even
+    share of its features as a sharded store (rows exchanged in 1 KiB pieces)."""
+    ctx = init_distributed(device)
+    torch.set_num_threads(1)
+    ds = generate(SPEC, device="cpu", progress=False)
+    layout = ShardLayout.even(ds.graph.num_nodes, ctx.world_size)
+    lo, hi = layout.rows(ctx.rank)
+    return ctx, ds, sharded_store(ds.features[lo:hi], layout, device=ctx.device, piece_bytes=1024)
+
+
+def _cpu_loader(ctx: Any, ds: Any, store: Any) -> Any:
+    """The rank's shuffled loader over ``store`` on the CPU (fanouts 5, 3; ``STEPS`` batches an epoch)."""
+    return DistributedNeighborLoader(ds.graph, ds.train_idx, [5, 3], BATCH, shuffle=True, rank=ctx.rank,
+                                     world_size=ctx.world_size, features=store, labels=ds.labels, device="cpu",
+                                     prefetch=PREFETCH, max_steps=STEPS)
 
 
 def _take_until_error(loader: Any, ds: Any) -> dict:
@@ -367,12 +373,7 @@ def test_a_left_epoch_and_a_failed_batch_end_every_rank_in_order() -> None:
 def _fail_in_preparation() -> dict:
     """Rank 1's exchange thread fails to prepare batch 4's exchange (between two turns, where no collective may be
     submitted): the failure takes the batch's place in its turn, and every rank stops there."""
-    ctx = init_distributed("cpu")
-    torch.set_num_threads(1)
-    ds = generate(SPEC, device="cpu", progress=False)
-    layout = ShardLayout.even(ds.graph.num_nodes, ctx.world_size)
-    lo, hi = layout.rows(ctx.rank)
-    store = sharded_store(ds.features[lo:hi], layout, device="cpu", piece_bytes=1024)
+    ctx, ds, store = _rank_store("cpu")
     real, calls = ShardedTier.prepare_fetch_slots, [0]
 
     def failing(self, *args, **kwargs):
@@ -382,9 +383,7 @@ def _fail_in_preparation() -> dict:
         return real(self, *args, **kwargs)
 
     ShardedTier.prepare_fetch_slots = failing
-    loader = DistributedNeighborLoader(ds.graph, ds.train_idx, [5, 3], BATCH, shuffle=True, rank=ctx.rank,
-                                       world_size=ctx.world_size, features=store, labels=ds.labels, device="cpu",
-                                       prefetch=PREFETCH, max_steps=STEPS)
+    loader = _cpu_loader(ctx, ds, store)
     try:
         return _take_until_error(loader, ds)
     finally:
@@ -421,12 +420,7 @@ def _ops_in_and_between_turns() -> dict:
     thread only), each with whether it ran inside a turn of its `CollectiveOrder` (2 gloo ranks, rows in pieces)."""
     from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
 
-    ctx = init_distributed("cpu")
-    torch.set_num_threads(1)
-    ds = generate(SPEC, device="cpu", progress=False)
-    layout = ShardLayout.even(ds.graph.num_nodes, ctx.world_size)
-    lo, hi = layout.rows(ctx.rank)
-    store = sharded_store(ds.features[lo:hi], layout, device="cpu", piece_bytes=1024)
+    ctx, ds, store = _rank_store("cpu")
     ops: list[tuple[bool, str]] = []
     here = threading.local()  # the exchange thread's mode and whether it is inside a turn
 
