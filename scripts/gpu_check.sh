@@ -84,7 +84,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pc
 status=0
 if [ "$run_tests" = 1 ]; then
   # shellcheck disable=SC2086
-  timeout "${T_TESTS:-420}" python3 -m pytest $tests -m gpu -q -rfE -p no:cacheprovider > "$L/gpu_tests.log" 2>&1
+  timeout "${T_TESTS:-420}" python3 -m pytest $tests -m gpu -q -rfEs -p no:cacheprovider > "$L/gpu_tests.log" 2>&1
   rc=$?; [ "$rc" = 0 ] || status=1
   echo "gpu tests rc=$rc ($((SECONDS - T0)) s)"; tail -n 2 "$L/gpu_tests.log"
   grep -E "^(FAILED|ERROR)" "$L/gpu_tests.log" | head -n 30
