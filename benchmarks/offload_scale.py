@@ -234,8 +234,9 @@ class Bench:
                     retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
                 t = time.perf_counter()
                 if trace_warm and i < warmup:
-                    plan = getattr(self.cache, "plan", None)
-                    warm_traces.append({"plan": plan_brief(plan), **traced_step(step),
+                    trace = traced_step(step)
+                    # the plan this step ran: the budget switches plans as a step's forward begins
+                    warm_traces.append({"plan": plan_brief(getattr(self.cache, "plan", None)), **trace,
                                         "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None})
                     continue
                 with self.meter if not cuda else contextlib.nullcontext():
