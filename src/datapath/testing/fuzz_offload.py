@@ -11,8 +11,8 @@ indices (a gather, a top-k routing whose shapes depend on the data), boolean mas
 saved by every block (a memory every block attends to), tied weights, dropout, blocks under the user's own
 ``torch.utils.checkpoint``; and a configuration: everything
 offloaded to pinned host memory, to files, or to a host tier too small for the step (the rest to files), the
-adaptive policy, or a ``memory_budget`` at a random share of the plain step's peak with a fast or a slow store
-(offloading or recomputing blocks), with a random ``min_bytes``, prefetch distance and units (blocks or leaves);
+adaptive policy, or a ``memory_budget`` of the resident memory plus a random share of what a plain step adds to
+it, with a fast or a slow store (offloading or recomputing blocks), with a random ``min_bytes``, prefetch distance and units (blocks or leaves);
 and a training loop: one micro-batch a step, two accumulated, two interleaved as a pipeline schedule runs them
 (both forwards, then both backwards, with micro-batch hints), or a ``torch.no_grad`` forward before the step; some
 cases freeze the embedding and the q/k/v projections.  On the file targets a case may make one write (ENOSPC or
@@ -69,7 +69,7 @@ class OffloadCase:
     tied: bool
     features: tuple[str, ...]
     config: str
-    fraction: float        # memory_budget over the plain step's peak (budget configs)
+    fraction: float        # memory_budget: resident memory + this share of what a plain step adds
     min_bytes: int
     prefetch_distance: int
     loop: str = "plain"    # one of LOOPS
@@ -257,22 +257,25 @@ def _difference(ref: list[Any], got: list[Any]) -> str:
     return "" if len(ref) == len(got) else f"{len(ref)} reference steps, {len(got)} offloaded"
 
 
-def _keep_peak(model: nn.Module, ids: torch.Tensor, device: torch.device) -> int:
-    """One plain step's peak memory (bytes): the CUDA allocator's, or on the CPU the datapath meter's."""
+def _keep_peak(model: nn.Module, ids: torch.Tensor, device: torch.device) -> tuple[int, int]:
+    """One plain step's memory (bytes): what was resident before it and its peak -- the CUDA allocator's, or on
+    the CPU the datapath meter's (parameters, then what the step's ops made)."""
     m = copy.deepcopy(model)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         m(ids).backward()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
+        return base, torch.cuda.max_memory_allocated()
     from datapath.offload.memory_meter import CpuMeter  # noqa: PLC0415
 
-    meter = CpuMeter(sum(p.numel() * p.element_size() for p in m.parameters()))
+    base = sum(p.numel() * p.element_size() for p in m.parameters())
+    meter = CpuMeter(base)
     meter.lap()
     with meter:
         m(ids).backward()
-    return meter.lap()
+    return base, meter.lap()
 
 
 def _is_probe(fd: int) -> bool:
@@ -329,7 +332,10 @@ def run_offload_case(case: OffloadCase, device: str | torch.device = "cpu") -> O
                 host = (16 << 10) if case.config == "tiered" else None
                 cache = TensorCache(case.config, tmp, host_budget_bytes=host, **opts)
             else:
-                budget = max(1, int(_keep_peak(model, batches[0], dev) * case.fraction))
+                # a share of what the step adds to the resident memory: on CUDA a tiny model's step is a sliver of
+                # what is resident (the reference's results, the allocator's blocks), below which no plan goes
+                base, peak = _keep_peak(model, batches[0], dev)
+                budget = max(1, base + int((peak - base) * case.fraction))
                 cache = TensorCache("host", memory_budget=budget, **opts)
                 if case.config == "budget_slow":
                     cache.bandwidth = lambda: (1e5, 1e5)
