@@ -48,6 +48,10 @@ offloaded is not refused on the prediction (`datapath.offload.budget_floor`): th
 lowest plan runs, checkpointing's is measured against it, and only a budget every
 such step exceeds, the lowest plan's with every store drained before the next too,
 raises `OffloadConfigError`, naming the measured minimum and the plan that reached it.
+
+In a job of several ranks (``torch.distributed`` initialised; `FlowOptions.agree_across_ranks`) every
+decision reads the largest measures of all the ranks (the profile, each planned step's peak, each trial's
+step times: `datapath.offload.rank_agreement`), so every rank runs the same plans.
 """
 from __future__ import annotations
 
@@ -71,6 +75,7 @@ from datapath.offload.plan_trials import MAX_TRIAL_ROUNDS, TRIAL_COSTS, PlanTria
 from datapath.offload.plan_trials import gb as _gb
 from datapath.offload.plan_trials import plan_shape as _shape
 from datapath.offload.policy import Backpressure, Policy, derived_bound
+from datapath.offload.rank_agreement import Pending, RankAgreement
 from datapath.offload.recompute import already_recomputed, clear_recompute, set_recompute
 from datapath.offload.regional_compile import is_compiled
 from datapath.offload.records import Clock, Record, Segment
@@ -137,6 +142,11 @@ class BudgetPolicy(Policy):
         # records whose forward ran and whose backward has not ended (micro-batches interleaved by a pipeline
         # schedule): while one waits, the blocks' wrapping must not change (see `_waiting`)
         self._open: list[Record] = []
+        # a collective-synchronous job: every rank decides on the largest measures of all (`rank_agreement`)
+        self.ranks: RankAgreement | None = None   # resolved when the first forward begins
+        self._ranks_set = False
+        self._agreeing: list[tuple[Pending, BudgetPlan, tuple[object, object] | None]] = []  # planned steps' peaks
+        self._device_bytes: int | None = None      # the smallest device of the ranks (agreed with the profile)
 
     @property
     def trials(self) -> list[dict[str, object]]:
@@ -176,12 +186,15 @@ class BudgetPolicy(Policy):
         if self._error is not None:
             raise self._error
         self.meter.lap()
+        self._settle()
         if self._waiting():
             return
         rec = self._profiling
         if rec is not None and rec.backward_started and rec.bwd_done:
             self._profiling = None
             self.profile_peaks.append(record_peak(rec))
+            if self.ranks is not None:
+                self.ranks.agree_room(self.room)
             per_block = self.room.reprofile(rec, self.models.blocks)
             if per_block is not None:  # the next step is profiled again, every block recomputed
                 for b, nb in per_block.items():
@@ -220,7 +233,7 @@ class BudgetPolicy(Policy):
             # below the model's floor the step decides: checkpointing's plan is measured against the lowest
             assert self.profile is not None
             alt = self.floor.alternative(self.profile, self.plan, peak, self.budget, self.base_recompute,
-                                         self.meter.total())
+                                         self._device_total())
             first = None if alt is None else self._trials.start(run, self.plan, [alt])
             if first is not None:
                 self._use(first)
@@ -263,14 +276,41 @@ class BudgetPolicy(Policy):
         elif rec.plan is not None:
             if self.planned_at is None:
                 self.planned_at = self._records - 1
-            self.last_peak = peak
+            self.last_peak = peak  # this rank's (``peaks``); decisions read the ranks' largest (`_measured`)
             self.peaks.append(peak)
-            self._pending_peak = max(peak, self._pending_peak or 0)
-            self._last_run = None
+            marks = None
             if rec.t0 is not None:
                 rec.t_end = self.clock.mark()
-                self._last_run = (rec.plan, peak, rec.t0, rec.t_end)
-                self._trials.record(self._last_run)
+                marks = (rec.t0, rec.t_end)
+            if self.ranks is not None:  # read when the next forward begins (`_settle`)
+                self._agreeing.append((self.ranks.launch_max([float(peak)]), rec.plan, marks))
+            else:
+                self._measured(peak, rec.plan, marks)
+
+    def _measured(self, peak: int, plan: BudgetPlan, marks: tuple[object, object] | None) -> None:
+        """A planned step of ``plan`` ended at ``peak`` bytes (the ranks' largest where they agree), timed from
+        ``marks`` (start, end) where a trial measures it."""
+        self._pending_peak = max(peak, self._pending_peak or 0)
+        self._last_run = None
+        if marks is not None:
+            self._last_run = (plan, peak, marks[0], marks[1])
+            self._trials.record(self._last_run)
+
+    def _settle(self) -> None:
+        """A forward begins: agreement across ranks is set up (first forward), and the peaks of the planned steps
+        since the last forward, reduced over the ranks, are taken in (`_measured`)."""
+        if not self._ranks_set:
+            self._ranks_set = True
+            self.ranks = RankAgreement.resolve(self.config.flow.agree_across_ranks)
+            if self.ranks is not None:
+                self._trials.agree = self.ranks.reduce_max
+        agreeing, self._agreeing = self._agreeing, []
+        for pending, plan, marks in agreeing:
+            self._measured(int(pending.result()[0]), plan, marks)
+
+    def _device_total(self) -> int:
+        """The device's memory (the smallest of the ranks' where they agree)."""
+        return self._device_bytes if self._device_bytes is not None else self.meter.total()
 
     def _feedback(self, peak: int) -> None:
         if self.plan is None or self.profile is None:
@@ -308,7 +348,7 @@ class BudgetPolicy(Policy):
         """The lowest plan, modelled over the budget, held it at ``peak``: move the profile down (`Floor.lowered`)."""
         assert self.profile is not None and self.plan is not None
         moved = self.floor.lowered(self.profile, self.plan, peak, lambda p: self._plan_for(self.target, profile=p),
-                                   self.meter.total())
+                                   self._device_total())
         if moved is not None:
             self.profile, miss = moved
             self.calibration -= miss
@@ -469,6 +509,9 @@ class BudgetPolicy(Policy):
                 self.profile = shifted(self.profile, self.calibration)
                 log.info("memory budget: the timing step peaked %s above the memory model's figure for it; every "
                          "interval of the profile moved up by that", _gb(self.calibration))
+        if self.ranks is not None:  # every rank plans on the largest measures (once per profile made)
+            self.profile, self.calibration, self._attention, self._device_bytes = self.ranks.agree_profile(
+                self.profile, self.calibration, self._attention, self.meter.total())
         segs = rec.segments
         # what the forward allocates beyond what it holds at a segment's start, over the next few segments:
         # a pack waits for stores while the device holds more than the budget minus that
@@ -511,6 +554,9 @@ class BudgetPolicy(Policy):
         return profile_of(rec, timing, self.clock, self.bandwidth.now(), self._recomputable(rec))
 
     def close(self) -> None:
+        for pending, _, _ in self._agreeing:  # every rank launched them: wait, decide nothing
+            pending.result()
+        self._agreeing = []
         self.attention.detach(self.models.blocks)
         clear_recompute(self.models.blocks)
 

@@ -103,6 +103,11 @@ class FlowOptions:
     same way).  ``prefetch_distance``: units ahead of the backward that loads start.
     ``pace``: on CUDA keep the CPU at most this many units ahead of the GPU (True: 1).
     ``stall_tolerance``, ``replan_threshold``, ``profile_after``: the adaptive planner's.
+    ``agree_across_ranks``: a ``memory_budget`` plans on the largest peaks and times of the ranks of a
+    collective-synchronous job (FSDP, DDP, TP), so every rank runs the same plan
+    (`datapath.offload.rank_agreement`): None (on where ``torch.distributed`` is initialised with more
+    than one rank, over the default group), False (off: each rank plans alone), True (the default
+    group), or a ``ProcessGroup`` (its ranks).
     """
 
     max_inflight_bytes: float | None = None
@@ -112,8 +117,10 @@ class FlowOptions:
     stall_tolerance: float = 0.02
     replan_threshold: float = 0.25
     profile_after: int = 1
+    agree_across_ranks: Any = None
 
     def __post_init__(self) -> None:
+        check_agreement(self.agree_across_ranks)
         for name in ("max_inflight_bytes", "max_prefetch_bytes"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0
@@ -179,6 +186,18 @@ class OffloadConfig:
                              memory_budget=memory_budget, on_error=on_error,
                              select=SelectOptions(**groups["select"]), store=StoreOptions(**groups["store"]),
                              flow=FlowOptions(**groups["flow"]))
+
+
+def check_agreement(value: Any) -> None:
+    """Raise `OffloadConfigError` unless ``value`` is None, a bool or a ``torch.distributed`` process group."""
+    if value is None or isinstance(value, bool):
+        return
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if not (dist.is_available() and isinstance(value, dist.ProcessGroup)):
+        raise OffloadConfigError(f"agree_across_ranks must be None (on where torch.distributed is initialised "
+                                 f"with more than one rank), True, False or a torch.distributed ProcessGroup, "
+                                 f"got {value!r}")
 
 
 def _int_at_least(name: str, value: Any, low: int) -> None:

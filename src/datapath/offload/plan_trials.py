@@ -12,6 +12,7 @@ it which plan runs next.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from datapath.offload.budget_planner import BudgetPlan
 from datapath.offload.records import Clock
@@ -44,6 +45,8 @@ class PlanTrials:
         self.next: list[BudgetPlan] | None = None  # the round's plans still to run (None: no round open)
         self.runs: list[Run] = []         # the round's measured steps
         self.lost: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()  # shapes a kept plan outran
+        # the ranks' longest of each step time (`datapath.offload.rank_agreement`; None: this rank's own)
+        self.agree: Callable[[list[float]], list[float]] | None = None
 
     @property
     def open(self) -> bool:
@@ -81,7 +84,10 @@ class PlanTrials:
         if self.next:
             return self.next.pop(0)
         self.next = None
-        runs = [(self.clock.seconds(t0, t1), peak, plan) for plan, peak, t0, t1 in self.runs]
+        secs = [self.clock.seconds(t0, t1) for _, _, t0, t1 in self.runs]
+        if self.agree is not None:  # one all_reduce per round, when it closes (every rank closes it alike)
+            secs = self.agree(secs)
+        runs = [(t, peak, plan) for t, (plan, peak, _, _) in zip(secs, self.runs, strict=True)]
         self.runs = []
         held = [r for r in runs if r[1] <= over * budget]
         best = min(held, key=lambda r: r[0]) if held else runs[0]
