@@ -18,7 +18,9 @@ steps, on one producer thread).  One exchange:
    the owner gathers piece k + 1 while piece k is sent, and each piece received is scattered
    straight into the batch's rows.
 
-Steps 3-5 are skipped when no rank asks for anything.  The exchange runs on a process group of
+Steps 3-5 are skipped when no rank asks for anything; such an exchange still records its stages (the counts
+stage, the ids and rows stages at zero), so that each stage's seconds over ``timed_exchanges`` in the tier's
+statistics is its mean over every batch.  The exchange runs on a process group of
 its own (NCCL between GPUs, gloo between CPUs), on the loader's exchange thread, while the
 training thread runs DDP's all-reduce on the default group.  The two threads take turns
 (`datapath.loaders.CollectiveOrder`), at the same places of the schedule on every rank, as NCCL
@@ -43,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from datapath.features.errors import FeatureStoreError, ShardExchangeError
-from datapath.features.exchange_steps import MAX_PIECES, ExchangeSteps, _Counts
+from datapath.features.exchange_steps import MAX_PIECES, ExchangeSteps, _Counts, _Record
 from datapath.features.tiers import FetchTier
 from datapath.graph import ShardLayout
 from datapath.memory import ErrorFlag
@@ -96,9 +98,9 @@ class ShardedTier(ExchangeSteps, FetchTier):
         self._row_bytes = math.prod(self._rest) * shard.element_size()
         self._lock = threading.Lock()
         self._flag = ErrorFlag() if self.device.type == "cuda" else None
-        # (start, sorted, submitted, counted, resumed, ids sent, rows placed)
-        self._events: list[tuple[torch.cuda.Event, ...]] = []
-        self._events_lock = threading.Lock()  # the producer thread appends, `stats` (any thread) folds
+        # each finished exchange's statistics (`_Record`): the exchange thread appends, `stats` (any thread) folds
+        self._records: list[_Record] = []
+        self._records_lock = threading.Lock()
         self._joined = False  # this exchange has entered its first collective
         self._broken: str | None = None
         lo, hi = layout.rows(self.rank)
@@ -106,18 +108,21 @@ class ShardedTier(ExchangeSteps, FetchTier):
         self.rows = layout.num_rows - (hi - lo)
         self._cache: torch.Tensor | None = None  # the store's GPU cache and slot map (`attach`)
         self._slots: torch.Tensor | None = None
-        self._served = torch.zeros(3, dtype=torch.int64, device=self._comm)  # rows served from cache / host
         self._remote_slot: torch.Tensor | None = None  # (c + 1,) bool: cache slot s holds another shard's row
-        self._remote_hits = torch.zeros((), dtype=torch.int64, device=self.device)
         # per stage (GPU time on CUDA, host time otherwise): counts = ids sorted by owner + the counts all_gather
         # (the one host synchronisation), ids = their all_to_all, exchange = owner's gather + rows all_to_all +
-        # scatter into the batch; wall = host time of the whole call: submit (its collectives and what follows them,
-        # what a loader's turns take) + prepare (what precedes them and needs no collective: the sort, the buffers,
-        # the split sizes; between the turns) + counts_wait (the host's wait for the counts); submit_cpu: the
-        # exchange thread's CPU time in submit (the rest of submit: waiting, for the GIL or in a call that
-        # blocks); remote_cache_rows: rows of other shards this rank's batches found in its own GPU cache (not fetched)
-        self._stats.extra.update(exchanges=0, received_rows=0, received_bytes=0, sent_rows=0, sent_bytes=0,
-                                 sent_from_cache_rows=0, remote_cache_rows=0, id_bytes=0, counts_seconds=0.0,
+        # scatter into the batch.  Every exchange records every stage (ids and exchange zero where no rank asks for
+        # a row), so ``<stage>_seconds / timed_exchanges`` is a stage's mean over all batches; timed_exchanges:
+        # the exchanges whose times (and cache counters) are folded in, on CUDA once their GPU work is done
+        # (``exchanges`` counts them when their counts are read).  wall = host time of the whole call: submit (its
+        # collectives and what follows them, what a loader's turns take) + prepare (what precedes them and needs
+        # no collective: the sort, the buffers, the split sizes; between the turns) + counts_wait (the host's wait
+        # for the counts); submit_cpu: the exchange thread's CPU time in submit (the rest of submit: waiting, for
+        # the GIL or in a call that blocks); sent_from_cache_rows: rows this rank served the others from its GPU
+        # cache; remote_cache_rows: rows of other shards this rank's batches found in its own GPU cache (not fetched)
+        self._stats.extra.update(exchanges=0, timed_exchanges=0, received_rows=0, received_bytes=0, sent_rows=0,
+                                 sent_bytes=0, sent_from_cache_rows=0, remote_cache_rows=0, id_bytes=0,
+                                 counts_seconds=0.0,
                                  ids_seconds=0.0, exchange_seconds=0.0, wall_seconds=0.0, submit_seconds=0.0,
                                  counts_wait_seconds=0.0, prepare_seconds=0.0, submit_cpu_seconds=0.0)
 
@@ -241,9 +246,12 @@ class ShardedTier(ExchangeSteps, FetchTier):
         loc = loc.to(self.device)
         if self._remote_slot is not None and ids.numel():  # rows of other shards this rank's cache served
             c = self._remote_slot.numel() - 1  # slots 1..c: the cache; c + 1..: this rank's shard
-            hit = self._remote_slot[torch.where((loc > 0) & (loc <= c), loc, 0).long()]
-            self._remote_hits += hit.sum()
-        return self._prepare(ids, loc < 0, out, flag)
+            hit = self._remote_slot[torch.where((loc > 0) & (loc <= c), loc, 0).long()].sum()
+        else:
+            hit = None
+        counts = self._prepare(ids, loc < 0, out, flag)
+        counts.hits = hit  # this exchange's own counter: published with its statistics (`_rows`)
+        return counts
 
     def _whole(self, c: "_Counts") -> None:
         """Every part of one prepared exchange at once (`fetch_slots`, `exchange`)."""
@@ -252,31 +260,31 @@ class ShardedTier(ExchangeSteps, FetchTier):
         self._rows(c)
 
     def _fold(self) -> None:
-        """Add the GPU time of the finished exchanges (and the rows served from the cache) to the statistics."""
-        if self._slots is not None:
-            served = self._served.tolist()
-            self._served.zero_()
-            self._stats.extra["sent_from_cache_rows"] += int(served[0])
-        if self._remote_slot is not None:
-            self._stats.extra["remote_cache_rows"] += int(self._remote_hits)
-            self._remote_hits.zero_()
-        with self._events_lock:
+        """Add the statistics of the finished exchanges to the tier's: their stage times and cache counters.
+
+        Each exchange counts its rows served from the cache and its rows of other shards found in the cache in
+        counters of its own, which the exchange thread publishes with its stage times (`_Record`) once it has
+        written them (on CUDA: a copy to pinned memory behind the exchange's work, done when its event is), and
+        nothing writes them afterwards.  So this read cannot tear: no counter is read while another thread (or a
+        stream) adds to it, no count is zeroed after it was read, and every exchange is folded exactly once (the
+        records taken from the list under its lock), all of its statistics together.
+        """
+        with self._records_lock:
+            ready = []
             keep = []
+            for rec in self._records:
+                (ready if rec.done is None or rec.done.query() else keep).append(rec)
+            self._records = keep
             ex = self._stats.extra
-            for evs in self._events:
-                # the first part: start, sorted (its preparation), submitted, counted (the all_gather); the second:
-                # resumed, ids sent, rows placed
-                a, z, u, c, r, m, b = evs
-                if b.query():
-                    parts = ((a.elapsed_time(z) + u.elapsed_time(c)) / 1e3, r.elapsed_time(m) / 1e3,
-                             m.elapsed_time(b) / 1e3)
-                    self._stats.add(seconds=sum(parts))  # the time between the two parts is not the exchange's
-                    ex["counts_seconds"] += parts[0]
-                    ex["ids_seconds"] += parts[1]
-                    ex["exchange_seconds"] += parts[2]
-                else:
-                    keep.append(evs)
-            self._events = keep
+            for rec in ready:
+                stages, (from_cache, remote_hits) = rec.resolve()
+                self._stats.add(seconds=sum(stages))  # the time between the two parts is not the exchange's
+                ex["counts_seconds"] += stages[0]
+                ex["ids_seconds"] += stages[1]
+                ex["exchange_seconds"] += stages[2]
+                ex["sent_from_cache_rows"] += from_cache
+                ex["remote_cache_rows"] += remote_hits
+                ex["timed_exchanges"] += 1
 
     def close(self) -> None:
         """Mark the tier closed: a later fetch raises, naming this rank (the shard's memory goes with the tier

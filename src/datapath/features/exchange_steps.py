@@ -32,7 +32,7 @@ class ExchangeSteps:
     """The steps of one exchange, mixed into `ShardedTier`: they read and update the tier's state, set by its
     ``__init__`` (``shard``, ``layout``, ``rank``, ``world_size``, ``group``, ``device``, ``piece_bytes``, and
     ``_comm``, ``_bounds``, ``_id_dtype``, ``_rest``, ``_row_bytes``, ``_flag``, ``_cache``, ``_slots``,
-    ``_served``, ``_events``, ``_events_lock``, ``_joined``, ``_stats``)."""
+    ``_records``, ``_records_lock``, ``_joined``, ``_stats``)."""
 
     def _signal_failure(self) -> None:
         """Enter this exchange's first collective with -1s: every other rank raises, naming this one."""
@@ -119,6 +119,8 @@ class ExchangeSteps:
             c.wanted = torch.empty(sum(theirs), dtype=self._id_dtype, device=self._comm)
             c.splits = (mine, theirs)
             c.pieces = self._plan_pieces(mine, theirs, self._pieces(matrix), c.perm[:total], c.dest.device)
+            if self._slots is not None:  # rows this exchange serves from the cache / host (`gather_tiered`)
+                c.served = torch.zeros(3, dtype=torch.int64, device=self._comm)
             remote_in = total - mine[self.rank]
             remote_out = sum(theirs) - theirs[self.rank]
             ex["received_rows"] += remote_in
@@ -145,23 +147,37 @@ class ExchangeSteps:
             dist.all_to_all_single(c.wanted, c.local, theirs, mine, group=self.group)
             mid = _event() if cuda else None
             t_mid = time.perf_counter()
-            self._send_rows(c.wanted, c.pieces, c.dest)
-            if cuda:
-                with self._events_lock:
-                    self._events.append((*c.events, resumed, mid, _event()))
-            else:
-                t2 = time.perf_counter()
-                ex["counts_seconds"] += counts_s
-                ex["ids_seconds"] += c.prep_rest_s + t_mid - t1
-                ex["exchange_seconds"] += t2 - t_mid
-                self._stats.add(seconds=counts_s + c.prep_rest_s + t2 - t1)
-        elif not cuda:
-            ex["counts_seconds"] += counts_s
-            self._stats.add(seconds=counts_s)
+            self._send_rows(c.wanted, c.pieces, c.dest, c.served)
+            stages = (*c.events, resumed, mid, _event()) if cuda else \
+                (counts_s, c.prep_rest_s + t_mid - t1, time.perf_counter() - t_mid)
+        else:  # no rank asks for a row: the counts stage alone (the ids and rows stages take no time)
+            stages = (*c.events, resumed, resumed, resumed) if cuda else (counts_s, 0.0, 0.0)
+        self._publish(c, stages)
         submit = c.host_s + time.perf_counter() - t1
         ex["submit_seconds"] += submit
         ex["submit_cpu_seconds"] += c.cpu_s + time.thread_time() - cpu1
         ex["wall_seconds"] += submit + c.prep_counts_s + c.prep_rest_s + c.wait_s
+
+    def _publish(self, c: "_Counts", stages: tuple[Any, ...]) -> None:
+        """Hand exchange ``c``'s statistics to `ShardedTier._fold`: its stage times and its own cache counters
+        (rows served from the cache, rows of other shards found in it), as ints on a CPU, on CUDA copied to pinned
+        memory behind the exchange's work on the current stream (folded once that copy is done)."""
+        served, hits = c.served, c.hits
+        if self.device.type == "cuda":
+            counters = None
+            if served is not None or hits is not None:
+                zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+                both = torch.cat([zero if served is None else served[:1].to(self.device),
+                                  zero if hits is None else hits.reshape(1)])
+                counters = pinned_empty((2,), torch.int64)
+                counters.copy_(both, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            rec = _Record(stages, counters, done)
+        else:
+            rec = _Record(stages, (0 if served is None else int(served[0]), 0 if hits is None else int(hits)), None)
+        with self._records_lock:
+            self._records.append(rec)
 
     def _pieces(self, matrix: list[list[int]]) -> int:
         """Pieces the rows go in (the same on every rank: from the matrix all of them see)."""
@@ -196,8 +212,10 @@ class ExchangeSteps:
             out.append(_Piece(got, *sizes, sel, where.to(device), serve))
         return out
 
-    def _send_rows(self, wanted: torch.Tensor, pieces: list["_Piece"], dest: torch.Tensor) -> None:
-        """Serve ``wanted``, exchange the rows in ``pieces`` and scatter them into ``dest``.
+    def _send_rows(self, wanted: torch.Tensor, pieces: list["_Piece"], dest: torch.Tensor,
+                   served: torch.Tensor | None = None) -> None:
+        """Serve ``wanted``, exchange the rows in ``pieces`` and scatter them into ``dest`` (rows served from the
+        cache / host counted in ``served``).
 
         Piece ``c + 1``'s rows are gathered while piece ``c`` is sent, and each piece received is scattered
         into ``dest`` (no staging buffer for the whole batch).
@@ -208,13 +226,13 @@ class ExchangeSteps:
 
         if len(pieces) == 1:
             p = pieces[0]
-            dist.all_to_all_single(p.got, self._serve(wanted, p.out), p.recv, p.send, group=self.group)
+            dist.all_to_all_single(p.got, self._serve(wanted, p.out, served), p.recv, p.send, group=self.group)
             put(p)
             return
         sent = []
         for p in pieces:
-            work = dist.all_to_all_single(p.got, self._serve(wanted.index_select(0, p.sel), p.out), p.recv, p.send,
-                                          group=self.group, async_op=True)
+            work = dist.all_to_all_single(p.got, self._serve(wanted.index_select(0, p.sel), p.out, served), p.recv,
+                                          p.send, group=self.group, async_op=True)
             sent.append((work, p))
         for work, p in sent:
             work.wait()
@@ -234,8 +252,10 @@ class ExchangeSteps:
         raise ShardExchangeError(f"rank {self.rank} of {self.world_size} stops: rank {failed[0]} could not fetch its "
                                  f"feature rows (see its own error)")
 
-    def _serve(self, wanted: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The rows of this rank's shard that the others asked for, where the collective needs them.
+    def _serve(self, wanted: torch.Tensor, out: torch.Tensor | None = None,
+               served: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows of this rank's shard that the others asked for, where the collective needs them (the rows
+        served from the cache / host counted in ``served``, (3,) int64, when attached).
 
         Through the store's tiers when attached (one tiered gather: cached rows from the GPU cache,
         the others zero copy from pinned host memory; into ``out`` if given), else from the shard.
@@ -244,7 +264,7 @@ class ExchangeSteps:
             loc = self._slots.index_select(0, wanted)
             if out is None:
                 out = torch.empty((wanted.numel(), *self._rest), dtype=self.shard.dtype, device=self._comm)
-            return gather_tiered(self._cache, self.shard, loc, out, error_flag=self._flag, counts=self._served)
+            return gather_tiered(self._cache, self.shard, loc, out, error_flag=self._flag, counts=served)
         if self._comm.type == "cuda":  # zero copy from pinned host memory onto the GPU
             return gather_rows(self.shard, wanted, self._flag)
         return self.shard.index_select(0, wanted.long())
@@ -268,6 +288,10 @@ class _Counts:
         self.local = self.wanted = None
         self.splits: tuple[list[int], list[int]] | None = None  # rows this rank asks of each rank, each asks of it
         self.pieces: list[_Piece] = []  # the rows' all_to_alls (none when no rank asks for anything)
+        # this exchange's own counters: ``served``: (3,) int64 rows it served from the cache / host (`_serve`),
+        # ``hits``: () int64 rows of other shards its batch found in this rank's cache (`_prepare_slots`)
+        self.served: torch.Tensor | None = None
+        self.hits: torch.Tensor | None = None
         self.prep_counts_s = self.host_s = self.cpu_s = self.wait_s = self.prep_rest_s = 0.0
 
 
@@ -282,6 +306,29 @@ class _Piece(NamedTuple):
     sel: torch.Tensor | None
     where: torch.Tensor
     out: torch.Tensor | None
+
+
+class _Record(NamedTuple):
+    """One finished exchange's statistics (`ExchangeSteps._publish`), folded by `ShardedTier._fold` once ``done``
+    (None on a CPU, else a CUDA event after everything below) has completed.
+
+    ``stages``: seconds of its counts, ids and rows stages, or on CUDA the events that time them (start, sorted,
+    submitted, counted; resumed, ids sent, rows placed); ``counters``: (rows served from the cache, rows of other
+    shards found in the cache), ints, or on CUDA a pinned (2,) int64 copy (None: no counter).
+    """
+
+    stages: tuple[Any, ...]
+    counters: Any
+    done: Any
+
+    def resolve(self) -> tuple[tuple[float, float, float], tuple[int, int]]:
+        """(counts, ids, rows) seconds and the two counters (``done`` complete)."""
+        if self.done is None:
+            return self.stages, self.counters
+        a, z, u, c, r, m, b = self.stages
+        stages = ((a.elapsed_time(z) + u.elapsed_time(c)) / 1e3, r.elapsed_time(m) / 1e3, m.elapsed_time(b) / 1e3)
+        counters = (0, 0) if self.counters is None else tuple(int(v) for v in self.counters.tolist())
+        return stages, counters
 
 
 def _host_counts(c: _Counts) -> list[list[int]]:
