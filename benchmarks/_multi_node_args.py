@@ -16,7 +16,9 @@ def parse(argv: list[str] | None = None, description: str | None = None) -> argp
     p.add_argument("--datasets", default="products,papers")
     p.add_argument("--papers-gb", type=float, default=4.0, help="host memory of the papers-shaped graph [4]")
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes, one GPU each [2]")
-    p.add_argument("--batch-size", type=int, default=1024, help="the 1-GPU batch (the global batch) [1024]")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="the 1-GPU batch (the global batch of the strong run: a multiple of --nodes) [1024; 256 "
+                        "with --quick]")
     p.add_argument("--prefetch", type=int, default=2, help="batches each loader stage prepares ahead [2]")
     p.add_argument("--fanouts", default="15,10,5")
     p.add_argument("--hidden", type=int, default=256)
@@ -55,8 +57,44 @@ def parse(argv: list[str] | None = None, description: str | None = None) -> argp
     if args.nodes < 2:
         p.error(f"--nodes must be at least 2, got {args.nodes}")
     if args.quick:
-        args.datasets, args.epochs, args.batch_size, args.hidden = "tiny", 2, 256, 64
+        args.datasets, args.epochs, args.hidden = "tiny", 2, 64
         args.fanouts, args.eval_nodes, args.max_batches = "10,5", 2000, args.max_batches or 12
+    args.batch_size = args.batch_size or (256 if args.quick else 1024)
+    if args.batch_size < 1:
+        p.error(f"--batch-size must be at least 1, got {args.batch_size}")
+    if not (args.worker or args.merge or args.model) and "strong" in args.modes.split(","):
+        problem = strong_batch_problem(args.batch_size, args.nodes)
+        if problem:
+            p.error(problem)
     args.name = args.name or ("multi_node_quick" if args.quick else "multi_node")
     args.graph_on = args.graph_on or ("unified" if args.device == "cuda" else "cpu")
     return args
+
+
+def strong_batch_problem(batch: int, nodes: int) -> str | None:
+    """Why the 1-GPU batch ``batch`` cannot be the strong run's global batch over ``nodes`` nodes (None: it can).
+
+    The strong run gives every node ``batch / nodes`` seeds a step (a rank's batch is the same on every rank), so
+    that the global batch, the steps and the learning curve are the 1-GPU run's exactly: ``batch`` must be a
+    multiple of ``nodes``.
+    """
+    if batch % nodes == 0:
+        return None
+    lo, hi = batch // nodes * nodes, -(-batch // nodes) * nodes
+    multiples = f"{lo} or {hi}" if lo else f"{hi}"
+    divisors = [d for d in range(2, min(batch, 64) + 1) if batch % d == 0]
+    other = f", --nodes {', '.join(map(str, divisors))} (they divide {batch})" if divisors else ""
+    return (f"--batch-size {batch} does not split evenly over --nodes {nodes}: the strong run gives every node the "
+            f"same share of the 1-GPU batch, so that the global batch is the 1-GPU batch exactly; give --batch-size "
+            f"{multiples} (multiples of {nodes}){other}, or --modes weak")
+
+
+def per_rank_batch(args: argparse.Namespace, mode: str) -> int:
+    """Seeds per rank and step of an N-node run: ``strong``, the 1-GPU batch cut over the nodes (global batch =
+    ``--batch-size`` exactly; `parse` refuses one that does not divide); ``weak``, the 1-GPU batch on every node."""
+    if mode == "weak":
+        return args.batch_size
+    problem = strong_batch_problem(args.batch_size, args.nodes)
+    if problem:
+        raise ValueError(problem)
+    return args.batch_size // args.nodes

@@ -20,11 +20,21 @@ def _epoch_s(run: dict[str, Any]) -> tuple[float, list[float]]:
     return (statistics.median(times[1:]) if len(times) > 1 else times[0]), times
 
 
+def _stage_ms(remote: dict[str, Any], stage: str) -> float:
+    """Mean ms per batch of an exchange stage: ``counts``, ``ids`` and ``exchange`` (GPU time on CUDA) over the
+    exchanges whose times are folded in (``timed_exchanges``; every exchange records all three, zero where nothing
+    is asked), the host stages over every exchange."""
+    n = remote.get("timed_exchanges", remote["exchanges"]) if stage in ("counts", "ids", "exchange") else \
+        remote["exchanges"]
+    return remote.get(f"{stage}_seconds", 0.0) / max(n, 1) * 1e3
+
+
 def record(dataset: str, run: dict[str, Any], mode: str, batch: int, cache: str = "none") -> dict[str, Any]:
     nodes = run["world_size"]
     epoch_s, times = _epoch_s(run)
     rec: dict[str, Any] = {"dataset": dataset, "nodes": nodes, "gpus_per_node": 1, "mode": mode,
-                           "batch_per_rank": batch, "epoch_s": epoch_s, "epochs_s": times,
+                           "batch_per_rank": batch, "global_batch": batch * nodes, "epoch_s": epoch_s,
+                           "epochs_s": times,
                            "test_acc": run["test_acc"], "remote_bytes_per_batch": 0.0, "hit_rate_local": 1.0,
                            "device": run["device_name"], "backend": run["backend"] if nodes > 1 else None,
                            "gpu_cache": cache if nodes > 1 else "none", "nccl_transport": run.get("nccl_transport")}
@@ -46,7 +56,7 @@ def record(dataset: str, run: dict[str, Any], mode: str, batch: int, cache: str 
         # what follows them, in the loader's turns; submit_cpu: the thread's CPU time in them) + prepare (what
         # precedes them, between the turns) + counts_wait (the host's wait for the counts, between the turns)
         rec["stage_ms_per_batch"] = {
-            k: max(r.get(f"{k}_seconds", 0.0) / max(r["exchanges"], 1) * 1e3 for r in rem)
+            k: max(_stage_ms(r, k) for r in rem)
             for k in ("counts", "ids", "exchange", "wall", "submit", "submit_cpu", "prepare", "counts_wait")}
         rec["remote_bytes_per_batch"] = statistics.mean(r["received_bytes"] / max(r["exchanges"], 1) for r in rem)
         rec["id_bytes_per_batch"] = statistics.mean(r["id_bytes"] / max(r["exchanges"], 1) for r in rem)
@@ -140,11 +150,15 @@ def result_payload(args: argparse.Namespace, records: list[dict[str, Any]], tota
                          f"0.55x at N = 2)", "accuracy": f"within {ACC_BAR}",
                  "bandwidth": f"remote fetch >= {BW_BAR} x NCCL all_to_all at the batch's message size"},
         "notes": {"epoch_s": "median of the epochs after the first; slowest rank",
+                  "global_batch": "seeds a step over all ranks, batch_per_rank x nodes (strong: the 1-GPU batch "
+                                  "exactly; a --batch-size that --nodes does not divide is refused)",
                   "remote_bytes_per_batch": "feature bytes a rank receives from the other nodes per training batch "
                                             "(ids not counted: id_bytes_per_batch)",
                   "remote_cache_hit_rate": "rows of other shards found in the rank's own GPU cache / all rows of "
                                            "other shards its batches needed",
-                  "stage_ms_per_batch": "each exchange stage per batch, slowest rank (GPU time): counts = sort by "
+                  "stage_ms_per_batch": "each exchange stage's mean per batch over every batch (one where no rank "
+                                        "asks for a row included: its ids and exchange stages take 0), slowest "
+                                        "rank (GPU time): counts = sort by "
                                         "owner + counts all_gather (the one host sync), ids = ids all_to_all, "
                                         "exchange = owner's gather + rows all_to_all + scatter; wall = host time "
                                         "= submit (its collectives and what follows them, in the loader's turns; "

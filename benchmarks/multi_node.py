@@ -35,6 +35,7 @@ The CPU run checks that the pipeline works; its numbers are not the benchmark's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -52,7 +53,7 @@ from typing import Any
 import torch
 
 from benchmarks._common import RESULTS_DIR, print_table, write_result
-from benchmarks._multi_node_args import parse
+from benchmarks._multi_node_args import parse, per_rank_batch
 from benchmarks._multi_node_report import merge, plot, record, result_payload
 from benchmarks._multi_node_worker import worker
 from benchmarks.multi_node_model import model
@@ -123,6 +124,34 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def _worker_pids(tmp: Path) -> list[int]:
+    """The node workers' pids (each writes ``tmp/pid<rank>`` when it starts)."""
+    pids = []
+    for f in tmp.glob("pid*"):
+        try:
+            pids.append(int(f.read_text()))
+        except ValueError:  # being written
+            pass
+    return pids
+
+
+def _end_nodes(procs: list[subprocess.Popen], tmp: Path, grace: float = 10.0) -> None:
+    """End every node still running: its worker killed, its torchrun asked to stop (SIGTERM: it ends a worker that
+    has not written its pid yet), then killed after ``grace`` seconds."""
+    for pid in _worker_pids(tmp):
+        _signal(pid, signal.SIGKILL)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,34 +167,31 @@ def run_one_gpu(args: argparse.Namespace, dataset: Path, tmp: Path) -> dict[str,
 
 
 def run_nodes(args: argparse.Namespace, nodes: list[Path], batch: int, tmp: Path, cache: str) -> dict[str, Any]:
-    """One run of ``len(nodes)`` torchrun launches (one rank and GPU each); rank 0's result."""
+    """One run of ``len(nodes)`` torchrun launches (one rank and GPU each); rank 0's result.
+
+    Each node's output goes to ``tmp/node<r>.log``; every way out (a finished run, a failed or hung one, an
+    exception here, Ctrl-C included) closes the logs and leaves no node running."""
     out, port, n = tmp / "nodes.json", _free_port(), len(nodes)
     for f in tmp.glob("pid*"):
         f.unlink()
-    procs = []
-    for r, nd in enumerate(nodes):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n), "--node-rank", str(r),
-               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-               str(Path(__file__).resolve()), "--worker", "--cfg", _cfg(args, nd, batch, True, cache), "--out",
-               str(out)]
-        env = _env(str(r) if args.device == "cuda" else None)
-        env.setdefault("NCCL_DEBUG", "INFO")  # the log says how NCCL links the processes (nccl_transport)
-        if args.device == "cpu":
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // n))
-        procs.append(subprocess.Popen(cmd, env=env, stdout=open(tmp / f"node{r}.log", "w"), stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + args.timeout
-    try:
-        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
-    except subprocess.TimeoutExpired:  # a hung run: every worker's thread stacks into its log, then end it all
-        workers = [int(f.read_text()) for f in tmp.glob("pid*")]
-        for pid in workers:
-            _signal(pid, signal.SIGUSR1)
-        time.sleep(3.0)
-        for pid in workers:
-            _signal(pid, signal.SIGKILL)
-        for p in procs:
-            p.kill()
-        codes = [f"killed after {args.timeout:.0f} s ({p.wait()})" for p in procs]
+    procs: list[subprocess.Popen] = []
+    with contextlib.ExitStack() as logs:
+        try:
+            for r, nd in enumerate(nodes):
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n), "--node-rank", str(r),
+                       "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                       str(Path(__file__).resolve()), "--worker", "--cfg", _cfg(args, nd, batch, True, cache),
+                       "--out", str(out)]
+                env = _env(str(r) if args.device == "cuda" else None)
+                env.setdefault("NCCL_DEBUG", "INFO")  # the log says how NCCL links the processes (nccl_transport)
+                if args.device == "cpu":
+                    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // n))
+                log_file = logs.enter_context(open(tmp / f"node{r}.log", "w"))  # noqa: SIM115 - closed by the stack
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT))
+            codes = _wait_nodes(args, procs, tmp)
+        finally:  # an exception here: no node outlives the orchestrator
+            if any(p.poll() is None for p in procs):
+                _end_nodes(procs, tmp)
     if codes != [0] * n:
         def tail(r: int) -> str:  # the log without NCCL's INFO lines (the transport lines fill it)
             lines = (tmp / f"node{r}.log").read_text().splitlines()
@@ -179,6 +205,19 @@ def run_nodes(args: argparse.Namespace, nodes: list[Path], batch: int, tmp: Path
                                               r"via (\S+)", log_text)))
     return run
 
+
+def _wait_nodes(args: argparse.Namespace, procs: list[subprocess.Popen], tmp: Path) -> list[Any]:
+    """The nodes' exit codes; a run past ``--timeout``: every worker's thread stacks into its log, then every node
+    ended, and the code says so."""
+    deadline = time.monotonic() + args.timeout
+    try:
+        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:  # a hung run: every worker's thread stacks into its log, then end it all
+        for pid in _worker_pids(tmp):
+            _signal(pid, signal.SIGUSR1)
+        time.sleep(3.0)
+        _end_nodes(procs, tmp)
+        return [f"killed after {args.timeout:.0f} s ({p.returncode})" for p in procs]
 
 
 def main() -> None:
@@ -212,7 +251,7 @@ def main() -> None:
             for mode in args.modes.split(","):
                 for cache, rep in [(c, k) for c in (caches if mode == "strong" else caches[:1])
                                    for k in range(args.repeat)]:
-                    batch = args.batch_size if mode == "weak" else args.batch_size // args.nodes
+                    batch = per_rank_batch(args, mode)  # strong: global batch = --batch-size exactly
                     what = f"{name} {mode} {cache}" + (f" #{rep}" if args.repeat > 1 else "")
                     t0 = time.perf_counter()
                     try:
@@ -233,9 +272,9 @@ def main() -> None:
     path = write_result(args.name, payload)
     plot(records, RESULTS_DIR / f"{args.name}.png")
     print(f"wrote {path}")
-    print_table([{k: r.get(k) for k in ("dataset", "nodes", "mode", "gpu_cache", "batch_per_rank", "epoch_s", "test_acc",
-                                        "remote_bytes_per_batch", "hit_rate_local", "remote_fetch_GBps",
-                                        "nccl_alltoall_GBps", "device")} for r in records])
+    print_table([{k: r.get(k) for k in ("dataset", "nodes", "mode", "gpu_cache", "batch_per_rank", "global_batch",
+                                        "epoch_s", "test_acc", "remote_bytes_per_batch", "hit_rate_local",
+                                        "remote_fetch_GBps", "nccl_alltoall_GBps", "device")} for r in records])
     print_table([{"run": k, **v} for k, v in summary.items()])
     if failed:
         sys.exit(f"runs that failed (see above): {', '.join(failed)}")

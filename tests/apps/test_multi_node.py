@@ -216,3 +216,100 @@ def test_gpu_two_nodes_one_gpu_each_nccl(prepared: Path, tmp_path: Path) -> None
         assert st["gpu_cache"]["rows"] > 0 and st["remote"]["rows"] > 0 and st["remote"]["exchanges"] == 8
         assert abs(sum(t["hit_rate"] for t in st.values()) - 1.0) < 1e-9
     assert _shm(tmp_path) == [] and _left_in_tmp(tmp_path) == []
+
+
+def _log_fds(root: Path) -> list[str]:
+    """The files under ``root`` that this process holds open (its /proc/self/fd links)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+        if target.startswith(str(root)):
+            out.append(target)
+    return out
+
+
+def _left_running(root: Path) -> list[str]:
+    """Processes whose command line names ``root`` (a node or its worker that outlived the run)."""
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.info["cmdline"] and any(str(root) in a for a in p.info["cmdline"]) and p.status() != "zombie":
+                out.append(f"{p.info['pid']}: {' '.join(p.info['cmdline'])[:200]}")
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.mark.slow
+def test_benchmark_run_nodes_closes_the_node_logs_on_every_way_out(prepared: Path, tmp_path: Path) -> None:
+    """B5's ``run_nodes`` (``benchmarks/multi_node.py --device cpu --quick``'s N-node run): after a finished run, a
+    failed one (a node's shard missing) and a hung one (killed at ``--timeout``), no node log stays open and no node
+    or worker is left running."""
+    import gc
+    import warnings
+
+    sys.path.insert(0, str(SRC.parent))
+    from benchmarks._multi_node_args import parse
+    from benchmarks.multi_node import run_nodes
+
+    args = parse(["--device", "cpu", "--quick", "--data-dir", str(tmp_path / "data")])
+    dirs = [_node_dir(prepared, tmp_path / "nodes", r) for r in (0, 1)]
+    work = tmp_path / "work"
+    work.mkdir()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        run = run_nodes(args, dirs, 128, work, "none")
+        assert run["world_size"] == 2 and run["backend"] == "gloo" and len(run["epochs"]) == 2
+        assert _log_fds(work) == [] and _left_running(work) == []
+        assert (work / "node0.log").stat().st_size > 0 and (work / "node1.log").stat().st_size > 0
+
+        (dirs[1] / shard_file(1, 2)).rename(tmp_path / "away.npy")  # node 1 fails at once, then node 0
+        with pytest.raises(RuntimeError, match=r"the 2-node run failed \(exit codes \[1, 1\]\)"):
+            run_nodes(args, dirs, 128, work, "none")
+        assert _log_fds(work) == [] and _left_running(work) == []
+        (tmp_path / "away.npy").rename(dirs[1] / shard_file(1, 2))
+
+        args.epochs, args.timeout = 1000, 8.0  # a run that does not end: killed at the timeout
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"exit codes \['killed after 8 s"):
+            run_nodes(args, dirs, 128, work, "none")
+        assert time.monotonic() - t0 < 60
+        assert _log_fds(work) == [] and _left_running(work) == []
+        gc.collect()
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning) and "node" in str(w.message)]
+    assert unclosed == []
+
+
+def test_benchmark_strong_batch_splits_over_the_nodes_exactly_or_is_refused(capsys: pytest.CaptureFixture) -> None:
+    """B5 (``benchmarks/multi_node.py``) with 3 nodes: a 1-GPU batch that 3 does not divide is refused, naming the
+    batches and node counts that work (not rounded down to a smaller global batch); one it divides is cut
+    exactly, and the record states the global batch."""
+    sys.path.insert(0, str(SRC.parent))
+    from benchmarks._multi_node_args import parse
+    from benchmarks._multi_node_report import record
+
+    for argv, batch, nodes in ((["--quick"], 256, "2, 4, 8, 16, 32, 64"),
+                               (["--batch-size", "1000"], 1000, "2, 4, 5, 8, 10, 20, 25, 40, 50")):
+        with pytest.raises(SystemExit):
+            parse(["--device", "cpu", "--nodes", "3", *argv])
+        err = capsys.readouterr().err
+        assert f"--batch-size {batch} does not split evenly over --nodes 3" in err, err
+        assert (f"give --batch-size {batch // 3 * 3} or {batch // 3 * 3 + 3} (multiples of 3), --nodes {nodes} "
+                f"(they divide {batch}), or --modes weak" in err), err
+    from benchmarks._multi_node_args import per_rank_batch  # the plan's split, as main() makes it
+
+    args = parse(["--device", "cpu", "--quick", "--nodes", "3", "--batch-size", "258"])
+    strong, weak = per_rank_batch(args, "strong"), per_rank_batch(args, "weak")
+    assert (strong, weak) == (86, 258)
+    weak_only = parse(["--device", "cpu", "--nodes", "3", "--modes", "weak"])  # no split: every node the whole batch
+    assert weak_only.batch_size == 1024 and per_rank_batch(weak_only, "weak") == 1024
+    with pytest.raises(ValueError, match="does not split evenly over --nodes 3"):
+        per_rank_batch(weak_only, "strong")
+    run = {"world_size": 3, "epochs": [{"epoch_s": 2.0, "batches": 4}], "test_acc": 0.5, "device_name": "cpu",
+           "backend": "gloo", "stores": []}
+    rec = record("tiny", run, "strong", strong)
+    assert rec["batch_per_rank"] == 86 and rec["global_batch"] == 258 == args.batch_size
+    assert record("tiny", {**run, "world_size": 1}, "-", args.batch_size)["global_batch"] == 258
