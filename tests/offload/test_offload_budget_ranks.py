@@ -1,6 +1,7 @@
 """memory_budget across data-parallel ranks: every rank plans on the largest measures and runs the same plans."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import random
@@ -25,13 +26,34 @@ def _lm_loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(m(ids).flatten(0, 1), ids.roll(-1, 1).flatten())
 
 
-def _heavier(nbytes: int, sleep_s: float) -> Any:
+def _heavier(nbytes: int, sleep_s: float, device: torch.device) -> Any:
     """A forward pre-hook: the module allocates ``nbytes`` more for a moment and runs ``sleep_s`` longer."""
     def hook(module: nn.Module, args: Any) -> None:
-        extra = torch.empty(nbytes, dtype=torch.uint8)  # counted by the CPU memory meter, then freed
+        extra = torch.empty(nbytes, dtype=torch.uint8, device=device)  # counted by the memory meter, then freed
         del extra
         time.sleep(sleep_s)
     return hook
+
+
+def _math_attention(device: torch.device) -> Any:
+    """CUDA: the math attention kernels (deterministic backward); the CPU: nothing."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def _keep_peak(model: nn.Module, ids: torch.Tensor) -> int:
+    """The peak of one step of a copy of ``model`` with nothing offloaded (bytes)."""
+    if ids.device.type == "cpu":
+        return cpu_keep_peak(model, _lm_loss, ids)
+    m = copy.deepcopy(model)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with _math_attention(ids.device):
+        _lm_loss(m, ids).backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
 
 
 def _steps(model: nn.Module, batches: list[torch.Tensor], cache: TensorCache | None
@@ -43,10 +65,11 @@ def _steps(model: nn.Module, batches: list[torch.Tensor], cache: TensorCache | N
             p.grad = None
         torch.manual_seed(1000 + i)
         if cache is None:
-            loss = _lm_loss(model, ids)
-            loss.backward()
+            with _math_attention(ids.device):
+                loss = _lm_loss(model, ids)
+                loss.backward()
         else:
-            with cache:
+            with cache, _math_attention(ids.device):
                 loss = _lm_loss(model, ids)
                 loss.backward()
             plan = cache.plan
@@ -56,23 +79,27 @@ def _steps(model: nn.Module, batches: list[torch.Tensor], cache: TensorCache | N
     return out, plans
 
 
-def _worker(agree: Any) -> dict[str, Any]:
+def _worker(agree: Any, device: str = "cpu") -> dict[str, Any]:
     """One rank: DDP over a 4-layer GPT that is, on rank 1, bigger (each block allocates a third of keep's peak
     more for a moment as it begins) and slower (block 2 sleeps); ``STEPS`` steps under a budget at 70% of keep's
-    peak, with ``agree_across_ranks=agree``; gradients compared with the same steps without offloading."""
-    ctx = init_distributed("cpu")
+    peak, with ``agree_across_ranks=agree``; gradients compared with the same steps without offloading.
+    ``device``: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU a rank, longer sequences)."""
+    ctx = init_distributed(device)
+    dev = ctx.device
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = GPT(vocab=64, h=64, heads=4, layers=4, dropout=0.0, tied=False)
+    model = GPT(vocab=64, h=64, heads=4, layers=4, dropout=0.0, tied=False).to(dev)
     g = torch.Generator().manual_seed(100 + ctx.rank)  # each rank its own data
-    batches = [torch.randint(0, 64, (8, 64), generator=g) for _ in range(STEPS)]
-    keep = cpu_keep_peak(model, _lm_loss, batches[0])  # the same on every rank (same shapes, no extra yet)
+    shape = (8, 64) if dev.type == "cpu" else (16, 256)  # on a GPU activations outweigh the parameters
+    batches = [torch.randint(0, 64, shape, generator=g).to(dev) for _ in range(STEPS)]
+    keep = _keep_peak(model, batches[0])  # the same on every rank (same shapes, no extra yet)
     if ctx.rank == 1:
         for i, blk in enumerate(model.blocks):
-            blk.register_forward_pre_hook(_heavier(keep // 3, 0.01 if i == 2 else 0.0))
-    ref, _ = _steps(nn.parallel.DistributedDataParallel(copy.deepcopy(model)), batches, None)
-    ddp = nn.parallel.DistributedDataParallel(model)
-    cache = TensorCache("host", memory_budget=int(keep * 0.7), min_bytes=1024, offload_cpu_tensors=True,
+            blk.register_forward_pre_hook(_heavier(keep // 3, 0.01 if i == 2 else 0.0, dev))
+    ids = [dev.index] if dev.type == "cuda" else None
+    ref, _ = _steps(nn.parallel.DistributedDataParallel(copy.deepcopy(model), device_ids=ids), batches, None)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    cache = TensorCache("host", memory_budget=int(keep * 0.7), min_bytes=1024, offload_cpu_tensors=dev.type == "cpu",
                         agree_across_ranks=agree)
     cache.attach(ddp)
     collectives = {"all_reduce": dist.all_reduce, "all_gather_object": dist.all_gather_object}
@@ -117,6 +144,18 @@ def test_without_agreement_the_ranks_plan_apart() -> None:
     assert not r0["agreeing"] and not r1["agreeing"]
     assert r0["profile"] != r1["profile"]
     assert r0["plans"] != r1["plans"]
+
+
+@pytest.mark.gpu
+def test_ranks_agree_on_two_gpus_over_nccl() -> None:
+    """The same on two GPUs: the reductions run over NCCL (device tensors, the host waiting only at the next
+    forward's start)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    r0, r1 = launch(_worker, 2, (None, "cuda"))
+    assert r0["agreeing"] and r1["agreeing"]
+    assert r0["plans"] == r1["plans"] and r0["plans"][-1] is not None
+    assert r0["profile"] == r1["profile"] and r0["trials"] == r1["trials"]
 
 
 def _profile(rng: random.Random, n: int = 6, storages: int = 8) -> BudgetProfile:
