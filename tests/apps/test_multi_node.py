@@ -68,8 +68,9 @@ def _launch(dirs: list[Path], tmp: Path, extra: list[str], nnodes: int = 2, devi
                "datapath.cli", "train-gnn", "--dataset", str(d), "--shard-features", "--device", device,
                "--no-progress", "--dist-timeout", "60", *extra]
         node_env = {**env, "CUDA_VISIBLE_DEVICES": str(r)} if device == "cuda" else env
-        procs.append(subprocess.Popen(cmd, stdout=open(tmp / f"node{r}.log", "w"), stderr=subprocess.STDOUT,
-                                      env=node_env, start_new_session=True))
+        with open(tmp / f"node{r}.log", "w") as log:  # the node writes its own copy of the descriptor
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=node_env,
+                                          start_new_session=True))
     return procs
 
 
