@@ -122,9 +122,9 @@ class ShardedTier(ExchangeSteps, FetchTier):
         # cache; remote_cache_rows: rows of other shards this rank's batches found in its own GPU cache (not fetched)
         self._stats.extra.update(exchanges=0, timed_exchanges=0, received_rows=0, received_bytes=0, sent_rows=0,
                                  sent_bytes=0, sent_from_cache_rows=0, remote_cache_rows=0, id_bytes=0,
-                                 counts_seconds=0.0,
-                                 ids_seconds=0.0, exchange_seconds=0.0, wall_seconds=0.0, submit_seconds=0.0,
-                                 counts_wait_seconds=0.0, prepare_seconds=0.0, submit_cpu_seconds=0.0)
+                                 counts_seconds=0.0, ids_seconds=0.0, exchange_seconds=0.0, wall_seconds=0.0,
+                                 submit_seconds=0.0, counts_wait_seconds=0.0, prepare_seconds=0.0,
+                                 submit_cpu_seconds=0.0)
 
     def attach(self, cache: torch.Tensor | None, slots: torch.Tensor) -> None:
         """Serve the other ranks' requests through the store's tiers: rows in ``cache`` (its GPU cache) from there.
@@ -141,7 +141,7 @@ class ShardedTier(ExchangeSteps, FetchTier):
         ``remote_cache_rows`` when a batch finds it there)."""
         self._remote_slot = torch.cat([torch.zeros(1, dtype=torch.bool), remote.cpu().bool()]).to(self.device)
 
-    # `FeatureStore.stats` reads ``tier.stats``: the GPU times of finished exchanges are folded in first
+    # `FeatureStore.stats` reads ``tier.stats``: the finished exchanges' times and cache counters are folded in first
     @property
     def stats(self) -> Any:
         self._fold()
