@@ -507,11 +507,12 @@ class BudgetPolicy(Policy):
             self.calibration = max(0, int(miss))
             if self.calibration:
                 self.profile = shifted(self.profile, self.calibration)
-                log.info("memory budget: the timing step peaked %s above the memory model's figure for it; every "
-                         "interval of the profile moved up by that", _gb(self.calibration))
         if self.ranks is not None:  # every rank plans on the largest measures (once per profile made)
             self.profile, self.calibration, self._attention, self._device_bytes = self.ranks.agree_profile(
                 self.profile, self.calibration, self._attention, self.meter.total())
+        if timing is not None and self.calibration:
+            log.info("memory budget: the timing step peaked %s above the memory model's figure for it; every "
+                     "interval of the profile moved up by that", _gb(self.calibration))
         segs = rec.segments
         # what the forward allocates beyond what it holds at a segment's start, over the next few segments:
         # a pack waits for stores while the device holds more than the budget minus that
