@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import random
 import time
 from typing import Any
@@ -17,7 +18,7 @@ from torch import nn
 from _offload_models import GPT, assert_identical, cpu_keep_peak
 from datapath.apps import init_distributed, launch
 from datapath.offload import BudgetProfile, OffloadConfigError, SegmentCost, TensorCache
-from datapath.offload.rank_agreement import merge_attention, merge_profiles
+from datapath.offload.rank_agreement import RankAgreement, merge_attention, merge_profiles
 
 STEPS = 12
 
@@ -84,6 +85,9 @@ def _worker(agree: Any, device: str = "cpu") -> dict[str, Any]:
     more for a moment as it begins) and slower (block 2 sleeps); ``STEPS`` steps under a budget at 70% of keep's
     peak, with ``agree_across_ranks=agree``; gradients compared with the same steps without offloading.
     ``device``: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU a rank, longer sequences)."""
+    if device == "cuda":  # deterministic kernels: bit-identical gradients compare the offloading, not the GPU
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.use_deterministic_algorithms(True)
     ctx = init_distributed(device)
     dev = ctx.device
     torch.set_num_threads(1)
@@ -233,3 +237,32 @@ def test_one_process_calls_no_collective(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_agreement_option_is_checked() -> None:
     with pytest.raises(OffloadConfigError, match="agree_across_ranks"):
         TensorCache("host", memory_budget="1GB", agree_across_ranks="yes")
+
+
+def _own_gloo_group() -> dict[str, Any]:
+    """One rank: the default group reported as NCCL (as a GPU job's is): `RankAgreement.resolve` makes a gloo group
+    of every rank for itself and reduces over it; a given group that is not gloo is refused."""
+    ctx = init_distributed("cpu")
+    real = dist.get_backend
+    world = dist.group.WORLD
+    dist.get_backend = lambda group=None: "nccl" if group in (None, world) else real(group)  # type: ignore[assignment]
+    try:
+        agreement = RankAgreement.resolve(None)
+        refused = ""
+        try:
+            RankAgreement.resolve(dist.group.WORLD)
+        except OffloadConfigError as exc:
+            refused = str(exc)
+    finally:
+        dist.get_backend = real  # type: ignore[assignment]
+    assert agreement is not None and agreement.group is not None
+    own = real(agreement.group)
+    got = agreement.launch_max([float(ctx.rank), 10.0 - ctx.rank]).result()
+    return {"backend": str(own), "max": got, "refused": refused}
+
+
+def test_a_job_on_another_backend_agrees_over_a_gloo_group_of_its_own() -> None:
+    r0, r1 = launch(_own_gloo_group, 2)
+    for r in (r0, r1):
+        assert r["backend"] == "gloo" and r["max"] == [1.0, 10.0]
+        assert "pass a gloo group" in r["refused"]

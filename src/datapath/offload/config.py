@@ -106,8 +106,8 @@ class FlowOptions:
     ``agree_across_ranks``: a ``memory_budget`` plans on the largest peaks and times of the ranks of a
     collective-synchronous job (FSDP, DDP, TP), so every rank runs the same plan
     (`datapath.offload.rank_agreement`): None (on where ``torch.distributed`` is initialised with more
-    than one rank, over the default group), False (off: each rank plans alone), True (the default
-    group), or a ``ProcessGroup`` (its ranks).
+    than one rank: the default group where it is gloo, else a gloo group of every rank made for it), False
+    (off: each rank plans alone), True (the same as None), or a gloo ``ProcessGroup`` (its ranks).
     """
 
     max_inflight_bytes: float | None = None

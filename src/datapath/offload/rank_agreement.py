@@ -17,7 +17,10 @@ every rank makes the same decisions from identical inputs:
 - a trial round's step times, when the round closes (`reduce_max`: one ``all_reduce``).
 
 Every rank calls these at the same points of the same steps (lock-step), the same number of times.
-Tensors live on the process group's device: CUDA for NCCL (the current device), else the CPU.
+The numbers are the host's (`max_memory_allocated`, host clocks), and they travel over a gloo group of
+their own: a job on NCCL gets one more group (``new_group(backend="gloo")``, made by every rank at its
+first forward), so the agreement shares no communicator and no CUDA stream with the job's own collectives
+(DDP's bucket all-reduces, FSDP's all-gathers and reduce-scatters) and cannot reorder them.
 """
 from __future__ import annotations
 
@@ -34,22 +37,15 @@ log = logging.getLogger("datapath.offload.budget")
 
 
 class Pending:
-    """An ``all_reduce(MAX)`` launched without waiting: `result` gives the reduced numbers."""
+    """An ``all_reduce(MAX)`` launched without waiting (gloo runs it in the background): `result` gives the
+    reduced numbers."""
 
-    def __init__(self, work: Any, tensor: torch.Tensor, host: torch.Tensor | None = None,
-                 done: Any = None) -> None:
-        self.work = work        # gloo: the work to wait for (None once waited)
-        self.tensor = tensor    # the reduced tensor (kept alive until read)
-        self.host = host        # NCCL: the pinned host copy, ready once ``done`` (a CUDA event) is
-        self.done = done
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self.work = work        # the work to wait for (None once waited)
+        self.tensor = tensor    # the reduced CPU tensor
 
     def result(self) -> list[float]:
-        """The reduced numbers (waits for the reduction: NCCL, the host waits for the CUDA event recorded
-        after it; gloo, for the work)."""
-        if self.done is not None:
-            self.done.synchronize()
-            assert self.host is not None
-            return self.host.tolist()
+        """The reduced numbers (waits for the reduction)."""
         if self.work is not None:
             self.work.wait()
             self.work = None
@@ -57,59 +53,56 @@ class Pending:
 
 
 class RankAgreement:
-    """Reductions over the ranks of ``group`` (None: the default group) for one `BudgetPolicy`."""
+    """Reductions over the ranks of ``group`` (a gloo process group; None: the default group, itself gloo) for one
+    `BudgetPolicy`."""
 
-    def __init__(self, group: Any, world: int, device: torch.device) -> None:
+    def __init__(self, group: Any, world: int) -> None:
         self.group = group
         self.world = world
-        self.device = device
 
     @classmethod
     def resolve(cls, setting: Any) -> RankAgreement | None:
         """The agreement ``setting`` (`FlowOptions.agree_across_ranks`) asks for now: None where it is False,
-        where ``torch.distributed`` is not initialised, or where the group has one rank."""
+        where ``torch.distributed`` is not initialised, or where the group has one rank.  Called by every rank at
+        the same point (the first forward): on a default group that is not gloo it makes a gloo group of every
+        rank, which ``new_group`` requires every rank to call."""
         if setting is False:
             return None
         import torch.distributed as dist  # noqa: PLC0415
 
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        group = None if isinstance(setting, bool) or setting is None else setting
-        world = dist.get_world_size(group)
+        given = None if isinstance(setting, bool) or setting is None else setting
+        world = dist.get_world_size(given)
         if world <= 1:
             return None
-        backend = str(dist.get_backend(group)).lower()
-        device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend and "gloo" not in backend
-                  else torch.device("cpu"))
-        log.info("memory budget: plans agree across %d ranks (process group backend %s, tensors on %s): the "
-                 "profile, each planned step's peak and each trial's step times are the largest over the ranks",
-                 world, backend, device)
-        return cls(group, world, device)
+        backend = str(dist.get_backend(given)).lower()
+        group = given
+        if backend != "gloo":
+            if given is not None:
+                from datapath.offload.errors import OffloadConfigError  # noqa: PLC0415
+                raise OffloadConfigError(
+                    f"agree_across_ranks: the process group's backend is {backend}; pass a gloo group of the same "
+                    f"ranks (torch.distributed.new_group(ranks, backend='gloo')): the agreement exchanges a few host "
+                    f"numbers and must not share a communicator with the job's own collectives")
+            group = dist.new_group(backend="gloo")
+        log.info("memory budget: plans agree across %d ranks (over gloo%s): the profile, each planned step's peak "
+                 "and each trial's step times are the largest over the ranks", world,
+                 "" if group is given else f", a group of its own beside the job's {backend}")
+        return cls(group, world)
 
     # ------------------------------------------------------------ numbers
     def launch_max(self, values: list[float]) -> Pending:
-        """Start an ``all_reduce(MAX)`` of ``values`` (float64); the host does not wait for it.
+        """Start an ``all_reduce(MAX)`` of ``values`` (float64, on the CPU); the host does not wait for it.
 
-        Cost: one reduction of a few bytes.  NCCL: a pinned copy to the device, the current stream waits for
-        the reduction (every rank's GPU reaching this point; after a backward under FSDP/DDP it has waited for
-        their reduce-scatters already) and a copy back into pinned memory; `Pending.result` then waits only for
-        that copy, not for work queued after it (the optimizer step).  gloo: a background reduction of a CPU
-        tensor, waited for by `Pending.result`.
+        Cost: one gloo reduction of a few bytes between the ranks' processes (tens of microseconds on one host),
+        run by gloo's own thread; `Pending.result` waits for it.  No GPU work, no CUDA synchronisation.
         """
         import torch.distributed as dist  # noqa: PLC0415
 
         t = torch.tensor(values, dtype=torch.float64)
-        if self.device.type != "cuda":
-            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-            return Pending(work, t)
-        t = t.pin_memory().to(self.device, non_blocking=True)
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        work.wait()  # NCCL: the current stream waits for the reduction; the host does not
-        host = torch.empty(len(values), dtype=torch.float64, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return Pending(None, t, host, done)
+        return Pending(work, t)
 
     def reduce_max(self, values: list[float]) -> list[float]:
         """The largest of each of ``values`` over the ranks (waits for it)."""
@@ -126,8 +119,8 @@ class RankAgreement:
     def agree_profile(self, profile: BudgetProfile, calibration: int, attention: dict[int, tuple[int, float]],
                       device_bytes: int) -> tuple[BudgetProfile, int, dict[int, tuple[int, float]], int]:
         """Every rank's (profile, calibration, attention gains, device memory) merged: `merge_profiles`, the
-        largest calibration, `merge_attention`, the smallest device.  One ``all_gather_object`` (NCCL: of the
-        pickled payload on the current device; the host waits for it), once per profile made."""
+        largest calibration, `merge_attention`, the smallest device.  One ``all_gather_object`` of the pickled
+        payload (the host waits for it), once per profile made."""
         import torch.distributed as dist  # noqa: PLC0415
 
         got: list[Any] = [None] * self.world
