@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -139,10 +140,11 @@ class FeatureStore:
         self._schedules: list[Schedule] = []
         self.disk_costs: DiskCosts | None = None
         self._gpu_stats, self._host_stats = TierStats(), TierStats()
-        self._counts = torch.zeros(3, dtype=torch.int64, device=self.device)
-        self._counted = 0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # GPU time of the gathers
-        self._gpu_seconds = 0.0
+        # each gather's own counters and times (`_Gathered`): the gathering threads append, `stats` and
+        # `reset_stats` (any thread) fold the finished ones into the two stats above, all under this lock
+        self._gathers: list[_Gathered] = []
+        self._stats_lock = threading.Lock()
+        self._unread = False  # a gather was published since the statistics were last read (CUDA: they synchronise)
 
     # -- building ----------------------------------------------------------------------------
     def _order(self, hotness: torch.Tensor | Graph | None) -> torch.Tensor:
@@ -301,8 +303,8 @@ class FeatureStore:
         if self._direct is not None:
             start = self._timed()
             rows = gather_rows(self._direct, flat, error_flag)
-            self._timed(start)
-            self._direct_stats.add(flat.numel(), flat.numel() * self.row_bytes)
+            n = flat.numel()
+            self._publish((n, 0) if self._direct_stats is self._gpu_stats else (0, n), start)
             return PendingGather(self, rows, shape)
         own_flag = error_flag is None and self.device.type == "cuda"
         if own_flag:
@@ -315,12 +317,12 @@ class FeatureStore:
                 self.abort(exc)
             raise
         empty = torch.empty((0, *self.shape[1:]), dtype=self.dtype, device=self.device)
+        counts = torch.zeros(3, dtype=torch.int64, device=self.device)  # this gather's own (cache, host, other)
         start = self._timed()
         gather_tiered(self._cache if self._cache is not None else empty,
                       self._host if self._host is not None else empty, loc, out,
-                      error_flag=error_flag, counts=self._counts)
-        self._timed(start)
-        self._counted += flat.numel()
+                      error_flag=error_flag, counts=counts)
+        self._publish(counts, start)
         return PendingGather(self, out, shape, flat, loc, error_flag if own_flag else None, schedule, step)
 
     def abort(self, error: BaseException) -> None:
@@ -358,27 +360,60 @@ class FeatureStore:
                 else:
                     tier.fetch(*args)
 
-    def _timed(self, start: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
-        """Record a timing event on the current stream (CUDA only); with ``start``, keep the pair."""
+    def _timed(self) -> torch.cuda.Event | None:
+        """A timing event recorded on the current stream (CUDA only)."""
         if self.device.type != "cuda":
             return None
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
-        if start is not None:
-            self._events.append((start, ev))
-            if len(self._events) > 4096:
-                self._fold_events(wait=False)
         return ev
 
-    def _fold_events(self, wait: bool) -> None:
-        keep = []
-        for a, b in self._events:
-            if wait or b.query():
-                b.synchronize()
-                self._gpu_seconds += a.elapsed_time(b) / 1e3
-            else:
-                keep.append((a, b))
-        self._events = keep
+    def _publish(self, rows: torch.Tensor | tuple[int, int], start: torch.cuda.Event | None) -> None:
+        """Hand one gather's statistics to `_fold`: its rows from the cache and the host tier (``rows``: ints, or
+        the (3,) int64 counters its tiered gather wrote) and, on CUDA, its GPU time (from ``start``).
+
+        On CUDA the counters are copied to pinned memory behind the gather on the current stream (its stream),
+        and the record is folded once an event after that copy has completed; on a CPU they are read now.
+        """
+        if self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            if isinstance(rows, torch.Tensor):
+                host = pinned_empty((3,), torch.int64)
+                host.copy_(rows, non_blocking=True)
+                rows = host
+            done = torch.cuda.Event()
+            done.record()
+            rec = _Gathered(rows, start, end, done)
+        else:
+            rec = _Gathered(tuple(rows.tolist()[:2]) if isinstance(rows, torch.Tensor) else rows, None, None, None)
+        with self._stats_lock:
+            self._gathers.append(rec)
+            self._unread = True
+            if rec.done is None or len(self._gathers) > 4096:
+                self._fold()
+
+    def _fold(self) -> None:
+        """Add the finished gathers' rows, bytes and GPU time to the cache's and host tier's statistics (the caller
+        holds ``_stats_lock``; nothing here waits for the GPU: an unfinished gather stays for a later fold).
+
+        The counts cannot tear: each gather's tiered kernel adds to counters of its own, which nothing writes
+        after the gather (on CUDA their pinned copy is read only once the event recorded after the copy, on the
+        gather's stream, has completed); a record is taken from the list under the lock, so it is folded exactly
+        once; and `reset_stats` reads and zeroes under the same lock, so each gather falls wholly before or after
+        a reset.  No counter is read and then zeroed while another thread (or a stream) adds to it.
+        """
+        ready, keep = [], []
+        for rec in self._gathers:
+            (ready if rec.done is None or rec.done.query() else keep).append(rec)
+        self._gathers = keep
+        for rec in ready:
+            cache_rows, host_rows = (int(v) for v in (rec.rows.tolist()[:2] if isinstance(rec.rows, torch.Tensor)
+                                                      else rec.rows))
+            # one kernel reads both tiers: its GPU time is theirs together
+            seconds = 0.0 if rec.start is None else rec.start.elapsed_time(rec.end) / 1e3
+            self._gpu_stats.add(cache_rows, cache_rows * self.row_bytes, seconds)
+            self._host_stats.add(host_rows, host_rows * self.row_bytes, seconds)
 
     # -- facts -------------------------------------------------------------------------------
     @property
@@ -410,26 +445,30 @@ class FeatureStore:
         ``seconds`` of ``gpu_cache`` and ``host`` is the GPU time of the gathers that read them
         (one kernel serves both, so it is the same number); of ``disk``, the wall time of its fetches.
         """
-        if self._counted:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the gathers may run on the loader's streams
-            counts = self._counts.tolist()
-            self._counts.zero_()
-            self._counted = 0
-            self._gpu_stats.add(counts[0], counts[0] * self.row_bytes)
-            self._host_stats.add(counts[1], counts[1] * self.row_bytes)
-        self._fold_events(wait=True)
-        for s in (self._gpu_stats, self._host_stats):  # one kernel reads both: its GPU time is theirs together
-            s.seconds = self._gpu_seconds
-        tiers = {"gpu_cache": self._gpu_stats, "host": self._host_stats, **{t.name: t.stats for t in self._fetch}}
-        total = sum(s.rows for s in tiers.values())
-        return {name: s.as_dict(total) for name, s in tiers.items()}
+        return self._read_stats(reset=False)
 
-    def reset_stats(self) -> None:
-        self.stats()
-        self._gpu_seconds = 0.0
-        for s in (self._gpu_stats, self._host_stats, *(t.stats for t in self._fetch)):
-            s.reset()
+    def reset_stats(self) -> dict[str, dict[str, Any]]:
+        """Zero the statistics; returns them as they were (what `stats` would have returned), read and zeroed at
+        once: a gather running meanwhile on another thread is counted either there or in the next statistics."""
+        return self._read_stats(reset=True)
+
+    def _read_stats(self, reset: bool) -> dict[str, dict[str, Any]]:
+        """`stats`, and with ``reset`` each tier's counters zeroed in the instant they are read."""
+        if self._unread and self.device.type == "cuda":
+            self._unread = False  # (set again by a gather published after this)
+            torch.cuda.synchronize(self.device)  # the gathers may run on the loader's streams (waited on unlocked)
+        fetch = [(t.name, t.stats) for t in self._fetch]  # (a sharded tier folds its finished exchanges here)
+        with self._stats_lock:
+            self._fold()
+            snaps = {"gpu_cache": self._gpu_stats.snapshot(reset), "host": self._host_stats.snapshot(reset),
+                     **{name: s.snapshot(reset) for name, s in fetch}}
+        total = sum(s["rows"] for s in snaps.values())
+        out = {}
+        for name, s in snaps.items():
+            rows = s.pop("rows")
+            out[name] = {"rows": rows, "bytes": s.pop("bytes"), "seconds": s.pop("seconds"),
+                         "hit_rate": rows / total if total else 0.0, **s}
+        return out
 
     def close(self) -> None:
         """Stop the superbatch schedules and close the disk tier's file (idempotent)."""
@@ -441,3 +480,17 @@ class FeatureStore:
 
     def __repr__(self) -> str:
         return f"FeatureStore{self.describe()}"
+
+
+class _Gathered(NamedTuple):
+    """One gather's statistics (`FeatureStore._publish`), folded by `FeatureStore._fold` once ``done`` (None on a
+    CPU, else a CUDA event after everything below) has completed.
+
+    ``rows``: (rows from the GPU cache, rows from the host tier), ints, or on CUDA a pinned (3,) int64 copy of the
+    tiered kernel's counters; ``start``/``end``: CUDA timing events around the gather (None on a CPU).
+    """
+
+    rows: Any
+    start: Any
+    end: Any
+    done: Any

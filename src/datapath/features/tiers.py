@@ -45,6 +45,19 @@ class TierStats:
             for k, v in self.extra.items():
                 self.extra[k] = type(v)()
 
+    def snapshot(self, reset: bool = False) -> dict[str, Any]:
+        """The counters (rows, bytes, seconds and ``extra``) read at one instant; with ``reset``, zeroed in the same
+        instant (under the lock every `add` takes), so that a count is either in the snapshot or kept."""
+        with self._lock:
+            out = {"rows": self.rows, "bytes": self.bytes, "seconds": self.seconds,
+                   **{k: list(v) if isinstance(v, list) else v for k, v in self.extra.items()}}
+            if reset:
+                self.rows = self.bytes = 0
+                self.seconds = 0.0
+                for k, v in self.extra.items():
+                    self.extra[k] = type(v)()
+            return out
+
     def as_dict(self, total_rows: int) -> dict[str, Any]:
         """The counters plus ``hit_rate`` (share of all rows the store returned that came from this tier)."""
         with self._lock:
