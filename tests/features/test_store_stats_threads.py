@@ -18,19 +18,20 @@ from datapath.loaders import NeighborLoader
 
 SPEC = SyntheticSpec("s", 3000, 18000, 6, 4, seed=11)
 TIERS = ("gpu_cache", "host", "disk")
+EPOCHS = 2
 
 
 def _run(tmp_path: Any, device: str, reset_every: int) -> tuple[list[dict], dict, torch.Tensor, FeatureStore]:
-    """An epoch of a loader (2 producer threads, prefetching) over a store with a cache, a host tier and a disk tier,
-    while a reader thread calls ``stats()`` without pause; the training thread calls ``reset_stats()`` after every
-    ``reset_every`` batches (0: never).  Returns what each reset cleared, the statistics at the end, every row the
-    batches asked for, and the store."""
+    """`EPOCHS` epochs of a loader (2 producer threads, prefetching) over a store with a cache, a host tier and a
+    disk tier, while a reader thread calls ``stats()`` without pause; the training thread calls ``reset_stats()``
+    after every ``reset_every`` batches (0: never).  Returns what each reset cleared, the statistics at the end,
+    every row the batches asked for, and the store."""
     ds = generate(SPEC, device="cpu", progress=False)
     path = tmp_path / "f.npy"
     np.save(path, ds.features.numpy())
     hot = torch.rand(SPEC.num_nodes, generator=torch.Generator().manual_seed(2))
     store = FeatureStore(path, gpu_cache="10%", host_memory="30%", hotness=hot, device=device)
-    loader = NeighborLoader(ds.graph, ds.train_idx, [4, 3], 24, shuffle=True, seed=5, features=store, device=device,
+    loader = NeighborLoader(ds.graph, ds.train_idx, [4, 3], 8, shuffle=True, seed=5, features=store, device=device,
                             prefetch=3, num_workers=2)
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # the threads interleave as finely as the interpreter allows
@@ -44,7 +45,7 @@ def _run(tmp_path: Any, device: str, reset_every: int) -> tuple[list[dict], dict
     t.start()
     cleared, asked = [], []
     try:
-        for k, batch in enumerate(loader, 1):
+        for k, batch in enumerate((b for _ in range(EPOCHS) for b in loader), 1):
             asked.append(batch.input_nodes.cpu())
             assert torch.equal(batch.x.cpu(), ds.features[batch.input_nodes.cpu()])
             if reset_every and k % reset_every == 0:
