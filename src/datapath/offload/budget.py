@@ -55,28 +55,25 @@ step times: `datapath.offload.rank_agreement`), so every rank runs the same plan
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-import time
 from collections.abc import Callable
 
 from datapath.offload.attention_saved import AttentionCosts
 from datapath.offload.bandwidth import StoreBandwidth
 from datapath.offload.budget_floor import Floor
-from datapath.offload.budget_planner import (
-    KEEP_ALL, BudgetPlan, BudgetProfile, checkpoint_plan, modelled_peak, plan_budget, shifted)
-from datapath.offload.budget_profile import profile_of, record_peak
+from datapath.offload.budget_planner import KEEP_ALL, BudgetPlan, BudgetProfile, modelled_peak
+from datapath.offload.budget_planning import LOOKAHEAD, BudgetPlanning
+from datapath.offload.budget_profile import record_peak
 from datapath.offload.config import OffloadConfig
 from datapath.offload.errors import OffloadConfigError
 from datapath.offload.memory_meter import MemoryMeter
 from datapath.offload.models import AttachedModels
-from datapath.offload.plan_trials import MAX_TRIAL_ROUNDS, TRIAL_COSTS, PlanTrials, Run
+from datapath.offload.plan_trials import PlanTrials, Run
 from datapath.offload.plan_trials import gb as _gb
-from datapath.offload.plan_trials import plan_shape as _shape
 from datapath.offload.policy import Backpressure, Policy, derived_bound
 from datapath.offload.rank_agreement import Pending, RankAgreement
-from datapath.offload.recompute import already_recomputed, clear_recompute, set_recompute
+from datapath.offload.recompute import clear_recompute, set_recompute
 from datapath.offload.regional_compile import is_compiled
 from datapath.offload.records import Clock, Record, Segment
 from datapath.offload.stats import OffloadStats
@@ -85,19 +82,19 @@ from datapath.offload.store_room import StoreRoom
 log = logging.getLogger("datapath.offload.budget")
 
 RELAX_BELOW = 0.93   # a planned step under this share of the budget may relax the plan (once)
-LOOKAHEAD = 4        # forward segments whose working set a pack's admission leaves room for
 FREE_LEAD = 16       # units a planned step's CPU may run ahead of the GPU past its offloaded segments
 OVER = 1.005         # a planned step over this share of the budget corrects the plan (measurement noise below)
 PROBE_WAIT_S = 30.0       # the longest the profiled step waits for the store's bandwidth probe to end
 
 
-class BudgetPolicy(Policy):
+class BudgetPolicy(BudgetPlanning, Policy):
     """Keep / offload / recompute planned from a profiled step to fit ``budget`` bytes.
 
     Besides a `Policy`'s collaborators: ``meter``, the device memory the budget is measured
     against; ``models``, the attached models (their blocks are recomputed, their parameters
     count against the budget); ``clock``, the time marks of the steps a trial compares; ``room``,
-    the bytes the store may still take (None, or returning None: not known).
+    the bytes the store may still take (None, or returning None: not known).  Its planning steps (the profile,
+    the plans made from it) are `BudgetPlanning`'s (`datapath.offload.budget_planning`).
     """
 
     name = "budget"
@@ -242,15 +239,6 @@ class BudgetPolicy(Policy):
             first = self._trials.start(run, self.plan, self._candidates())
             if first is not None:
                 self._use(first)
-
-    def _candidates(self) -> list[BudgetPlan]:
-        """The plans a trial measures against the one in force: those made with offloading weighed more
-        (where it offloads), and checkpointing's (every block recomputed) where the model fits it and the
-        plan keeps some block (a plan that recomputes every block differs only by measured gains)."""
-        assert self.plan is not None and self.profile is not None
-        plans = [self._plan_for(self.target, cost) for cost in TRIAL_COSTS] if self.plan.offload_bytes else []
-        ckpt = checkpoint_plan(self.profile, int(self.target), recomputed=self.base_recompute)
-        return plans + ([ckpt] if ckpt.recompute != self.plan.recompute else [])
 
     def _round_step(self) -> None:
         """A trial round's step ended: its next plan, or the kept one.  At the floor, a kept plan other than
@@ -466,93 +454,6 @@ class BudgetPolicy(Policy):
         # a planned step stores only its first segments: pace while their stores run, then let the CPU run
         # ahead (a wait per unit starves the GPU where a unit's kernels are shorter than their launches)
         return lead if segment <= plan.cut_segment + LOOKAHEAD else max(lead, FREE_LEAD)
-
-    # ------------------------------------------------------------ trials
-    def _use(self, plan: BudgetPlan) -> None:
-        self.plan = plan
-        set_recompute(self.models.blocks, plan.recompute, plan.attention_saved)
-
-    # ------------------------------------------------------------ planning
-    def _recomputable(self, rec: Record) -> list[int]:
-        blocks = self.models.blocks
-        return [b for b in sorted({s.block for s in rec.segments if s.block >= 0})
-                if b < len(blocks) and not already_recomputed(blocks[b]) and b not in self.base_recompute]
-
-    def _plan_for(self, target: float, offload_cost: float = 1.0, profile: BudgetProfile | None = None,
-                  ) -> BudgetPlan:
-        """`plan_budget` for ``target`` bytes on ``profile`` (the policy's by default); the blocks the profile was
-        taken recomputed stay recomputed."""
-        profile = profile or self.profile
-        assert profile is not None
-        t0 = time.perf_counter()
-        plan = plan_budget(profile, int(target), offload_cost=offload_cost, attention=self._attention,
-                           recomputed=self.base_recompute)
-        self.planning_s += time.perf_counter() - t0
-        if self.base_recompute:
-            plan = dataclasses.replace(plan, recompute=tuple(sorted(set(plan.recompute) | set(self.base_recompute))))
-        return plan
-
-    def _set_profile(self, rec: Record, timing: Record | None) -> None:
-        """The profile from the memory record ``rec`` (times from ``timing`` when given), moved by the change
-        of the memory held at a step's start since ``rec`` began (optimizer state made after it, ...)."""
-        now = self.meter.allocated()
-        self._attention = self.attention.gains()
-        self.attention.detach(self.models.blocks)
-        self.profile = shifted(self._build_profile(rec, timing), now - rec.mem_base)
-        if timing is not None and self._timing_peak is not None:
-            # the timing step ran a configuration the model knows (every block recomputed, nothing offloaded):
-            # its measured peak above the memory it began with, against the model's figure above ``now``
-            blocks = self._recomputable(rec)
-            miss = (self._timing_peak - timing.mem_base) - (modelled_peak(self.profile, blocks, 0) - now)
-            self.calibration = max(0, int(miss))
-            if self.calibration:
-                self.profile = shifted(self.profile, self.calibration)
-        if self.ranks is not None:  # every rank plans on the largest measures (once per profile made)
-            self.profile, self.calibration, self._attention, self._device_bytes = self.ranks.agree_profile(
-                self.profile, self.calibration, self._attention, self.meter.total())
-        if timing is not None and self.calibration:
-            log.info("memory budget: the timing step peaked %s above the memory model's figure for it; every "
-                     "interval of the profile moved up by that", _gb(self.calibration))
-        segs = rec.segments
-        # what the forward allocates beyond what it holds at a segment's start, over the next few segments:
-        # a pack waits for stores while the device holds more than the budget minus that
-        grow = [max(0, s.mem_fwd - s.alloc_fwd) for s in segs]
-        self._head_fwd = [max(grow[i: i + LOOKAHEAD]) for i in range(len(grow))]
-        self._head_bwd = max((s.mem_bwd - s.alloc_bwd for s in segs if s.mem_bwd is not None), default=0)
-        self._block_bytes = {b: self.room.block_bytes_max for b in self.base_recompute}  # measured by the first step
-        for si, nb, _ in rec.tensors:
-            b = segs[si].block
-            if b >= 0:
-                self._block_bytes[b] = self._block_bytes.get(b, 0) + nb
-
-    def _replan(self, relaxing: bool = False) -> None:
-        """Plan for ``target``; ``relaxing`` (a higher target): a plan a kept one outran in a trial stays out."""
-        assert self.profile is not None
-        plan = self._plan_for(self.target)
-        if relaxing and _shape(plan) in self._trials.lost:
-            return
-        self.replans += 1
-        self.floor.at = plan.infeasible
-        if plan.infeasible:
-            # not refused on the model's word: the lowest plan runs, and its measured peak decides
-            log.info("memory budget: no plan is modelled under %s (the lowest modelled: %s); running the lowest",
-                     _gb(self.target), _gb(plan.predicted_peak))
-            plan = self.floor.choice or dataclasses.replace(plan, infeasible=False)
-        if self.plan is not None and _shape(plan) == _shape(self.plan):
-            return  # the same step as before (a relaxed target that changes nothing): its measures stand
-        self.plan = plan
-        self._trials.due = (bool(plan.offload_bytes or plan.recompute) and not self.floor.at
-                            and len(self.trials) < MAX_TRIAL_ROUNDS)
-        set_recompute(self.models.blocks, plan.recompute, plan.attention_saved)
-        log.info("memory budget %s (planning for %s): offload %s (%d segments), recompute %d block(s) %s (attention "
-                 "kept in %s), predicted peak %s, predicted step %.1f ms", _gb(self.budget), _gb(self.target),
-                 _gb(plan.offload_bytes), plan.cut_segment, len(plan.recompute), list(plan.recompute),
-                 list(plan.attention_saved),
-                 _gb(plan.predicted_peak), plan.predicted_time * 1e3)
-
-    def _build_profile(self, rec: Record, timing: Record | None) -> BudgetProfile:
-        """Memory from the everything-offloaded step ``rec``; times from the recompute step ``timing``."""
-        return profile_of(rec, timing, self.clock, self.bandwidth.now(), self._recomputable(rec))
 
     def close(self) -> None:
         for pending, _, _ in self._agreeing:  # every rank launched them: wait, decide nothing

@@ -1,0 +1,129 @@
+"""`BudgetPolicy`'s planning: the profile made from its profiled steps, and the plans made from it.
+
+`BudgetPlanning`, mixed into `datapath.offload.budget.BudgetPolicy`, holds the policy's side of planning:
+`_set_profile` (the memory step's profile, times from the timing step, moved by the memory held since, moved up by
+the timing step's calibration, agreed over the ranks; `_build_profile`), `_plan_for` (`plan_budget` for a target,
+the blocks the profile was taken with recomputed staying recomputed), `_replan` (the plan for the policy's target
+put in force, and logged), `_candidates` (the plans a trial measures against the one in force), `_use` and
+`_recomputable`.  The planner itself is `datapath.offload.budget_planner`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from datapath.offload.budget_planner import (
+    BudgetPlan, BudgetProfile, checkpoint_plan, modelled_peak, plan_budget, shifted)
+from datapath.offload.budget_profile import profile_of
+from datapath.offload.plan_trials import MAX_TRIAL_ROUNDS, TRIAL_COSTS
+from datapath.offload.plan_trials import gb as _gb
+from datapath.offload.plan_trials import plan_shape as _shape
+from datapath.offload.recompute import already_recomputed, set_recompute
+from datapath.offload.records import Record
+
+log = logging.getLogger("datapath.offload.budget")  # one logger for the policy and its planning
+
+LOOKAHEAD = 4        # forward segments whose working set a pack's admission leaves room for
+
+
+class BudgetPlanning:
+    """The planning steps of a `BudgetPolicy`, mixed into it: they read and set the policy's state, set by its
+    ``__init__`` (``profile``, ``plan``, ``target``, ``budget``, ``calibration``, ``replans``, ``planning_s``,
+    ``ranks``, ``room``, ``floor``, ``attention``, ``models``, ``meter``, ``clock``, ``bandwidth``, and ``_trials``,
+    ``_attention``, ``_timing_peak``, ``_head_fwd``, ``_head_bwd``, ``_block_bytes``, ``_device_bytes``) and its
+    properties ``base_recompute`` and ``trials``."""
+
+    def _candidates(self) -> list[BudgetPlan]:
+        """The plans a trial measures against the one in force: those made with offloading weighed more
+        (where it offloads), and checkpointing's (every block recomputed) where the model fits it and the
+        plan keeps some block (a plan that recomputes every block differs only by measured gains)."""
+        assert self.plan is not None and self.profile is not None
+        plans = [self._plan_for(self.target, cost) for cost in TRIAL_COSTS] if self.plan.offload_bytes else []
+        ckpt = checkpoint_plan(self.profile, int(self.target), recomputed=self.base_recompute)
+        return plans + ([ckpt] if ckpt.recompute != self.plan.recompute else [])
+
+    def _use(self, plan: BudgetPlan) -> None:
+        self.plan = plan
+        set_recompute(self.models.blocks, plan.recompute, plan.attention_saved)
+
+    def _recomputable(self, rec: Record) -> list[int]:
+        blocks = self.models.blocks
+        return [b for b in sorted({s.block for s in rec.segments if s.block >= 0})
+                if b < len(blocks) and not already_recomputed(blocks[b]) and b not in self.base_recompute]
+
+    def _plan_for(self, target: float, offload_cost: float = 1.0, profile: BudgetProfile | None = None,
+                  ) -> BudgetPlan:
+        """`plan_budget` for ``target`` bytes on ``profile`` (the policy's by default); the blocks the profile was
+        taken recomputed stay recomputed."""
+        profile = profile or self.profile
+        assert profile is not None
+        t0 = time.perf_counter()
+        plan = plan_budget(profile, int(target), offload_cost=offload_cost, attention=self._attention,
+                           recomputed=self.base_recompute)
+        self.planning_s += time.perf_counter() - t0
+        if self.base_recompute:
+            plan = dataclasses.replace(plan, recompute=tuple(sorted(set(plan.recompute) | set(self.base_recompute))))
+        return plan
+
+    def _set_profile(self, rec: Record, timing: Record | None) -> None:
+        """The profile from the memory record ``rec`` (times from ``timing`` when given), moved by the change
+        of the memory held at a step's start since ``rec`` began (optimizer state made after it, ...)."""
+        now = self.meter.allocated()
+        self._attention = self.attention.gains()
+        self.attention.detach(self.models.blocks)
+        self.profile = shifted(self._build_profile(rec, timing), now - rec.mem_base)
+        if timing is not None and self._timing_peak is not None:
+            # the timing step ran a configuration the model knows (every block recomputed, nothing offloaded):
+            # its measured peak above the memory it began with, against the model's figure above ``now``
+            blocks = self._recomputable(rec)
+            miss = (self._timing_peak - timing.mem_base) - (modelled_peak(self.profile, blocks, 0) - now)
+            self.calibration = max(0, int(miss))
+            if self.calibration:
+                self.profile = shifted(self.profile, self.calibration)
+        if self.ranks is not None:  # every rank plans on the largest measures (once per profile made)
+            self.profile, self.calibration, self._attention, self._device_bytes = self.ranks.agree_profile(
+                self.profile, self.calibration, self._attention, self.meter.total())
+        if timing is not None and self.calibration:
+            log.info("memory budget: the timing step peaked %s above the memory model's figure for it; every "
+                     "interval of the profile moved up by that", _gb(self.calibration))
+        segs = rec.segments
+        # what the forward allocates beyond what it holds at a segment's start, over the next few segments:
+        # a pack waits for stores while the device holds more than the budget minus that
+        grow = [max(0, s.mem_fwd - s.alloc_fwd) for s in segs]
+        self._head_fwd = [max(grow[i: i + LOOKAHEAD]) for i in range(len(grow))]
+        self._head_bwd = max((s.mem_bwd - s.alloc_bwd for s in segs if s.mem_bwd is not None), default=0)
+        self._block_bytes = {b: self.room.block_bytes_max for b in self.base_recompute}  # measured by the first step
+        for si, nb, _ in rec.tensors:
+            b = segs[si].block
+            if b >= 0:
+                self._block_bytes[b] = self._block_bytes.get(b, 0) + nb
+
+    def _replan(self, relaxing: bool = False) -> None:
+        """Plan for ``target``; ``relaxing`` (a higher target): a plan a kept one outran in a trial stays out."""
+        assert self.profile is not None
+        plan = self._plan_for(self.target)
+        if relaxing and _shape(plan) in self._trials.lost:
+            return
+        self.replans += 1
+        self.floor.at = plan.infeasible
+        if plan.infeasible:
+            # not refused on the model's word: the lowest plan runs, and its measured peak decides
+            log.info("memory budget: no plan is modelled under %s (the lowest modelled: %s); running the lowest",
+                     _gb(self.target), _gb(plan.predicted_peak))
+            plan = self.floor.choice or dataclasses.replace(plan, infeasible=False)
+        if self.plan is not None and _shape(plan) == _shape(self.plan):
+            return  # the same step as before (a relaxed target that changes nothing): its measures stand
+        self.plan = plan
+        self._trials.due = (bool(plan.offload_bytes or plan.recompute) and not self.floor.at
+                            and len(self.trials) < MAX_TRIAL_ROUNDS)
+        set_recompute(self.models.blocks, plan.recompute, plan.attention_saved)
+        log.info("memory budget %s (planning for %s): offload %s (%d segments), recompute %d block(s) %s (attention "
+                 "kept in %s), predicted peak %s, predicted step %.1f ms", _gb(self.budget), _gb(self.target),
+                 _gb(plan.offload_bytes), plan.cut_segment, len(plan.recompute), list(plan.recompute),
+                 list(plan.attention_saved),
+                 _gb(plan.predicted_peak), plan.predicted_time * 1e3)
+
+    def _build_profile(self, rec: Record, timing: Record | None) -> BudgetProfile:
+        """Memory from the everything-offloaded step ``rec``; times from the recompute step ``timing``."""
+        return profile_of(rec, timing, self.clock, self.bandwidth.now(), self._recomputable(rec))
