@@ -6,8 +6,8 @@ or recomputes has run one measured step, the plans made with offloading weighed 
 (``TRIAL_COSTS``: less offloaded, more recomputed) and checkpointing's plan (every block recomputed)
 run one step each, and the fastest measured step (GPU time from the forward's start to the
 backward's end) whose peak held the budget is kept.  Below the model's floor, checkpointing's plan
-is measured against the lowest plan the same way.  `PlanTrials` holds a trial's state; `datapath.offload.budget.BudgetPolicy` asks
-it which plan runs next.
+is measured against the lowest plan the same way.  `PlanTrials` holds a trial's state;
+`datapath.offload.budget.BudgetPolicy` asks it which plan runs next.
 """
 from __future__ import annotations
 

@@ -160,7 +160,8 @@ def merge_profiles(profiles: list[BudgetProfile]) -> BudgetProfile:
         block_inputs={b: max(p.block_inputs[b] for p in profiles) for b in first.block_inputs},
         storage_inputs=[b if all(p.storage_inputs[j] == b for p in profiles) else -1
                         for j, b in enumerate(first.storage_inputs)],
-        write_bandwidth=min(p.write_bandwidth for p in profiles), read_bandwidth=min(p.read_bandwidth for p in profiles),
+        write_bandwidth=min(p.write_bandwidth for p in profiles),
+        read_bandwidth=min(p.read_bandwidth for p in profiles),
         backward_ratio=max(p.backward_ratio for p in profiles))
 
 

@@ -12,7 +12,8 @@ saved by every block (a memory every block attends to), tied weights, dropout, b
 ``torch.utils.checkpoint``; and a configuration: everything
 offloaded to pinned host memory, to files, or to a host tier too small for the step (the rest to files), the
 adaptive policy, or a ``memory_budget`` of the resident memory plus a random share of what a plain step adds to
-it, with a fast or a slow store (offloading or recomputing blocks), with a random ``min_bytes``, prefetch distance and units (blocks or leaves);
+it, with a fast or a slow store (offloading or recomputing blocks), with a random ``min_bytes``, prefetch
+distance and units (blocks or leaves);
 and a training loop: one micro-batch a step, two accumulated, two interleaved as a pipeline schedule runs them
 (both forwards, then both backwards, with micro-batch hints), or a ``torch.no_grad`` forward before the step; some
 cases freeze the embedding and the q/k/v projections.  On the file targets a case may make one write (ENOSPC or
