@@ -276,26 +276,20 @@ class DiskTier(FetchTier):
                 self._staging_free.record()
             else:
                 out.index_copy_(0, positions, rows.index_select(0, slot).view(-1, *out.shape[1:]))
+            # the fetch's rows and reads in one update: a reset (any thread) falls wholly before or after it
             self.stats.add(rows=int(ids.numel()), nbytes=int(ids.numel()) * self.table.row_bytes,
-                           seconds=time.perf_counter() - t0)
-            self.count_reads(int(plan.offsets.size), plan.nbytes, io_s)
+                           seconds=time.perf_counter() - t0, reads=int(plan.offsets.size), read_bytes=plan.nbytes,
+                           io_seconds=io_s)
 
     def count_reads(self, reads: int, nbytes: int, io_s: float, superbatch: dict | None = None) -> None:
         """Add reads made for this tier elsewhere (a superbatch's, `datapath.features.superbatch`)."""
-        with self.stats._lock:
-            ex = self.stats.extra
-            ex["reads"] += reads
-            ex["read_bytes"] += nbytes
-            ex["io_seconds"] += io_s
-            if superbatch is not None:
-                ex["superbatches"].append(superbatch)
+        self.stats.add(reads=reads, read_bytes=nbytes, io_seconds=io_s,
+                       **({} if superbatch is None else {"superbatches": [superbatch]}))
 
     def count_staged(self, rows: int, missing: int, seconds: float) -> None:
         """Rows a superbatch served from its staging buffer (``missing``: rows of its batches it lacked)."""
-        self.stats.add(rows=rows, nbytes=rows * self.table.row_bytes, seconds=seconds)
-        with self.stats._lock:
-            self.stats.extra["staged_rows"] += rows
-            self.stats.extra["staged_missing"] += missing
+        self.stats.add(rows=rows, nbytes=rows * self.table.row_bytes, seconds=seconds, staged_rows=rows,
+                       staged_missing=missing)
 
     def _rows_view(self, staging: torch.Tensor, used: int) -> torch.Tensor:
         """The staging bytes as overlapping rows: row ``k`` starts at byte ``r0 + k * align``."""

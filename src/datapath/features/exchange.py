@@ -267,7 +267,8 @@ class ShardedTier(ExchangeSteps, FetchTier):
         written them (on CUDA: a copy to pinned memory behind the exchange's work, done when its event is), and
         nothing writes them afterwards.  So this read cannot tear: no counter is read while another thread (or a
         stream) adds to it, no count is zeroed after it was read, and every exchange is folded exactly once (the
-        records taken from the list under its lock), all of its statistics together.
+        records taken from the list under its lock), all of its statistics together, under the lock `TierStats.snapshot`
+        reads and zeroes under (as every statistic the exchange thread adds: `TierStats.add`).
         """
         with self._records_lock:
             ready = []
@@ -275,16 +276,13 @@ class ShardedTier(ExchangeSteps, FetchTier):
             for rec in self._records:
                 (ready if rec.done is None or rec.done.query() else keep).append(rec)
             self._records = keep
-            ex = self._stats.extra
             for rec in ready:
                 stages, (from_cache, remote_hits) = rec.resolve()
-                self._stats.add(seconds=sum(stages))  # the time between the two parts is not the exchange's
-                ex["counts_seconds"] += stages[0]
-                ex["ids_seconds"] += stages[1]
-                ex["exchange_seconds"] += stages[2]
-                ex["sent_from_cache_rows"] += from_cache
-                ex["remote_cache_rows"] += remote_hits
-                ex["timed_exchanges"] += 1
+                # one update under the statistics' lock (the one a reset takes): the exchange falls wholly before
+                # or after a reset; the time between the two parts is not the exchange's
+                self._stats.add(seconds=sum(stages), counts_seconds=stages[0], ids_seconds=stages[1],
+                                exchange_seconds=stages[2], sent_from_cache_rows=from_cache,
+                                remote_cache_rows=remote_hits, timed_exchanges=1)
 
     def close(self) -> None:
         """Mark the tier closed: a later fetch raises, naming this rank (the shard's memory goes with the tier

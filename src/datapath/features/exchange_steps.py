@@ -69,7 +69,7 @@ class ExchangeSteps:
         if cuda:
             c.events = [start, _event()]
         c.prep_counts_s = time.perf_counter() - t0
-        self._stats.extra["prepare_seconds"] += c.prep_counts_s
+        self._stats.add(prepare_seconds=c.prep_counts_s)  # under the statistics' lock, as every update below
         return c
 
     def _submit(self, c: "_Counts") -> None:
@@ -98,7 +98,7 @@ class ExchangeSteps:
         t0 = time.perf_counter()
         c.matrix = _host_counts(c)
         c.wait_s = time.perf_counter() - t0
-        self._stats.extra["counts_wait_seconds"] += c.wait_s
+        self._stats.add(counts_wait_seconds=c.wait_s)
         self._raise_failed(c.matrix, c.ids, c.flag)
         self._plan(c)
 
@@ -108,11 +108,10 @@ class ExchangeSteps:
         its rows go (on the current stream); and the part's statistics."""
         t0 = time.perf_counter()
         matrix = c.matrix
-        ex = self._stats.extra
-        ex["exchanges"] += 1
         mine = matrix[self.rank]  # rows this rank asks of each rank
         theirs = [matrix[r][self.rank] for r in range(self.world_size)]  # rows each rank asks of this one
         c.total = total = sum(mine)
+        counted = {"exchanges": 1}
         if any(any(row) for row in matrix):
             local = c.ordered[:total] - torch.repeat_interleave(self._bounds[:-1], c.asks, output_size=total)
             c.local = local.to(self._comm, self._id_dtype)
@@ -123,15 +122,14 @@ class ExchangeSteps:
                 c.served = torch.zeros(3, dtype=torch.int64, device=self._comm)
             remote_in = total - mine[self.rank]
             remote_out = sum(theirs) - theirs[self.rank]
-            ex["received_rows"] += remote_in
-            ex["received_bytes"] += remote_in * self._row_bytes
-            ex["sent_rows"] += remote_out
-            ex["sent_bytes"] += remote_out * self._row_bytes
-            ex["id_bytes"] += (remote_in + remote_out) * c.wanted.element_size()
-        self._stats.add(rows=total, nbytes=total * self._row_bytes)
+            counted.update(received_rows=remote_in, received_bytes=remote_in * self._row_bytes,
+                           sent_rows=remote_out, sent_bytes=remote_out * self._row_bytes,
+                           id_bytes=(remote_in + remote_out) * c.wanted.element_size())
         c.planned = True
         c.prep_rest_s = time.perf_counter() - t0
-        ex["prepare_seconds"] += c.prep_rest_s
+        # the part's statistics in one update, under the lock a reset takes (never read, added to and written
+        # back around a reset on another thread)
+        self._stats.add(rows=total, nbytes=total * self._row_bytes, prepare_seconds=c.prep_rest_s, **counted)
 
     def _rows(self, c: "_Counts") -> None:
         """The exchange's second part (`_plan` done): the ids all_to_all, then per piece the owner's gather of the
@@ -139,7 +137,6 @@ class ExchangeSteps:
         cuda = self.device.type == "cuda"
         t1, cpu1 = time.perf_counter(), time.thread_time()
         resumed = _event() if cuda else None
-        ex = self._stats.extra
         # host time of the first part (CPU: the counts stage): its preparation, submission and wait
         counts_s = c.prep_counts_s + c.host_s + c.wait_s
         if c.pieces:
@@ -154,9 +151,8 @@ class ExchangeSteps:
             stages = (*c.events, resumed, resumed, resumed) if cuda else (counts_s, 0.0, 0.0)
         self._publish(c, stages)
         submit = c.host_s + time.perf_counter() - t1
-        ex["submit_seconds"] += submit
-        ex["submit_cpu_seconds"] += c.cpu_s + time.thread_time() - cpu1
-        ex["wall_seconds"] += submit + c.prep_counts_s + c.prep_rest_s + c.wait_s
+        self._stats.add(submit_seconds=submit, submit_cpu_seconds=c.cpu_s + time.thread_time() - cpu1,
+                        wall_seconds=submit + c.prep_counts_s + c.prep_rest_s + c.wait_s)
 
     def _publish(self, c: "_Counts", stages: tuple[Any, ...]) -> None:
         """Hand exchange ``c``'s statistics to `ShardedTier._fold`: its stage times and its own cache counters

@@ -32,18 +32,22 @@ class TierStats:
     extra: dict[str, Any] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, rows: int = 0, nbytes: int = 0, seconds: float = 0.0) -> None:
+    def add(self, rows: int = 0, nbytes: int = 0, seconds: float = 0.0, **extra: Any) -> None:
+        """Add to the counters and to ``extra``'s (each ``extra[k] += v``; a list's ``v``: items appended), all
+        under the lock `snapshot` reads and zeroes under, so that a reset falls wholly before or after the call."""
         with self._lock:
             self.rows += rows
             self.bytes += nbytes
             self.seconds += seconds
+            for k, v in extra.items():
+                if isinstance(self.extra[k], list):
+                    self.extra[k].extend(v)
+                else:
+                    self.extra[k] += v
 
-    def reset(self) -> None:
-        with self._lock:
-            self.rows = self.bytes = 0
-            self.seconds = 0.0
-            for k, v in self.extra.items():
-                self.extra[k] = type(v)()
+    def reset(self) -> dict[str, Any]:
+        """Zero the counters; returns them as they were (`snapshot`), read and zeroed at once."""
+        return self.snapshot(reset=True)
 
     def snapshot(self, reset: bool = False) -> dict[str, Any]:
         """The counters (rows, bytes, seconds and ``extra``) read at one instant; with ``reset``, zeroed in the same
