@@ -43,7 +43,7 @@ from datapath.features.pending_gather import PendingGather
 from datapath.features.scan import BOUNCE_BUFFERS, DiskCosts, probe_disk
 from datapath.features.superbatch import Schedule, StagingPool
 from datapath.features.table_file import TableFile
-from datapath.features.tiers import FetchTier, TierStats
+from datapath.features.tiers import FetchTier, TierStats, with_hit_rate
 from datapath.graph import Graph
 from datapath.memory import (
     ErrorFlag, deferred_flag, gather_rows, gather_tiered, host_of, is_unified, placement_of, to_placement,
@@ -463,12 +463,7 @@ class FeatureStore:
             snaps = {"gpu_cache": self._gpu_stats.snapshot(reset), "host": self._host_stats.snapshot(reset),
                      **{name: s.snapshot(reset) for name, s in fetch}}
         total = sum(s["rows"] for s in snaps.values())
-        out = {}
-        for name, s in snaps.items():
-            rows = s.pop("rows")
-            out[name] = {"rows": rows, "bytes": s.pop("bytes"), "seconds": s.pop("seconds"),
-                         "hit_rate": rows / total if total else 0.0, **s}
-        return out
+        return {name: with_hit_rate(s, total) for name, s in snaps.items()}
 
     def close(self) -> None:
         """Stop the superbatch schedules and close the disk tier's file (idempotent)."""

@@ -64,10 +64,15 @@ class TierStats:
 
     def as_dict(self, total_rows: int) -> dict[str, Any]:
         """The counters plus ``hit_rate`` (share of all rows the store returned that came from this tier)."""
-        with self._lock:
-            extra = {k: list(v) if isinstance(v, list) else v for k, v in self.extra.items()}  # a snapshot
-            return {"rows": self.rows, "bytes": self.bytes, "seconds": self.seconds,
-                    "hit_rate": self.rows / total_rows if total_rows else 0.0, **extra}
+        return with_hit_rate(self.snapshot(), total_rows)
+
+
+def with_hit_rate(snapshot: dict[str, Any], total_rows: int) -> dict[str, Any]:
+    """A tier's `TierStats.snapshot` with ``hit_rate`` (its share of ``total_rows``) after its seconds."""
+    rest = {k: v for k, v in snapshot.items() if k not in ("rows", "bytes", "seconds")}
+    rows = snapshot["rows"]
+    return {"rows": rows, "bytes": snapshot["bytes"], "seconds": snapshot["seconds"],
+            "hit_rate": rows / total_rows if total_rows else 0.0, **rest}
 
 
 class FetchTier(ABC):
