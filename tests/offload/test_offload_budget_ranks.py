@@ -146,8 +146,10 @@ def test_without_agreement_the_ranks_plan_apart() -> None:
     own measures (what the agreement prevents); gradients still identical."""
     r0, r1 = launch(_worker, 2, (False,))
     assert not r0["agreeing"] and not r1["agreeing"]
-    assert r0["profile"] != r1["profile"]
-    assert r0["plans"] != r1["plans"]
+    # each rank plans on its own profile: rank 1's, measured with its extra memory, models a higher floor (with
+    # agreement both plan on the larger).  Whether the plans then differ depends on the measured times and peaks
+    # of the run (they did in most runs, not all), so the test reads the profiles, not the plans
+    assert r1["profile"].min_peak > r0["profile"].min_peak
 
 
 @pytest.mark.gpu
