@@ -152,6 +152,64 @@ def test_planner_offload_cost_trades_offloading_for_recompute() -> None:
         plan_budget(prof, budget=budget, offload_cost=0)
 
 
+def _grads_profile(layers: int, bandwidth: float) -> tuple[BudgetProfile, int]:
+    """A synthetic profile of full training: per layer a unit (8 MB saved, 10 ms) and the code after it; the
+    backward allocates each layer's gradients (4 MB) as it goes, so its last interval (layer 0's, the layer
+    back) is the highest.  Returns it with checkpointing's modelled peak (every layer recomputed)."""
+    mb = 1 << 20
+    segs = [SegmentCost(False, -1, 0.0, 100, None)]
+    storages = []
+    for b in range(layers):
+        segs.append(SegmentCost(True, b, 0.010, 100 + 8 * mb, 100 + 8 * mb + 4 * mb * (layers - b)))
+        storages.append((len(segs) - 1, 8 * mb))
+        segs.append(SegmentCost(False, b, 0.0, 100, None))
+    prof = BudgetProfile(segs, storages, 100 + 8 * mb, {b: mb for b in range(layers)}, bandwidth, bandwidth,
+                         recomputable=list(range(layers)))
+    return prof, int(modelled_peak(prof, list(range(layers)), 0))
+
+
+def test_planner_keeps_the_last_blocks_where_the_backward_grows() -> None:
+    """At checkpointing's peak, set by the backward's end (every gradient made), the last blocks fit kept:
+    the backward frees them before its gradients grow; the first blocks kept would meet every gradient."""
+    layers = 8
+    prof, ckpt_peak = _grads_profile(layers, bandwidth=50e6)  # offloading 8 MB takes 160 ms: never worth it
+    for m in range(layers):  # recomputing the last m and keeping the first: over the budget unless offloaded
+        assert modelled_peak(prof, list(range(layers - m, layers)), 0) > ckpt_peak
+    plan = plan_budget(prof, budget=ckpt_peak)
+    ckpt = checkpoint_plan(prof, ckpt_peak)
+    assert not plan.infeasible and plan.offload_bytes == 0 and plan.predicted_peak <= ckpt_peak
+    kept = layers - len(plan.recompute)
+    assert kept >= 2 and plan.recompute == tuple(range(layers - kept))  # the first ones recomputed
+    assert modelled_peak(prof, list(plan.recompute), 0) <= ckpt_peak
+    assert modelled_peak(prof, list(range(layers - kept - 1)), 0) > ckpt_peak  # one more kept would not fit
+    assert plan.predicted_time < ckpt.predicted_time
+
+
+@pytest.mark.slow
+def test_budget_runs_a_plan_that_recomputes_the_first_blocks() -> None:
+    """Between checkpointing's peak and keep's, with offloading made costly, the plan recomputes the first blocks
+    and keeps the last ones (their activations freed before the gradients grow); dropout masks and gradients hold
+    and the budget is held."""
+    torch.manual_seed(3)
+    model = GPT(vocab=64, h=64, heads=4, layers=6, dropout=0.1, tied=False)
+    batches = [torch.randint(0, 64, (2, 64)) for _ in range(6)]
+    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
+    ckpt_model = copy.deepcopy(model)
+    ckpt_model.use_checkpoint = "nonreentrant"
+    ckpt, keep = _keep_peak(ckpt_model, batches[0]), _keep_peak(model, batches[0])
+    budget = int(ckpt + 0.2 * (keep - ckpt))
+    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
+    cache.bandwidth = lambda: (1e5, 1e5)  # offloading costs seconds: keep or recompute
+    cache.attach(model)
+    got = run_steps(model, batches, _lm_loss, ctx=cache)
+    assert_identical(ref, got)
+    first = cache.policy.trials[0]["plans"][0] if cache.policy.trials else cache.plan.as_dict()
+    m = len(first["recompute"])
+    assert 0 < m < len(model.blocks) and list(first["recompute"]) == list(range(m))  # the last ones kept
+    assert cache.policy.peaks[-1] <= 1.03 * budget
+    cache.close()
+
+
 def _gpt_at_60_percent(seed: int, dropout: float, steps: int) -> tuple[nn.Module, list, list, TensorCache]:
     """A 4-layer GPT, ``steps`` batches, its reference run without offloading, and a cache whose budget is 60%
     of keep's peak (not attached yet)."""

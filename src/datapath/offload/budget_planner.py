@@ -38,10 +38,15 @@ forward to its backward) and its recompute costs that much less time.  For each
 candidate plan the most such blocks that still fit the budget are chosen, the last
 ones first (their bytes are freed first in the backward).
 
-Search.  For each number ``m`` of recomputed blocks (the last ``m`` recomputable
-ones, identical layers being equally good per byte and the first ones having the
-most time to store), the shortest offloaded prefix that fits the budget (binary
-search: memory falls as the prefix grows); the fastest plan wins.  None fits:
+Search.  For each number ``m`` of recomputed blocks, two placements (identical
+layers being equally good per byte, only where they run matters): the last ``m``
+recomputable blocks, so that the first ones, kept, have the most time to store; and
+the first ``m``, so that the blocks kept are the last ones, whose activations the
+backward frees first, before what it allocates as it goes (parameter gradients;
+FSDP's reduced shards) has grown: near checkpointing's peak, which the end of the
+backward sets, only they fit without offloading.  For each, the shortest offloaded
+prefix of the rest that fits the budget (binary search: memory falls as the prefix
+grows); the fastest plan wins, the one offloading fewer bytes on a tie.  None fits:
 `infeasible` is set and ``min_peak`` is the lowest peak the profile allows.
 """
 from __future__ import annotations
@@ -225,6 +230,17 @@ def _fewest_offloaded(model: _Model, recompute: set[int], n_elig: int, budget: f
     return lo
 
 
+def _recompute_sets(order: list[int]) -> list[set[int]]:
+    """The recompute sets the search tries (the module docstring): none, then for each count ``m`` the last ``m``
+    blocks of ``order`` and (where that differs) the first ``m``."""
+    sets: list[set[int]] = [set()]
+    for m in range(1, len(order) + 1):
+        sets.append(set(order[len(order) - m:]))
+        if m < len(order):
+            sets.append(set(order[:m]))
+    return sets
+
+
 def _eligible(p: BudgetProfile, recompute: set[int]) -> int:
     return sum(1 for seg, _ in p.storages if p.segments[seg].block not in recompute)
 
@@ -328,9 +344,7 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
     always = set(recomputed)
     lowest = math.inf
     lowest_plan: tuple[int, set[int]] = (0, set())
-    order = list(p.recomputable)
-    for m in range(len(order) + 1):
-        rec = set(order[len(order) - m:]) if m else set()
+    for rec in _recompute_sets(list(p.recomputable)):
         n_elig = _eligible(p, rec)
         floor = model.peak(_kept(model, rec, n_elig)[0])
         if floor < lowest:
