@@ -219,19 +219,22 @@ class Transfers:
             else:
                 e.store.unreserve(e.slot)
             e.tensor = None
-            if e.released:
+            if e.released:  # autograd is done with the tensor (used from memory while this store ran) ...
                 e.src = None
-                return
-            e.gpu, e.src = e.src, None
-            e.state = RESIDENT
-            e.ready.set()
-            self.stats.bytes_kept_error += e.nbytes
+            else:
+                e.gpu, e.src = e.src, None
+                e.state = RESIDENT
+                e.ready.set()
+                self.stats.bytes_kept_error += e.nbytes
+            # ... the store failed all the same (a full disk fails the next ones too): reported either way, so the
+            # outcome does not depend on whether the backward or the write finished first
             if self.on_error == "raise":
                 if self.pending_error is None:
                     err.message = f"{err.message}; to keep training when a store fails, pass on_error='keep'"
                     self.pending_error = err
             else:
-                log.warning("%s; keeping the tensor in memory (on_error='keep')", err)
+                log.warning("%s; %s (on_error='keep')", err,
+                            "the tensor was used from memory" if e.released else "keeping the tensor in memory")
 
     def _free_slot(self, e: Entry) -> None:
         """Release the stored copy of ``e`` (lock held)."""
