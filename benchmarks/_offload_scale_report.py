@@ -3,6 +3,7 @@ run that ended early."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -125,8 +126,9 @@ def plan_brief(plan: Any) -> dict[str, Any] | None:
 
 def cache_record(cache: Any, method: str, steps: int) -> dict[str, Any]:
     """What a datapath method's cache measured over ``steps`` steps (empty for the peers): bytes offloaded a step,
-    store bandwidths, the pacing lead (units); for ``datapath-budget`` the planned steps' peaks, the planner's host time, the plan and
-    trials, and the attention gains (per block: GB kept, seconds saved)."""
+    store bandwidths, the pacing lead (units); for ``datapath-budget`` the planned steps' peaks, the planner's host
+    time, the plan and trials, the targets, the profile planned from, and the attention gains (per block: GB kept,
+    seconds saved)."""
     if cache is None:
         return {}
     st = cache.stats
@@ -141,6 +143,9 @@ def cache_record(cache: Any, method: str, steps: int) -> dict[str, Any]:
         plan = getattr(cache, "plan", None)
         extra["plan"] = plan.as_dict() if plan is not None and hasattr(plan, "as_dict") else None
         extra["plan_trials"] = getattr(pol, "trials", None)
+        extra["targets_gb"] = {"store": pol.target / 1e9, "keep": pol.keep_target / 1e9}
+        prof = getattr(pol, "profile", None)  # what the plans were made from: `plan_budget` can be re-run on it
+        extra["budget_profile"] = None if prof is None else dataclasses.asdict(prof)
         att = getattr(pol, "attention", None)
         if att is not None:
             extra["attention_gains"] = {str(b): [nb / 1e9, sec] for b, (nb, sec) in att.gains().items()}

@@ -210,6 +210,41 @@ def test_budget_runs_a_plan_that_recomputes_the_first_blocks() -> None:
     cache.close()
 
 
+@pytest.mark.slow
+def test_an_overshoot_by_stores_in_flight_leaves_plans_that_store_nothing_at_the_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan that offloads overshoots the budget by memory its stores hold longer than modelled (as at 8B under
+    FSDP2): the target of plans that store is lowered, but a plan that only keeps and recomputes has no stores in
+    flight, so it is still planned at the budget: the last blocks kept, the first recomputed, measured against the
+    others.  Here every step of a plan that stores is made to peak 15% of the budget higher; gradients stay
+    identical."""
+    torch.manual_seed(3)
+    model = GPT(vocab=64, h=64, heads=4, layers=6, dropout=0.1, tied=False)
+    batches = [torch.randint(0, 64, (2, 64)) for _ in range(10)]
+    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
+    ckpt_model = copy.deepcopy(model)
+    ckpt_model.use_checkpoint = "nonreentrant"
+    ckpt, keep = _keep_peak(ckpt_model, batches[0]), _keep_peak(model, batches[0])
+    budget = int(ckpt + 0.2 * (keep - ckpt))
+    measured = BudgetPolicy._measured
+    monkeypatch.setattr(BudgetPolicy, "_measured", lambda self, peak, plan, marks: measured(
+        self, peak if plan.storeless else peak + int(0.15 * budget), plan, marks))
+    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
+    cache.attach(model)
+    got = run_steps(model, batches, _lm_loss, ctx=cache)
+    assert_identical(ref, got)
+    policy = cache.policy
+    assert policy.target < ckpt < budget == policy.keep_target  # lowered for plans that store only
+    tried = [p for r in policy.trials for p in r["plans"]]
+    kept_last = [p for p in tried if p["offload_bytes"] == 0 and 0 < len(p["recompute"]) < 6
+                 and p["recompute"] == list(range(len(p["recompute"])))]
+    assert kept_last, tried  # measured against the plans that store (which may hold the lowered target)
+    held = [p for p in tried if p["peak"] <= 1.005 * budget]
+    assert cache.plan.as_dict()["recompute"] == min(held, key=lambda p: p["step_ms"])["recompute"]
+    assert policy.peaks[-1] <= 1.03 * budget, (cache.plan, policy.peaks[-3:], budget)
+    cache.close()
+
+
 def _gpt_at_60_percent(seed: int, dropout: float, steps: int) -> tuple[nn.Module, list, list, TensorCache]:
     """A 4-layer GPT, ``steps`` batches, its reference run without offloading, and a cache whose budget is 60%
     of keep's peak (not attached yet)."""

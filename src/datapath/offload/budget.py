@@ -108,6 +108,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
         self.clock = clock
         self.budget = int(budget)
         self.target = float(budget)      # the budget the planner aims at (lowered after an overshoot)
+        self.keep_target = float(budget)  # ... for plans that store nothing (lowered only by their own overshoot)
         self.plan: BudgetPlan | None = None
         self.profile: BudgetProfile | None = None
         self.last_peak: int | None = None
@@ -246,7 +247,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
         runs = list(self._trials.runs)
         plan = self._trials.step(self.budget, OVER, self.replans)
         if self.floor.at and not self._trials.open and self.floor.round_closed(runs, plan, OVER * self.budget):
-            self.target = float(self.budget)
+            self.target = self.keep_target = float(self.budget)
         self._use(plan)
 
     def on_backward_end(self, rec: Record) -> None:
@@ -317,6 +318,8 @@ class BudgetPolicy(BudgetPlanning, Policy):
                          "store before the next pack", _gb(peak), _gb(self.budget))
                 return
             self.target -= (peak - self.budget) * 1.1 + 0.002 * self.budget
+            if self.plan.storeless:  # else the miss may be stores in flight, which a plan storing nothing lacks
+                self.keep_target = min(self.keep_target, self.target)
             log.info("memory budget: the step's peak %s exceeded the budget %s; planning for %s",
                      _gb(peak), _gb(self.budget), _gb(self.target))
             self._replan()
@@ -328,6 +331,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
             # aim higher only where the model's own prediction erred on the safe side, never past the budget
             # (the step's peak varies with how fast its stores drain)
             self.target = min(float(self.budget), self.target + 0.5 * (0.985 * self.budget - peak))
+            self.keep_target = max(self.keep_target, self.target)
             log.info("memory budget: the step's peak %s is well under the budget %s; planning for %s",
                      _gb(peak), _gb(self.budget), _gb(self.target))
             self._replan(relaxing=True)

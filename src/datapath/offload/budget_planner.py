@@ -109,6 +109,11 @@ class BudgetPlan:
         """Whether a storage of ``segment`` is offloaded, ``done_in_segment`` bytes of it being offloaded already."""
         return segment < self.cut_segment or (segment == self.cut_segment and done_in_segment < self.cut_bytes)
 
+    @property
+    def storeless(self) -> bool:
+        """The plan offloads nothing (it keeps and recomputes only)."""
+        return self.offload_bytes == 0 and self.cut_segment == 0 and self.cut_bytes == 0
+
     def as_dict(self) -> dict[str, object]:
         return {"cut_segment": self.cut_segment, "cut_bytes": self.cut_bytes, "recompute": list(self.recompute),
                 "offload_bytes": self.offload_bytes, "predicted_peak": self.predicted_peak,

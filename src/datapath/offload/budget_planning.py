@@ -30,9 +30,9 @@ LOOKAHEAD = 4        # forward segments whose working set a pack's admission lea
 class BudgetPlanning:
     """The planning steps of a `BudgetPolicy`, mixed into it: they read and set the policy's state, set by its
     ``__init__`` (``profile``, ``plan``, ``target``, ``budget``, ``calibration``, ``replans``, ``planning_s``,
-    ``ranks``, ``room``, ``floor``, ``attention``, ``models``, ``meter``, ``clock``, ``bandwidth``, and ``_trials``,
-    ``_attention``, ``_timing_peak``, ``_head_fwd``, ``_head_bwd``, ``_block_bytes``, ``_device_bytes``) and its
-    properties ``base_recompute`` and ``trials``."""
+    ``keep_target``, ``ranks``, ``room``, ``floor``, ``attention``, ``models``, ``meter``, ``clock``, ``bandwidth``,
+    and ``_trials``, ``_attention``, ``_timing_peak``, ``_head_fwd``, ``_head_bwd``, ``_block_bytes``,
+    ``_device_bytes``) and its properties ``base_recompute`` and ``trials``."""
 
     def _candidates(self) -> list[BudgetPlan]:
         """The plans a trial measures against the one in force: those made with offloading weighed more
@@ -40,8 +40,23 @@ class BudgetPlanning:
         plan keeps some block (a plan that recomputes every block differs only by measured gains)."""
         assert self.plan is not None and self.profile is not None
         plans = [self._plan_for(self.target, cost) for cost in TRIAL_COSTS] if self.plan.offload_bytes else []
+        keep = self._keeping_plan()
+        if keep is not None:
+            plans.append(keep)
         ckpt = checkpoint_plan(self.profile, int(self.target), recomputed=self.base_recompute)
+        if ckpt.infeasible and self.keep_target > self.target:  # checkpointing's plan may store nothing
+            alt = checkpoint_plan(self.profile, int(self.keep_target), recomputed=self.base_recompute)
+            ckpt = alt if alt.storeless else ckpt
         return plans + ([ckpt] if ckpt.recompute != self.plan.recompute else [])
+
+    def _keeping_plan(self) -> BudgetPlan | None:
+        """Where a step that stored overshot (``keep_target`` above ``target``): the plan storing the fewest bytes
+        at ``keep_target``, if it stores nothing.  A step's peak over its plan's may be its stores in flight (they
+        leave the device later than modelled), which a plan that only keeps and recomputes does not have."""
+        if self.keep_target <= self.target or self.floor.drain:
+            return None
+        keep = self._plan_for(self.keep_target, TRIAL_COSTS[-1])
+        return keep if keep.storeless and not keep.infeasible else None
 
     def _use(self, plan: BudgetPlan) -> None:
         self.plan = plan
@@ -103,6 +118,9 @@ class BudgetPlanning:
         """Plan for ``target``; ``relaxing`` (a higher target): a plan a kept one outran in a trial stays out."""
         assert self.profile is not None
         plan = self._plan_for(self.target)
+        keep = self._keeping_plan()
+        if keep is not None and (plan.infeasible or keep.predicted_time < plan.predicted_time):
+            plan = keep
         if relaxing and _shape(plan) in self._trials.lost:
             return
         self.replans += 1
