@@ -185,19 +185,23 @@ def test_planner_keeps_the_last_blocks_where_the_backward_grows() -> None:
     assert plan.predicted_time < ckpt.predicted_time
 
 
+def _gpt_a_fifth_above_checkpointing(steps: int) -> tuple[nn.Module, list, list, int, int]:
+    """A 6-layer GPT whose activations are about its gradients' size, ``steps`` batches, its reference run, the CPU
+    meter's checkpointing peak, and a budget a fifth of the way from it to keep's peak."""
+    torch.manual_seed(3)
+    model = GPT(vocab=64, h=64, heads=4, layers=6, dropout=0.1, tied=False)
+    batches = [torch.randint(0, 64, (2, 64)) for _ in range(steps)]
+    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
+    ckpt, keep = _ckpt_peak(model, batches[0]), _keep_peak(model, batches[0])
+    return model, batches, ref, ckpt, int(ckpt + 0.2 * (keep - ckpt))
+
+
 @pytest.mark.slow
 def test_budget_runs_a_plan_that_recomputes_the_first_blocks() -> None:
     """Between checkpointing's peak and keep's, with offloading made costly, the plan recomputes the first blocks
     and keeps the last ones (their activations freed before the gradients grow); dropout masks and gradients hold
     and the budget is held."""
-    torch.manual_seed(3)
-    model = GPT(vocab=64, h=64, heads=4, layers=6, dropout=0.1, tied=False)
-    batches = [torch.randint(0, 64, (2, 64)) for _ in range(6)]
-    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
-    ckpt_model = copy.deepcopy(model)
-    ckpt_model.use_checkpoint = "nonreentrant"
-    ckpt, keep = _keep_peak(ckpt_model, batches[0]), _keep_peak(model, batches[0])
-    budget = int(ckpt + 0.2 * (keep - ckpt))
+    model, batches, ref, ckpt, budget = _gpt_a_fifth_above_checkpointing(steps=6)
     cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
     cache.bandwidth = lambda: (1e5, 1e5)  # offloading costs seconds: keep or recompute
     cache.attach(model)
@@ -218,14 +222,7 @@ def test_an_overshoot_by_stores_in_flight_leaves_plans_that_store_nothing_at_the
     flight, so it is still planned at the budget: the last blocks kept, the first recomputed, measured against the
     others.  Here every step of a plan that stores is made to peak 15% of the budget higher; gradients stay
     identical."""
-    torch.manual_seed(3)
-    model = GPT(vocab=64, h=64, heads=4, layers=6, dropout=0.1, tied=False)
-    batches = [torch.randint(0, 64, (2, 64)) for _ in range(10)]
-    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
-    ckpt_model = copy.deepcopy(model)
-    ckpt_model.use_checkpoint = "nonreentrant"
-    ckpt, keep = _keep_peak(ckpt_model, batches[0]), _keep_peak(model, batches[0])
-    budget = int(ckpt + 0.2 * (keep - ckpt))
+    model, batches, ref, ckpt, budget = _gpt_a_fifth_above_checkpointing(steps=10)
     measured = BudgetPolicy._measured
     monkeypatch.setattr(BudgetPolicy, "_measured", lambda self, peak, plan, marks: measured(
         self, peak if plan.storeless else peak + int(0.15 * budget), plan, marks))
