@@ -77,6 +77,7 @@ def main() -> int:
     ap.add_argument("--dataset", default="products")
     ap.add_argument("--model", default="sage")
     ap.add_argument("--batches", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=1024, help="seeds a batch [1024, B2's]")
     ap.add_argument("--modes", default="datapath,datapath-serial,gpu_resident")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
@@ -88,7 +89,7 @@ def main() -> int:
     ds = generate(dataset_spec(args.dataset, argparse.Namespace(quick=False, seed=0, papers_feature_gb=40.0)),
                   progress=False)
     dev = torch.device("cuda")
-    report = {"dataset": args.dataset, "model": args.model, "blocking_sync": BLOCKING,
+    report = {"dataset": args.dataset, "model": args.model, "batch_size": args.batch_size, "blocking_sync": BLOCKING,
               "gpu": torch.cuda.get_device_name(), "modes": {}}
     for mode in args.modes.split(","):
         placed = place(ds, "gpu_resident" if mode == "gpu_resident" else "datapath")
@@ -96,7 +97,8 @@ def main() -> int:
         torch.manual_seed(0)
         model = build_model(args.model, ds.num_features, 256, ds.num_classes, 3, dropout=0.5).to(dev)
         opt = torch.optim.Adam(model.parameters(), lr=3e-3, fused=True)
-        loader = NeighborLoader(placed["graph"], ds.train_idx, NeighborSampler([15, 10, 5], seed=0), 1024,
+        loader = NeighborLoader(placed["graph"], ds.train_idx, NeighborSampler([15, 10, 5], seed=0),
+                                args.batch_size,
                                 shuffle=True, features=placed["features"], labels=placed["labels"], device=dev,
                                 prefetch=1, prepare=model.prepare_batch)
         loader.gather_stream = "serial" if mode == "datapath-serial" else "sample"
@@ -104,7 +106,7 @@ def main() -> int:
         t = time.perf_counter()
         plain = train_epoch(model, loader, opt, max_batches=30)
         plain_ms = (time.perf_counter() - t) / 30 * 1e3
-        trace = out_dir / f"trace_{args.dataset}_{args.model}_{mode}.json"
+        trace = out_dir / f"trace_{args.dataset}_{args.model}_{mode}_b{args.batch_size}.json"
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             train_epoch(model, loader, opt, max_batches=args.batches)
@@ -126,7 +128,8 @@ def main() -> int:
         del loader, model, opt, placed
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    (out_dir / f"trace_{args.dataset}_{args.model}.json").write_text(json.dumps(report, indent=1))
+    summary = out_dir / f"trace_{args.dataset}_{args.model}_b{args.batch_size}.json"
+    summary.write_text(json.dumps(report, indent=1))
     return 0
 
 
