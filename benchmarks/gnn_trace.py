@@ -92,7 +92,7 @@ def main() -> int:
     report = {"dataset": args.dataset, "model": args.model, "batch_size": args.batch_size, "blocking_sync": BLOCKING,
               "gpu": torch.cuda.get_device_name(), "modes": {}}
     for mode in args.modes.split(","):
-        placed = place(ds, "gpu_resident" if mode == "gpu_resident" else "datapath")
+        placed = place(ds, "gpu_resident" if mode == "gpu_resident" else "datapath", {}, args)
         placed.pop("seconds")
         torch.manual_seed(0)
         model = build_model(args.model, ds.num_features, 256, ds.num_classes, 3, dropout=0.5).to(dev)
