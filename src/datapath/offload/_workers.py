@@ -3,9 +3,15 @@
 A job is a callable run in the worker thread.  It may return ``(event, fn)``:
 a CUDA event that ends the copies it enqueued and a function to run once that
 event has completed (release the GPU memory of a stored tensor, free a host
-block after a load).  The worker keeps at most ``window`` such jobs in flight,
-finishes them in order as soon as their event completes, and never sleeps
-while one is pending, so memory is released promptly.
+block after a load), or ``(event, fn, fail)``.  The worker keeps at most ``window``
+such jobs in flight, finishes them in order as soon as their event completes, and
+never sleeps while one is pending, so memory is released promptly.
+
+An exception never ends the thread and is never only logged where the job says
+how to fail: one raised by the job goes to the ``fail`` it was submitted with, one
+raised while waiting for its event (a CUDA error) or by ``fn`` to the ``fail`` it
+returned (else the submitted one).  ``fail(exc)`` ends the job's work as failed
+(the transfers report it in the step); a job without one is logged.
 """
 from __future__ import annotations
 
@@ -18,7 +24,8 @@ from typing import Any
 
 log = logging.getLogger("datapath.offload.workers")
 
-Job = Callable[[], "tuple[Any, Callable[[], None]] | None"]
+Job = Callable[[], "tuple[Any, ...] | None"]
+Fail = Callable[[BaseException], None]
 _STOP = object()
 
 
@@ -29,16 +36,17 @@ class Worker:
         self.name = name
         self.window = window
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._inflight: collections.deque[tuple[Any, Callable[[], None]]] = collections.deque()
+        self._inflight: collections.deque[tuple[Any, Callable[[], None], Fail | None]] = collections.deque()
         self._cv = threading.Condition()
         self._outstanding = 0  # submitted jobs not yet finished (including in-flight ones)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job, fail: Fail | None = None) -> None:
+        """Queue ``job``; ``fail(exc)`` is called (in the worker thread) with any exception it raises."""
         with self._cv:
             self._outstanding += 1
-        self._q.put(job)
+        self._q.put((job, fail))
 
     def _done(self, n: int = 1) -> None:
         with self._cv:
@@ -46,17 +54,34 @@ class Worker:
             if self._outstanding == 0:
                 self._cv.notify_all()
 
+    def _failed(self, fail: Fail | None, exc: BaseException, what: str) -> None:
+        """Hand ``exc`` to the job's ``fail`` (logged where it has none, or where ``fail`` raises too)."""
+        if fail is not None:
+            try:
+                fail(exc)
+                return
+            except BaseException:  # noqa: BLE001 - the worker must never die
+                log.exception("%s: reporting a failed job failed", self.name)
+        log.error("%s: %s failed", self.name, what, exc_info=exc)
+
     def _finish_oldest(self) -> None:
-        ev, fn = self._inflight.popleft()
+        ev, fn, fail = self._inflight.popleft()
         try:
             ev.synchronize()
             fn()
-        except BaseException:  # noqa: BLE001 - a finisher must never kill the worker
-            log.exception("%s: finishing a job failed", self.name)
-        self._done()
+        except BaseException as exc:  # noqa: BLE001 - a finisher must never kill the worker
+            self._failed(fail, exc, "finishing a job")
+        finally:
+            self._done()
 
     def _reap(self) -> None:
-        while self._inflight and self._inflight[0][0].query():
+        while self._inflight:
+            try:
+                done = self._inflight[0][0].query()
+            except BaseException:  # noqa: BLE001 - a CUDA error: synchronize raises it again, to the job's fail
+                done = True
+            if not done:
+                return
             self._finish_oldest()
 
     def _run(self) -> None:
@@ -74,15 +99,16 @@ class Worker:
                 while self._inflight:
                     self._finish_oldest()
                 return
+            fn, fail = job
             try:
-                out = job()
-            except BaseException:  # noqa: BLE001 - jobs report their own errors; never die
-                log.exception("%s: job failed", self.name)
+                out = fn()
+            except BaseException as exc:  # noqa: BLE001 - to the job's fail; the worker never dies
+                self._failed(fail, exc, "a job")
                 out = None
             if out is None:
                 self._done()
                 continue
-            self._inflight.append(out)
+            self._inflight.append((out[0], out[1], out[2] if len(out) > 2 else fail))
             while len(self._inflight) > self.window:
                 self._finish_oldest()
 

@@ -9,6 +9,11 @@ write stops between chunks).  `Transfers.admit` is the backpressure: a pack that
 would put more than the in-flight bound waiting to be stored waits for stores to
 finish, so the forward runs at the store's bandwidth instead of the allocator
 growing.  All state is guarded by the lock it is given (the cache's).
+
+Any exception in a store job -- its CUDA set-up, the write, waiting for its copy, its finishing -- ends the store
+as failed (`Transfers._store_failed`: the bytes no longer in flight, the tensor kept in memory, the error raised in
+the step or, with ``on_error="keep"``, a warning); any in a load job fails the load (raised where the tensor is
+unpacked, or in the step when autograd already has it).  None is only logged: an entry never stays half-moved.
 """
 from __future__ import annotations
 
@@ -62,6 +67,13 @@ class Transfers:
         if s is None:
             s = self._streams[device] = Streams(device)
         return s
+
+    def job_streams(self, device: torch.device) -> Streams | None:
+        """A store or load job's set-up (worker thread): ``device`` made current and its streams; None off CUDA."""
+        if device.type != "cuda":
+            return None
+        torch.cuda.set_device(device)
+        return self.streams_for(device)
 
     def _worker(self, pool: dict[str, Worker], kind: str, what: str, window: int) -> Worker:
         w = pool.get(kind)
@@ -135,7 +147,8 @@ class Transfers:
         st.peak_inflight_bytes = max(st.peak_inflight_bytes, self.inflight_bytes)
         st.storages_offloaded += 1
         st.bytes_queued += e.nbytes
-        self._worker(self.store_workers, e.store.kind, "store", 4).submit(functools.partial(self._store_job, e))
+        self._worker(self.store_workers, e.store.kind, "store", 4).submit(
+            functools.partial(self._store_job, e), fail=functools.partial(self._store_failed, e))
 
     def _store_job(self, e: Entry) -> Any:
         with self.lock:
@@ -143,29 +156,28 @@ class Transfers:
                 return None
             e.state = STORING
             src, ready = e.src, e.pack_event
-        assert src is not None
-        streams = self.streams_for(e.device) if src.is_cuda else None
-        if src.is_cuda:
-            torch.cuda.set_device(e.device)
         try:
+            assert src is not None
+            streams = self.job_streams(e.device)
             res = e.store.write(e.slot, src, ready, streams, e.name, lambda: e.forwarded or e.released)
         except BaseException as exc:  # noqa: BLE001 - reported in the step, never swallowed
             self._store_failed(e, exc)
             return None
         del src
+        with self.lock:  # the slot holds the written copy from now on: a failure later frees it
+            e.slot.loc, e.slot.crc = res.loc, res.crc
 
         def finish() -> None:
             with self.lock:
                 try:
                     if res.cleanup is not None:
                         res.cleanup()
-                except BaseException as exc:  # noqa: BLE001
-                    self._store_failed(e, exc, res)
-                    return
-                self._finish_store(e, res, res.busy_seconds())
+                    self._finish_store(e, res, res.busy_seconds())
+                except BaseException as exc:  # noqa: BLE001 - reported in the step, never swallowed
+                    self._store_failed(e, exc)
 
         if res.event is not None:
-            return res.event, finish
+            return res.event, finish  # waiting for it failed (a CUDA error): the worker calls _store_failed
         finish()
         return None
 
@@ -181,7 +193,6 @@ class Transfers:
             rec.bytes_written += done
         if res.complete:
             st.bytes_offloaded += e.nbytes
-        e.slot.loc, e.slot.crc = res.loc, res.crc
         if e.store.kind == "ssd":
             st.files_created += 1
             st.peak_disk_bytes = max(st.peak_disk_bytes, e.store.peak_in_use)
@@ -204,7 +215,8 @@ class Transfers:
         e.state = STORED
         self.space.notify_all()  # waiters on the allocator's counters see the freed memory
 
-    def _store_failed(self, e: Entry, exc: BaseException, res: IOResult | None = None) -> None:
+    def _store_failed(self, e: Entry, exc: BaseException) -> None:
+        """The store of ``e`` raised ``exc`` (anywhere: set-up, write, its copy, finishing): end it as failed."""
         err = exc if isinstance(exc, OffloadError) else OffloadError(
             f"storing an activation of {e.nbytes} bytes to {e.store.kind} failed: "
             f"{exc.__class__.__name__}: {exc}")
@@ -213,19 +225,23 @@ class Transfers:
         with self.lock:
             self._uncount(e)
             self.stats.store_errors += 1
-            if res is not None and res.loc is not None:
-                e.slot.loc = res.loc
-                self._free_slot(e)
-            else:
-                e.store.unreserve(e.slot)
-            e.tensor = None
-            if e.released:  # autograd is done with the tensor (used from memory while this store ran) ...
-                e.src = None
-            else:
-                e.gpu, e.src = e.src, None
-                e.state = RESIDENT
-                e.ready.set()
-                self.stats.bytes_kept_error += e.nbytes
+            if e.state in (PENDING, STORING) and not e.cancelled:  # the store had not ended: undo it
+                try:
+                    if e.slot.loc is not None:  # written (or partly): the copy goes
+                        self._free_slot(e)
+                    else:
+                        e.store.unreserve(e.slot)
+                except BaseException as again:  # noqa: BLE001 - the store's own error is the one reported
+                    log.warning("releasing the room of a failed store failed too: %s: %s",
+                                again.__class__.__name__, again)
+                e.tensor = None
+                if e.released:  # autograd is done with the tensor (used from memory while this store ran) ...
+                    e.src = None
+                else:
+                    e.gpu, e.src = e.src, None
+                    e.state = RESIDENT
+                    e.ready.set()
+                    self.stats.bytes_kept_error += e.nbytes
             # ... the store failed all the same (a full disk fails the next ones too): reported either way, so the
             # outcome does not depend on whether the backward or the write finished first
             if self.on_error == "raise":
@@ -290,7 +306,7 @@ class Transfers:
         # loads are issued in the order the backward needs them; a small window would stall the
         # issuing of later loads on the completion of earlier ones (autograd then waits)
         self._worker(self.load_workers, e.store.kind, "load", 64).submit(
-            functools.partial(self._load_job, e, alloc_ev))
+            functools.partial(self._load_job, e, alloc_ev), fail=functools.partial(self._load_failed, e))
 
     def _load_job(self, e: Entry, alloc_ev: Any) -> Any:
         with self.lock:
@@ -301,28 +317,14 @@ class Transfers:
                     e.ready.set()
                 return None
             dst = e.gpu
-        assert dst is not None
-        streams = self.streams_for(e.device) if dst.is_cuda else None
-        if dst.is_cuda:
-            torch.cuda.set_device(e.device)
         try:
+            assert dst is not None
+            streams = self.job_streams(e.device)
             if e.slot.loc is None:
                 raise OffloadError(f"offloaded storage {e.sid} has no stored copy to load")
             res = e.store.read(e.slot, dst, alloc_ev, streams, e.name)
-        except BaseException as exc:  # noqa: BLE001
-            err = exc if isinstance(exc, OffloadError) else OffloadError(
-                f"loading an activation of {e.nbytes} bytes from {e.store.kind} failed: "
-                f"{exc.__class__.__name__}: {exc}")
-            if err is not exc:
-                err.__cause__ = exc
-            err.__traceback__ = None  # kept in the entry: no frames (and no reference cycle through them)
-            with self.lock:
-                self.stats.load_errors += 1
-                e.error = err
-                e.state = FAILED
-                e.gpu = None
-                self._free_slot(e)
-                e.ready.set()
+        except BaseException as exc:  # noqa: BLE001 - raised where the tensor is unpacked
+            self._load_failed(e, exc)
             return None
         del dst
         with self.lock:
@@ -336,18 +338,48 @@ class Transfers:
 
         def finish() -> None:
             with self.lock:
-                secs = res.busy_seconds()
-                self.stats.read_seconds += secs
-                self.stats.bytes_loaded += e.nbytes
-                e.record.read_s += secs
-                e.record.bytes_read += e.nbytes
-                if res.cleanup is not None:
-                    res.cleanup()
+                try:
+                    secs = res.busy_seconds()
+                    self.stats.read_seconds += secs
+                    self.stats.bytes_loaded += e.nbytes
+                    e.record.read_s += secs
+                    e.record.bytes_read += e.nbytes
+                    if res.cleanup is not None:
+                        res.cleanup()
+                except BaseException as exc:  # noqa: BLE001 - reported, never swallowed
+                    self._load_failed(e, exc)
 
         if res.event is not None and (res.timing is not None or res.cleanup is not None):
-            return res.event, finish
+            return res.event, finish  # waiting for it failed (a CUDA error): the worker calls _load_failed
         finish()
         return None
+
+    def _load_failed(self, e: Entry, exc: BaseException) -> None:
+        """The load of ``e`` raised ``exc`` (set-up, read, its copy, finishing): the entry fails, and its unpack
+        raises; where autograd already has the bytes (the copy's end failed after they were handed over), the
+        error is raised in the step instead (the bytes cannot be trusted)."""
+        err = exc if isinstance(exc, OffloadError) else OffloadError(
+            f"loading an activation of {e.nbytes} bytes from {e.store.kind} failed: "
+            f"{exc.__class__.__name__}: {exc}")
+        if err is not exc:
+            err.__cause__ = exc
+        err.__traceback__ = None  # kept in the entry: no frames (and no reference cycle through them)
+        with self.lock:
+            self.stats.load_errors += 1
+            if e.state == LOADING or (e.state == RESIDENT and e.gpu is not None):  # not handed to autograd yet
+                e.error = err
+                e.state = FAILED
+                e.gpu = None
+                e.ready_event = None
+                try:
+                    self._free_slot(e)
+                except BaseException as again:  # noqa: BLE001 - the load's own error is the one reported
+                    log.warning("releasing the copy of a failed load failed too: %s: %s",
+                                again.__class__.__name__, again)
+                e.ready.set()
+            elif e.state == RESIDENT and self.pending_error is None:  # autograd may have used the bytes
+                self.pending_error = err
+                self.space.notify_all()
 
     def _count_removed(self, e: Entry) -> None:
         if e.store.kind == "ssd":
