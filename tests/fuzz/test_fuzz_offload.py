@@ -10,6 +10,7 @@ import torch
 
 from datapath.offload.host_store import HostStore
 from datapath.testing import OffloadCase, make_offload_case, run_offload_case, run_offload_fuzz
+from datapath.testing.fuzz_offload import summary_line
 
 
 def test_cases_are_reproducible_and_cover_every_configuration() -> None:
@@ -60,6 +61,37 @@ def test_an_injected_write_fault_raises_or_is_kept_as_asked() -> None:
     assert r.ok and r.outcome == "raised" and r.detail.startswith(f"{errno.ENOSPC}:"), r
     r = run_offload_case(dataclasses.replace(raising, on_error="keep"))
     assert r.ok and r.outcome == "identical", r
+
+
+def test_a_fault_on_no_call_the_case_makes_is_reported_as_not_reached() -> None:
+    # a fault on the file engine of a cache that has none (host memory): no call, whatever the timing (the drawn
+    # cases with none are file cases whose storages all stayed in memory or in the host tier, a matter of timing)
+    case = _first("host", fault="write", fault_at=0, on_error="raise", min_bytes=0, steps=2)
+    r = run_offload_case(case)
+    assert r.ok and r.outcome == "fault not reached", r  # passed, but it tested no fault (was "identical")
+    assert r.fault_call is None and r.fault_calls == 0 and "never reached" in r.detail
+
+
+def test_a_fault_the_case_s_min_bytes_keeps_from_the_files_lands_with_min_bytes_0() -> None:
+    case = make_offload_case(11, 33)  # ssd, a write fault, min_bytes 4096: no storage of this model is that large
+    assert (case.config, case.fault, case.min_bytes, case.on_error) == ("ssd", "write", 4096, "keep")
+    r = run_offload_case(case)
+    assert r.ok and r.outcome == "identical", r  # the failed write kept its tensor: bit-identical all the same
+    assert r.fault_min_bytes == 0 and r.fault_call == case.fault_at and "min_bytes 0" in r.detail  # was no fault
+
+
+def test_a_fault_past_the_calls_made_lands_on_one_of_them() -> None:
+    at = 1_000_003  # far more calls than any case makes
+    case = _first("ssd", fault="write", fault_at=at, fault_errno=errno.ENOSPC, on_error="raise", min_bytes=0)
+    r = run_offload_case(case)
+    assert r.ok and r.outcome == "raised" and r.detail.startswith(f"{errno.ENOSPC}:"), r  # was "identical"
+    assert r.fault_call is not None and r.fault_call < at and r.fault_calls > r.fault_call
+
+
+def test_the_summary_counts_the_faults_never_reached_apart() -> None:
+    assert summary_line(60, 60, 0, 0) == "60 of 60 cases passed"
+    assert summary_line(59, 60, 14, 12) == \
+        "59 of 60 cases passed (2 with a fault that was never reached; 12 of 14 faults reached)"
 
 
 @pytest.mark.gpu

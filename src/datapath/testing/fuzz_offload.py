@@ -20,7 +20,10 @@ cases freeze the embedding and the q/k/v projections.  On the file targets a cas
 EIO) or one read (EIO) of the file engine fail: the step must raise `OffloadError` with that errno (a failed write
 with ``on_error="keep"`` keeps the tensor instead, and the steps stay bit-identical) and leave no file behind once
 the next backward has run (PyTorch keeps a failed backward's unfinished work, and with it the step's graph, queued
-on the thread until then).  `run_offload_case` trains the case's steps (seeded
+on the thread until then).  The fault is on call ``fault_at`` of that kind; a run that makes fewer such calls is
+run again with the fault on call ``fault_at`` modulo the calls it made; where the case made none (``min_bytes``
+kept every storage in memory, or the host tier held them all), the fault is tried with ``min_bytes=0``, and where
+that makes none either the case passes as "fault not reached", counted apart: it tested no fault.  `run_offload_case` trains the case's steps (seeded
 per step, a plain SGD update between steps) without and with offloading and requires losses and every gradient
 equal bit for bit, no file left behind, and on a budget (16-18 steps: it profiles, plans and tries plans first) its
 last step within 3% of it, or the budget refused with an `OffloadConfigError` that names the measured minimum.
@@ -76,8 +79,8 @@ class OffloadCase:
     loop: str = "plain"    # one of LOOPS
     frozen: bool = False   # the embedding and every block's q/k/v projection frozen (adapter-style fine-tuning)
     units: str | None = None  # attach(units=...): None (the policy's default), "blocks" or "leaves"
-    fault: str = "none"    # files only: "write" or "read": the ``fault_at``-th call of that kind fails
-    fault_at: int = 0
+    fault: str = "none"    # files only: "write" or "read": the ``fault_at``-th call of that kind fails (counted from
+    fault_at: int = 0      # 0; past the calls a run makes: ``fault_at`` modulo them, in a second run)
     fault_errno: int = errno.EIO
     on_error: str = "raise"  # TensorCache(on_error=...): "raise" or "keep" (a failed store keeps the tensor)
 
@@ -86,8 +89,11 @@ class OffloadCase:
 class OffloadCaseResult:
     case: OffloadCase
     ok: bool
-    outcome: str           # "identical", "refused" (a budget below the floor) or what went wrong
-    detail: str = ""
+    outcome: str           # "identical", "raised" (the injected fault), "refused" (a budget below the floor),
+    detail: str = ""       # "fault not reached" (no call of the faulted kind: passed, testing no fault) or what failed
+    fault_call: int | None = None  # the call of the faulted kind that failed (None: no fault drawn, or none failed)
+    fault_calls: int = 0   # the calls of that kind the (last) run made
+    fault_min_bytes: int | None = None  # the fault ran with this min_bytes, the case's own making no file I/O
 
     def reproduction(self) -> str:
         c = self.case
@@ -286,14 +292,13 @@ def _is_probe(fd: int) -> bool:
         return False
 
 
-def _inject(cache: TensorCache, case: OffloadCase) -> dict[str, int]:
-    """Make the ``fault_at``-th write (``pwrite``) or read (``preadv``) of the cache's file engine fail with
+def _inject(cache: TensorCache, case: OffloadCase, at: int, seen: dict[str, int]) -> None:
+    """Make the ``at``-th write (``pwrite``) or read (``preadv``) of the cache's file engine fail with
     ``fault_errno`` (the store's bandwidth probe not counted: its failure is ignored by design, the planner then
-    uses measured transfers); the count of calls and of faults raised."""
-    seen = {"calls": 0, "fired": 0}
+    uses measured transfers); the calls and the faults raised are counted in ``seen``."""
     fs = cache.file_store
     if case.fault == "none" or fs is None:
-        return seen
+        return
     name = "pwrite" if case.fault == "write" else "preadv"
     real = getattr(fs.posix, name)
 
@@ -301,16 +306,19 @@ def _inject(cache: TensorCache, case: OffloadCase) -> dict[str, int]:
         if _is_probe(args[0]):  # the bandwidth probe's file: a failed probe is meant to go unnoticed
             return real(*args)
         seen["calls"] += 1
-        if seen["calls"] - 1 == case.fault_at:
+        if seen["calls"] - 1 == at:
             seen["fired"] += 1
             raise OSError(case.fault_errno, os.strerror(case.fault_errno))
         return real(*args)
     setattr(fs.posix, name, failing)
-    return seen
 
 
 def run_offload_case(case: OffloadCase, device: str | torch.device = "cpu") -> OffloadCaseResult:
-    """Train ``case`` without and with offloading on ``device``; the comparison (never raises for a failed check)."""
+    """Train ``case`` without and with offloading on ``device``; the comparison (never raises for a failed check).
+
+    A fault past the calls the run made is moved onto one it makes (``fault_at`` modulo them) and the case run
+    again; where the case made no call of the faulted kind, the fault is tried with ``min_bytes=0`` (the case itself
+    having passed); a run with no such call still is "fault not reached" (passed, and counted apart)."""
     dev = torch.device(device)
     try:
         torch.manual_seed(case.seed * 7919 + case.index)
@@ -323,6 +331,36 @@ def run_offload_case(case: OffloadCase, device: str | torch.device = "cpu") -> O
         batches = [torch.randint(0, case.vocab, (case.batch, case.seq), generator=g).to(dev)
                    for _ in range(case.steps)]
         ref = _steps(copy.deepcopy(model), batches, None, case.index, case.loop)
+        at, seen, run = case.fault_at, {"calls": 0, "fired": 0}, case
+        r = _offloaded(case, copy.deepcopy(model), batches, ref, dev, at, seen)
+        if case.fault != "none" and r.ok and not seen["fired"] and not seen["calls"] and case.min_bytes:
+            # no storage reached the files (min_bytes kept them all in memory, or the host tier held them): the
+            # case itself passed; the fault goes to the case with every storage a candidate
+            run, seen = dataclasses.replace(case, min_bytes=0), {"calls": 0, "fired": 0}
+            r = _offloaded(run, copy.deepcopy(model), batches, ref, dev, at, seen)
+        if case.fault != "none" and r.ok and not seen["fired"] and seen["calls"]:
+            at, seen = case.fault_at % seen["calls"], {"calls": 0, "fired": 0}  # fewer calls made: fault on one
+            r = _offloaded(run, copy.deepcopy(model), batches, ref, dev, at, seen)
+        r.case, r.fault_calls = case, seen["calls"]
+        if run is not case:
+            r.fault_min_bytes = run.min_bytes
+            r.detail = f"with min_bytes {run.min_bytes} (the case's own {case.min_bytes} made no file I/O): {r.detail}"
+        if seen["fired"]:
+            r.fault_call = at
+        elif case.fault != "none" and r.ok:
+            r.outcome, r.detail = "fault not reached", (
+                f"the {case.fault} fault on call {at} was never reached: the run made {seen['calls']} "
+                f"{case.fault}s of the file engine; {r.detail}")
+        return r
+    except Exception as exc:  # noqa: BLE001 - a crash is a finding, reported with its case
+        return OffloadCaseResult(case, False, f"{type(exc).__name__}: {str(exc)[:200]}", traceback.format_exc())
+
+
+def _offloaded(case: OffloadCase, model: nn.Module, batches: list[torch.Tensor], ref: list[Any],
+               dev: torch.device, fault_at: int, seen: dict[str, int]) -> OffloadCaseResult:
+    """Train ``model`` on ``batches`` with offloading (the fault, if any, on call ``fault_at``; the calls of its
+    kind made and failed are counted in ``seen``) and compare with ``ref``."""
+    try:
         with tempfile.TemporaryDirectory(prefix="datapath-fuzz-") as tmp:
             opts: dict[str, Any] = dict(min_bytes=case.min_bytes, prefetch_distance=case.prefetch_distance,
                                         offload_cpu_tensors=dev.type == "cpu", on_error=case.on_error)
@@ -340,7 +378,7 @@ def run_offload_case(case: OffloadCase, device: str | torch.device = "cpu") -> O
                 cache = TensorCache("host", memory_budget=budget, **opts)
                 if case.config == "budget_slow":
                     cache.bandwidth = lambda: (1e5, 1e5)
-            seen = _inject(cache, case)
+            _inject(cache, case, fault_at, seen)
             raised: OffloadError | None = None
             try:
                 cache.attach(model, units=case.units)
@@ -402,17 +440,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count", type=int, default=100)
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
-    bad = 0
+    bad = faults = reached = 0
     for i in range(a.count):
         r = run_offload_case(make_offload_case(a.seed, i), a.device)
         c = r.case
+        fault = ""
+        if c.fault != "none":
+            faults += 1
+            reached += r.fault_call is not None
+            at = "not reached" if r.fault_call is None else f"on call {r.fault_call}"
+            mb = "" if r.fault_min_bytes is None else f" with min_bytes {r.fault_min_bytes}"
+            fault = f" ({c.fault} fault {at} of {r.fault_calls}{mb}, on_error={c.on_error})"
         print(f"case {i:4d} {c.config:11s} {c.loop:11s} {str(c.dtype)[6:]:8s} layers {c.layers} "
-              f"{','.join(c.features) or '-'}{' frozen' if c.frozen else ''}: {r.outcome}", flush=True)
+              f"{','.join(c.features) or '-'}{' frozen' if c.frozen else ''}: {r.outcome}{fault}", flush=True)
         if not r.ok:
             bad += 1
             print(r.detail, "\n", r.reproduction(), flush=True)
-    print(f"{a.count - bad} of {a.count} cases passed")
+    print(summary_line(a.count - bad, a.count, faults, reached))
     return 1 if bad else 0
+
+
+def summary_line(passed: int, count: int, faults: int, reached: int) -> str:
+    """The fuzz's last line: the cases passed, and of the cases that drew a fault how many never reached it (they
+    passed testing no fault)."""
+    line = f"{passed} of {count} cases passed"
+    if faults:
+        line += f" ({faults - reached} with a fault that was never reached; {reached} of {faults} faults reached)"
+    return line
 
 
 if __name__ == "__main__":
