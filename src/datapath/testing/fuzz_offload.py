@@ -21,12 +21,13 @@ EIO) or one read (EIO) of the file engine fail: the step must raise `OffloadErro
 with ``on_error="keep"`` keeps the tensor instead, and the steps stay bit-identical) and leave no file behind once
 the next backward has run (PyTorch keeps a failed backward's unfinished work, and with it the step's graph, queued
 on the thread until then).  The fault is on call ``fault_at`` of that kind; a run that makes fewer such calls is
-run again with the fault on call ``fault_at`` modulo the calls it made; where the case made none (``min_bytes``
-kept every storage in memory, or the host tier held them all), the fault is tried with ``min_bytes=0``, and where
-that makes none either the case passes as "fault not reached", counted apart: it tested no fault.  `run_offload_case` trains the case's steps (seeded
-per step, a plain SGD update between steps) without and with offloading and requires losses and every gradient
-equal bit for bit, no file left behind, and on a budget (16-18 steps: it profiles, plans and tries plans first) its
-last step within 3% of it, or the budget refused with an `OffloadConfigError` that names the measured minimum.
+run again with the fault on call ``fault_at`` modulo the calls it made; where the case made none, the fault is
+tried with ``min_bytes=0`` (a higher ``min_bytes`` may keep every storage in memory; the host tier may hold them
+all), and where that makes none either the case passes as "fault not reached", counted apart: it tested no fault.
+`run_offload_case` trains the case's steps (seeded per step, a plain SGD update between steps) without and with
+offloading and requires losses and every gradient equal bit for bit, no file left behind, and on a budget (16-18
+steps: it profiles, plans and tries plans first) its last step within 3% of it, or the budget refused with an
+`OffloadConfigError` that names the measured minimum.
 """
 from __future__ import annotations
 
