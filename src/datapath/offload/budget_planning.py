@@ -36,8 +36,9 @@ class BudgetPlanning:
 
     def _candidates(self) -> list[BudgetPlan]:
         """The plans a trial measures against the one in force: those made with offloading weighed more
-        (where it offloads), and checkpointing's (every block recomputed) where the model fits it and the
-        plan keeps some block (a plan that recomputes every block differs only by measured gains)."""
+        (where it offloads), the plan storing nothing at ``keep_target`` (`_keeping_plan`), and checkpointing's
+        (every block recomputed) where the model fits it and the plan keeps some block (a plan that recomputes
+        every block differs only by measured gains)."""
         assert self.plan is not None and self.profile is not None
         plans = [self._plan_for(self.target, cost) for cost in TRIAL_COSTS] if self.plan.offload_bytes else []
         keep = self._keeping_plan()
@@ -115,12 +116,14 @@ class BudgetPlanning:
                 self._block_bytes[b] = self._block_bytes.get(b, 0) + nb
 
     def _replan(self, relaxing: bool = False) -> None:
-        """Plan for ``target``; ``relaxing`` (a higher target): a plan a kept one outran in a trial stays out."""
+        """Plan for ``target`` (or, where the model has it faster or nothing fits ``target``, the plan storing
+        nothing at ``keep_target``); ``relaxing`` (a higher target): a plan a kept one outran in a trial stays out."""
         assert self.profile is not None
         plan = self._plan_for(self.target)
+        aim = self.target
         keep = self._keeping_plan()
         if keep is not None and (plan.infeasible or keep.predicted_time < plan.predicted_time):
-            plan = keep
+            plan, aim = keep, self.keep_target
         if relaxing and _shape(plan) in self._trials.lost:
             return
         self.replans += 1
@@ -137,7 +140,7 @@ class BudgetPlanning:
                             and len(self.trials) < MAX_TRIAL_ROUNDS)
         set_recompute(self.models.blocks, plan.recompute, plan.attention_saved)
         log.info("memory budget %s (planning for %s): offload %s (%d segments), recompute %d block(s) %s (attention "
-                 "kept in %s), predicted peak %s, predicted step %.1f ms", _gb(self.budget), _gb(self.target),
+                 "kept in %s), predicted peak %s, predicted step %.1f ms", _gb(self.budget), _gb(aim),
                  _gb(plan.offload_bytes), plan.cut_segment, len(plan.recompute), list(plan.recompute),
                  list(plan.attention_saved),
                  _gb(plan.predicted_peak), plan.predicted_time * 1e3)
