@@ -21,7 +21,8 @@ EIO) or one read (EIO) of the file engine fail: the step must raise `OffloadErro
 with ``on_error="keep"`` keeps the tensor instead, and the steps stay bit-identical) and leave no file behind once
 the next backward has run (PyTorch keeps a failed backward's unfinished work, and with it the step's graph, queued
 on the thread until then).  The fault is on call ``fault_at`` of that kind; a run that makes fewer such calls is
-run again with the fault on call ``fault_at`` modulo the calls it made; where the case made none, the fault is
+run again with the fault on call ``fault_at`` modulo half the calls it made (how many calls a run makes moves with
+its timing: stores a backward overtakes are not written); where the case made none, the fault is
 tried with ``min_bytes=0`` (a higher ``min_bytes`` may keep every storage in memory; the host tier may hold them
 all), and where that makes none either the case passes as "fault not reached", counted apart: it tested no fault.
 `run_offload_case` trains the case's steps (seeded per step, a plain SGD update between steps) without and with
@@ -81,7 +82,7 @@ class OffloadCase:
     frozen: bool = False   # the embedding and every block's q/k/v projection frozen (adapter-style fine-tuning)
     units: str | None = None  # attach(units=...): None (the policy's default), "blocks" or "leaves"
     fault: str = "none"    # files only: "write" or "read": the ``fault_at``-th call of that kind fails (counted from
-    fault_at: int = 0      # 0; past the calls a run makes: ``fault_at`` modulo them, in a second run)
+    fault_at: int = 0      # 0; past the calls a run makes: ``fault_at`` modulo half of them, in a second run)
     fault_errno: int = errno.EIO
     on_error: str = "raise"  # TensorCache(on_error=...): "raise" or "keep" (a failed store keeps the tensor)
 
@@ -317,7 +318,7 @@ def _inject(cache: TensorCache, case: OffloadCase, at: int, seen: dict[str, int]
 def run_offload_case(case: OffloadCase, device: str | torch.device = "cpu") -> OffloadCaseResult:
     """Train ``case`` without and with offloading on ``device``; the comparison (never raises for a failed check).
 
-    A fault past the calls the run made is moved onto one it makes (``fault_at`` modulo them) and the case run
+    A fault past the calls the run made is moved onto one it makes (``fault_at`` modulo half of them) and the case run
     again; where the case made no call of the faulted kind, the fault is tried with ``min_bytes=0`` (the case itself
     having passed); a run with no such call still is "fault not reached" (passed, and counted apart)."""
     dev = torch.device(device)
@@ -340,7 +341,8 @@ def run_offload_case(case: OffloadCase, device: str | torch.device = "cpu") -> O
             run, seen = dataclasses.replace(case, min_bytes=0), {"calls": 0, "fired": 0}
             r = _offloaded(run, copy.deepcopy(model), batches, ref, dev, at, seen)
         if case.fault != "none" and r.ok and not seen["fired"] and seen["calls"]:
-            at, seen = case.fault_at % seen["calls"], {"calls": 0, "fired": 0}  # fewer calls made: fault on one
+            # fewer calls made: fault on one of the first half (the second run may make fewer calls than the first)
+            at, seen = case.fault_at % max(1, seen["calls"] // 2), {"calls": 0, "fired": 0}
             r = _offloaded(run, copy.deepcopy(model), batches, ref, dev, at, seen)
         r.case, r.fault_calls = case, seen["calls"]
         if run is not case:
