@@ -21,10 +21,11 @@ EIO) or one read (EIO) of the file engine fail: the step must raise `OffloadErro
 with ``on_error="keep"`` keeps the tensor instead, and the steps stay bit-identical) and leave no file behind once
 the next backward has run (PyTorch keeps a failed backward's unfinished work, and with it the step's graph, queued
 on the thread until then).  The fault is on call ``fault_at`` of that kind; a run that makes fewer such calls is
-run again with the fault on call ``fault_at`` modulo half the calls it made (how many calls a run makes moves with
-its timing: stores a backward overtakes are not written); where the case made none, the fault is
-tried with ``min_bytes=0`` (a higher ``min_bytes`` may keep every storage in memory; the host tier may hold them
-all), and where that makes none either the case passes as "fault not reached", counted apart: it tested no fault.
+run again (up to three times) with the fault on call ``fault_at`` modulo half the calls the run before made (how
+many calls a run makes moves with its timing: stores a backward overtakes are not written); where the case made
+none, the fault is tried with ``min_bytes=0`` (a higher ``min_bytes`` may keep every storage in memory; the host
+tier may hold them all), and where that makes none either the case passes as "fault not reached", counted apart:
+it tested no fault.
 `run_offload_case` trains the case's steps (seeded per step, a plain SGD update between steps) without and with
 offloading and requires losses and every gradient equal bit for bit, no file left behind, and on a budget (16-18
 steps: it profiles, plans and tries plans first) its last step within 3% of it, or the budget refused with an
@@ -340,8 +341,9 @@ def run_offload_case(case: OffloadCase, device: str | torch.device = "cpu") -> O
             # case itself passed; the fault goes to the case with every storage a candidate
             run, seen = dataclasses.replace(case, min_bytes=0), {"calls": 0, "fired": 0}
             r = _offloaded(run, copy.deepcopy(model), batches, ref, dev, at, seen)
-        if case.fault != "none" and r.ok and not seen["fired"] and seen["calls"]:
-            # fewer calls made: fault on one of the first half (the second run may make fewer calls than the first)
+        for _ in range(3):  # fewer calls made: fault on one of the first half (a run may make fewer than the last)
+            if not (case.fault != "none" and r.ok and not seen["fired"] and seen["calls"]):
+                break
             at, seen = case.fault_at % max(1, seen["calls"] // 2), {"calls": 0, "fired": 0}
             r = _offloaded(run, copy.deepcopy(model), batches, ref, dev, at, seen)
         r.case, r.fault_calls = case, seen["calls"]
