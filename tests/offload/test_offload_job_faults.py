@@ -112,6 +112,15 @@ def _store_setup_fails(monkeypatch: pytest.MonkeyPatch) -> str:
     return what
 
 
+def _next_steps_are_identical(cache: TensorCache, x: torch.Tensor) -> None:
+    """After a failed step (its traceback dropped by the caller): the next two steps store, load and give the
+    reference gradients bit for bit."""
+    gc.collect()
+    grads = _in_thread(lambda: [_step(cache, x) for _ in range(2)])
+    for g in grads:
+        torch.testing.assert_close(g, _reference(x), rtol=0, atol=0)
+
+
 def _check_closed(cache: TensorCache, target: str) -> None:
     cache.close()
     gc.collect()
@@ -134,10 +143,7 @@ def test_a_store_job_that_raises_fails_the_step_and_the_next_one_runs(tmp_path, 
     assert isinstance(info.value.__cause__, RuntimeError)
     assert cache.stats.store_errors == 1
     del info
-    gc.collect()
-    grads = _in_thread(lambda: [_step(cache, x) for _ in range(2)])  # the next steps store and load
-    for g in grads:
-        torch.testing.assert_close(g, _reference(x), rtol=0, atol=0)
+    _next_steps_are_identical(cache, x)
     st = cache.stats
     assert st.store_errors == 1 and st.storages_offloaded == 3 and st.bytes_loaded == 2 * N * 8
     _check_closed(cache, target)
@@ -195,10 +201,7 @@ def test_a_load_job_that_raises_fails_the_step(tmp_path, monkeypatch: pytest.Mon
         _in_thread(steps)
     assert cache.stats.load_errors == 1
     del info
-    gc.collect()
-    grads = _in_thread(lambda: [_step(cache, x) for _ in range(2)])
-    for g in grads:
-        torch.testing.assert_close(g, _reference(x), rtol=0, atol=0)
+    _next_steps_are_identical(cache, x)
     _check_closed(cache, target)
 
 
@@ -247,10 +250,7 @@ def test_a_store_job_that_raises_fails_the_step_on_cuda(tmp_path, monkeypatch: p
         _in_thread(lambda: [_step(cache, x) for _ in range(2)])
     assert cache.stats.store_errors == 1
     del info
-    gc.collect()
-    grads = _in_thread(lambda: [_step(cache, x) for _ in range(2)])
-    for g in grads:
-        torch.testing.assert_close(g, _reference(x), rtol=0, atol=0)
+    _next_steps_are_identical(cache, x)
     _check_closed(cache, target)
 
 
