@@ -31,6 +31,8 @@ def parse(argv: list[str] | None, description: str = "B6: offloading at 8B scale
     ap.add_argument("--trace", action="store_true", help="after the timed steps, one more under torch.profiler: "
                                                          "GPU compute / NCCL / copy time, NCCL not hidden, CPU "
                                                          "waits on the GPU (trace_per_rank in each record)")
+    ap.add_argument("--trace-dir", default=None, help="with --trace: write each traced step's Chrome trace there "
+                                                        "(<name>_<method>_<seq>_rank<r>.json)")
     ap.add_argument("--compile-budgets", default="0.5")
     ap.add_argument("--compile-cost", type=float, default=90.0, help="seconds a compiled method is expected to cost")
     ap.add_argument("--time-budget", type=float, default=360.0, help="seconds; later work is skipped and recorded")

@@ -249,7 +249,12 @@ class Bench:
                     if cuda:
                         reserved = max(reserved, torch.cuda.max_memory_reserved())
             retries = (torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0) if cuda else 0
-            traced = traced_step(step) if cuda and self.args.trace and steps > 1 else None  # one more step, untimed
+            chrome = None
+            if self.args.trace_dir:
+                Path(self.args.trace_dir).mkdir(parents=True, exist_ok=True)
+                chrome = Path(self.args.trace_dir) / f"{self.args.name}_{method}_{seq}_rank{self.rank}.json"
+            # one more step, untimed
+            traced = traced_step(step, chrome) if cuda and self.args.trace and steps > 1 else None
             if self.dist:  # a step ends when the slowest rank's does: each timed step at its slowest rank's time
                 per_rank = self.gather(times)
                 times = [max(ts) for ts in zip(*per_rank)]
