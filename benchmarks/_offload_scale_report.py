@@ -121,14 +121,14 @@ def plan_brief(plan: Any) -> dict[str, Any] | None:
     d = plan.as_dict()
     return {"offload_gb": d["offload_bytes"] / 1e9, "recompute_blocks": len(d["recompute"]),
             "cut_segment": d["cut_segment"], "predicted_peak_gb": d["predicted_peak"] / 1e9,
-            "attention_saved": len(d["attention_saved"])}
+            "attention_saved": len(d["attention_saved"]), "attention_offloaded": len(d.get("attention_offloaded", []))}
 
 
 def cache_record(cache: Any, method: str, steps: int) -> dict[str, Any]:
     """What a datapath method's cache measured over ``steps`` steps (empty for the peers): bytes offloaded a step,
     store bandwidths, the pacing lead (units); for ``datapath-budget`` the planned steps' peaks, the planner's host
-    time, the plan and trials, the targets, the profile planned from, and the attention gains (per block: GB kept,
-    seconds saved)."""
+    time, the plan and trials, the targets, the profile planned from, the attention gains (per block: GB kept,
+    seconds saved) and what its attention store moved."""
     if cache is None:
         return {}
     st = cache.stats
@@ -149,4 +149,8 @@ def cache_record(cache: Any, method: str, steps: int) -> dict[str, Any]:
         att = getattr(pol, "attention", None)
         if att is not None:
             extra["attention_gains"] = {str(b): [nb / 1e9, sec] for b, (nb, sec) in att.gains().items()}
+        ast = getattr(pol, "attention_store", None)  # attention outputs offloaded: GB over the whole run
+        if ast is not None:
+            extra["attention_store_gb"] = {"stored": ast.stored_bytes / 1e9, "fetched": ast.fetched_bytes / 1e9,
+                                           "prefetched": ast.prefetched_bytes / 1e9, "kept": ast.kept_bytes / 1e9}
     return extra

@@ -59,6 +59,7 @@ import logging
 import math
 from collections.abc import Callable
 
+from datapath.offload.attention_offload import AttentionStore
 from datapath.offload.attention_saved import AttentionCosts
 from datapath.offload.bandwidth import StoreBandwidth
 from datapath.offload.budget_floor import Floor
@@ -101,7 +102,8 @@ class BudgetPolicy(BudgetPlanning, Policy):
 
     def __init__(self, config: OffloadConfig, flow: Backpressure, bandwidth: StoreBandwidth, stats: OffloadStats,
                  *, budget: int, meter: MemoryMeter, models: AttachedModels, clock: Clock,
-                 room: Callable[[], int | None] | None = None) -> None:
+                 room: Callable[[], int | None] | None = None, attention_store: AttentionStore | None = None,
+                 ) -> None:
         super().__init__(config, flow, bandwidth, stats)
         self.meter = meter
         self.models = models
@@ -137,6 +139,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
         self.profile_peaks: list[int] = []  # the measured peak of each profiled step (memory profiles)
         self.attention = AttentionCosts()   # profiled steps' recomputed blocks: their attention's bytes and time
         self._attention: dict[int, tuple[int, float]] = {}  # ... as the planner takes them
+        self.attention_store = attention_store  # where a plan's offloaded attention outputs go (None: kept only)
         # records whose forward ran and whose backward has not ended (micro-batches interleaved by a pipeline
         # schedule): while one waits, the blocks' wrapping must not change (see `_waiting`)
         self._open: list[Record] = []

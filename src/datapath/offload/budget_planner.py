@@ -38,6 +38,12 @@ forward to its backward) and its recompute costs that much less time.  For each
 candidate plan the most such blocks that still fit the budget are chosen, the last
 ones first (their bytes are freed first in the backward).
 
+Attention offloaded.  Where the device has no room for them, the outputs of more
+recomputed blocks may wait in the store (`datapath.offload.attention_offload`), given
+``attention_room`` store bytes beside what the plan offloads: their bytes leave the
+device, one block's outputs are in flight through the whole backward (the next block's,
+fetched ahead), and each saves its attention time less its load at the read bandwidth.
+
 Search.  For each number ``m`` of recomputed blocks, two placements (identical
 layers being equally good per byte, only where they run matters): the last ``m``
 recomputable blocks, so that the first ones, kept, have the most time to store; and
@@ -104,6 +110,7 @@ class BudgetPlan:
     infeasible: bool = False
     min_peak: int = 0
     attention_saved: tuple[int, ...] = ()   # recomputed blocks that keep their attention outputs
+    attention_offloaded: tuple[int, ...] = ()  # ... that keep them in the store
 
     def offloads(self, segment: int, done_in_segment: int) -> bool:
         """Whether a storage of ``segment`` is offloaded, ``done_in_segment`` bytes of it being offloaded already."""
@@ -112,13 +119,15 @@ class BudgetPlan:
     @property
     def storeless(self) -> bool:
         """The plan offloads nothing (it keeps and recomputes only)."""
-        return self.offload_bytes == 0 and self.cut_segment == 0 and self.cut_bytes == 0
+        return self.offload_bytes == 0 and self.cut_segment == 0 and self.cut_bytes == 0 \
+            and not self.attention_offloaded
 
     def as_dict(self) -> dict[str, object]:
         return {"cut_segment": self.cut_segment, "cut_bytes": self.cut_bytes, "recompute": list(self.recompute),
                 "offload_bytes": self.offload_bytes, "predicted_peak": self.predicted_peak,
                 "predicted_time": self.predicted_time, "budget": self.budget, "infeasible": self.infeasible,
-                "min_peak": self.min_peak, "attention_saved": list(self.attention_saved)}
+                "min_peak": self.min_peak, "attention_saved": list(self.attention_saved),
+                "attention_offloaded": list(self.attention_offloaded)}
 
 
 KEEP_ALL = BudgetPlan(0, 0, (), 0, 0, 0.0, 0)  # offloads nothing, recomputes nothing
@@ -311,6 +320,27 @@ def _keep_attention(model: _Model, rec: set[int], k: int, budget: int, attention
     return {b: attention[b][0] for b in chosen}, sum(attention[b][1] for b in chosen)
 
 
+def _offload_attention(model: _Model, rec: set[int], k: int, budget: int, attention: dict[int, tuple[int, float]],
+                       recomputed: set[int], saved: dict[int, int], room: int, read_bandwidth: float,
+                       ) -> tuple[dict[int, int], float]:
+    """The recomputed blocks (last first, not in ``saved``) whose attention outputs fit ``room`` store bytes and
+    save time net of their load at ``read_bandwidth``, where one block's outputs in flight through the backward
+    (the prefetch) still fit ``budget``: (block -> bytes, seconds saved)."""
+    def net(b: int) -> float:
+        return attention[b][1] - attention[b][0] / read_bandwidth
+    cands = sorted((b for b in rec | recomputed if b in attention and b not in saved and net(b) > 0), reverse=True)
+    chosen: dict[int, int] = {}
+    for b in cands:
+        if sum(chosen.values()) + attention[b][0] <= room:
+            chosen[b] = attention[b][0]
+    if not chosen:
+        return {}, 0.0
+    window = (model.n, 2 * model.n, max(chosen.values()))
+    if model.peak(_kept(model, rec, k, saved)[0] + [window]) > budget:
+        return {}, 0.0
+    return chosen, sum(net(b) for b in chosen)
+
+
 def shifted(profile: BudgetProfile, delta: int) -> BudgetProfile:
     """``profile`` with every interval peak moved by ``delta`` bytes (the memory held before a step changed
     since the profiled one: optimizer state made, workspaces, other tensors of the program)."""
@@ -324,7 +354,7 @@ def shifted(profile: BudgetProfile, delta: int) -> BudgetProfile:
 
 def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
                 offload_cost: float = 1.0, attention: dict[int, tuple[int, float]] | None = None,
-                recomputed: tuple[int, ...] | list[int] = ()) -> BudgetPlan:
+                recomputed: tuple[int, ...] | list[int] = (), attention_room: int = 0) -> BudgetPlan:
     """The fastest plan whose modelled peak fits ``budget`` bytes (see the module docstring).
 
     ``offload_cost`` multiplies what offloading costs in the time model (its transfer times and
@@ -334,7 +364,8 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
 
     ``attention``: block -> (bytes, seconds) of keeping its attention outputs when recomputed (measured:
     `datapath.offload.attention_saved.AttentionCosts.gains`); ``recomputed``: blocks the profile ran recomputed
-    (every plan recomputes them; they may keep their attention outputs too).
+    (every plan recomputes them; they may keep their attention outputs too); ``attention_room``: store bytes
+    beside the plan's offloaded ones that attention outputs may take (0: none offloaded).
     """
     if not offload_cost > 0:
         raise ValueError(f"offload_cost must be > 0, got {offload_cost!r}")
@@ -345,7 +376,7 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
         return _Model(dataclasses.replace(p, write_bandwidth=p.write_bandwidth * safety / cost,
                                           read_bandwidth=p.read_bandwidth * safety / cost))
     tmodel = timed(offload_cost)
-    best: tuple[float, int, int, set[int], float, dict[int, int]] | None = None
+    best: tuple[float, int, int, set[int], float, dict[int, int], dict[int, int], float] | None = None
     always = set(recomputed)
     lowest = math.inf
     lowest_plan: tuple[int, set[int]] = (0, set())
@@ -358,19 +389,34 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
             continue
         lo = _fewest_offloaded(model, rec, n_elig, budget)
         saved: dict[int, int] = {}
+        moved: dict[int, int] = {}
         gain = 0.0
+        kept, off = _kept(model, rec, lo)
         if attention:
             saved, gain = _keep_attention(model, rec, lo, budget, attention, always)
+            if attention_room > 0:  # offloaded beside those kept, or instead of keeping any (the prefetch fits)
+                room_left = attention_room - sum(nb for _, nb in off)
+                bw = max(p.read_bandwidth * safety, 1.0)
+                options = [(saved, gain, *_offload_attention(model, rec, lo, budget, attention, always, saved,
+                                                             room_left, bw))]
+                if saved:
+                    options.append(({}, 0.0, *_offload_attention(model, rec, lo, budget, attention, always, {},
+                                                                 room_left, bw)))
+                saved, gain_kept, moved, gain_moved = max(options, key=lambda o: o[1] + o[3])
+                gain = gain_kept + gain_moved
         kept, off = _kept(model, rec, lo, saved)
         peak = model.peak(kept)
+        if moved:
+            peak = max(peak, model.peak(kept + [(model.n, 2 * model.n, max(moved.values()))]))
         lowest = min(lowest, model.peak(_kept(model, rec, lo)[0]))
         t = _time(tmodel, rec, off, max(0.0, budget - peak), PACING_COST * offload_cost) - gain
         key = (t, sum(nb for _, nb in off))
         if best is None or key < (best[0], best[2]):
-            best = (t, lo, sum(nb for _, nb in off), rec, peak, saved)
+            best = (t, lo, sum(nb for _, nb in off), rec, peak, saved, moved, gain)
     if best is None:  # the fastest plan with the lowest modelled peak, marked infeasible
         floor_plan = plan_budget(profile, math.ceil(lowest), safety=safety, offload_cost=offload_cost,
-                                 attention=attention, recomputed=recomputed) if budget < lowest < math.inf else None
+                                 attention=attention, recomputed=recomputed,
+                                 attention_room=attention_room) if budget < lowest < math.inf else None
         if floor_plan is not None and not floor_plan.infeasible:  # several plans may reach the floor
             return dataclasses.replace(floor_plan, budget=budget, infeasible=True,
                                        min_peak=int(min(lowest, p.min_peak)))
@@ -379,13 +425,13 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
         off = _kept(model, rec, k)[1]
         return BudgetPlan(cut_segment, cut_bytes, tuple(sorted(rec)), sum(nb for _, nb in off), int(lowest),
                           math.inf, budget, infeasible=True, min_peak=int(min(lowest, p.min_peak)))
-    t, k, nbytes, rec, peak, saved = best
+    t, k, nbytes, rec, peak, saved, moved, gain = best
     cut_segment, cut_bytes = _cut(p, rec, k)
     if offload_cost != 1.0:  # the time the plain model gives this plan (comparable with other plans')
-        t = _time(timed(1.0), rec, _kept(model, rec, k)[1], max(0.0, budget - peak)) - \
-            (sum(attention[b][1] for b in saved) if attention else 0.0)
+        t = _time(timed(1.0), rec, _kept(model, rec, k)[1], max(0.0, budget - peak)) - gain
     return BudgetPlan(cut_segment, cut_bytes, tuple(sorted(rec)), nbytes, int(peak), t, budget,
-                      min_peak=int(min(lowest, p.min_peak)), attention_saved=tuple(sorted(saved)))
+                      min_peak=int(min(lowest, p.min_peak)), attention_saved=tuple(sorted(saved)),
+                      attention_offloaded=tuple(sorted(moved)))
 
 
 def checkpoint_plan(profile: BudgetProfile, budget: int, *, safety: float = 0.6,

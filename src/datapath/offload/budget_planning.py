@@ -30,7 +30,8 @@ LOOKAHEAD = 4        # forward segments whose working set a pack's admission lea
 class BudgetPlanning:
     """The planning steps of a `BudgetPolicy`, mixed into it: they read and set the policy's state, set by its
     ``__init__`` (``profile``, ``plan``, ``target``, ``budget``, ``calibration``, ``replans``, ``planning_s``,
-    ``keep_target``, ``ranks``, ``room``, ``floor``, ``attention``, ``models``, ``meter``, ``clock``, ``bandwidth``,
+    ``keep_target``, ``ranks``, ``room``, ``floor``, ``attention``, ``attention_store``, ``models``, ``meter``,
+    ``clock``, ``bandwidth``,
     and ``_trials``, ``_attention``, ``_timing_peak``, ``_head_fwd``, ``_head_bwd``, ``_block_bytes``,
     ``_device_bytes``) and its properties ``base_recompute`` and ``trials``."""
 
@@ -61,7 +62,18 @@ class BudgetPlanning:
 
     def _use(self, plan: BudgetPlan) -> None:
         self.plan = plan
-        set_recompute(self.models.blocks, plan.recompute, plan.attention_saved)
+        self._wrap(plan)
+
+    def _wrap(self, plan: BudgetPlan) -> None:
+        """Put ``plan``'s recomputation on the blocks (with its attention outputs kept or offloaded)."""
+        set_recompute(self.models.blocks, plan.recompute, plan.attention_saved, plan.attention_offloaded,
+                      self.attention_store)
+
+    def _attention_room(self) -> int:
+        """Store bytes a plan's offloaded attention outputs may take beside its offloaded tensors: the store's
+        whole budget (the same on every rank; nothing is in flight when a step is planned), 0 without a host
+        store."""
+        return self.attention_store.capacity() if self.attention_store is not None else 0
 
     def _recomputable(self, rec: Record) -> list[int]:
         blocks = self.models.blocks
@@ -76,7 +88,7 @@ class BudgetPlanning:
         assert profile is not None
         t0 = time.perf_counter()
         plan = plan_budget(profile, int(target), offload_cost=offload_cost, attention=self._attention,
-                           recomputed=self.base_recompute)
+                           recomputed=self.base_recompute, attention_room=self._attention_room())
         self.planning_s += time.perf_counter() - t0
         if self.base_recompute:
             plan = dataclasses.replace(plan, recompute=tuple(sorted(set(plan.recompute) | set(self.base_recompute))))
@@ -138,11 +150,11 @@ class BudgetPlanning:
         self.plan = plan
         self._trials.due = (bool(plan.offload_bytes or plan.recompute) and not self.floor.at
                             and len(self.trials) < MAX_TRIAL_ROUNDS)
-        set_recompute(self.models.blocks, plan.recompute, plan.attention_saved)
+        self._wrap(plan)
         log.info("memory budget %s (planning for %s): offload %s (%d segments), recompute %d block(s) %s (attention "
-                 "kept in %s), predicted peak %s, predicted step %.1f ms", _gb(self.budget), _gb(aim),
-                 _gb(plan.offload_bytes), plan.cut_segment, len(plan.recompute), list(plan.recompute),
-                 list(plan.attention_saved),
+                 "kept in %s, offloaded in %s), predicted peak %s, predicted step %.1f ms", _gb(self.budget),
+                 _gb(aim), _gb(plan.offload_bytes), plan.cut_segment, len(plan.recompute), list(plan.recompute),
+                 list(plan.attention_saved), list(plan.attention_offloaded),
                  _gb(plan.predicted_peak), plan.predicted_time * 1e3)
 
     def _build_profile(self, rec: Record, timing: Record | None) -> BudgetProfile:

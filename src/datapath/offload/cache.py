@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from datapath._runtime import pin_limit_bytes
+from datapath.offload.attention_offload import AttentionStore
 from datapath.offload.bandwidth import StoreBandwidth
 from datapath.offload.budget import BudgetPolicy
 from datapath.offload.cheap_recompute import set_cheap_recompute
@@ -122,8 +123,11 @@ class TensorCache:
             return AdaptivePolicy(*parts)
         if config.policy == "budget":
             assert config.memory_budget is not None
+            host = self.store.host if isinstance(self.store, TieredStore) else self.store
+            attention = AttentionStore(host, self.transfers.streams_for) if isinstance(host, HostStore) else None
             return BudgetPolicy(*parts, budget=parse_memory_budget(config.memory_budget, self.meter.total()),
-                                meter=self.meter, models=self.models, clock=self.clock, room=self.store.room)
+                                meter=self.meter, models=self.models, clock=self.clock, room=self.store.room,
+                                attention_store=attention)
         return AllPolicy(*parts)
 
     def _use_meter(self, meter: MemoryMeter) -> None:

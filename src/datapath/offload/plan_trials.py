@@ -25,9 +25,9 @@ MAX_TRIAL_ROUNDS = 2      # trials per policy (a plan remade after a correction 
 Run = tuple[BudgetPlan, int, object, object]  # (plan, measured peak bytes, clock mark at start, at end)
 
 
-def plan_shape(plan: BudgetPlan) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+def plan_shape(plan: BudgetPlan) -> tuple[int, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """What a plan does (two plans of one shape run the same step)."""
-    return plan.cut_segment, plan.cut_bytes, plan.recompute, plan.attention_saved
+    return plan.cut_segment, plan.cut_bytes, plan.recompute, plan.attention_saved, plan.attention_offloaded
 
 
 def gb(n: float) -> str:

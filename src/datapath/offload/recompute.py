@@ -8,7 +8,9 @@ and CUDA RNG states it first ran with (``preserve_rng_state``), so dropout draws
 the same masks and gradients stay bit-identical.  As with Hugging Face's own
 checkpointing, a recomputed block runs without a KV cache.  `set_recompute`
 switches blocks on and off between steps; its ``attention_saved`` blocks keep their attention
-outputs (`datapath.offload.attention_saved`: the attention forward is not run again in the backward).
+outputs (`datapath.offload.attention_saved`: the attention forward is not run again in the backward),
+its ``attention_offloaded`` blocks keep them in the offload store
+(`datapath.offload.attention_offload`).
 """
 from __future__ import annotations
 
@@ -19,10 +21,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
+from datapath.offload.attention_offload import AttentionStore
 from datapath.offload.attention_saved import attention_saved_contexts, probe_contexts, probe_of
 
 _ORIGINAL = "_datapath_recompute_original"
 _KEEP_ATTENTION = "_datapath_recompute_attention_saved"
+_OFFLOAD_ATTENTION = "_datapath_recompute_attention_offloaded"
 
 
 def already_recomputed(block: nn.Module) -> bool:
@@ -62,10 +66,18 @@ def keeps_attention(block: nn.Module) -> bool:
     return is_recomputed(block) and bool(block.__dict__.get(_KEEP_ATTENTION))
 
 
+def offloads_attention(block: nn.Module) -> bool:
+    """True when ``block`` is recomputed with its attention outputs offloaded."""
+    return is_recomputed(block) and block.__dict__.get(_OFFLOAD_ATTENTION) is not None
+
+
 def _context_fn(block: nn.Module) -> Any:
-    """The checkpoint contexts of ``block``'s next forward: attention saved, probed, or plain."""
+    """The checkpoint contexts of ``block``'s next forward: attention saved, offloaded, probed, or plain."""
     if block.__dict__.get(_KEEP_ATTENTION):
         return attention_saved_contexts
+    store = block.__dict__.get(_OFFLOAD_ATTENTION)
+    if store is not None:
+        return store.contexts
     probe = probe_of(block)
     if probe is not None:
         costs, index = probe
@@ -88,19 +100,32 @@ def _wrap(block: nn.Module, original: Any) -> Any:
     return forward
 
 
-def set_recompute(blocks: list[nn.Module], which: Iterable[int], attention_saved: Iterable[int] = ()) -> None:
+def set_recompute(blocks: list[nn.Module], which: Iterable[int], attention_saved: Iterable[int] = (),
+                  attention_offloaded: Iterable[int] = (), attention_store: AttentionStore | None = None) -> None:
     """Recompute exactly the blocks whose indices are in ``which``; restore the others.  The blocks in
-    ``attention_saved`` (a subset of ``which``) keep their attention ops' outputs instead of running them again."""
+    ``attention_saved`` (a subset of ``which``) keep their attention ops' outputs instead of running them again;
+    those in ``attention_offloaded`` (another subset) keep them in ``attention_store``."""
     chosen = set(which)
     keep = set(attention_saved)
-    if not keep <= chosen:
-        raise ValueError(f"attention_saved blocks {sorted(keep - chosen)} are not recomputed: a block keeps its "
-                         f"attention outputs only when it is recomputed (pass it in ``which`` too)")
+    moved = set(attention_offloaded)
+    if not keep | moved <= chosen:
+        raise ValueError(f"attention_saved / attention_offloaded blocks {sorted((keep | moved) - chosen)} are not "
+                         f"recomputed: a block keeps its attention outputs only when it is recomputed (pass it in "
+                         f"``which`` too)")
+    if keep & moved:
+        raise ValueError(f"blocks {sorted(keep & moved)} are both in attention_saved and attention_offloaded: "
+                         f"a block keeps its attention outputs on the device or in the store, not both")
+    if moved and attention_store is None:
+        raise ValueError("attention_offloaded needs attention_store (where the outputs go)")
     for i, block in enumerate(blocks):
         if i in keep:
             block.__dict__[_KEEP_ATTENTION] = True
         else:
             block.__dict__.pop(_KEEP_ATTENTION, None)
+        if i in moved:
+            block.__dict__[_OFFLOAD_ATTENTION] = attention_store
+        else:
+            block.__dict__.pop(_OFFLOAD_ATTENTION, None)
         on = is_recomputed(block)
         if i in chosen and not on:
             had_own = "forward" in block.__dict__

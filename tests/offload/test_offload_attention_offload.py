@@ -1,0 +1,225 @@
+"""Recomputed blocks whose attention outputs wait in the offload store (``attention_offloaded``): gradients
+bit-identical to plain checkpointing, the attention forward not run again, every byte of store room given back,
+the next block's outputs fetched ahead, outputs left on the device where the store is full (CPU, HF Llama, SDPA)."""
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from _offload_models import assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, run_steps
+from datapath.offload import BudgetProfile, HostStore, SegmentCost, TensorCache, plan_budget, set_recompute
+from datapath.offload.attention_offload import AttentionStore
+from datapath.offload.attention_saved import SDPA_OPS
+from datapath.offload.budget_planner import modelled_peak
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(layers: int = 3, h: int = 32, heads: int = 2, dropout: float = 0.0, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=2 * h + 8, num_hidden_layers=layers,
+                                   num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                                   vocab_size=96, max_position_embeddings=4096, attention_dropout=dropout,
+                                   attn_implementation="sdpa", use_cache=False)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def _loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return m(input_ids=ids, labels=ids).loss
+
+
+class _CountSdpa(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in SDPA_OPS:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _store(budget: int = 1 << 30) -> AttentionStore:
+    # small chunks and no floor: every output is split over several slots of a CPU host store
+    return AttentionStore(HostStore(budget, pinned=False), streams_for=lambda d: None, chunk_bytes=40_000,
+                          min_bytes=0)
+
+
+def _step(model: nn.Module, ids: torch.Tensor, which: list[int], moved: list[int],
+          store: AttentionStore | None = None) -> tuple[list[torch.Tensor], int]:
+    """Gradients of one step, and the attention ops its backward ran."""
+    blocks = list(model.model.layers)
+    set_recompute(blocks, which, attention_offloaded=moved, attention_store=store)
+    torch.manual_seed(123)
+    loss = model(input_ids=ids, labels=ids).loss
+    bwd = _CountSdpa()
+    with bwd:
+        loss.backward()
+    set_recompute(blocks, [])
+    return [p.grad.clone() for p in model.parameters()], bwd.calls
+
+
+@pytest.mark.parametrize("layers,moved", [(3, [0, 1, 2]), (4, [1, 3])])
+def test_gradients_bit_identical_and_room_given_back(layers: int, moved: list[int]) -> None:
+    model = _llama(layers=layers, seed=layers)
+    ids = torch.randint(0, 96, (2, 160), generator=torch.Generator().manual_seed(layers))
+    every = list(range(layers))
+    keep_g, _ = _step(copy.deepcopy(model), ids, [], [])
+    plain_g, plain_b = _step(copy.deepcopy(model), ids, every, [])
+    store = _store()
+    for _ in range(2):  # a second step reuses the room the first gave back
+        got_g, got_b = _step(copy.deepcopy(model), ids, every, moved, store)
+        assert plain_b == layers and got_b == layers - len(moved)  # no attention forward rerun where offloaded
+        assert all(torch.equal(a, b) for a, b in zip(plain_g, got_g))
+        assert all(torch.equal(a, b) for a, b in zip(keep_g, got_g))
+        gc.collect()
+        assert store.store.in_use == 0 and store.room() == 1 << 30
+    # what was stored: per offloaded block its output (B, S, H, D) and log-sum-exp, in several chunks each
+    heads, d, s = 2, 16, 160
+    per_block = 2 * s * heads * d * 4 + 2 * heads * s * 4
+    assert store.stored_bytes >= 2 * len(moved) * per_block and store.fetched_bytes == store.stored_bytes
+    # each offloaded block but the forward's last was fetched ahead, as the next offloaded one was recomputed
+    assert store.prefetched_bytes == store.stored_bytes * (len(moved) - 1) // len(moved)
+
+
+def test_a_full_store_leaves_outputs_on_the_device() -> None:
+    model = _llama(layers=3, seed=7)
+    ids = torch.randint(0, 96, (2, 160), generator=torch.Generator().manual_seed(7))
+    plain_g, _ = _step(copy.deepcopy(model), ids, [0, 1, 2], [])
+    store = _store(budget=60_000)  # room for one chunk: the rest of each output stays where it is
+    got_g, bwd = _step(copy.deepcopy(model), ids, [0, 1, 2], [0, 1, 2], store)
+    assert bwd == 0 and all(torch.equal(a, b) for a, b in zip(plain_g, got_g))
+    assert store.kept_bytes > 0 and store.stored_bytes < store.kept_bytes
+    gc.collect()
+    assert store.store.in_use == 0
+
+
+def test_a_backward_that_never_runs_gives_the_room_back() -> None:
+    model = _llama(layers=2, seed=8)
+    ids = torch.randint(0, 96, (1, 128), generator=torch.Generator().manual_seed(8))
+    store = _store()
+    set_recompute(list(model.model.layers), [0, 1], attention_offloaded=[0, 1], attention_store=store)
+    loss = model(input_ids=ids, labels=ids).loss
+    assert store.store.in_use > 0
+    del loss
+    gc.collect()
+    assert store.store.in_use == 0 and store.room() == 1 << 30
+
+
+def test_offloaded_blocks_must_be_recomputed_and_have_a_store() -> None:
+    blocks = list(_llama(layers=2).model.layers)
+    with pytest.raises(ValueError, match="not recomputed"):
+        set_recompute(blocks, [0], attention_offloaded=[1], attention_store=_store())
+    with pytest.raises(ValueError, match="needs attention_store"):
+        set_recompute(blocks, [0, 1], attention_offloaded=[1])
+    with pytest.raises(ValueError, match="not both"):
+        set_recompute(blocks, [0, 1], attention_saved=[1], attention_offloaded=[1], attention_store=_store())
+
+
+def _profile(layers: int, bandwidth: float) -> BudgetProfile:
+    """Per layer a unit (8 MB saved, 10 ms) and the code after it."""
+    segs = [SegmentCost(False, -1, 0.0, 100, None)]
+    storages = []
+    mb = 8 << 20
+    for b in range(layers):
+        segs.append(SegmentCost(True, b, 0.010, 100 + mb, 100 + mb))
+        storages.append((len(segs) - 1, mb))
+        segs.append(SegmentCost(False, b, 0.0, 100, None))
+    return BudgetProfile(segs, storages, 100 + mb, {b: 1 << 20 for b in range(layers)}, bandwidth, bandwidth,
+                         recomputable=list(range(layers)))
+
+
+def test_planner_offloads_attention_where_the_device_has_no_room_for_it() -> None:
+    prof = _profile(6, 50e9)
+    every = list(range(6))
+    base = int(modelled_peak(prof, every, 0))
+    att = {b: (3 << 20, 0.004) for b in every}  # 3 MB saves 4 ms of a 10 ms block; its load takes ~0.1 ms
+    one = base + (3 << 20) + 10  # room on the device for one block's outputs
+    # offloading the blocks' tensors weighed out (``offload_cost``): every block recomputed
+    kept = plan_budget(prof, one, attention=att, offload_cost=1e6)
+    assert kept.recompute == tuple(every) and kept.attention_saved == (5,) and kept.attention_offloaded == ()
+    # with store room for four blocks' outputs: the last four offloaded (one in flight fits the device) beat one kept
+    moved = plan_budget(prof, one, attention=att, attention_room=4 * (3 << 20), offload_cost=1e6)
+    assert moved.attention_saved == () and moved.attention_offloaded == (2, 3, 4, 5)
+    assert moved.predicted_peak <= one and not moved.storeless
+    net = 0.004 - (3 << 20) / (50e9 * 0.6)
+    assert moved.predicted_time == pytest.approx(kept.predicted_time + 0.004 - 4 * net)
+    assert moved.as_dict()["attention_offloaded"] == [2, 3, 4, 5]
+    # no room on the device for the one in flight: nothing offloaded
+    assert plan_budget(prof, base, attention=att, attention_room=1 << 40, offload_cost=1e6).attention_offloaded == ()
+    # a load slower than the attention it saves: nothing offloaded
+    slow = plan_budget(_profile(6, 50e6), one, attention=att, attention_room=1 << 40, offload_cost=1e6)
+    assert slow.attention_offloaded == () and slow.attention_saved == (5,)
+
+
+@pytest.mark.slow
+def test_budget_offloads_attention_end_to_end_and_holds() -> None:
+    """The long-context case in small, where checkpointing's peak is the budget: no room to keep attention
+    outputs, store room to offload them; gradients bit-identical, no attention forward in a planned backward, the
+    store's room back after each step, the budget held."""
+    model = _llama(layers=4, h=64, heads=4, seed=5)
+    batches = [torch.randint(0, 96, (1, 2048), generator=torch.Generator().manual_seed(10 + i)) for i in range(7)]
+    ref = run_steps(copy.deepcopy(model), batches, _loss)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    keep = cpu_keep_peak(model, _loss, batches[0])
+    ckpt = cpu_hf_checkpoint_peak(model, _loss, batches[0])
+    out_bytes = 2048 * 64 * 4 + 4 * 2048 * 4  # a block's attention output (fp32) and log-sum-exp
+    budget = int(ckpt + 3 * out_bytes)  # room to keep two or three blocks' outputs, or to have one in flight
+    host = int(0.25 * (keep - params))
+    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True,
+                        host_budget_bytes=host)
+    cache.attach(model)
+    got = run_steps(model, batches, _loss, ctx=cache)
+    assert_identical(ref, got)
+    policy, plan = cache.policy, cache.plan
+    assert plan is not None and plan.recompute == (0, 1, 2, 3)
+    assert plan.attention_offloaded and not set(plan.attention_saved) & set(plan.attention_offloaded), plan
+    assert max(policy.peaks[-2:]) <= 1.03 * budget, ([round(p / budget, 3) for p in policy.peaks], budget)
+    store = policy.attention_store
+    assert store is not None and store.stored_bytes > 0 and store.kept_bytes == 0
+    bwd = _CountSdpa()
+    with cache:
+        loss = _loss(model, batches[0])
+        with bwd:
+            loss.backward()
+    assert bwd.calls == 4 - len(plan.attention_offloaded) - len(plan.attention_saved)
+    gc.collect()
+    assert store.store.in_use == 0
+    cache.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_offload_is_bit_identical_and_prefetches() -> None:
+    """On the GPU (bf16, the fused attention kernels): outputs go to pinned memory on the store stream and come back
+    on the load stream, the next block's fetched ahead; gradients as plain recomputation's (bit-identical where the
+    attention backward repeats bit for bit); the pool's room back after each step."""
+    from datapath.offload.store import Streams
+
+    model = _llama(layers=4, h=256, heads=4, seed=9).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 96, (2, 1024), generator=torch.Generator().manual_seed(9)).cuda()
+    streams: dict[torch.device, Streams] = {}
+    store = AttentionStore(HostStore(1 << 30, pinned=True),
+                           lambda d: streams.setdefault(d, Streams(d)), chunk_bytes=256 << 10)
+    plain_g, plain_b = _step(copy.deepcopy(model), ids, [0, 1, 2, 3], [])
+    # the fused attention backward may add in another order from run to run: what two plain runs differ by is
+    # what an offloaded run may differ by (nothing where they agree bit for bit)
+    again_g, _ = _step(copy.deepcopy(model), ids, [0, 1, 2, 3], [])
+    noise = max((a.float() - b.float()).abs().max().item() for a, b in zip(plain_g, again_g))
+    for _ in range(2):
+        got_g, got_b = _step(copy.deepcopy(model), ids, [0, 1, 2, 3], [0, 1, 2, 3], store)
+        torch.cuda.synchronize()
+        assert plain_b == 4 and got_b == 0
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(plain_g, got_g))
+        assert diff <= 2 * noise, (diff, noise)
+        gc.collect()
+        store._drain()
+        assert store.store.in_use == 0
+    # per block its output (B, S, H, D) in bf16 (the log-sum-exp, 32 KB, stays on the device)
+    assert store.stored_bytes >= 2 * 4 * 2 * 1024 * 256 * 2 and store.fetched_bytes == store.stored_bytes
+    assert store.prefetched_bytes == store.stored_bytes * 3 // 4 and store.kept_bytes == 0
