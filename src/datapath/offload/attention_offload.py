@@ -105,8 +105,10 @@ class _Frame:
         self.leaves: list[_Offloaded] = []
         self.taken = 0
         self.count = 0
-        # a frame whose backward never runs (an exception, a graph let go) gives its room back when collected
-        self._final = weakref.finalize(self, _release, self.leaves)
+        # a frame whose backward never runs (an exception, a graph let go) gives its room back once collected: its
+        # outputs are handed to the owner (a list append: the collector may run anywhere, a lock held included)
+        # and released at the owner's next save or fetch (`AttentionStore._drain`)
+        weakref.finalize(self, owner._orphans.append, self.leaves)
 
     @property
     def pending(self) -> bool:
@@ -189,6 +191,7 @@ class AttentionStore:
         self._last: weakref.ref[_Frame] | None = None
         self._writing: list[_Offloaded] = []
         self._reading: list[_Chunk] = []
+        self._orphans: list[list[_Offloaded]] = []   # outputs of frames collected before their recomputation
         self._lock = threading.Lock()
 
     def room(self) -> int:
@@ -248,7 +251,10 @@ class AttentionStore:
         return leaf
 
     def _drain(self) -> None:
-        """Let go of the device bytes of outputs whose writes ended, and of the host room of reads that ended."""
+        """Let go of the device bytes of outputs whose writes ended, of the host room of reads that ended, and of
+        everything collected frames held (waiting for their copies)."""
+        while self._orphans:
+            _release(self._orphans.pop())
         with self._lock:
             writing, self._writing = self._writing, []
             reading, self._reading = self._reading, []

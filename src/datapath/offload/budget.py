@@ -140,6 +140,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
         self.attention = AttentionCosts()   # profiled steps' recomputed blocks: their attention's bytes and time
         self._attention: dict[int, tuple[int, float]] = {}  # ... as the planner takes them
         self.attention_store = attention_store  # where a plan's offloaded attention outputs go (None: kept only)
+        self._agreed_room: int | None = None    # ... its room, agreed over the ranks (the smallest)
         # records whose forward ran and whose backward has not ended (micro-batches interleaved by a pipeline
         # schedule): while one waits, the blocks' wrapping must not change (see `_waiting`)
         self._open: list[Record] = []

@@ -32,7 +32,7 @@ class BudgetPlanning:
     ``__init__`` (``profile``, ``plan``, ``target``, ``budget``, ``calibration``, ``replans``, ``planning_s``,
     ``keep_target``, ``ranks``, ``room``, ``floor``, ``attention``, ``attention_store``, ``models``, ``meter``,
     ``clock``, ``bandwidth``,
-    and ``_trials``, ``_attention``, ``_timing_peak``, ``_head_fwd``, ``_head_bwd``, ``_block_bytes``,
+    and ``_trials``, ``_attention``, ``_agreed_room``, ``_timing_peak``, ``_head_fwd``, ``_head_bwd``, ``_block_bytes``,
     ``_device_bytes``) and its properties ``base_recompute`` and ``trials``."""
 
     def _candidates(self) -> list[BudgetPlan]:
@@ -71,8 +71,10 @@ class BudgetPlanning:
 
     def _attention_room(self) -> int:
         """Store bytes a plan's offloaded attention outputs may take beside its offloaded tensors: the store's
-        whole budget (the same on every rank; nothing is in flight when a step is planned), 0 without a host
+        whole budget (nothing is in flight when a step is planned; over ranks, the smallest), 0 without a host
         store."""
+        if self._agreed_room is not None:
+            return self._agreed_room
         return self.attention_store.capacity() if self.attention_store is not None else 0
 
     def _recomputable(self, rec: Record) -> list[int]:
@@ -110,8 +112,9 @@ class BudgetPlanning:
             if self.calibration:
                 self.profile = shifted(self.profile, self.calibration)
         if self.ranks is not None:  # every rank plans on the largest measures (once per profile made)
-            self.profile, self.calibration, self._attention, self._device_bytes = self.ranks.agree_profile(
-                self.profile, self.calibration, self._attention, self.meter.total())
+            self.profile, self.calibration, self._attention, self._device_bytes, self._agreed_room = \
+                self.ranks.agree_profile(self.profile, self.calibration, self._attention, self.meter.total(),
+                                         self._attention_room())
         if timing is not None and self.calibration:
             log.info("memory budget: the timing step peaked %s above the memory model's figure for it; every "
                      "interval of the profile moved up by that", _gb(self.calibration))

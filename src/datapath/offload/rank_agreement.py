@@ -8,7 +8,8 @@ over the ranks of a process group, every measured quantity a `BudgetPolicy` deci
 every rank makes the same decisions from identical inputs:
 
 - the profile, once when it is made (`agree_profile`: `all_gather_object` of the profile, its
-  calibration, the attention gains and the device's memory; merged by `merge_profiles`): each
+  calibration, the attention gains, the device's memory and the store's room for attention
+  outputs; merged by `merge_profiles`): each
   interval's bytes and each segment's time take the largest over the ranks, the bandwidths and
   the attention's time gains the smallest (every rank plans for the rank that fares worst);
 - whether the store was too small for the profiled step (`agree_room`: one ``all_reduce``);
@@ -117,17 +118,19 @@ class RankAgreement:
 
     # ------------------------------------------------------------ the profile
     def agree_profile(self, profile: BudgetProfile, calibration: int, attention: dict[int, tuple[int, float]],
-                      device_bytes: int) -> tuple[BudgetProfile, int, dict[int, tuple[int, float]], int]:
-        """Every rank's (profile, calibration, attention gains, device memory) merged: `merge_profiles`, the
-        largest calibration, `merge_attention`, the smallest device.  One ``all_gather_object`` of the pickled
-        payload (the host waits for it), once per profile made."""
+                      device_bytes: int, attention_room: int = 0,
+                      ) -> tuple[BudgetProfile, int, dict[int, tuple[int, float]], int, int]:
+        """Every rank's (profile, calibration, attention gains, device memory, store room for attention outputs)
+        merged: `merge_profiles`, the largest calibration, `merge_attention`, the smallest device, the smallest
+        room (host budgets differ where they follow each rank's free memory).  One ``all_gather_object`` of the
+        pickled payload (the host waits for it), once per profile made."""
         import torch.distributed as dist  # noqa: PLC0415
 
         got: list[Any] = [None] * self.world
-        dist.all_gather_object(got, (profile, int(calibration), dict(attention), int(device_bytes)),
-                               group=self.group)
-        merged = merge_profiles([g[0] for g in got])
-        return merged, max(g[1] for g in got), merge_attention([g[2] for g in got]), min(g[3] for g in got)
+        dist.all_gather_object(got, (profile, int(calibration), dict(attention), int(device_bytes),
+                                     int(attention_room)), group=self.group)
+        return (merge_profiles([g[0] for g in got]), max(g[1] for g in got), merge_attention([g[2] for g in got]),
+                min(g[3] for g in got), min(g[4] for g in got))
 
 
 def _structure(p: BudgetProfile) -> tuple[Any, ...]:
