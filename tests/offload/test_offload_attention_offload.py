@@ -12,8 +12,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _offload_models import assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, run_steps
-from datapath.offload import BudgetProfile, HostStore, SegmentCost, TensorCache, plan_budget, set_recompute
-from datapath.offload.attention_offload import AttentionStore
+from datapath.offload import (
+    AttentionStore, BudgetProfile, HostStore, SegmentCost, TensorCache, plan_budget, set_recompute,
+)
 from datapath.offload.attention_saved import SDPA_OPS
 from datapath.offload.budget_planner import modelled_peak
 

@@ -12,11 +12,13 @@ or recomputed, whichever fits fastest.
 `TensorCache` gives explicit control (attach/detach, micro-batch and backward hints,
 `wait_io`, statistics); `OffloadConfig` holds its settings; `plan_budget` (with `checkpoint_plan`) and
 `plan_offload` are the budget and adaptive planners; `HostStore`, `FileStore` and
-`TieredStore` implement the one `Store` interface; `auto_blocks` names the blocks of a
+`TieredStore` implement the one `Store` interface (`AttentionStore` puts recomputed blocks' attention outputs in
+one; `set_recompute` recomputes blocks, keeping or offloading those outputs); `auto_blocks` names the blocks of a
 model (the units of ``units="blocks"``, what ``compile=True`` compiles one by one).  Workload modelling (ROK curves,
 the SSD plan, presets) lives in `datapath.analysis`.
 """
 from datapath._deprecated import forward
+from datapath.offload.attention_offload import AttentionStore
 from datapath.offload.attention_saved import AttentionCosts, attention_saved_contexts
 from datapath.offload.budget_planner import BudgetPlan, BudgetProfile, SegmentCost, checkpoint_plan, plan_budget
 from datapath.offload.cache import TensorCache
@@ -38,7 +40,7 @@ from datapath.offload.store import Slot, Store
 from datapath.offload.tiered_store import TieredStore
 
 __all__ = [
-    "AttentionCosts", "BudgetPlan", "BudgetProfile", "FileStore", "FlowOptions", "HostStore", "OffloadConfig", "OffloadConfigError",
+    "AttentionCosts", "AttentionStore", "BudgetPlan", "BudgetProfile", "FileStore", "FlowOptions", "HostStore", "OffloadConfig", "OffloadConfigError",
     "OffloadError", "OffloadPlan", "OffloadStats", "OffloadWarning", "SegmentCost", "SegmentProfile",
     "SelectOptions", "Slot", "SpillDir", "StepProfile", "Store", "StoreOptions", "TensorCache", "TensorProfile",
     "TieredStore", "attention_saved_contexts", "auto_blocks", "checkpoint_plan", "clean_stale", "clean_stale_ranks", "compile_blocks", "is_cheap", "offload", "offload_rank", "parse_memory_budget",
