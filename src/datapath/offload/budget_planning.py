@@ -38,8 +38,7 @@ class BudgetPlanning:
     def _candidates(self) -> list[BudgetPlan]:
         """The plans a trial measures against the one in force: those made with offloading weighed more
         (where it offloads), the plan storing nothing at ``keep_target`` (`_keeping_plan`), and checkpointing's
-        (every block recomputed) where the model fits it and the plan keeps some block (a plan that recomputes
-        every block differs only by measured gains)."""
+        (every block recomputed) where the plan recomputes other blocks or offloads attention outputs."""
         assert self.plan is not None and self.profile is not None
         plans = [self._plan_for(self.target, cost) for cost in TRIAL_COSTS] if self.plan.offload_bytes else []
         keep = self._keeping_plan()
@@ -49,7 +48,10 @@ class BudgetPlanning:
         if ckpt.infeasible and self.keep_target > self.target:  # checkpointing's plan may store nothing
             alt = checkpoint_plan(self.profile, int(self.keep_target), recomputed=self.base_recompute)
             ckpt = alt if alt.storeless else ckpt
-        return plans + ([ckpt] if ckpt.recompute != self.plan.recompute else [])
+        # a plan recomputing every block may still offload attention outputs: the probe measured what their
+        # recomputation costs, not what their copies take from the step (kept on the device, they take nothing)
+        differs = ckpt.recompute != self.plan.recompute or bool(self.plan.attention_offloaded)
+        return plans + ([ckpt] if differs else [])
 
     def _keeping_plan(self) -> BudgetPlan | None:
         """Where a step that stored overshot (``keep_target`` above ``target``): the plan storing the fewest bytes
