@@ -27,6 +27,8 @@ def parse(argv: list[str] | None, description: str = "B6: offloading at 8B scale
     ap.add_argument("--datapath-pace", type=int, default=None,
                     help="units datapath's methods let the CPU run ahead of the GPU (offload(pace=N); the "
                          "library's default: 1); recorded as `pace`")
+    ap.add_argument("--datapath-compile", action="store_true",
+                    help="datapath's methods with compile=True (each block compiled; recorded as `compile`)")
     ap.add_argument("--log-plans", action="store_true", help="print datapath's planning log (INFO)")
     ap.add_argument("--trace", action="store_true", help="after the timed steps, one more under torch.profiler: "
                                                          "GPU compute / NCCL / copy time, NCCL not hidden, CPU "

@@ -184,6 +184,8 @@ class Bench:
                 else {}
             if self.args.datapath_pace is not None:
                 opts["pace"] = self.args.datapath_pace
+            if self.args.datapath_compile:
+                opts["compile"] = True
             enter = offload_rank if self.dist else offload  # a rank's share of the host's pinned memory
             with enter(self.model, memory_budget=budget, **opts) as cache:
                 self.cache = cache
