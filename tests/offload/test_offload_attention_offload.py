@@ -230,3 +230,61 @@ def test_cuda_offload_is_bit_identical_and_prefetches() -> None:
     # per block its output (B, S, H, D) in bf16 (the log-sum-exp, 32 KB, stays on the device)
     assert store.stored_bytes >= 2 * 4 * 2 * 1024 * 256 * 2 and store.fetched_bytes == store.stored_bytes
     assert store.prefetched_bytes == store.stored_bytes * 3 // 4 and store.kept_bytes == 0
+
+
+def test_attention_calls_with_dropout_run_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call with dropout draws from the RNG: skipping it in the recomputation would shift every later random op
+    of the block.  Such calls are not saved and run again (here every call is taken for one: the CPU's fused
+    attention has no dropout), so the step is plain recomputation's, bit for bit."""
+    from datapath.offload import attention_offload
+    from datapath.offload.attention_saved import draws_random
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.randn(1, 2, 8, 4)
+    assert not draws_random(op, (q, q, q), {}) and not draws_random(op, (q, q, q, 0.0), {})
+    assert draws_random(op, (q, q, q, 0.1), {}) and draws_random(op, (q, q, q), {"dropout_p": 0.2})
+    eff = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention").default  # dropout_p 6th
+    assert draws_random(eff, (q, q, q, None, True, 0.1), {}) and not draws_random(eff, (q, q, q, None, True), {})
+    monkeypatch.setattr(attention_offload, "draws_random", lambda *a: True)
+    model = _llama(layers=3, seed=11)
+    ids = torch.randint(0, 96, (2, 128), generator=torch.Generator().manual_seed(11))
+    plain_g, plain_b = _step(copy.deepcopy(model), ids, [0, 1, 2], [])
+    store = _store()
+    got_g, got_b = _step(copy.deepcopy(model), ids, [0, 1, 2], [0, 1, 2], store)
+    assert got_b == plain_b == 3 and store.stored_bytes == 0
+    assert all(torch.equal(a, b) for a, b in zip(plain_g, got_g))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("where", ["saved", "offloaded"])
+def test_cuda_attention_dropout_leaves_later_dropout_masks_alone(where: str) -> None:
+    """GPT-2 with attention and residual dropout on the GPU (the fused attention applies its own dropout): a block
+    keeping or offloading its attention outputs gives the gradients plain recomputation gives (the residual
+    dropout draws the forward's masks again)."""
+    from datapath.offload.store import Streams
+
+    cfg = transformers.GPT2Config(n_embd=256, n_layer=3, n_head=4, vocab_size=96, n_positions=1024,
+                                  attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.0, attn_implementation="sdpa")
+    torch.manual_seed(12)
+    model = transformers.GPT2LMHeadModel(cfg).train().to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 96, (2, 512), generator=torch.Generator().manual_seed(12)).cuda()
+    streams: dict[torch.device, Streams] = {}
+    store = AttentionStore(HostStore(1 << 30, pinned=True), lambda d: streams.setdefault(d, Streams(d)))
+
+    def step(moved: bool) -> list[torch.Tensor]:
+        m = copy.deepcopy(model)
+        blocks = list(m.transformer.h)
+        if moved:
+            set_recompute(blocks, [0, 1, 2], *(([0, 1, 2],) if where == "saved" else ((), [0, 1, 2], store)))
+        else:
+            set_recompute(blocks, [0, 1, 2])
+        torch.manual_seed(123)
+        m(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.float() for p in m.parameters()]
+
+    plain, again, got = step(False), step(False), step(True)
+    noise = max((a - b).abs().max().item() for a, b in zip(plain, again))
+    scale = max(a.abs().max().item() for a in plain)
+    diff = max((a - b).abs().max().item() for a, b in zip(plain, got))
+    assert diff <= max(2 * noise, 1e-3 * scale), (diff, noise, scale)

@@ -4,7 +4,8 @@
 device from its forward to its backward.  At the longest sequences a GPU trains, the
 device has no room for them (the block inputs that checkpointing holds fill it), but the
 host does: a block recomputed with ``attention_offloaded`` saves the outputs of its
-scaled-dot-product-attention ops in the forward, copies the large ones (over
+scaled-dot-product-attention ops in the forward (not a call with dropout: it runs again,
+see `datapath.offload.attention_saved.draws_random`), copies the large ones (over
 `OFFLOAD_MIN_BYTES`) into the offload store on the store stream, and lets the device
 copies go as soon as the forward is done with them.  In the backward, the block's
 recomputation gets the outputs back from the store instead of running the attention
@@ -35,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from datapath.offload.attention_saved import SDPA_OPS
+from datapath.offload.attention_saved import SDPA_OPS, draws_random
 from datapath.offload.errors import OffloadError
 from datapath.offload.store import IOResult, Slot, Store, Streams
 from datapath.offload.views import ViewSpec, rebuild, storage_bytes
@@ -45,6 +46,8 @@ OFFLOAD_MIN_BYTES = 64 << 10
 
 CHUNK_BYTES = 256 << 20
 """The largest piece of an output one store slot holds (the host pool's default slab size)."""
+
+_RERUN = object()  # an attention call with dropout: not saved, run again in the recomputation
 
 
 @dataclasses.dataclass
@@ -130,6 +133,8 @@ class _Frame:
         out = outs.pop(0)
         self.taken += 1
         self.owner._drain()
+        if out is _RERUN:
+            return out
         return tree_map(lambda x: self.owner._device_copy(x) if isinstance(x, _Offloaded) else x, out)
 
 
@@ -142,11 +147,14 @@ class _Saving(TorchDispatchMode):
         self.frame = frame
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func in SDPA_OPS:
             owner = self.frame.owner
             owner._drain()
-            self.frame.saved.setdefault(func, []).append(tree_map(lambda x: owner._save(self.frame, x), out))
+            # a call with dropout runs again in the recomputation (`draws_random`)
+            kept = _RERUN if draws_random(func, args, kwargs) else tree_map(lambda x: owner._save(self.frame, x), out)
+            self.frame.saved.setdefault(func, []).append(kept)
             self.frame.count += 1
         return out
 
@@ -167,7 +175,9 @@ class _Fetching(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         if func in SDPA_OPS:
-            return self.frame.take(func)
+            out = self.frame.take(func)
+            if out is not _RERUN:
+                return out
         return func(*args, **(kwargs or {}))
 
 

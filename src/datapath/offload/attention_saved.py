@@ -3,8 +3,8 @@
 A block recomputed with ``attention_saved`` runs under non-reentrant checkpointing
 with PyTorch's selective-checkpoint contexts (`create_selective_checkpoint_contexts`):
 the outputs of its scaled-dot-product-attention ops (flash, memory-efficient, cuDNN,
-the CPU flash kernel: the attention output and its log-sum-exp) are saved in the
-forward, every other op is recomputed in the backward, and the recomputation reuses
+the CPU flash kernel: the attention output and its log-sum-exp; not a call with dropout,
+see `draws_random`) are saved in the forward, every other op is recomputed in the backward, and the recomputation reuses
 the saved attention outputs instead of running the attention forward again.  The
 saved outputs are the very tensors the first forward made, so the gradients are
 bit-identical to plain recomputation.  At long context the attention forward is a
@@ -59,8 +59,24 @@ def _sdpa_ops() -> frozenset[Any]:
 SDPA_OPS = _sdpa_ops()
 
 
+def draws_random(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call of an attention op applies dropout: it draws from the RNG, and a recomputation that
+    skipped it would leave the generator behind, so every later random op of the block (a residual dropout)
+    would draw other numbers than in the forward.  Such calls are neither saved nor counted: they run again."""
+    try:
+        names = [a.name for a in op._schema.arguments]
+    except AttributeError:
+        return False
+    if "dropout_p" not in names:
+        return False
+    i = names.index("dropout_p")
+    p = kwargs.get("dropout_p", args[i] if i < len(args) else 0.0)
+    return bool(p and float(p) > 0.0)
+
+
 def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SDPA_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    save = op in SDPA_OPS and not draws_random(op, args, kwargs)
+    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def attention_saved_contexts() -> tuple[Any, Any]:
@@ -140,7 +156,7 @@ class AttentionProbe(TorchDispatchMode):
         kwargs = kwargs or {}
         c = self.costs
         c.ops[self.block] = c.ops.get(self.block, 0) + 1
-        if func not in SDPA_OPS:
+        if func not in SDPA_OPS or draws_random(func, args, kwargs):
             return func(*args, **kwargs)
         q = args[0]
         if q.is_cuda:
