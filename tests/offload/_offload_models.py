@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from datapath.offload import BudgetProfile
 
 
 class GPTBlock(nn.Module):
@@ -124,3 +128,51 @@ def assert_identical(ref: list[Any], got: list[Any]) -> None:
             assert (a is None) == (b is None), f"step {step}: grad {k} presence differs"
             if a is not None:
                 assert torch.equal(a, b), f"step {step}: grad {k} differs (max {(a - b).abs().max().item()})"
+
+
+def layered_profile(layers: int, bandwidth: float) -> BudgetProfile:
+    """A synthetic budget profile: per layer a unit (8 MB saved, 10 ms) and the code after it (nothing saved);
+    every layer recomputable, ``bandwidth`` bytes/s both ways."""
+    from datapath.offload import BudgetProfile, SegmentCost
+
+    segs = [SegmentCost(False, -1, 0.0, 100, None)]
+    storages = []
+    mb = 8 << 20
+    for b in range(layers):
+        segs.append(SegmentCost(True, b, 0.010, 100 + mb, 100 + mb))
+        storages.append((len(segs) - 1, mb))
+        segs.append(SegmentCost(False, b, 0.0, 100, None))
+    return BudgetProfile(segs, storages, 100 + mb, {b: 1 << 20 for b in range(layers)}, bandwidth, bandwidth,
+                         recomputable=list(range(layers)))
+
+
+def hf_llama(layers: int = 3, h: int = 32, heads: int = 2, dropout: float = 0.0, seed: int = 0) -> nn.Module:
+    """A small Hugging Face Llama (SDPA attention, vocabulary 96) in training mode."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=2 * h + 8, num_hidden_layers=layers,
+                                   num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                                   vocab_size=96, max_position_embeddings=4096, attention_dropout=dropout,
+                                   attn_implementation="sdpa", use_cache=False)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def lm_loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face causal LM's loss on ``ids`` (labels = inputs)."""
+    return m(input_ids=ids, labels=ids).loss
+
+
+class CountSdpa(TorchDispatchMode):
+    """Counts the fused attention ops run while active (a backward's recomputations included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        from datapath.offload.attention_saved import SDPA_OPS
+
+        if func in SDPA_OPS:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))

@@ -9,40 +9,17 @@ import gc
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from _offload_models import assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, run_steps
-from datapath.offload import (
-    AttentionStore, BudgetProfile, HostStore, SegmentCost, TensorCache, plan_budget, set_recompute,
+from _offload_models import (
+    CountSdpa, assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, hf_llama, lm_loss, layered_profile, run_steps,
 )
-from datapath.offload.attention_saved import SDPA_OPS
+from datapath.offload import (
+    AttentionStore, HostStore, TensorCache, plan_budget, set_recompute,
+)
 from datapath.offload.budget_planner import modelled_peak
 
 transformers = pytest.importorskip("transformers")
 
-
-def _llama(layers: int = 3, h: int = 32, heads: int = 2, dropout: float = 0.0, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=2 * h + 8, num_hidden_layers=layers,
-                                   num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                                   vocab_size=96, max_position_embeddings=4096, attention_dropout=dropout,
-                                   attn_implementation="sdpa", use_cache=False)
-    return transformers.LlamaForCausalLM(cfg).train()
-
-
-def _loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return m(input_ids=ids, labels=ids).loss
-
-
-class _CountSdpa(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func in SDPA_OPS:
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _store(budget: int = 1 << 30) -> AttentionStore:
@@ -58,7 +35,7 @@ def _step(model: nn.Module, ids: torch.Tensor, which: list[int], moved: list[int
     set_recompute(blocks, which, attention_offloaded=moved, attention_store=store)
     torch.manual_seed(123)
     loss = model(input_ids=ids, labels=ids).loss
-    bwd = _CountSdpa()
+    bwd = CountSdpa()
     with bwd:
         loss.backward()
     set_recompute(blocks, [])
@@ -67,7 +44,7 @@ def _step(model: nn.Module, ids: torch.Tensor, which: list[int], moved: list[int
 
 @pytest.mark.parametrize("layers,moved", [(3, [0, 1, 2]), (4, [1, 3])])
 def test_gradients_bit_identical_and_room_given_back(layers: int, moved: list[int]) -> None:
-    model = _llama(layers=layers, seed=layers)
+    model = hf_llama(layers=layers, seed=layers)
     ids = torch.randint(0, 96, (2, 160), generator=torch.Generator().manual_seed(layers))
     every = list(range(layers))
     keep_g, _ = _step(copy.deepcopy(model), ids, [], [])
@@ -89,7 +66,7 @@ def test_gradients_bit_identical_and_room_given_back(layers: int, moved: list[in
 
 
 def test_a_full_store_leaves_outputs_on_the_device() -> None:
-    model = _llama(layers=3, seed=7)
+    model = hf_llama(layers=3, seed=7)
     ids = torch.randint(0, 96, (2, 160), generator=torch.Generator().manual_seed(7))
     plain_g, _ = _step(copy.deepcopy(model), ids, [0, 1, 2], [])
     store = _store(budget=60_000)  # room for one chunk: the rest of each output stays where it is
@@ -101,7 +78,7 @@ def test_a_full_store_leaves_outputs_on_the_device() -> None:
 
 
 def test_a_backward_that_never_runs_gives_the_room_back() -> None:
-    model = _llama(layers=2, seed=8)
+    model = hf_llama(layers=2, seed=8)
     ids = torch.randint(0, 96, (1, 128), generator=torch.Generator().manual_seed(8))
     store = _store()
     set_recompute(list(model.model.layers), [0, 1], attention_offloaded=[0, 1], attention_store=store)
@@ -114,7 +91,7 @@ def test_a_backward_that_never_runs_gives_the_room_back() -> None:
 
 
 def test_offloaded_blocks_must_be_recomputed_and_have_a_store() -> None:
-    blocks = list(_llama(layers=2).model.layers)
+    blocks = list(hf_llama(layers=2).model.layers)
     with pytest.raises(ValueError, match="not recomputed"):
         set_recompute(blocks, [0], attention_offloaded=[1], attention_store=_store())
     with pytest.raises(ValueError, match="needs attention_store"):
@@ -123,21 +100,9 @@ def test_offloaded_blocks_must_be_recomputed_and_have_a_store() -> None:
         set_recompute(blocks, [0, 1], attention_saved=[1], attention_offloaded=[1], attention_store=_store())
 
 
-def _profile(layers: int, bandwidth: float) -> BudgetProfile:
-    """Per layer a unit (8 MB saved, 10 ms) and the code after it."""
-    segs = [SegmentCost(False, -1, 0.0, 100, None)]
-    storages = []
-    mb = 8 << 20
-    for b in range(layers):
-        segs.append(SegmentCost(True, b, 0.010, 100 + mb, 100 + mb))
-        storages.append((len(segs) - 1, mb))
-        segs.append(SegmentCost(False, b, 0.0, 100, None))
-    return BudgetProfile(segs, storages, 100 + mb, {b: 1 << 20 for b in range(layers)}, bandwidth, bandwidth,
-                         recomputable=list(range(layers)))
-
 
 def test_planner_offloads_attention_where_the_device_has_no_room_for_it() -> None:
-    prof = _profile(6, 50e9)
+    prof = layered_profile(6, 50e9)
     every = list(range(6))
     base = int(modelled_peak(prof, every, 0))
     att = {b: (3 << 20, 0.004) for b in every}  # 3 MB saves 4 ms of a 10 ms block; its load takes ~0.1 ms
@@ -155,7 +120,7 @@ def test_planner_offloads_attention_where_the_device_has_no_room_for_it() -> Non
     # no room on the device for the one in flight: nothing offloaded
     assert plan_budget(prof, base, attention=att, attention_room=1 << 40, offload_cost=1e6).attention_offloaded == ()
     # a load slower than the attention it saves: nothing offloaded
-    slow = plan_budget(_profile(6, 50e6), one, attention=att, attention_room=1 << 40, offload_cost=1e6)
+    slow = plan_budget(layered_profile(6, 50e6), one, attention=att, attention_room=1 << 40, offload_cost=1e6)
     assert slow.attention_offloaded == () and slow.attention_saved == (5,)
 
 
@@ -164,19 +129,19 @@ def test_budget_offloads_attention_end_to_end_and_holds() -> None:
     """The long-context case in small, where checkpointing's peak is the budget: no room to keep attention
     outputs, store room to offload them; gradients bit-identical, no attention forward in a planned backward, the
     store's room back after each step, the budget held."""
-    model = _llama(layers=4, h=64, heads=4, seed=5)
+    model = hf_llama(layers=4, h=64, heads=4, seed=5)
     batches = [torch.randint(0, 96, (1, 2048), generator=torch.Generator().manual_seed(10 + i)) for i in range(7)]
-    ref = run_steps(copy.deepcopy(model), batches, _loss)
+    ref = run_steps(copy.deepcopy(model), batches, lm_loss)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    keep = cpu_keep_peak(model, _loss, batches[0])
-    ckpt = cpu_hf_checkpoint_peak(model, _loss, batches[0])
+    keep = cpu_keep_peak(model, lm_loss, batches[0])
+    ckpt = cpu_hf_checkpoint_peak(model, lm_loss, batches[0])
     out_bytes = 2048 * 64 * 4 + 4 * 2048 * 4  # a block's attention output (fp32) and log-sum-exp
     budget = int(ckpt + 3 * out_bytes)  # room to keep two or three blocks' outputs, or to have one in flight
     host = int(0.25 * (keep - params))
     cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True,
                         host_budget_bytes=host)
     cache.attach(model)
-    got = run_steps(model, batches, _loss, ctx=cache)
+    got = run_steps(model, batches, lm_loss, ctx=cache)
     assert_identical(ref, got)
     policy, plan = cache.policy, cache.plan
     assert plan is not None and plan.recompute == (0, 1, 2, 3)
@@ -189,9 +154,9 @@ def test_budget_offloads_attention_end_to_end_and_holds() -> None:
     assert max(policy.peaks[-2:]) <= 1.03 * budget, ([round(p / budget, 3) for p in policy.peaks], budget)
     store = policy.attention_store
     assert store is not None and store.stored_bytes > 0 and store.kept_bytes == 0
-    bwd = _CountSdpa()
+    bwd = CountSdpa()
     with cache:
-        loss = _loss(model, batches[0])
+        loss = lm_loss(model, batches[0])
         with bwd:
             loss.backward()
     assert bwd.calls == 4 - len(plan.attention_offloaded) - len(plan.attention_saved)
@@ -208,7 +173,7 @@ def test_cuda_offload_is_bit_identical_and_prefetches() -> None:
     attention backward repeats bit for bit); the pool's room back after each step."""
     from datapath.offload.store import Streams
 
-    model = _llama(layers=4, h=256, heads=4, seed=9).to("cuda", torch.bfloat16)
+    model = hf_llama(layers=4, h=256, heads=4, seed=9).to("cuda", torch.bfloat16)
     ids = torch.randint(0, 96, (2, 1024), generator=torch.Generator().manual_seed(9)).cuda()
     streams: dict[torch.device, Streams] = {}
     store = AttentionStore(HostStore(1 << 30, pinned=True),
@@ -246,7 +211,7 @@ def test_attention_calls_with_dropout_run_again(monkeypatch: pytest.MonkeyPatch)
     eff = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention").default  # dropout_p 6th
     assert draws_random(eff, (q, q, q, None, True, 0.1), {}) and not draws_random(eff, (q, q, q, None, True), {})
     monkeypatch.setattr(attention_offload, "draws_random", lambda *a: True)
-    model = _llama(layers=3, seed=11)
+    model = hf_llama(layers=3, seed=11)
     ids = torch.randint(0, 96, (2, 128), generator=torch.Generator().manual_seed(11))
     plain_g, plain_b = _step(copy.deepcopy(model), ids, [0, 1, 2], [])
     store = _store()

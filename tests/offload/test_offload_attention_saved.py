@@ -9,42 +9,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from _offload_models import assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, run_steps
+from _offload_models import (
+    CountSdpa, assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, hf_llama, lm_loss, run_steps,
+)
 from datapath.offload import (
     AttentionCosts, BudgetProfile, SegmentCost, TensorCache, plan_budget, set_recompute,
 )
-from datapath.offload.attention_saved import SDPA_OPS
 from datapath.offload.budget_planner import modelled_peak
 
 transformers = pytest.importorskip("transformers")
 
-
-def _llama(layers: int = 3, h: int = 32, heads: int = 2, dropout: float = 0.0, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=2 * h + 8, num_hidden_layers=layers,
-                                   num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                                   vocab_size=96, max_position_embeddings=4096, attention_dropout=dropout,
-                                   attn_implementation="sdpa", use_cache=False)
-    return transformers.LlamaForCausalLM(cfg).train()
-
-
-def _loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return m(input_ids=ids, labels=ids).loss
-
-
-class _CountSdpa(TorchDispatchMode):
-    """Counts the attention ops run while active (the backward's recomputations included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func in SDPA_OPS:
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _step(model: nn.Module, ids: torch.Tensor, which: list[int], keep: list[int],
@@ -54,10 +29,10 @@ def _step(model: nn.Module, ids: torch.Tensor, which: list[int], keep: list[int]
     set_recompute(blocks, which, keep)
     if costs is not None:
         costs.attach(blocks)
-    fwd, bwd = _CountSdpa(), _CountSdpa()
+    fwd, bwd = CountSdpa(), CountSdpa()
     torch.manual_seed(123)  # dropout draws the same masks in every run
     with fwd:
-        loss = _loss(model, ids)
+        loss = lm_loss(model, ids)
     with bwd:
         loss.backward()
     set_recompute(blocks, [])
@@ -67,7 +42,7 @@ def _step(model: nn.Module, ids: torch.Tensor, which: list[int], keep: list[int]
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_gradients_bit_identical_and_attention_not_rerun(dropout: float) -> None:
-    model = _llama(layers=3, dropout=dropout, seed=1)
+    model = hf_llama(layers=3, dropout=dropout, seed=1)
     ids = torch.randint(0, 96, (2, 96), generator=torch.Generator().manual_seed(2))
     keep_g, keep_f, keep_b = _step(copy.deepcopy(model), ids, [], [])
     plain_g, plain_f, plain_b = _step(copy.deepcopy(model), ids, [0, 1, 2], [])
@@ -84,13 +59,13 @@ def test_gradients_bit_identical_and_attention_not_rerun(dropout: float) -> None
 
 
 def test_attention_saved_must_be_recomputed() -> None:
-    model = _llama(layers=2)
+    model = hf_llama(layers=2)
     with pytest.raises(ValueError, match="not recomputed"):
         set_recompute(list(model.model.layers), [0], [1])
 
 
 def test_probe_measures_the_attention_outputs_and_time() -> None:
-    model = _llama(layers=3, h=32, heads=2)
+    model = hf_llama(layers=3, h=32, heads=2)
     b, s = 2, 128
     ids = torch.randint(0, 96, (b, s), generator=torch.Generator().manual_seed(3))
     costs = AttentionCosts()
@@ -156,17 +131,17 @@ def test_budget_keeps_attention_with_a_store_too_small_and_holds() -> None:
     store holds a quarter of the activations (every block is recomputed), the budget has room above
     checkpointing's peak: the plan keeps attention outputs, the backward runs no attention forward,
     gradients stay bit-identical, and the budget holds."""
-    model = _llama(layers=4, h=64, heads=4, seed=5)
+    model = hf_llama(layers=4, h=64, heads=4, seed=5)
     batches = [torch.randint(0, 96, (1, 2048), generator=torch.Generator().manual_seed(10 + i)) for i in range(7)]
-    ref = run_steps(copy.deepcopy(model), batches, _loss)
+    ref = run_steps(copy.deepcopy(model), batches, lm_loss)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    keep = cpu_keep_peak(model, _loss, batches[0])
-    ckpt = cpu_hf_checkpoint_peak(model, _loss, batches[0])
+    keep = cpu_keep_peak(model, lm_loss, batches[0])
+    ckpt = cpu_hf_checkpoint_peak(model, lm_loss, batches[0])
     budget = int(ckpt + 0.5 * (keep - ckpt))
     cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True,
                         host_budget_bytes=int(0.25 * (keep - params)))
     cache.attach(model)
-    got = run_steps(model, batches, _loss, ctx=cache)
+    got = run_steps(model, batches, lm_loss, ctx=cache)
     assert_identical(ref, got)
     policy = cache.policy
     plan = cache.plan
@@ -177,9 +152,9 @@ def test_budget_keeps_attention_with_a_store_too_small_and_holds() -> None:
     assert max(policy.peaks[-2:]) <= 1.03 * budget, ([round(p / budget, 3) for p in policy.peaks], budget)
     # a planned step: the backward runs no attention forward
     blocks = list(model.model.layers)
-    bwd = _CountSdpa()
+    bwd = CountSdpa()
     with cache:
-        loss = _loss(model, batches[0])
+        loss = lm_loss(model, batches[0])
         with bwd:
             loss.backward()
     assert bwd.calls == 0 and all(b.__dict__.get("_datapath_recompute_attention_saved") for b in blocks)
@@ -193,7 +168,7 @@ def test_compiled_blocks_are_not_probed() -> None:
     from datapath.offload.attention_saved import probe_of
     from datapath.offload.regional_compile import is_compiled  # what memory_budget's policy passes as skip
 
-    model = _llama(layers=3)
+    model = hf_llama(layers=3)
     blocks = list(model.model.layers)
     compile_blocks(blocks[:2])
     costs = AttentionCosts()

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _offload_models import GPT, assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, run_steps
+from _offload_models import (
+    GPT, assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, layered_profile, run_steps,
+)
 from datapath.offload import (
     BudgetProfile, OffloadConfigError, SegmentCost, TensorCache, checkpoint_plan, offload, parse_memory_budget,
     plan_budget,
@@ -112,28 +114,16 @@ def test_plan_storing_nothing_runs_without_saved_tensor_hooks() -> None:
     assert_identical(ref, got)
 
 
-def _profile(layers: int, bandwidth: float) -> BudgetProfile:
-    """A synthetic profile: per layer a unit (8 MB saved, 10 ms) and the code after it (nothing saved)."""
-    segs = [SegmentCost(False, -1, 0.0, 100, None)]
-    storages = []
-    mb = 8 << 20
-    for b in range(layers):
-        segs.append(SegmentCost(True, b, 0.010, 100 + mb, 100 + mb))
-        storages.append((len(segs) - 1, mb))
-        segs.append(SegmentCost(False, b, 0.0, 100, None))
-    return BudgetProfile(segs, storages, 100 + mb, {b: 1 << 20 for b in range(layers)}, bandwidth, bandwidth,
-                         recomputable=list(range(layers)))
-
 
 def test_planner_prefers_offload_when_the_bandwidth_hides_it() -> None:
-    prof = _profile(6, bandwidth=100e9)  # 8 MB in 0.08 ms: offloading is free
+    prof = layered_profile(6, bandwidth=100e9)  # 8 MB in 0.08 ms: offloading is free
     plan = plan_budget(prof, budget=100 + 3 * (8 << 20))
     assert not plan.infeasible and plan.recompute == () and plan.offload_bytes > 0
     assert plan.predicted_peak <= 100 + 3 * (8 << 20)
 
 
 def test_planner_recomputes_when_the_bandwidth_is_too_low() -> None:
-    prof = _profile(6, bandwidth=50e6)  # 8 MB take 160 ms against a 10 ms layer: recompute is cheaper
+    prof = layered_profile(6, bandwidth=50e6)  # 8 MB take 160 ms against a 10 ms layer: recompute is cheaper
     budget = 100 + 3 * (8 << 20)
     plan = plan_budget(prof, budget=budget)
     assert not plan.infeasible and len(plan.recompute) > 0
@@ -141,7 +131,7 @@ def test_planner_recomputes_when_the_bandwidth_is_too_low() -> None:
 
 
 def test_planner_offload_cost_trades_offloading_for_recompute() -> None:
-    prof = _profile(6, bandwidth=100e9)  # the model says offloading is free ...
+    prof = layered_profile(6, bandwidth=100e9)  # the model says offloading is free ...
     budget = 100 + 3 * (8 << 20)
     plain = plan_budget(prof, budget=budget)
     dear = plan_budget(prof, budget=budget, offload_cost=1e3)  # ... weighed 1000x: recompute where it fits
@@ -282,7 +272,7 @@ def test_budget_trial_keeps_the_fastest_measured_plan() -> None:
 
 
 def test_planner_reports_the_minimum_of_an_impossible_budget() -> None:
-    prof = _profile(4, bandwidth=10e9)
+    prof = layered_profile(4, bandwidth=10e9)
     plan = plan_budget(prof, budget=50)
     assert plan.infeasible and plan.min_peak >= 100 + (8 << 20)
 
@@ -291,7 +281,7 @@ def test_planner_below_the_floor_runs_the_fastest_of_the_lowest_plans() -> None:
     # the floor is an interval no plan changes (a large tail, block inputs of no bytes): offloading everything
     # and recomputing everything reach it alike; at 50 MB/s the recompute is far faster and must be the one run
     mb = 8 << 20
-    base = _profile(6, bandwidth=50e6)
+    base = layered_profile(6, bandwidth=50e6)
     prof = dataclasses.replace(base, mem_tail=100 + 20 * mb, block_inputs={b: 0 for b in range(6)})
     plan = plan_budget(prof, budget=100 + 10 * mb)
     assert plan.infeasible and plan.budget == 100 + 10 * mb
@@ -306,7 +296,7 @@ def test_planner_below_the_floor_runs_the_fastest_of_the_lowest_plans() -> None:
 
 def test_checkpoint_plan_recomputes_every_block_and_offloads_only_what_the_budget_needs() -> None:
     mb = 8 << 20
-    prof = dataclasses.replace(_profile(4, bandwidth=1e9), recomputable=[1, 2, 3])  # block 0 stays out
+    prof = dataclasses.replace(layered_profile(4, bandwidth=1e9), recomputable=[1, 2, 3])  # block 0 stays out
     roomy = checkpoint_plan(prof, budget=100 + 10 * mb, recomputed=(0,))
     assert roomy.recompute == (0, 1, 2, 3) and roomy.offload_bytes == 0 and not roomy.infeasible
     assert roomy.predicted_peak <= 100 + 10 * mb and math.isfinite(roomy.predicted_time)
