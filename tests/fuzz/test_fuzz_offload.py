@@ -24,6 +24,8 @@ def test_cases_are_reproducible_and_cover_every_configuration() -> None:
     assert {c.fault for c in cases if c not in files} == {"none"}
     assert {torch.float32, torch.float64, torch.bfloat16} <= {c.dtype for c in cases}
     assert all(c.steps >= 16 for c in cases if c.config.startswith("budget"))
+    assert {c.attention for c in cases} == {"none", "saved", "offloaded", "mixed"}
+    assert all(c.attention == "none" for c in cases if c.config.startswith("budget") or "checkpoint" in c.features)
 
 
 @pytest.mark.slow
@@ -51,6 +53,26 @@ def test_the_fuzz_catches_a_corrupted_reload(monkeypatch: pytest.MonkeyPatch) ->
         return res
 
     monkeypatch.setattr(HostStore, "read", flip_a_bit)
+    r = run_offload_case(case)
+    assert not r.ok and r.outcome == "gradients differ", r
+
+
+def test_the_fuzz_catches_a_corrupted_attention_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A case recomputing its blocks with their attention outputs offloaded is bit-identical; one bit flipped in an
+    output fetched back from the attention store is caught."""
+    from datapath.offload import attention_offload
+
+    case = _first("host", min_bytes=0, layers=2, steps=2, dtype=torch.float32, batch=2, seq=16, loop="plain",
+                  dropout=0.0, attention="offloaded", attention_room=1 << 30)
+    r = run_offload_case(case)
+    assert r.outcome == "identical" and "attention outputs 0 bytes" not in r.detail, r
+    rebuild = attention_offload.rebuild
+
+    def flip_a_bit(data, spec):  # noqa: ANN001, ANN202 - views.rebuild's signature
+        data.view(-1)[0] ^= 1
+        return rebuild(data, spec)
+
+    monkeypatch.setattr(attention_offload, "rebuild", flip_a_bit)
     r = run_offload_case(case)
     assert not r.ok and r.outcome == "gradients differ", r
 

@@ -13,7 +13,8 @@ saved by every block (a memory every block attends to), tied weights, dropout, b
 offloaded to pinned host memory, to files, or to a host tier too small for the step (the rest to files), the
 adaptive policy, or a ``memory_budget`` of the resident memory plus a random share of what a plain step adds to
 it, with a fast or a slow store (offloading or recomputing blocks), with a random ``min_bytes``, prefetch
-distance and units (blocks or leaves);
+distance and units (blocks or leaves), and outside a budget every block possibly recomputed with its attention
+outputs kept or offloaded to an attention store (one with no room for most, some cases);
 and a training loop: one micro-batch a step, two accumulated, two interleaved as a pipeline schedule runs them
 (both forwards, then both backwards, with micro-batch hints), or a ``torch.no_grad`` forward before the step; some
 cases freeze the embedding and the q/k/v projections.  On the file targets a case may make one write (ENOSPC or
@@ -50,7 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from datapath.offload import OffloadConfigError, OffloadError, TensorCache
+from datapath.offload import AttentionStore, HostStore, OffloadConfigError, OffloadError, TensorCache, set_recompute
+from datapath.offload.store import Streams
 
 FEATURES = ("qkv_views", "transposed", "inplace", "gather", "mask", "routing", "memory", "norm", "checkpoint")
 CONFIGS = ("host", "ssd", "tiered", "adaptive", "budget_fast", "budget_slow")
@@ -86,6 +88,8 @@ class OffloadCase:
     fault_at: int = 0      # 0; past the calls a run makes: ``fault_at`` modulo half of them, in a second run)
     fault_errno: int = errno.EIO
     on_error: str = "raise"  # TensorCache(on_error=...): "raise" or "keep" (a failed store keeps the tensor)
+    attention: str = "none"  # every block recomputed, its attention outputs: "none" (not recomputed), "saved",
+    attention_room: int = 0  # "offloaded" (to an `AttentionStore` of this many bytes) or "mixed" (alternating)
 
 
 @dataclasses.dataclass
@@ -109,7 +113,7 @@ def make_offload_case(seed: int, index: int) -> OffloadCase:
     rng = random.Random(seed * 1_000_003 + index)
     heads = rng.choice([1, 2, 4])
     config = rng.choice(CONFIGS)
-    return OffloadCase(
+    fields = dict(
         seed=seed, index=index, layers=rng.randint(1, 4), width=heads * rng.choice([4, 8, 12, 16]), heads=heads,
         vocab=rng.choice([17, 64, 100]), batch=rng.randint(1, 4), seq=rng.choice([5, 16, 33]),
         # a budget settles, or is refused, within ~9 steps (profile, plan, trials, the floor's trial); with
@@ -123,6 +127,18 @@ def make_offload_case(seed: int, index: int) -> OffloadCase:
         frozen=rng.random() < 0.3,
         units=None if config.startswith("budget") else rng.choice([None, "blocks", "leaves"]),
         **_fault(rng, config))
+    return OffloadCase(**fields, **_attention(rng, config, fields["features"]))  # type: ignore[arg-type]
+
+
+def _attention(rng: random.Random, config: str, features: tuple[str, ...]) -> dict[str, Any]:
+    """Blocks recomputed with their attention outputs kept or offloaded (drawn after the fault: the fields before do
+    not depend on it).  Not on a budget (its plans set the blocks' recomputation themselves), nor with the user's
+    own checkpointing of the blocks."""
+    mode = rng.choice(["none", "none", "saved", "offloaded", "mixed"])
+    room = rng.choice([1 << 30, 1 << 30, 12 << 10])  # 12 KiB: most outputs find no room and stay on the device
+    if config.startswith("budget") or "checkpoint" in features or mode == "none":
+        return {}
+    return dict(attention=mode, attention_room=room)
 
 
 def _fault(rng: random.Random, config: str) -> dict[str, Any]:
@@ -141,6 +157,7 @@ class _Block(nn.Module):
         super().__init__()
         w, f = c.width, set(c.features)
         self.f, self.heads, self.p = f, c.heads, c.dropout
+        self.attend = "qkv_views" in f or c.attention != "none"  # a case recomputing attention has attention
         self.norm = nn.LayerNorm(w) if "norm" in f else nn.Identity()
         self.qkv = nn.Linear(w, 3 * w)
         self.proj = nn.Linear(w, w)
@@ -152,7 +169,7 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None) -> torch.Tensor:
         b, s, w = x.shape
         h = self.norm(x)
-        if "qkv_views" in self.f:  # three views of one storage, each saved by attention
+        if self.attend:  # three views of one storage, each saved by attention
             q, k, v = self.qkv(h).view(b, s, 3, self.heads, w // self.heads).unbind(2)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0)
@@ -385,6 +402,7 @@ def _offloaded(case: OffloadCase, model: nn.Module, batches: list[torch.Tensor],
                     cache.bandwidth = lambda: (1e5, 1e5)
             _inject(cache, case, fault_at, seen)
             raised: OffloadError | None = None
+            attention = _recompute_attention(case, model, dev)
             try:
                 cache.attach(model, units=case.units)
                 got = _steps(model, batches, cache, case.index, case.loop)
@@ -427,9 +445,37 @@ def _offloaded(case: OffloadCase, model: nn.Module, batches: list[torch.Tensor],
             if budget is not None and peaks and peaks[-1] > 1.03 * budget:
                 return OffloadCaseResult(case, False, "budget exceeded",
                                          f"last step {peaks[-1]} bytes over a budget of {budget}")
-        return OffloadCaseResult(case, True, "identical", f"{cache.stats.bytes_offloaded} bytes offloaded")
+            detail = f"{cache.stats.bytes_offloaded} bytes offloaded"
+            if attention is not None:
+                del got
+                gc.collect()
+                attention._drain()  # what the next step's first save does: every read and orphan released
+                if attention.store.in_use:
+                    return OffloadCaseResult(case, False, "attention store not emptied",
+                                             f"{attention.store.in_use} bytes still held after the last step")
+                detail += (f"; attention outputs {attention.stored_bytes} bytes stored, {attention.kept_bytes} kept "
+                           f"(no room)")
+        return OffloadCaseResult(case, True, "identical", detail)
     except Exception as exc:  # noqa: BLE001 - a crash is a finding, reported with its case
         return OffloadCaseResult(case, False, f"{type(exc).__name__}: {str(exc)[:200]}", traceback.format_exc())
+
+
+def _recompute_attention(case: OffloadCase, model: nn.Module, dev: torch.device) -> AttentionStore | None:
+    """Put every block of ``model`` under recomputation with its attention outputs as ``case.attention`` says;
+    the `AttentionStore` the offloaded ones go to (None where none do)."""
+    if case.attention == "none":
+        return None
+    blocks = list(model.blocks)
+    every = range(len(blocks))
+    moved = [i for i in every if case.attention == "offloaded" or (case.attention == "mixed" and i % 2 == 0)]
+    saved = [i for i in every if case.attention == "saved" or (case.attention == "mixed" and i % 2 == 1)]
+    store = None
+    if moved:
+        streams: dict[torch.device, Streams] = {}
+        store = AttentionStore(HostStore(case.attention_room, pinned=dev.type == "cuda"),
+                               lambda d: streams.setdefault(d, Streams(d)), chunk_bytes=4096, min_bytes=0)
+    set_recompute(blocks, every, saved, moved, store)
+    return store
 
 
 def run_offload_fuzz(seed: int = 0, count: int = 40, device: str | torch.device = "cpu") -> list[OffloadCaseResult]:
