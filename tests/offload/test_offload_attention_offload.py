@@ -253,3 +253,4 @@ def test_cuda_attention_dropout_leaves_later_dropout_masks_alone(where: str) -> 
     scale = max(a.abs().max().item() for a in plain)
     diff = max((a - b).abs().max().item() for a, b in zip(plain, got))
     assert diff <= max(2 * noise, 1e-3 * scale), (diff, noise, scale)
+

@@ -720,3 +720,21 @@ def test_hf_llama_budget_at_checkpointing_peak_with_a_store_too_small() -> None:
     assert max(policy.profile_peaks) <= 1.05 * ckpt + over, (policy.profile_peaks, ckpt, over)
     assert max(policy.peaks) <= 1.03 * ckpt, ([round(p / ckpt, 3) for p in policy.peaks], ckpt)
     cache.close()
+
+
+def test_blocks_every_plan_recomputes_count_in_the_predicted_step() -> None:
+    """Where the store was too small for the profiled step, every plan recomputes the blocks the profile ran
+    recomputed (``recomputed``): the predicted step counts their forward again, as checkpointing's plan does, so
+    the two plans' predictions compare (before, plan_budget left that recomputation out: 20.4 s predicted for a
+    28.8 s step at 88K)."""
+    full = layered_profile(6, 50e9)
+    full = dataclasses.replace(full, recomputable=[], storages=[])  # profiled recomputed: no block saves a tensor
+    every = list(range(6))
+    budget = int(modelled_peak(full, every, 0)) + (1 << 20)
+    plan = plan_budget(full, budget, recomputed=every)
+    ckpt = checkpoint_plan(full, budget, recomputed=every)
+    # (plan_budget names only the blocks it chose; the policy adds those every plan recomputes)
+    assert ckpt.recompute == tuple(every) and plan.offload_bytes == ckpt.offload_bytes == 0
+    assert plan.predicted_time == pytest.approx(ckpt.predicted_time)
+    forward = sum(s.forward_s for s in full.segments)
+    assert plan.predicted_time == pytest.approx(forward * (1 + full.backward_ratio) + 6 * 0.010)

@@ -409,7 +409,8 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
         if moved:
             peak = max(peak, model.peak(kept + [(model.n, 2 * model.n, max(moved.values()))]))
         lowest = min(lowest, model.peak(_kept(model, rec, lo)[0]))
-        t = _time(tmodel, rec, off, max(0.0, budget - peak), PACING_COST * offload_cost) - gain
+        # the blocks every plan recomputes (``recomputed``) cost their forward again too
+        t = _time(tmodel, rec | always, off, max(0.0, budget - peak), PACING_COST * offload_cost) - gain
         key = (t, sum(nb for _, nb in off))
         if best is None or key < (best[0], best[2]):
             best = (t, lo, sum(nb for _, nb in off), rec, peak, saved, moved, gain)
@@ -428,7 +429,7 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
     t, k, nbytes, rec, peak, saved, moved, gain = best
     cut_segment, cut_bytes = _cut(p, rec, k)
     if offload_cost != 1.0:  # the time the plain model gives this plan (comparable with other plans')
-        t = _time(timed(1.0), rec, _kept(model, rec, k)[1], max(0.0, budget - peak)) - gain
+        t = _time(timed(1.0), rec | always, _kept(model, rec, k)[1], max(0.0, budget - peak)) - gain
     return BudgetPlan(cut_segment, cut_bytes, tuple(sorted(rec)), nbytes, int(peak), t, budget,
                       min_peak=int(min(lowest, p.min_peak)), attention_saved=tuple(sorted(saved)),
                       attention_offloaded=tuple(sorted(moved)))
