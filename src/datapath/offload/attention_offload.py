@@ -50,7 +50,7 @@ CHUNK_BYTES = 256 << 20
 _RERUN = object()  # an attention call with dropout: not saved, run again in the recomputation
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity (they hold tensors)
 class _Chunk:
     slot: Slot
     start: int                      # byte offset in the storage
@@ -73,7 +73,7 @@ class _Chunk:
             self.read.cleanup()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Offloaded:
     """One output tensor moved to the store: its view over its storage and the storage's chunks; the device bytes
     until every write ended (``source``); once loaded, the device bytes being read into (``fetched``)."""
@@ -268,10 +268,12 @@ class AttentionStore:
         with self._lock:
             writing, self._writing = self._writing, []
             reading, self._reading = self._reading, []
-        still = [leaf for leaf in writing if not all(_done(c.written) for c in leaf.chunks)]
+        still = []
         for leaf in writing:
-            if leaf not in still:
+            if all(_done(c.written) for c in leaf.chunks):
                 leaf.source = None
+            else:
+                still.append(leaf)
         waiting = []
         for c in reading:
             if _done(c.read):
