@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _offload_models import (
-    GPT, assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, layered_profile, run_steps,
+    GPT, assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, hf_llama, layered_profile, lm_loss, run_steps,
 )
 from datapath.offload import (
     BudgetProfile, OffloadConfigError, SegmentCost, TensorCache, checkpoint_plan, offload, parse_memory_budget,
@@ -738,3 +738,29 @@ def test_blocks_every_plan_recomputes_count_in_the_predicted_step() -> None:
     assert plan.predicted_time == pytest.approx(ckpt.predicted_time)
     forward = sum(s.forward_s for s in full.segments)
     assert plan.predicted_time == pytest.approx(forward * (1 + full.backward_ratio) + 6 * 0.010)
+
+
+@pytest.mark.slow
+def test_a_long_sequence_trains_under_checkpointing_s_peak() -> None:
+    """Long context in small: the host store cannot hold one step's activations, so every block is recomputed; the
+    budget is below what Hugging Face checkpointing peaks at, and the plan meets it by offloading what checkpointing
+    keeps (the recomputed blocks' inputs): gradients bit-identical, the budget held.  On the GPU this is training a
+    longer sequence than checkpointing fits."""
+    pytest.importorskip("transformers")
+    model = hf_llama(layers=6, h=64, heads=4, seed=5)
+    batches = [torch.randint(0, 96, (1, 2048), generator=torch.Generator().manual_seed(10 + i)) for i in range(9)]
+    ref = run_steps(copy.deepcopy(model), batches, lm_loss)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    keep = cpu_keep_peak(model, lm_loss, batches[0])
+    ckpt = cpu_hf_checkpoint_peak(model, lm_loss, batches[0])
+    budget = int(params + 0.93 * (ckpt - params))
+    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True,
+                        host_budget_bytes=int(0.2 * (keep - params)))
+    cache.attach(model)
+    got = run_steps(model, batches, lm_loss, ctx=cache)
+    assert_identical(ref, got)
+    policy, plan = cache.policy, cache.plan
+    assert policy.store_full and plan is not None and plan.recompute == tuple(range(6)) and plan.offload_bytes > 0
+    assert ckpt > 1.05 * budget and max(policy.peaks[-2:]) <= 1.03 * budget, \
+        ([round(p / budget, 3) for p in policy.peaks], round(ckpt / budget, 3))
+    cache.close()
