@@ -221,6 +221,15 @@ class AttentionStore:
         self._last = weakref.ref(frame)
         return _Saving(frame), _Fetching(frame)
 
+    def close(self) -> None:
+        """Give back the room of every output already fetched or let go of (waiting for their copies); outputs of
+        a graph still held keep theirs until it is backpropagated or freed."""
+        self._drain()
+        with self._lock:
+            reading, self._reading = self._reading, []
+        for c in reading:
+            c.release()
+
     # -- the forward: saving
     def _save(self, frame: _Frame, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):

@@ -398,6 +398,9 @@ class TensorCache:
                 return
             self._shut = True
         self.transfers.shutdown(join=join)
+        attention = getattr(self.policy, "attention_store", None)
+        if attention is not None:  # its outputs' room back before the store closes
+            attention.close()
         self.store.close()
         self._finalizer.detach()
 
