@@ -1,7 +1,9 @@
 """Small models and a step runner shared by the offload tests (CPU and GPU)."""
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -161,6 +163,29 @@ def hf_llama(layers: int = 3, h: int = 32, heads: int = 2, dropout: float = 0.0,
 def lm_loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """A Hugging Face causal LM's loss on ``ids`` (labels = inputs)."""
     return m(input_ids=ids, labels=ids).loss
+
+
+@dataclass
+class LongContext:
+    """A small HF Llama at a long sequence (2048 tokens, width 64) and its reference: ``batches`` ([1, 2048] ids),
+    ``ref`` (plain steps' losses and gradients), ``params`` / ``keep`` / ``ckpt`` (bytes: parameters, the peak
+    keeping everything, Hugging Face checkpointing's peak, as the CPU meter counts them)."""
+
+    model: nn.Module
+    batches: list[torch.Tensor]
+    ref: list[Any]
+    params: int
+    keep: int
+    ckpt: int
+
+
+def long_context(layers: int, steps: int) -> LongContext:
+    model = hf_llama(layers=layers, h=64, heads=4, seed=5)
+    batches = [torch.randint(0, 96, (1, 2048), generator=torch.Generator().manual_seed(10 + i)) for i in range(steps)]
+    ref = run_steps(copy.deepcopy(model), batches, lm_loss)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return LongContext(model, batches, ref, params, cpu_keep_peak(model, lm_loss, batches[0]),
+                       cpu_hf_checkpoint_peak(model, lm_loss, batches[0]))
 
 
 class CountSdpa(TorchDispatchMode):

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from _offload_models import (
-    CountSdpa, assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, hf_llama, lm_loss, layered_profile, run_steps,
+    CountSdpa, assert_identical, hf_llama, layered_profile, lm_loss, long_context, run_steps,
 )
 from datapath.offload import (
-    AttentionStore, HostStore, TensorCache, plan_budget, set_recompute,
+    AttentionStore, HostStore, Streams, TensorCache, plan_budget, set_recompute,
 )
 from datapath.offload.budget_planner import modelled_peak
 
@@ -129,12 +129,8 @@ def test_budget_offloads_attention_end_to_end_and_holds() -> None:
     """The long-context case in small, where checkpointing's peak is the budget: no room to keep attention
     outputs, store room to offload them; gradients bit-identical, no attention forward in a planned backward, the
     store's room back after each step, the budget held."""
-    model = hf_llama(layers=4, h=64, heads=4, seed=5)
-    batches = [torch.randint(0, 96, (1, 2048), generator=torch.Generator().manual_seed(10 + i)) for i in range(7)]
-    ref = run_steps(copy.deepcopy(model), batches, lm_loss)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    keep = cpu_keep_peak(model, lm_loss, batches[0])
-    ckpt = cpu_hf_checkpoint_peak(model, lm_loss, batches[0])
+    lc = long_context(layers=4, steps=7)
+    model, batches, ref, params, keep, ckpt = lc.model, lc.batches, lc.ref, lc.params, lc.keep, lc.ckpt
     out_bytes = 2048 * 64 * 4 + 4 * 2048 * 4  # a block's attention output (fp32) and log-sum-exp
     budget = int(ckpt + 3 * out_bytes)  # room to keep two or three blocks' outputs, or to have one in flight
     host = int(0.25 * (keep - params))
@@ -172,8 +168,6 @@ def test_cuda_offload_is_bit_identical_and_prefetches() -> None:
     """On the GPU (bf16, the fused attention kernels): outputs go to pinned memory on the store stream and come back
     on the load stream, the next block's fetched ahead; gradients as plain recomputation's (bit-identical where the
     attention backward repeats bit for bit); the pool's room back after each step."""
-    from datapath.offload.store import Streams
-
     model = hf_llama(layers=4, h=256, heads=4, seed=9).to("cuda", torch.bfloat16)
     ids = torch.randint(0, 96, (2, 1024), generator=torch.Generator().manual_seed(9)).cuda()
     streams: dict[torch.device, Streams] = {}
@@ -228,8 +222,6 @@ def test_cuda_attention_dropout_leaves_later_dropout_masks_alone(where: str) -> 
     """GPT-2 with attention and residual dropout on the GPU (the fused attention applies its own dropout): a block
     keeping or offloading its attention outputs gives the gradients plain recomputation gives (the residual
     dropout draws the forward's masks again)."""
-    from datapath.offload.store import Streams
-
     cfg = transformers.GPT2Config(n_embd=256, n_layer=3, n_head=4, vocab_size=96, n_positions=1024,
                                   attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.0, attn_implementation="sdpa")
     torch.manual_seed(12)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _offload_models import (
-    CountSdpa, assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, hf_llama, lm_loss, run_steps,
+    CountSdpa, assert_identical, hf_llama, lm_loss, long_context, run_steps,
 )
 from datapath.offload import (
     AttentionCosts, BudgetProfile, SegmentCost, TensorCache, plan_budget, set_recompute,
@@ -131,12 +131,8 @@ def test_budget_keeps_attention_with_a_store_too_small_and_holds() -> None:
     store holds a quarter of the activations (every block is recomputed), the budget has room above
     checkpointing's peak: the plan keeps attention outputs, the backward runs no attention forward,
     gradients stay bit-identical, and the budget holds."""
-    model = hf_llama(layers=4, h=64, heads=4, seed=5)
-    batches = [torch.randint(0, 96, (1, 2048), generator=torch.Generator().manual_seed(10 + i)) for i in range(7)]
-    ref = run_steps(copy.deepcopy(model), batches, lm_loss)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    keep = cpu_keep_peak(model, lm_loss, batches[0])
-    ckpt = cpu_hf_checkpoint_peak(model, lm_loss, batches[0])
+    lc = long_context(layers=4, steps=7)
+    model, batches, ref, params, keep, ckpt = lc.model, lc.batches, lc.ref, lc.params, lc.keep, lc.ckpt
     budget = int(ckpt + 0.5 * (keep - ckpt))
     cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True,
                         host_budget_bytes=int(0.25 * (keep - params)))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _offload_models import (
-    GPT, assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, hf_llama, layered_profile, lm_loss, run_steps,
+    GPT, assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, layered_profile, lm_loss, long_context, run_steps,
 )
 from datapath.offload import (
     BudgetProfile, OffloadConfigError, SegmentCost, TensorCache, checkpoint_plan, offload, parse_memory_budget,
@@ -725,8 +725,7 @@ def test_hf_llama_budget_at_checkpointing_peak_with_a_store_too_small() -> None:
 def test_blocks_every_plan_recomputes_count_in_the_predicted_step() -> None:
     """Where the store was too small for the profiled step, every plan recomputes the blocks the profile ran
     recomputed (``recomputed``): the predicted step counts their forward again, as checkpointing's plan does, so
-    the two plans' predictions compare (before, plan_budget left that recomputation out: 20.4 s predicted for a
-    28.8 s step at 88K)."""
+    the two plans' predictions compare."""
     full = layered_profile(6, 50e9)
     full = dataclasses.replace(full, recomputable=[], storages=[])  # profiled recomputed: no block saves a tensor
     every = list(range(6))
@@ -747,12 +746,8 @@ def test_a_long_sequence_trains_under_checkpointing_s_peak() -> None:
     keeps (the recomputed blocks' inputs): gradients bit-identical, the budget held.  On the GPU this is training a
     longer sequence than checkpointing fits."""
     pytest.importorskip("transformers")
-    model = hf_llama(layers=6, h=64, heads=4, seed=5)
-    batches = [torch.randint(0, 96, (1, 2048), generator=torch.Generator().manual_seed(10 + i)) for i in range(9)]
-    ref = run_steps(copy.deepcopy(model), batches, lm_loss)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    keep = cpu_keep_peak(model, lm_loss, batches[0])
-    ckpt = cpu_hf_checkpoint_peak(model, lm_loss, batches[0])
+    lc = long_context(layers=6, steps=9)
+    model, batches, ref, params, keep, ckpt = lc.model, lc.batches, lc.ref, lc.params, lc.keep, lc.ckpt
     budget = int(params + 0.93 * (ckpt - params))
     cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True,
                         host_budget_bytes=int(0.2 * (keep - params)))

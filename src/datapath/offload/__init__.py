@@ -36,13 +36,13 @@ from datapath.offload.regional_compile import compile_blocks, uncompile_blocks
 from datapath.offload.models import auto_blocks
 from datapath.offload.spill_dir import SpillDir, clean_stale, reclaim_stale
 from datapath.offload.stats import OffloadStats
-from datapath.offload.store import Slot, Store
+from datapath.offload.store import Slot, Store, Streams
 from datapath.offload.tiered_store import TieredStore
 
 __all__ = [
     "AttentionCosts", "AttentionStore", "BudgetPlan", "BudgetProfile", "FileStore", "FlowOptions", "HostStore", "OffloadConfig", "OffloadConfigError",
     "OffloadError", "OffloadPlan", "OffloadStats", "OffloadWarning", "SegmentCost", "SegmentProfile",
-    "SelectOptions", "Slot", "SpillDir", "StepProfile", "Store", "StoreOptions", "TensorCache", "TensorProfile",
+    "SelectOptions", "Slot", "SpillDir", "StepProfile", "Store", "StoreOptions", "Streams", "TensorCache", "TensorProfile",
     "TieredStore", "attention_saved_contexts", "auto_blocks", "checkpoint_plan", "clean_stale", "clean_stale_ranks", "compile_blocks", "is_cheap", "offload", "offload_rank", "parse_memory_budget",
     "patch_schedules", "plan_budget", "plan_offload", "rank_path", "reclaim_stale", "restore_patches",
     "set_cheap_recompute", "set_recompute", "uncompile_blocks",

@@ -391,11 +391,10 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
         saved: dict[int, int] = {}
         moved: dict[int, int] = {}
         gain = 0.0
-        kept, off = _kept(model, rec, lo)
         if attention:
             saved, gain = _keep_attention(model, rec, lo, budget, attention, always)
             if attention_room > 0:  # offloaded beside those kept, or instead of keeping any (the prefetch fits)
-                room_left = attention_room - sum(nb for _, nb in off)
+                room_left = attention_room - sum(nb for _, nb in _kept(model, rec, lo)[1])
                 bw = max(p.read_bandwidth * safety, 1.0)
                 options = [(saved, gain, *_offload_attention(model, rec, lo, budget, attention, always, saved,
                                                              room_left, bw))]

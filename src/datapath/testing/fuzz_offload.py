@@ -51,8 +51,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from datapath.offload import AttentionStore, HostStore, OffloadConfigError, OffloadError, TensorCache, set_recompute
-from datapath.offload.store import Streams
+from datapath.offload import (
+    AttentionStore, HostStore, OffloadConfigError, OffloadError, Streams, TensorCache, set_recompute,
+)
 
 FEATURES = ("qkv_views", "transposed", "inplace", "gather", "mask", "routing", "memory", "norm", "checkpoint")
 CONFIGS = ("host", "ssd", "tiered", "adaptive", "budget_fast", "budget_slow")
