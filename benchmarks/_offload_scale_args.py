@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 METHODS = ["checkpoint", "keep", "datapath-budget", "selective_checkpoint", "checkpoint_offload", "datapath-all",
-           "save_on_cpu", "torchtune", "compile_budget", "compiler_offload"]
+           "save_on_cpu", "torchtune", "compile_budget", "compiler_offload", "checkpoint_compiled"]
 LADDER = "2048,4096,8192,16384,32768,49152,65536"
 
 

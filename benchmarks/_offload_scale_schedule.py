@@ -87,7 +87,8 @@ def run_schedule(bench: Any) -> None:
         ("checkpoint", beyond, None), ("selective_checkpoint", seqs, None),
         ("datapath-all", small, None), ("checkpoint_offload", [first] + beyond, None),
         ("save_on_cpu", seqs[:1], None), ("torchtune", [first], None),
-        ("compile_budget", sorted({first, *timed}), None), ("compiler_offload", [first], None)]
+        ("compile_budget", sorted({first, *timed}), None), ("compiler_offload", [first], None),
+        ("checkpoint_compiled", sorted({first, *timed}), None)]
     if not cuda:  # the CPU check: every length of every method
         schedule = [(m, [first] if m == "datapath-budget" else seqs,
                      "checkpoint peak" if m == "datapath-budget" else None) for m in METHODS]
@@ -104,7 +105,7 @@ def run_schedule(bench: Any) -> None:
         elif m == "datapath-budget":
             if capacity is not None:
                 ladder(bench, m, ms, budget=lambda s: capacity, budget_of=of)
-        elif m in ("compile_budget", "compiler_offload"):
+        elif m in ("compile_budget", "compiler_offload", "checkpoint_compiled"):
             compiled(bench, m, ms)
         else:
             ladder(bench, m, ms)
@@ -119,7 +120,8 @@ def run_schedule(bench: Any) -> None:
 
 def compiled(bench: Any, method: str, seqs: list[int]) -> None:
     """Each decoder layer compiled (``torch.compile`` regional) with an activation memory budget
-    (``compile_budget``) or with the compiler's activation offloading (``compiler_offload``)."""
+    (``compile_budget``), with the compiler's activation offloading (``compiler_offload``), or inside Hugging
+    Face's checkpointing of the layer (``checkpoint_compiled``)."""
     import torch._functorch.config as fconfig  # noqa: PLC0415
 
     a = bench.args
@@ -143,6 +145,16 @@ def compiled(bench: Any, method: str, seqs: list[int]) -> None:
                                         f"~{a.compile_cost:.0f} s)")
         return
     layers = list(causal_lm(bench.lm).model.layers)
+    if method == "checkpoint_compiled":
+        torch._dynamo.reset()
+        for layer in layers:
+            layer.compile()
+        try:
+            ladder(bench, method, seqs, regional=True)
+        finally:
+            for layer in layers:
+                layer._compiled_call_impl = None
+        return
     for budget in [float(b) for b in a.compile_budgets.split(",") if b]:
         torch._dynamo.reset()
         fconfig.activation_memory_budget = budget

@@ -11,7 +11,8 @@ memory: Hugging Face's ``offload=True``, torchtune's checkpointing + offloading)
 imports), datapath-budget (``offload(model, memory_budget=B)``: B = checkpointing's peak at that length, and B =
 the GPU's memory less a margin for the longest length), datapath-all (``offload(model)``), compile_budget
 (each layer compiled with ``torch._functorch.config.activation_memory_budget``), compiler_offload (PyTorch's
-compiler activation offloading, where this torch has it).  A method not run gets a record saying why.
+compiler activation offloading, where this torch has it), checkpoint_compiled (checkpointing with each layer
+compiled: torchtitan's compile + activation checkpointing per block).  A method not run gets a record saying why.
 
 FSDP2 (``--mode fsdp2``, under ``torchrun``): ``fully_shard`` per decoder layer and at the root, fp32 parameters
 with bf16 compute (``MixedPrecisionPolicy``), fp32 AdamW state, every parameter trained; the same ladder per rank
@@ -168,9 +169,9 @@ class Bench:
     @contextlib.contextmanager
     def method(self, method: str, budget: int | None) -> Iterator[Callable[[], Any]]:
         """Set ``method`` up around its steps; yields the per-step context factory."""
-        if method in ("checkpoint", "selective_checkpoint", "checkpoint_offload"):
+        if method in ("checkpoint", "selective_checkpoint", "checkpoint_offload", "checkpoint_compiled"):
             set_checkpointing(self.lm, {"checkpoint": "full", "selective_checkpoint": "selective",
-                                        "checkpoint_offload": "offload"}[method])
+                                        "checkpoint_offload": "offload", "checkpoint_compiled": "full"}[method])
             try:
                 yield contextlib.nullcontext
             finally:
