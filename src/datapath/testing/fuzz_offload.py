@@ -504,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
             mb = "" if r.fault_min_bytes is None else f" with min_bytes {r.fault_min_bytes}"
             fault = f" ({c.fault} fault {at} of {r.fault_calls}{mb}, on_error={c.on_error})"
         print(f"case {i:4d} {c.config:11s} {c.loop:11s} {str(c.dtype)[6:]:8s} layers {c.layers} "
-              f"{','.join(c.features) or '-'}{' frozen' if c.frozen else ''}: {r.outcome}{fault}", flush=True)
+              f"{','.join(c.features) or '-'}{' frozen' if c.frozen else ''}"
+              f"{'' if c.attention == 'none' else f' attention {c.attention}'}: {r.outcome}{fault}", flush=True)
         if not r.ok:
             bad += 1
             print(r.detail, "\n", r.reproduction(), flush=True)
