@@ -759,3 +759,29 @@ def test_a_long_sequence_trains_under_checkpointing_s_peak() -> None:
     assert ckpt > 1.05 * budget and max(policy.peaks[-2:]) <= 1.03 * budget, \
         ([round(p / budget, 3) for p in policy.peaks], round(ckpt / budget, 3))
     cache.close()
+
+
+def test_a_closed_budget_leaves_nothing_of_itself_on_the_model() -> None:
+    """Closed after its profiled step (no plan yet: the blocks carry the attention probe), the budget takes its
+    probes and recomputation off the blocks: the model holds nothing of the closed policy, and the same
+    model trains again under a new budget with the same gradients as without one."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = GPT(vocab=64, h=64, heads=4, layers=3, dropout=0.0, tied=False)
+    batches = [torch.randint(0, 64, (4, 32)) for _ in range(3)]
+    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
+    budget = int(_keep_peak(model, batches[0]) * 0.6)
+    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
+    cache.attach(model)
+    got = run_steps(model, batches[:1], _lm_loss, ctx=cache)
+    assert cache.plan is None  # closed while still profiling
+    held = [weakref.ref(cache.policy), weakref.ref(cache.policy.attention)]  # the policy, its attention probe
+    cache.close()
+    del cache
+    gc.collect()
+    assert [r() is None for r in held] == [True, True]
+    with offload(model, memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True) as again:
+        got += run_steps(model, batches[1:], _lm_loss, ctx=again, seed0=1001)
+    assert_identical(ref, got)

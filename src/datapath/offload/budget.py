@@ -464,9 +464,15 @@ class BudgetPolicy(BudgetPlanning, Policy):
         return lead if segment <= plan.cut_segment + LOOKAHEAD else max(lead, FREE_LEAD)
 
     def close(self) -> None:
-        for pending, _, _ in self._agreeing:  # every rank launched them: wait, decide nothing
-            pending.result()
-        self._agreeing = []
+        """Wait for the rank agreements in flight (every rank launched them: decide nothing); take the attention
+        probes and the planned recomputation off the blocks.  A failed agreement is logged, not raised: nothing
+        waits for its answer, and a closing context may be carrying the error that ended a rank's step."""
+        agreeing, self._agreeing = self._agreeing, []
+        for pending, _, _ in agreeing:
+            try:
+                pending.result()
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                log.warning("memory budget: a rank agreement failed while closing (%s: %s)", type(exc).__name__, exc)
         self.attention.detach(self.models.blocks)
         clear_recompute(self.models.blocks)
 

@@ -377,7 +377,10 @@ class TensorCache:
         """
         if self._closed:
             return
-        self.detach()
+        try:
+            self.policy.close()  # before detach: it reads the attached models' blocks
+        finally:
+            self.detach()
         try:
             self.wait_io()
         except OffloadError:

@@ -77,6 +77,9 @@ class Policy:
     def on_record_done(self, rec: Record) -> None:
         """Every saved tensor of ``rec`` was consumed or freed."""
 
+    def close(self) -> None:
+        """The cache is closing, its models still attached: leave nothing of the policy on them."""
+
     def decide(self, rec: Record, seg: Segment, idx: int, nbytes: int) -> bool:
         """Offload the ``idx``-th new storage of ``rec`` (``nbytes``, saved in ``seg``)?"""
         n = rec.expected_units
