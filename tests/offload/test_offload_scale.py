@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._llama8b import (  # noqa: E402
     add_lora, build_llama, causal_lm, chunked_lm_loss, llama_config, model_flops_per_token,
 )
+from benchmarks._offload_scale_report import bars  # noqa: E402
 
 
 @pytest.mark.parametrize("weight_grad", [False, True])
@@ -65,6 +66,23 @@ def _run(tmp_path: Path, *args: str) -> dict:
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((tmp_path / "offload_scale.json").read_text())
+
+
+def test_bars_weigh_datapath_against_the_fastest_peer_at_checkpointing_s_longest_length() -> None:
+    """1.15x checkpointing can be met while a peer (checkpointing with compiled layers) is as fast: the bars say
+    both, naming the peer; a peer at another length or one that did not fit takes no part."""
+    def rec(method: str, seq: int, tps: float | None, **kw: object) -> dict:
+        return {"setting": f"lora-8b-{seq // 1024}k", "method": method, "seq": seq, "tokens_per_s": tps,
+                "status": "ok" if tps else "oom", "budget_gb": kw.get("budget_gb"), "peak_gb": kw.get("peak_gb", 70.0)}
+    recs = [rec("checkpoint", 65536, 3316.0), rec("checkpoint", 90112, 2807.8), rec("compile_budget", 90112, None),
+            rec("datapath-budget", 90112, 3315.7, budget_gb=82.9, peak_gb=76.5),
+            rec("checkpoint_offload", 65536, 3600.0)]
+    by = {b["check"]: b for b in bars(recs)}
+    assert by["tokens/s at 90112 >= 1.15x checkpoint"]["met"] is True
+    assert "tokens/s at 90112 >= the fastest peer (checkpoint_compiled)" not in by  # no such peer ran
+    recs.append(rec("checkpoint_compiled", 90112, 3326.0))
+    peer = {b["check"]: b for b in bars(recs)}["tokens/s at 90112 >= the fastest peer (checkpoint_compiled)"]
+    assert peer["met"] is False and peer["ratio"] == pytest.approx(3315.7 / 3326.0)
 
 
 @pytest.mark.slow
