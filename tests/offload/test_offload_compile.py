@@ -1,6 +1,6 @@
 """compile=True (regional compilation, CPU inductor): each block compiled once per class, the offloader's hooks
-outside the compiled regions; offloaded and recomputed compiled blocks give the gradients of the compiled model
-without offloading, dropout on."""
+outside the compiled regions; offloaded and recomputed compiled blocks (keeping their attention outputs or not)
+give the gradients of the compiled model without offloading, dropout on."""
 from __future__ import annotations
 
 import copy
@@ -264,3 +264,64 @@ def test_whole_model_compile_never_traces_the_offloader() -> None:
     for fn in (SavedTensorHooks.pack, SavedTensorHooks.unpack, _Cache.is_parameter):
         assert get(fn.__code__) == [], f"TorchDynamo compiled {fn.__qualname__}"
     torch._dynamo.reset()
+
+
+def _llama_without_dropout(layers: int = 3) -> nn.Module:
+    """The CPU's fused attention op (whose outputs a block may keep) runs only without attention dropout."""
+    torch.manual_seed(11)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=layers,
+                                   num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
+                                   attention_dropout=0.0, attn_implementation="sdpa", use_cache=False)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def _attention_forwards_in_backward(model: nn.Module, ids: torch.Tensor) -> int:
+    """Calls of the CPU's fused attention forward while the backward of one step runs."""
+    from torch.profiler import profile  # noqa: PLC0415
+
+    loss = _loss(model, ids)
+    with profile() as prof:
+        loss.backward()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_dot_product_flash_attention_for_cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dropout", [False, True], ids=["no-dropout", "dropout"])
+def test_compiled_blocks_keeping_attention_match_the_compiled_model(dropout: bool) -> None:
+    """A compiled block recomputed with ``attention_saved`` runs its compiled region with the checkpoint inside it:
+    gradients bit-identical to the compiled model's (dropout masks replayed), its attention outputs saved tensors
+    of the region that the offload store takes, and the attention forward not run again in the backward."""
+    model = _llama() if dropout else _llama_without_dropout()
+    batches = [torch.randint(0, 128, (4, 32)) for _ in range(3)]
+    ref = _compiled_reference(model, batches)
+    offloaded = {}
+    for saved in ([], [0, 2]):
+        m = copy.deepcopy(model)
+        cache = TensorCache("host", min_bytes=1024, offload_cpu_tensors=True, compile=True, policy="all")
+        cache.attach(m)
+        set_recompute(list(m.model.layers), [0, 1, 2], attention_saved=saved)
+        got = run_steps(m, batches, _loss, ctx=cache)
+        assert_identical(ref, got)
+        offloaded[tuple(saved)] = cache.stats.bytes_offloaded
+        if not dropout:  # (with dropout the CPU runs attention unfused, an op no block keeps)
+            assert _attention_forwards_in_backward(m, batches[0]) == 3 - len(saved)
+            shapes: list[tuple[int, ...]] = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: (shapes.append(tuple(t.shape)), t)[1],
+                                                          lambda t: t):
+                _loss(m, batches[0])
+            # each keeping block saves its attention output (batch x heads x seq x head_dim) and log-sum-exp
+            assert shapes.count((4, 4, 32, 16)) == len(saved) and shapes.count((4, 4, 32)) == len(saved)
+        cache.close()
+    if not dropout:  # and the store took them (less what the checkpoint around a block saves: its RNG state)
+        assert offloaded[(0, 2)] - offloaded[()] > 2 * 4 * 4 * 32 * 16 * 4
+
+
+def test_compiled_blocks_refuse_an_attention_store() -> None:
+    """The attention store's dispatch mode would run a compiled region eagerly: compiled blocks keep their
+    attention outputs as saved tensors instead, and asking for the store names them."""
+    model = _llama_without_dropout(2)
+    compile_blocks(model)
+    blocks = list(model.model.layers)
+    with pytest.raises(ValueError, match=r"blocks \[1\] are compiled.*attention_saved"):
+        set_recompute(blocks, [0, 1], attention_offloaded=[1], attention_store=object())  # type: ignore[arg-type]
+    uncompile_blocks(model)

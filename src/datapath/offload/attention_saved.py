@@ -84,6 +84,17 @@ def attention_saved_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_policy)
 
 
+def _compiled_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    save = op in SDPA_OPS and not draws_random(op, args, kwargs)
+    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
+
+
+def compiled_attention_saved_contexts() -> tuple[Any, Any]:
+    """`attention_saved_contexts` for a checkpoint inside a compiled region: there ``PREFER_RECOMPUTE`` leaves the
+    compiler's partitioner free to save what it likes, so every other op is ``MUST_RECOMPUTE``."""
+    return create_selective_checkpoint_contexts(_compiled_policy)
+
+
 class AttentionCosts:
     """Per block, what its attention ops cost in the last probed forward: ``saved_bytes`` (device bytes of their
     outputs) and ``seconds`` (their forward time), and ``ops`` (every op the block dispatched)."""

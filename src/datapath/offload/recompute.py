@@ -8,7 +8,8 @@ and CUDA RNG states it first ran with (``preserve_rng_state``), so dropout draws
 the same masks and gradients stay bit-identical.  As with Hugging Face's own
 checkpointing, a recomputed block runs without a KV cache.  `set_recompute`
 switches blocks on and off between steps; its ``attention_saved`` blocks keep their attention
-outputs (`datapath.offload.attention_saved`: the attention forward is not run again in the backward),
+outputs (`datapath.offload.attention_saved`: the attention forward is not run again in the backward; a block
+compiled by `datapath.offload.regional_compile` runs its compiled region with the checkpoint inside it instead),
 its ``attention_offloaded`` blocks keep them in the offload store
 (`datapath.offload.attention_offload`).
 """
@@ -27,6 +28,9 @@ from datapath.offload.attention_saved import attention_saved_contexts, probe_con
 _ORIGINAL = "_datapath_recompute_original"
 _KEEP_ATTENTION = "_datapath_recompute_attention_saved"
 _OFFLOAD_ATTENTION = "_datapath_recompute_attention_offloaded"
+COMPILED_SAVING_ATTENTION = "_datapath_compiled_attention_saved"
+"""Where `datapath.offload.regional_compile` puts a compiled block's other compiled forward: the block under
+checkpointing that keeps its attention outputs, compiled as one region (what ``attention_saved`` runs)."""
 
 
 def already_recomputed(block: nn.Module) -> bool:
@@ -95,6 +99,11 @@ def _wrap(block: nn.Module, original: Any) -> Any:
             # traced by TorchDynamo (``torch.compile(model)``): its checkpoint takes no context function, so the
             # block is recomputed plainly (not probed, its attention outputs not kept)
             return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        saving = block.__dict__.get(COMPILED_SAVING_ATTENTION)
+        if saving is not None and block.__dict__.get(_KEEP_ATTENTION):
+            # a compiled block: its checkpoint is inside the compiled region (a dispatch mode around the region
+            # would run it eagerly), and the attention outputs it keeps are saved tensors of that region
+            return saving(*args, **kwargs)
         return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True,
                           context_fn=_context_fn(block), **kwargs)
     return forward
@@ -117,6 +126,11 @@ def set_recompute(blocks: list[nn.Module], which: Iterable[int], attention_saved
                          f"a block keeps its attention outputs on the device or in the store, not both")
     if moved and attention_store is None:
         raise ValueError("attention_offloaded needs attention_store (where the outputs go)")
+    compiled = sorted(i for i in moved if COMPILED_SAVING_ATTENTION in blocks[i].__dict__)
+    if compiled:
+        raise ValueError(f"blocks {compiled} are compiled: their attention outputs cannot go to an attention store "
+                         f"(its dispatch mode would run the compiled region eagerly); put them in attention_saved, "
+                         f"where they are saved tensors of the compiled region that the offload store may take")
     for i, block in enumerate(blocks):
         if i in keep:
             block.__dict__[_KEEP_ATTENTION] = True

@@ -17,7 +17,15 @@ compiled graph still saves, and its choices per block compose with the compiler'
   before its backward;
 - recompute: `torch.utils.checkpoint` (non-reentrant, RNG state replayed) around the
   compiled forward: the same compiled graph runs again in backward, so gradients are
-  bit-identical to the compiled model's without offloading, dropout included.
+  bit-identical to the compiled model's without offloading, dropout included;
+- recompute keeping the attention outputs (``set_recompute(..., attention_saved=...)``): a
+  second compiled function per block class, the class's forward under non-reentrant
+  checkpointing with the selective policy of `datapath.offload.attention_saved` inside the
+  compiled region (torch.compile's supported form of selective checkpointing; a dispatch mode
+  around a compiled region would run it eagerly).  The compiler's partitioner then saves the
+  block's inputs and its attention ops' outputs and recomputes everything else in the
+  compiled backward; those saved tensors reach the saved-tensor hooks like any other, so the
+  offload store may take them.
 
 Hooks on modules inside a block would break the compiled graph, so a compiled model's
 units are its blocks (``units="blocks"``), and the selective recompute of cheap
@@ -32,8 +40,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from torch.utils.checkpoint import checkpoint
+
+from datapath.offload.attention_saved import compiled_attention_saved_contexts
 from datapath.offload.errors import OffloadConfigError
-from datapath.offload.recompute import without_kv_cache
+from datapath.offload.recompute import COMPILED_SAVING_ATTENTION, without_kv_cache
 from datapath.offload.models import auto_blocks
 
 _ORIGINAL = "_datapath_compiled_original"
@@ -64,6 +75,21 @@ def _compiled(fn: Any, options: dict[str, Any]) -> Any:
     out = _cache.get(key)
     if out is None:
         out = _cache[key] = torch.compile(fn, **options)
+    return out
+
+
+_saving: dict[Any, Any] = {}
+
+
+def _saving_attention(forward: Any) -> Any:
+    """``forward`` (a block class's) under non-reentrant checkpointing that keeps the attention ops' outputs: one
+    function per class forward, so that its compiled graphs are shared as the plain forward's are."""
+    out = _saving.get(forward)
+    if out is None:
+        def saving(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return checkpoint(forward, block, *args, use_reentrant=False, preserve_rng_state=True,
+                              context_fn=compiled_attention_saved_contexts, **kwargs)
+        out = _saving[forward] = saving
     return out
 
 
@@ -153,6 +179,8 @@ def compile_blocks(blocks: nn.Module | list[nn.Module], options: dict[str, Any] 
             b.forward = functools.partial(_compiled(type(b).forward, _head_options(options or {})), b)
         else:
             b.forward = _training_forward(_compiled(type(b).forward, options or {}), b)  # type: ignore[method-assign]
+            b.__dict__[COMPILED_SAVING_ATTENTION] = _training_forward(
+                _compiled(_saving_attention(type(b).forward), options or {}), b)  # compiled at its first call
         n += 1
     if isinstance(blocks, nn.Module) and not getattr(blocks, _LOSS, False):
         # a Hugging Face model's loss (upcast logits, cross-entropy) compiled too: one fused kernel each way
@@ -169,6 +197,7 @@ def uncompile_blocks(blocks: nn.Module | list[nn.Module]) -> None:
     for b in _blocks(blocks):
         if is_compiled(b):
             del b.__dict__[_ORIGINAL]
+            b.__dict__.pop(COMPILED_SAVING_ATTENTION, None)
             del b.forward
     if isinstance(blocks, nn.Module) and blocks.__dict__.pop(_LOSS, False):
         blocks.__dict__.pop("_loss_function", None)
