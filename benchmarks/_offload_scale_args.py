@@ -29,6 +29,10 @@ def parse(argv: list[str] | None, description: str = "B6: offloading at 8B scale
                          "library's default: 1); recorded as `pace`")
     ap.add_argument("--datapath-compile", action="store_true",
                     help="datapath's methods with compile=True (each block compiled; recorded as `compile`)")
+    ap.add_argument("--datapath-attention-saved", action="store_true",
+                    help="datapath-all recomputes every block keeping its attention outputs (set_recompute(..., "
+                         "attention_saved=...); with --datapath-compile, inside each compiled region), everything "
+                         "saved offloaded; recorded as `attention_saved_blocks`")
     ap.add_argument("--log-plans", action="store_true", help="print datapath's planning log (INFO)")
     ap.add_argument("--trace", action="store_true", help="after the timed steps, one more under torch.profiler: "
                                                          "GPU compute / NCCL / copy time, NCCL not hidden, CPU "
@@ -50,6 +54,9 @@ def parse(argv: list[str] | None, description: str = "B6: offloading at 8B scale
         args.timed = args.timed or "32"
         args.check_seq = args.check_seq or 32
         args.budget_warmup = min(args.budget_warmup, 4)
+    if args.datapath_attention_saved and "datapath-budget" in args.methods.split(","):
+        ap.error("--datapath-attention-saved is for datapath-all: memory_budget's plans choose what each block "
+                 "recomputes themselves; run datapath-budget in another call")
     bad = set(args.datapath_budgets.split(",")) - {"checkpoint", "device", ""}
     if bad:
         ap.error(f"--datapath-budgets takes checkpoint and/or device, not {sorted(bad)}")

@@ -66,7 +66,7 @@ from benchmarks._offload_scale_report import bars, cache_record, finish, plan_br
 from benchmarks._offload_scale_schedule import run_schedule  # noqa: E402
 from benchmarks._offload_workloads import torchtune_offload  # noqa: E402
 from benchmarks._step_trace import traced_step  # noqa: E402
-from datapath.offload import offload, offload_rank  # noqa: E402
+from datapath.offload import offload, offload_rank, set_recompute  # noqa: E402
 
 
 class Bench:
@@ -92,6 +92,7 @@ class Bench:
         seqs = [int(s) for s in args.seqs.split(",")]
         self.cfg = llama_config(args.quick, max(seqs))
         self.records: list[dict[str, Any]] = []
+        self.attention_saved_blocks = 0  # datapath-all's blocks recomputed keeping their attention outputs
         self.ref: dict[str, dict[int, list[torch.Tensor]]] = {}  # checkpoint/keep -> seq -> gradients
         self.ckpt_peak: dict[int, float] = {}
         self.stopped: set[tuple[Any, ...]] = set()  # (method, budget kind, compile budget) whose ladder ended
@@ -190,7 +191,14 @@ class Bench:
             enter = offload_rank if self.dist else offload  # a rank's share of the host's pinned memory
             with enter(self.model, memory_budget=budget, **opts) as cache:
                 self.cache = cache
-                yield contextlib.nullcontext
+                if self.args.datapath_attention_saved and method == "datapath-all":
+                    blocks = list(causal_lm(self.lm).model.layers)
+                    set_recompute(blocks, range(len(blocks)), attention_saved=range(len(blocks)))
+                    self.attention_saved_blocks = len(blocks)
+                try:
+                    yield contextlib.nullcontext
+                finally:
+                    self.attention_saved_blocks = 0
         else:
             yield contextlib.nullcontext
 
@@ -278,6 +286,8 @@ class Bench:
                 grads = runs[0]
                 repeat_same = all(torch.equal(x, y) for x, y in zip(*runs))
             extra = cache_record(self.cache, method, warmup + steps + check)
+            if self.attention_saved_blocks:
+                extra["attention_saved_blocks"] = self.attention_saved_blocks
         self.opt.zero_grad(set_to_none=True)
         step_s = statistics.median(times)
         if cuda:

@@ -112,6 +112,27 @@ def test_lora_quick_run_records_every_method(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_lora_compiled_blocks_keeping_attention_everything_offloaded(tmp_path: Path) -> None:
+    """datapath-all with each block compiled and recomputed keeping its attention outputs (inside its compiled
+    region), every saved tensor offloaded: gradients bit-identical to checkpointing's, the blocks counted."""
+    pytest.importorskip("peft")
+    doc = _run(tmp_path, "--methods", "checkpoint,datapath-all", "--datapath-compile", "--datapath-attention-saved")
+    rec = next(r for r in doc["records"] if r["seq"] == 32 and r["method"] == "datapath-all")
+    assert rec["status"] == "ok" and rec["compile"] is True
+    assert rec["attention_saved_blocks"] == llama_config(True, 64).num_hidden_layers
+    assert rec["grads_match"] is True and rec["grads_match_kind"] == "bitwise", rec
+    assert rec["offloaded_gb_per_step"] > 0
+
+
+def test_attention_saved_is_refused_for_the_budget(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload_scale.py"), "--quick", "--methods",
+                           "datapath-budget", "--datapath-attention-saved"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "is for datapath-all" in proc.stderr
+
+
+@pytest.mark.slow
 def test_fsdp2_quick_run_on_two_gloo_processes(tmp_path: Path) -> None:
     doc = _run(tmp_path, "--mode", "fsdp2", "--methods", "checkpoint,keep,datapath-all")
     assert doc["world_size"] == 2
