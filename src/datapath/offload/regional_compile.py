@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
 from torch.utils.checkpoint import checkpoint
 
 from datapath.offload.attention_saved import compiled_attention_saved_contexts
