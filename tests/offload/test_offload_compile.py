@@ -17,11 +17,11 @@ from datapath.offload import (
 transformers = pytest.importorskip("transformers")
 
 
-def _llama(layers: int = 3) -> nn.Module:
-    torch.manual_seed(7)
+def _llama(layers: int = 3, dropout: float = 0.1, seed: int = 7) -> nn.Module:
+    torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=layers,
                                    num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
-                                   attention_dropout=0.1, attn_implementation="sdpa", use_cache=False)
+                                   attention_dropout=dropout, attn_implementation="sdpa", use_cache=False)
     return transformers.LlamaForCausalLM(cfg).train()
 
 
@@ -268,11 +268,7 @@ def test_whole_model_compile_never_traces_the_offloader() -> None:
 
 def _llama_without_dropout(layers: int = 3) -> nn.Module:
     """The CPU's fused attention op (whose outputs a block may keep) runs only without attention dropout."""
-    torch.manual_seed(11)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=layers,
-                                   num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
-                                   attention_dropout=0.0, attn_implementation="sdpa", use_cache=False)
-    return transformers.LlamaForCausalLM(cfg).train()
+    return _llama(layers, dropout=0.0, seed=11)
 
 
 def _attention_forwards_in_backward(model: nn.Module, ids: torch.Tensor) -> int:
