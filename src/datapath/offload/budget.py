@@ -65,7 +65,7 @@ from datapath.offload.bandwidth import StoreBandwidth
 from datapath.offload.budget_floor import Floor
 from datapath.offload.budget_planner import KEEP_ALL, BudgetPlan, BudgetProfile, modelled_peak
 from datapath.offload.budget_planning import LOOKAHEAD, BudgetPlanning
-from datapath.offload.budget_profile import record_peak
+from datapath.offload.budget_profile import COMPILER_REDOS, compiler_work, record_peak
 from datapath.offload.config import OffloadConfig
 from datapath.offload.errors import OffloadConfigError
 from datapath.offload.memory_meter import MemoryMeter
@@ -125,6 +125,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
         self._timing_peak: int | None = None    # ... its measured peak (its base: ``mem_base``)
         self.calibration = 0                    # bytes the profile was moved (up: the timing step; down: the floor)
         self._want_timing = False
+        self._compiler_redos = 0                # profiled steps run again because the compiler ran in them
         self._pending_peak: int | None = None
         self._overshot = False
         self._relaxed = False
@@ -194,6 +195,8 @@ class BudgetPolicy(BudgetPlanning, Policy):
         rec = self._profiling
         if rec is not None and rec.backward_started and rec.bwd_done:
             self._profiling = None
+            if self._compiled_during(rec):  # the next step is profiled again
+                return
             self.profile_peaks.append(record_peak(rec))
             if self.ranks is not None:
                 self.ranks.agree_room(self.room)
@@ -217,6 +220,8 @@ class BudgetPolicy(BudgetPlanning, Policy):
         rec = self._timing
         if rec is not None and rec.backward_started and rec.bwd_done and self._memory is not None:
             self._timing = None
+            if self._compiled_during(rec):  # the next step is timed again
+                return
             self._set_profile(self._memory, rec)
             self._memory = None
             self._replan()
@@ -301,6 +306,21 @@ class BudgetPolicy(BudgetPlanning, Policy):
         for pending, plan, marks in agreeing:
             self._measured(int(pending.result()[0]), plan, marks)
 
+    def _compiled_during(self, rec: Record) -> bool:
+        """Whether the compiler ran during the profiled step ``rec`` on any rank (every rank asks at the same
+        step): its time marks then hold compile time, and the step is run again (at most `COMPILER_REDOS`)."""
+        if rec.compiler_work is None or self._compiler_redos >= COMPILER_REDOS:
+            return False
+        compiled = compiler_work() != rec.compiler_work
+        if self.ranks is not None:
+            compiled = bool(self.ranks.reduce_max([float(compiled)])[0])
+        if compiled:
+            self._compiler_redos += 1
+            log.info("memory budget: the compiler ran during the %s step (its times hold compile time); the next "
+                     "step is %s again", "timing" if rec.timing else "profiled", "timed" if rec.timing else
+                     "profiled")
+        return compiled
+
     def _device_total(self) -> int:
         """The device's memory (the smallest of the ranks' where they agree)."""
         return self._device_bytes if self._device_bytes is not None else self.meter.total()
@@ -377,6 +397,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
                 # profiled step, they would be taken off every interval measured after it (see the docstring)
                 self.bandwidth.probed(wait=PROBE_WAIT_S)
                 rec.mem_base = self.meter.allocated()
+                rec.compiler_work = compiler_work()
                 self._profiling = rec
             elif self._memory is not None and self._timing is None and self._want_timing and not self._waiting(rec):
                 # compute times without offloading's stalls, and each block's recompute cost: one step with
@@ -384,6 +405,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
                 rec.timing = True
                 rec.plan = KEEP_ALL
                 rec.mem_base = self.meter.allocated()
+                rec.compiler_work = compiler_work()
                 self._timing = rec
                 self._timing_peak = None
                 set_recompute(self.models.blocks, self._recomputable(self._memory))

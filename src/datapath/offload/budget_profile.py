@@ -4,11 +4,32 @@ The memory comes from the step with everything offloaded (each segment's interva
 storages in order, the tail); the times from the step with every block recomputed and nothing
 offloaded, where one ran (each segment's forward compute time without the time it waited for stores,
 and the backward's ratio to the forward), else from the memory step itself.
+
+A step during which the compiler ran (``compile=True`` compiles the blocks in the first step, and
+AOTAutograd compiles a backward graph at its first backward) holds the compiler's seconds in its
+time marks: the GPU idles between two events while the host compiles.  `compiler_work` counts
+what the compiler did, so that such a step is profiled again (`BudgetPolicy`).
 """
 from __future__ import annotations
 
 from datapath.offload.budget_planner import BudgetProfile, SegmentCost
 from datapath.offload.records import Clock, Record
+
+COMPILER_REDOS = 2
+"""Profiled steps run again at most this many times because the compiler ran in them (a model that compiles at
+every step is planned on what its steps measure)."""
+
+
+def compiler_work() -> int:
+    """How many graphs TorchDynamo, AOTAutograd and Inductor have compiled in this process so far (frames traced
+    whole, forward graphs, Inductor graphs compiled or read from its cache): a step that changes it compiled."""
+    try:
+        from torch._dynamo.utils import counters  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - a torch without TorchDynamo compiles nothing
+        return 0
+    inductor = counters.get("inductor", {})
+    return int(counters.get("frames", {}).get("ok", 0) + counters.get("aot_autograd", {}).get("total", 0)
+               + inductor.get("fxgraph_cache_miss", 0) + inductor.get("fxgraph_cache_hit", 0))
 
 
 def record_peak(rec: Record) -> int:
