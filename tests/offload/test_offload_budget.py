@@ -788,16 +788,18 @@ def test_a_closed_budget_leaves_nothing_of_itself_on_the_model() -> None:
     assert_identical(ref, got)
 
 
-@pytest.mark.parametrize("fraction,compiling,redos", [(0.6, {0}, 1), (0.6, set(range(8)), 2), (0.8, {1}, 1)],
-                         ids=["memory-step", "every-step", "timing-step"])
+@pytest.mark.parametrize("fraction,compiling,redos", [(0.6, {0}, 1), (0.6, set(range(8)), 2), (0.8, {1}, 1),
+                                                      (0.8, {0}, 0)],
+                         ids=["memory-step", "every-step", "timing-step", "memory-step-then-timed"])
 def test_a_profiled_step_in_which_the_compiler_ran_is_run_again(fraction: float, compiling: set[int], redos: int,
                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     """compile=True compiles in the first step, whose time marks then hold compile time (on the GPU a
-    compiled model's profile predicted a 258 ms step at 1.57 s): a profiled step (the memory step, or at 0.8 of
-    keep's peak the timing step after it) in which the compiler ran is run again, at most twice (a model
-    compiling at every step is planned on what its steps measure)."""
-    import datapath.offload.budget as budget_module
+    compiled model's profile predicted a 258 ms step at 1.57 s): a profiled step whose times would time the plans
+    (the memory step where no timing step follows; at 0.8 of keep's peak the timing step) is run again if the
+    compiler ran in it, at most twice (a model compiling at every step is planned on what its steps measure); a
+    memory step followed by a timing step is not (its memory is all the plans take from it)."""
+    import datapath.offload.budget_profile as budget_profile
 
     torch.manual_seed(0)
     model = GPT(vocab=64, h=64, heads=4, layers=3, dropout=0.1, tied=False)
@@ -812,7 +814,7 @@ def test_a_profiled_step_in_which_the_compiler_ran_is_run_again(fraction: float,
             work["step"] += 1
             work["graphs"] += work["step"] in compiles
 
-        monkeypatch.setattr(budget_module, "compiler_work", lambda: work["graphs"])
+        monkeypatch.setattr(budget_profile, "compiler_work", lambda: work["graphs"])
         m = copy.deepcopy(model)
         cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
         cache.attach(m)

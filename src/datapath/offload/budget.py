@@ -65,7 +65,8 @@ from datapath.offload.bandwidth import StoreBandwidth
 from datapath.offload.budget_floor import Floor
 from datapath.offload.budget_planner import KEEP_ALL, BudgetPlan, BudgetProfile, modelled_peak
 from datapath.offload.budget_planning import LOOKAHEAD, BudgetPlanning
-from datapath.offload.budget_profile import COMPILER_REDOS, compiler_work, record_peak
+from datapath.offload import budget_profile
+from datapath.offload.budget_profile import COMPILER_REDOS, compiled_during, record_peak
 from datapath.offload.config import OffloadConfig
 from datapath.offload.errors import OffloadConfigError
 from datapath.offload.memory_meter import MemoryMeter
@@ -195,8 +196,6 @@ class BudgetPolicy(BudgetPlanning, Policy):
         rec = self._profiling
         if rec is not None and rec.backward_started and rec.bwd_done:
             self._profiling = None
-            if self._compiled_during(rec):  # the next step is profiled again
-                return
             self.profile_peaks.append(record_peak(rec))
             if self.ranks is not None:
                 self.ranks.agree_room(self.room)
@@ -215,12 +214,16 @@ class BudgetPolicy(BudgetPlanning, Policy):
             self._want_timing = bool(blocks) and modelled_peak(self.profile, blocks, 0) <= self.target
             if not self._want_timing:
                 self._memory = None
+                if self._compiled_during(rec):  # its times would time the plans: the next step is profiled again
+                    self._redo(rec)
+                    return
                 self._replan()  # plan on the memory profile's own times
             return
         rec = self._timing
         if rec is not None and rec.backward_started and rec.bwd_done and self._memory is not None:
             self._timing = None
             if self._compiled_during(rec):  # the next step is timed again
+                self._redo(rec)
                 return
             self._set_profile(self._memory, rec)
             self._memory = None
@@ -307,19 +310,15 @@ class BudgetPolicy(BudgetPlanning, Policy):
             self._measured(int(pending.result()[0]), plan, marks)
 
     def _compiled_during(self, rec: Record) -> bool:
-        """Whether the compiler ran during the profiled step ``rec`` on any rank (every rank asks at the same
-        step): its time marks then hold compile time, and the step is run again (at most `COMPILER_REDOS`)."""
-        if rec.compiler_work is None or self._compiler_redos >= COMPILER_REDOS:
-            return False
-        compiled = compiler_work() != rec.compiler_work
-        if self.ranks is not None:
-            compiled = bool(self.ranks.reduce_max([float(compiled)])[0])
-        if compiled:
-            self._compiler_redos += 1
-            log.info("memory budget: the compiler ran during the %s step (its times hold compile time); the next "
-                     "step is %s again", "timing" if rec.timing else "profiled", "timed" if rec.timing else
-                     "profiled")
-        return compiled
+        """The compiler ran during the profiled step ``rec`` (its times hold compile time), and it may run again."""
+        return self._compiler_redos < COMPILER_REDOS and compiled_during(rec, self.ranks)
+
+    def _redo(self, rec: Record) -> None:
+        """The profiled step ``rec`` is run again: its times hold compile time (the memory it measured would do)."""
+        self._compiler_redos += 1
+        what = "timing" if rec.timing else "profiled"
+        log.info("memory budget: the compiler ran during the %s step (its times hold compile time); the next step "
+                 "is %s again", what, "timed" if rec.timing else what)
 
     def _device_total(self) -> int:
         """The device's memory (the smallest of the ranks' where they agree)."""
@@ -397,7 +396,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
                 # profiled step, they would be taken off every interval measured after it (see the docstring)
                 self.bandwidth.probed(wait=PROBE_WAIT_S)
                 rec.mem_base = self.meter.allocated()
-                rec.compiler_work = compiler_work()
+                rec.compiler_work = budget_profile.compiler_work()
                 self._profiling = rec
             elif self._memory is not None and self._timing is None and self._want_timing and not self._waiting(rec):
                 # compute times without offloading's stalls, and each block's recompute cost: one step with
@@ -405,7 +404,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
                 rec.timing = True
                 rec.plan = KEEP_ALL
                 rec.mem_base = self.meter.allocated()
-                rec.compiler_work = compiler_work()
+                rec.compiler_work = budget_profile.compiler_work()
                 self._timing = rec
                 self._timing_peak = None
                 set_recompute(self.models.blocks, self._recomputable(self._memory))

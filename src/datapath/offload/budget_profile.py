@@ -12,6 +12,8 @@ what the compiler did, so that such a step is profiled again (`BudgetPolicy`).
 """
 from __future__ import annotations
 
+from typing import Any
+
 from datapath.offload.budget_planner import BudgetProfile, SegmentCost
 from datapath.offload.records import Clock, Record
 
@@ -72,3 +74,14 @@ def profile_of(rec: Record, timing: Record | None, clock: Clock, bandwidth: tupl
     w, r = bandwidth
     return BudgetProfile(segs, storages, rec.mem_tail, dict(rec.block_inputs), w, r, recomputable,
                          backward_ratio=ratio, storage_inputs=list(rec.input_of))
+
+
+def compiled_during(rec: Record, ranks: Any = None) -> bool:
+    """Whether the compiler ran during the profiled step ``rec`` (from `Record.compiler_work`, set when it began)
+    on any rank of ``ranks`` (a `RankAgreement`; every rank asks at the same step)."""
+    if rec.compiler_work is None:
+        return False
+    compiled = compiler_work() != rec.compiler_work
+    if ranks is not None:
+        compiled = bool(ranks.reduce_max([float(compiled)])[0])
+    return compiled
