@@ -832,3 +832,26 @@ def test_a_profiled_step_in_which_the_compiler_ran_is_run_again(fraction: float,
     assert_identical(ref, got)  # dropout on: the steps run again change no mask
     assert base is not None and later == base + redos, (base, later)
     assert sum("the compiler ran during the" in r.getMessage() for r in caplog.records) == redos
+
+
+def test_profiled_forward_times_leave_out_store_waits_only() -> None:
+    """A segment's forward time is its measured time less what its packs waited for stores (the GPU may have
+    idled then); the time the CPU waited for the GPU at a unit's start (pacing) stays in: the GPU was busy."""
+    from datapath.offload.budget_profile import forward_times
+    from datapath.offload.records import Clock, Record, Segment
+
+    rec = Record(0, True, None, None)
+    rng = torch.Generator().manual_seed(3)
+    t = 0.0
+    expected = []
+    for i in range(5):
+        seg = Segment(i, i % 2 == 1, i // 2, i // 2, f"s{i}")
+        length = 0.01 + 0.05 * float(torch.rand((), generator=rng))
+        seg.t_start, seg.t_end = t, t + length
+        seg.wait_s = 0.2 * length * float(torch.rand((), generator=rng))      # waited for stores
+        seg.pace_wait_s = 0.9 * length * float(torch.rand((), generator=rng))  # waited for the GPU
+        expected.append(length - seg.wait_s)
+        rec.segments.append(seg)
+        t += length
+    got = forward_times(rec, Clock(lambda: False))
+    assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)

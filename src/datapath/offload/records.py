@@ -22,7 +22,8 @@ class Segment:
     """A unit call, or the code between units, in one forward pass."""
 
     __slots__ = ("index", "is_unit", "unit_pos", "block", "name", "entries", "t_start", "t_end", "t_bwd",
-                 "bwd_fired", "prefetched", "wait_s", "mem_fwd", "mem_bwd", "alloc_fwd", "alloc_bwd", "offloaded_bytes")
+                 "bwd_fired", "prefetched", "wait_s", "pace_wait_s", "mem_fwd", "mem_bwd", "alloc_fwd", "alloc_bwd",
+                 "offloaded_bytes")
 
     def __init__(self, index: int, is_unit: bool, unit_pos: int, block: int, name: str) -> None:
         self.index = index
@@ -37,6 +38,8 @@ class Segment:
         self.bwd_fired = False
         self.prefetched = False
         self.wait_s = 0.0           # time packs of this segment waited for stores (backpressure)
+        self.pace_wait_s = 0.0      # time the CPU waited at this unit's start for the GPU to catch up (pacing):
+        # the GPU was busy then, so unlike ``wait_s`` it is no gap in the segment's GPU time
         self.mem_fwd = 0            # profiling: memory peak of its forward interval
         self.mem_bwd: int | None = None  # profiling (units): peak from its backward start to the next unit's
         self.alloc_fwd = 0          # profiling: memory held when its forward began

@@ -302,7 +302,7 @@ class ScopeTracker:
         if wait_ev is not None:
             t0 = time.perf_counter()
             wait_ev.synchronize()
-            rec.segments[-1].wait_s += time.perf_counter() - t0
+            rec.segments[-1].pace_wait_s += time.perf_counter() - t0
 
     def _on_unit_exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward():
