@@ -794,8 +794,8 @@ def test_a_closed_budget_leaves_nothing_of_itself_on_the_model() -> None:
 def test_a_profiled_step_in_which_the_compiler_ran_is_run_again(fraction: float, compiling: set[int], redos: int,
                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    """compile=True compiles in the first step, whose time marks then hold compile time (on the GPU a
-    compiled model's profile predicted a 258 ms step at 1.57 s): a profiled step whose times would time the plans
+    """compile=True compiles in the first step, whose time marks then hold compile time (the GPU idles between
+    two events while the host compiles): a profiled step whose times would time the plans
     (the memory step where no timing step follows; at 0.8 of keep's peak the timing step) is run again if the
     compiler ran in it, at most twice (a model compiling at every step is planned on what its steps measure); a
     memory step followed by a timing step is not (its memory is all the plans take from it)."""

@@ -155,9 +155,8 @@ def test_closing_a_cache_returns_its_pinned_memory() -> None:
 
 def test_cuda_profiled_block_times_leave_out_pacing_waits() -> None:
     """The budget's memory profile runs paced (at each unit the CPU waits for the GPU to catch up): the GPU is busy
-    during those waits, so unlike waits for stores they are not taken off a segment's GPU time.  Before, with whole
-    blocks as units, every block after the first few profiled near zero, and a compiled 8B LoRA step at 88K tokens
-    was predicted at 4.0 s for 27.2 s."""
+    during those waits, so unlike waits for stores they are not taken off a segment's GPU time, and with whole
+    blocks as units every block keeps its time (taking them off left the later blocks near zero)."""
     from datapath.offload.budget_profile import forward_times
 
     layers = 6  # blocks of a few ms on the GPU each, launched in well under that: the CPU runs ahead and waits
