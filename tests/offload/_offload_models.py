@@ -178,6 +178,18 @@ class LongContext:
     keep: int
     ckpt: int
 
+    def train_under(self, budget: int, host_share: float) -> tuple[Any, list[Any]]:
+        """Every step under ``memory_budget=budget`` with a host store of ``host_share`` of the activations keeping
+        everything holds; gradients checked bit-identical to ``ref``.  The (still open) cache and the steps."""
+        from datapath.offload import TensorCache
+
+        cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True,
+                            host_budget_bytes=int(host_share * (self.keep - self.params)))
+        cache.attach(self.model)
+        got = run_steps(self.model, self.batches, lm_loss, ctx=cache)
+        assert_identical(self.ref, got)
+        return cache, got
+
 
 def long_context(layers: int, steps: int) -> LongContext:
     model = hf_llama(layers=layers, h=64, heads=4, seed=5)

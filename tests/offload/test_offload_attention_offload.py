@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from _offload_models import (
-    CountSdpa, assert_identical, hf_llama, layered_profile, lm_loss, long_context, run_steps,
+    CountSdpa, hf_llama, layered_profile, lm_loss, long_context,
 )
 from datapath.offload import (
-    AttentionStore, HostStore, Streams, TensorCache, plan_budget, set_recompute,
+    AttentionStore, HostStore, Streams, plan_budget, set_recompute,
 )
 from datapath.offload.budget_planner import modelled_peak
 
@@ -130,15 +130,10 @@ def test_budget_offloads_attention_end_to_end_and_holds() -> None:
     outputs, store room to offload them; gradients bit-identical, no attention forward in a planned backward, the
     store's room back after each step, the budget held."""
     lc = long_context(layers=4, steps=7)
-    model, batches, ref, params, keep, ckpt = lc.model, lc.batches, lc.ref, lc.params, lc.keep, lc.ckpt
+    model, batches, ckpt = lc.model, lc.batches, lc.ckpt
     out_bytes = 2048 * 64 * 4 + 4 * 2048 * 4  # a block's attention output (fp32) and log-sum-exp
     budget = int(ckpt + 3 * out_bytes)  # room to keep two or three blocks' outputs, or to have one in flight
-    host = int(0.25 * (keep - params))
-    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True,
-                        host_budget_bytes=host)
-    cache.attach(model)
-    got = run_steps(model, batches, lm_loss, ctx=cache)
-    assert_identical(ref, got)
+    cache, got = lc.train_under(budget, host_share=0.25)
     policy, plan = cache.policy, cache.plan
     assert plan is not None and plan.recompute == (0, 1, 2, 3)
     assert not set(plan.attention_saved) & set(plan.attention_offloaded), plan

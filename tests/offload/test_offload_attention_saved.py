@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from _offload_models import (
-    CountSdpa, assert_identical, hf_llama, lm_loss, long_context, run_steps,
+    CountSdpa, hf_llama, lm_loss, long_context,
 )
 from datapath.offload import (
-    AttentionCosts, BudgetProfile, SegmentCost, TensorCache, plan_budget, set_recompute,
+    AttentionCosts, BudgetProfile, SegmentCost, plan_budget, set_recompute,
 )
 from datapath.offload.budget_planner import modelled_peak
 
@@ -132,13 +132,9 @@ def test_budget_keeps_attention_with_a_store_too_small_and_holds() -> None:
     checkpointing's peak: the plan keeps attention outputs, the backward runs no attention forward,
     gradients stay bit-identical, and the budget holds."""
     lc = long_context(layers=4, steps=7)
-    model, batches, ref, params, keep, ckpt = lc.model, lc.batches, lc.ref, lc.params, lc.keep, lc.ckpt
+    model, batches, keep, ckpt = lc.model, lc.batches, lc.keep, lc.ckpt
     budget = int(ckpt + 0.5 * (keep - ckpt))
-    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True,
-                        host_budget_bytes=int(0.25 * (keep - params)))
-    cache.attach(model)
-    got = run_steps(model, batches, lm_loss, ctx=cache)
-    assert_identical(ref, got)
+    cache, got = lc.train_under(budget, host_share=0.25)
     policy = cache.policy
     plan = cache.plan
     assert policy.store_full and plan is not None and plan.recompute == (0, 1, 2, 3)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _offload_models import (
-    GPT, assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, layered_profile, lm_loss, long_context, run_steps,
+    GPT, assert_identical, cpu_hf_checkpoint_peak, cpu_keep_peak, layered_profile, long_context, run_steps,
 )
 from datapath.offload import (
     BudgetProfile, OffloadConfigError, SegmentCost, TensorCache, checkpoint_plan, offload, parse_memory_budget,
@@ -748,13 +748,9 @@ def test_a_long_sequence_trains_under_checkpointing_s_peak() -> None:
     longer sequence than checkpointing fits."""
     pytest.importorskip("transformers")
     lc = long_context(layers=6, steps=9)
-    model, batches, ref, params, keep, ckpt = lc.model, lc.batches, lc.ref, lc.params, lc.keep, lc.ckpt
+    params, ckpt = lc.params, lc.ckpt
     budget = int(params + 0.93 * (ckpt - params))
-    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True,
-                        host_budget_bytes=int(0.2 * (keep - params)))
-    cache.attach(model)
-    got = run_steps(model, batches, lm_loss, ctx=cache)
-    assert_identical(ref, got)
+    cache, _ = lc.train_under(budget, host_share=0.2)
     policy, plan = cache.policy, cache.plan
     assert policy.store_full and plan is not None and plan.recompute == tuple(range(6)) and plan.offload_bytes > 0
     assert ckpt > 1.05 * budget and max(policy.peaks[-2:]) <= 1.03 * budget, \
