@@ -66,7 +66,7 @@ from datapath.offload.budget_floor import Floor
 from datapath.offload.budget_planner import KEEP_ALL, BudgetPlan, BudgetProfile, modelled_peak
 from datapath.offload.budget_planning import LOOKAHEAD, BudgetPlanning
 from datapath.offload import budget_profile
-from datapath.offload.budget_profile import COMPILER_REDOS, compiled_during, record_peak
+from datapath.offload.budget_profile import ONE_OFF_REDOS, one_off_during, record_peak
 from datapath.offload.config import OffloadConfig
 from datapath.offload.errors import OffloadConfigError
 from datapath.offload.memory_meter import MemoryMeter
@@ -126,7 +126,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
         self._timing_peak: int | None = None    # ... its measured peak (its base: ``mem_base``)
         self.calibration = 0                    # bytes the profile was moved (up: the timing step; down: the floor)
         self._want_timing = False
-        self._compiler_redos = 0                # profiled steps run again because the compiler ran in them
+        self._one_off_redos = 0                 # profiled steps run again because one-off work ran in them
         self._pending_peak: int | None = None
         self._overshot = False
         self._relaxed = False
@@ -214,7 +214,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
             self._want_timing = bool(blocks) and modelled_peak(self.profile, blocks, 0) <= self.target
             if not self._want_timing:
                 self._memory = None
-                if self._compiled_during(rec):  # its times would time the plans: the next step is profiled again
+                if self._one_off_during(rec):  # its times would time the plans: the next step is profiled again
                     self._redo(rec)
                     return
                 self._replan()  # plan on the memory profile's own times
@@ -222,7 +222,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
         rec = self._timing
         if rec is not None and rec.backward_started and rec.bwd_done and self._memory is not None:
             self._timing = None
-            if self._compiled_during(rec):  # the next step is timed again
+            if self._one_off_during(rec):  # the next step is timed again
                 self._redo(rec)
                 return
             self._set_profile(self._memory, rec)
@@ -309,16 +309,18 @@ class BudgetPolicy(BudgetPlanning, Policy):
         for pending, plan, marks in agreeing:
             self._measured(int(pending.result()[0]), plan, marks)
 
-    def _compiled_during(self, rec: Record) -> bool:
-        """The compiler ran during the profiled step ``rec`` (its times hold compile time), and it may run again."""
-        return self._compiler_redos < COMPILER_REDOS and compiled_during(rec, self.ranks)
+    def _one_off_during(self, rec: Record) -> bool:
+        """One-off work (compiling, pinning host memory) ran during the profiled step ``rec`` (its times hold that
+        work's seconds), and the step may run again."""
+        return self._one_off_redos < ONE_OFF_REDOS and one_off_during(rec, self.ranks)
 
     def _redo(self, rec: Record) -> None:
-        """The profiled step ``rec`` is run again: its times hold compile time (the memory it measured would do)."""
-        self._compiler_redos += 1
+        """The profiled step ``rec`` is run again: its times hold one-off work's seconds (the memory it measured
+        would do)."""
+        self._one_off_redos += 1
         what = "timing" if rec.timing else "profiled"
-        log.info("memory budget: the compiler ran during the %s step (its times hold compile time); the next step "
-                 "is %s again", what, "timed" if rec.timing else what)
+        log.info("memory budget: the compiler ran or host memory was pinned during the %s step (its times hold that "
+                 "one-off work); the next step is %s again", what, "timed" if rec.timing else what)
 
     def _device_total(self) -> int:
         """The device's memory (the smallest of the ranks' where they agree)."""
@@ -396,7 +398,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
                 # profiled step, they would be taken off every interval measured after it (see the docstring)
                 self.bandwidth.probed(wait=PROBE_WAIT_S)
                 rec.mem_base = self.meter.allocated()
-                rec.compiler_work = budget_profile.compiler_work()
+                rec.one_off_work = budget_profile.one_off_work()
                 self._profiling = rec
             elif self._memory is not None and self._timing is None and self._want_timing and not self._waiting(rec):
                 # compute times without offloading's stalls, and each block's recompute cost: one step with
@@ -404,7 +406,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
                 rec.timing = True
                 rec.plan = KEEP_ALL
                 rec.mem_base = self.meter.allocated()
-                rec.compiler_work = budget_profile.compiler_work()
+                rec.one_off_work = budget_profile.one_off_work()
                 self._timing = rec
                 self._timing_peak = None
                 set_recompute(self.models.blocks, self._recomputable(self._memory))

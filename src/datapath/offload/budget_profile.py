@@ -5,10 +5,12 @@ storages in order, the tail); the times from the step with every block recompute
 offloaded, where one ran (each segment's forward compute time without the time it waited for stores,
 and the backward's ratio to the forward), else from the memory step itself.
 
-A step during which the compiler ran (``compile=True`` compiles the blocks in the first step, and
-AOTAutograd compiles a backward graph at its first backward) holds the compiler's seconds in its
-time marks: the GPU idles between two events while the host compiles.  `compiler_work` counts
-what the compiler did, so that such a step is profiled again (`BudgetPolicy`).
+A step in which the host did one-off work holds that work's seconds in its time marks: the GPU
+idles between two events while the host compiles (``compile=True`` compiles the blocks in the first
+step, and AOTAutograd compiles a backward graph at its first backward) or pins host memory (the
+offload store's pinned slabs grow during the first step that stores; cudaHostAlloc of a slab stalls
+the launches behind it for tens to hundreds of milliseconds).  `one_off_work` counts both, so that
+such a step is profiled again (`BudgetPolicy`).
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from typing import Any
 from datapath.offload.budget_planner import BudgetProfile, SegmentCost
 from datapath.offload.records import Clock, Record
 
-COMPILER_REDOS = 2
-"""Profiled steps run again at most this many times because the compiler ran in them (a model that compiles at
+ONE_OFF_REDOS = 2
+"""Profiled steps run again at most this many times because one-off work ran in them (a model that compiles at
 every step is planned on what its steps measure)."""
 
 
@@ -32,6 +34,27 @@ def compiler_work() -> int:
     inductor = counters.get("inductor", {})
     return int(counters.get("frames", {}).get("ok", 0) + counters.get("aot_autograd", {}).get("total", 0)
                + inductor.get("fxgraph_cache_miss", 0) + inductor.get("fxgraph_cache_hit", 0))
+
+
+def host_allocations() -> int:
+    """How many times PyTorch's pinned host allocator has grown its pool by a cudaHostAlloc in this process (0
+    without CUDA, or where this torch does not count them)."""
+    import torch  # noqa: PLC0415
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None:
+        return 0
+    try:
+        return int(stats().get("num_host_alloc", 0))
+    except RuntimeError:  # pragma: no cover - a build without the pinned allocator's statistics
+        return 0
+
+
+def one_off_work() -> int:
+    """`compiler_work` plus `host_allocations`: a step that changes it did work later steps do not do."""
+    return compiler_work() + host_allocations()
 
 
 def record_peak(rec: Record) -> int:
@@ -76,12 +99,13 @@ def profile_of(rec: Record, timing: Record | None, clock: Clock, bandwidth: tupl
                          backward_ratio=ratio, storage_inputs=list(rec.input_of))
 
 
-def compiled_during(rec: Record, ranks: Any = None) -> bool:
-    """Whether the compiler ran during the profiled step ``rec`` (from `Record.compiler_work`, set when it began)
-    on any rank of ``ranks`` (a `RankAgreement`; every rank asks at the same step)."""
-    if rec.compiler_work is None:
+def one_off_during(rec: Record, ranks: Any = None) -> bool:
+    """Whether one-off work (compiling, pinning host memory) ran during the profiled step ``rec`` (from
+    `Record.one_off_work`, set when it began) on any rank of ``ranks`` (a `RankAgreement`; every rank asks at the
+    same step)."""
+    if rec.one_off_work is None:
         return False
-    compiled = compiler_work() != rec.compiler_work
+    compiled = one_off_work() != rec.one_off_work
     if ranks is not None:
         compiled = bool(ranks.reduce_max([float(compiled)])[0])
     return compiled
