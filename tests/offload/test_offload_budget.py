@@ -784,7 +784,7 @@ def test_a_closed_budget_leaves_nothing_of_itself_on_the_model() -> None:
     assert_identical(ref, got)
 
 
-@pytest.mark.parametrize("fraction,compiling,redos", [(0.6, {0}, 1), (0.6, set(range(8)), 2), (0.8, {1}, 1),
+@pytest.mark.parametrize("fraction,compiling,redos", [(0.6, {0}, 1), (0.6, set(range(8)), 3), (0.8, {1}, 1),
                                                       (0.8, {0}, 0)],
                          ids=["memory-step", "every-step", "timing-step", "memory-step-then-timed"])
 def test_a_profiled_step_in_which_the_compiler_ran_is_run_again(fraction: float, compiling: set[int], redos: int,
@@ -793,7 +793,7 @@ def test_a_profiled_step_in_which_the_compiler_ran_is_run_again(fraction: float,
     """compile=True compiles in the first step, whose time marks then hold compile time (the GPU idles between
     two events while the host compiles): a profiled step whose times would time the plans
     (the memory step where no timing step follows; at 0.8 of keep's peak the timing step) is run again if the
-    compiler ran in it, at most twice (a model compiling at every step is planned on what its steps measure); a
+    compiler ran in it, at most three times (a model compiling at every step is planned on what its steps measure); a
     memory step followed by a timing step is not (its memory is all the plans take from it)."""
     import datapath.offload.budget_profile as budget_profile
 
@@ -828,6 +828,54 @@ def test_a_profiled_step_in_which_the_compiler_ran_is_run_again(fraction: float,
     assert_identical(ref, got)  # dropout on: the steps run again change no mask
     assert base is not None and later == base + redos, (base, later)
     assert sum("the compiler ran or host memory was pinned during the" in r.getMessage() for r in caplog.records) == redos
+
+
+def test_a_trial_step_in_which_the_compiler_ran_is_measured_again(monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A plan a trial measures may compile in its first step (a compiled block's other forward, the one keeping
+    its attention outputs): that step's time holds compile time, so it is not measured and the plan runs again;
+    the round ends one step later with the same plans, and the gradients do not change."""
+    import datapath.offload.budget_profile as budget_profile
+
+    torch.manual_seed(0)
+    model = GPT(vocab=64, h=64, heads=4, layers=3, dropout=0.1, tied=False)
+    batches = [torch.randint(0, 64, (4, 32)) for _ in range(10)]
+    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
+    budget = int(_keep_peak(model, batches[0]) * 0.6)
+
+    def run(compiles: set[int]) -> tuple[BudgetPolicy, list, int | None]:
+        work = {"graphs": 0, "step": -1}
+        closed: list[int] = []  # the step at whose start the first round had closed
+
+        def count_forward(module: nn.Module, args: object) -> None:  # after the policy's own step start
+            work["step"] += 1
+            work["graphs"] += work["step"] in compiles
+            if cache.policy.trials and not closed:
+                closed.append(work["step"])
+
+        monkeypatch.setattr(budget_profile, "compiler_work", lambda: work["graphs"])
+        m = copy.deepcopy(model)
+        cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
+        cache.attach(m)
+        hook = m.register_forward_pre_hook(count_forward)
+        got = run_steps(m, batches, _lm_loss, ctx=cache)
+        policy = cache.policy
+        cache.close()
+        hook.remove()
+        return policy, got, closed[0] if closed else None
+
+    base, got, closed = run(set())
+    assert_identical(ref, got)
+    rounds = base.trials
+    assert rounds and base.planned_at is not None and len(rounds[0]["plans"]) >= 2, rounds
+    trial = base.planned_at + 1  # the round opens after the plan's first step: the next runs the first trial plan
+    with caplog.at_level(logging.INFO, logger="datapath.offload.budget"):
+        again, got, closed_again = run({trial})
+    assert_identical(ref, got)
+    assert sum("during the measured step" in r.getMessage() for r in caplog.records) == 1
+    assert closed is not None and closed_again == closed + 1, (closed, closed_again)
+    shapes = [[(p["cut_segment"], p["recompute"]) for p in r["plans"]] for r in again.trials]
+    assert shapes == [[(p["cut_segment"], p["recompute"]) for p in r["plans"]] for r in rounds]
 
 
 def test_profiled_forward_times_leave_out_store_waits_only() -> None:

@@ -321,3 +321,33 @@ def test_compiled_blocks_refuse_an_attention_store() -> None:
     with pytest.raises(ValueError, match=r"blocks \[1\] are compiled.*attention_saved"):
         set_recompute(blocks, [0, 1], attention_offloaded=[1], attention_store=object())  # type: ignore[arg-type]
     uncompile_blocks(model)
+
+
+@pytest.mark.parametrize("compile_", [True, False], ids=["compiled", "eager"])
+def test_a_budget_tries_compiled_blocks_keeping_their_attention_with_everything_offloaded(compile_: bool) -> None:
+    """Where a plan recomputes compiled blocks, the budget's trial also measures that recomputation with those
+    blocks keeping their attention outputs (saved tensors of their compiled region) and every storage
+    offloaded; eager blocks are planned from their probes instead and get no such plan.  (On the CPU the
+    budget's memory meter keeps TorchDynamo from compiling: the blocks run their forwards eagerly, gradients
+    bit-identical to the eager model's; B6 measures the compiled plan on the GPU.)"""
+    from _offload_models import cpu_hf_checkpoint_peak  # noqa: PLC0415
+
+    model = _llama_without_dropout(4)
+    batches = [torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(5)) for _ in range(10)]
+    ref = run_steps(copy.deepcopy(model), batches, _loss)
+    budget = int(1.6 * cpu_hf_checkpoint_peak(model, _loss, batches[0]))
+    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True, compile=compile_)
+    cache.attach(model)
+    got = run_steps(model, batches, _loss, ctx=cache)
+    assert_identical(ref, got)
+    tried = [p for r in cache.policy.trials for p in r["plans"]]
+    keeping = [p for p in tried if p["attention_saved"]]
+    cache.close()
+    if not compile_:  # (its probes may have it keep some attention outputs, but never the plan that stores all)
+        assert all(p["cut_segment"] < max(q["cut_segment"] for q in tried) for p in keeping), tried
+        return
+    assert keeping, tried
+    segments = max(p["cut_segment"] for p in tried)
+    for p in keeping:  # every recomputed (compiled) block keeps its attention outputs, and everything is offloaded
+        assert p["attention_saved"] == p["recompute"] and p["cut_segment"] == segments and p["cut_bytes"] == 0, p
+        assert p["peak"] <= 1.03 * budget, (p["peak"], budget)

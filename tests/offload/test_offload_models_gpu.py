@@ -241,3 +241,31 @@ def test_regionally_compiled_model_under_a_budget(family: str) -> None:
     assert pol.peaks and pol.peaks[-1] <= 1.03 * budget, (pol.peaks, budget)
     # (the plan may keep everything: with the hooks outside the compiled regions the compiled blocks can fit the
     # budget as they are; B4 shows plans that offload and recompute compiled blocks, gradients identical)
+
+
+def test_compiled_llama_under_a_budget_tries_keeping_attention_in_its_compiled_regions() -> None:
+    """compile=True under a budget where plans recompute compiled blocks: the trial also runs them keeping their
+    attention outputs inside their compiled regions, everything offloaded; every plan's gradients stay
+    bit-identical to the same compiled blocks without offloading, and the kept plan holds the budget."""
+    model, _ = _family_run("llama", "sdpa", False)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    batches = [torch.randint(0, 512, (4, 256), device="cuda", generator=g) for _ in range(14)]
+    release()
+    ref_model = copy.deepcopy(model)
+    compile_blocks(ref_model)
+    compiled_peaks: list[int] = []
+    ref = train(ref_model, batches, peaks=compiled_peaks)
+    del ref_model
+    all_peaks: list[int] = []
+    run_cache(model, batches[:3], "host", min_bytes=1 << 16, compile=True, peaks=all_peaks)
+    floor, peak = max(all_peaks[1:]), max(compiled_peaks[1:])
+    budget = int(floor + 0.2 * (peak - floor))
+    got, cache = run_cache(model, batches, "host", memory_budget=budget, min_bytes=1 << 16, compile=True)
+    assert_same(ref, got)
+    tried = [p for r in cache.policy.trials for p in r["plans"]]
+    if not any(p["recompute"] for p in tried):
+        pytest.skip(f"no plan recomputed a block at {budget} bytes: {tried}")
+    keeping = [p for p in tried if p["attention_saved"]]
+    assert keeping, tried
+    assert all(p["attention_saved"] == p["recompute"] and p["peak"] <= 1.03 * budget for p in keeping), keeping
+    assert cache.policy.peaks[-1] <= 1.03 * budget, (cache.policy.peaks, budget)

@@ -137,6 +137,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
         self._error: OffloadConfigError | None = None
         self._trials = PlanTrials(clock)
         self._last_run: Run | None = None
+        self._remeasure = False                 # the last measured step did one-off work: the next runs its plan
         self.room = StoreRoom(room)  # a store too small for the profiled step's activations
         self.profile_peaks: list[int] = []  # the measured peak of each profiled step (memory profiles)
         self.attention = AttentionCosts()   # profiled steps' recomputed blocks: their attention's bytes and time
@@ -233,6 +234,9 @@ class BudgetPolicy(BudgetPlanning, Policy):
         if peak is None:
             return
         if self._trials.open:
+            if self._remeasure:  # the step is run again with the same plan
+                self._remeasure = False
+                return
             self._round_step()
             return
         self._feedback(peak)
@@ -283,6 +287,12 @@ class BudgetPolicy(BudgetPlanning, Policy):
             if rec.t0 is not None:
                 rec.t_end = self.clock.mark()
                 marks = (rec.t0, rec.t_end)
+                # a trial's step that compiled (a plan's first run of a block's other compiled forward) or
+                # pinned holds that work's seconds: not measured, its plan runs again
+                self._remeasure = self._one_off_during(rec)
+                if self._remeasure:
+                    self._redo(rec)
+                    marks = None
             if self.ranks is not None:  # read when the next forward begins (`_settle`)
                 self._agreeing.append((self.ranks.launch_max([float(peak)]), rec.plan, marks))
             else:
@@ -318,7 +328,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
         """The profiled step ``rec`` is run again: its times hold one-off work's seconds (the memory it measured
         would do)."""
         self._one_off_redos += 1
-        what = "timing" if rec.timing else "profiled"
+        what = "timing" if rec.timing else "profiled" if rec.profiling else "measured"
         log.info("memory budget: the compiler ran or host memory was pinned during the %s step (its times hold that "
                  "one-off work); the next step is %s again", what, "timed" if rec.timing else what)
 
@@ -388,6 +398,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
             rec.quiet_from = self.plan.cut_segment + (1 if self.plan.cut_bytes else 0)
         if self.plan is not None and (self._trials.due or self._trials.open or (self.floor.at and not self.floor.tried)):
             rec.t0 = self.clock.mark()  # a step a trial measures
+            rec.one_off_work = budget_profile.one_off_work()  # (measured again if it compiles or pins)
         if self.plan is None:
             self.attention.attach(self.models.blocks, skip=is_compiled)  # a profiled step: what keeping attention
             # would cost (compiled blocks are the compiler's)

@@ -434,6 +434,25 @@ def plan_budget(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
                       attention_offloaded=tuple(sorted(moved)))
 
 
+def offload_all_plan(profile: BudgetProfile, plan: BudgetPlan, attention_saved: tuple[int, ...],
+                     attention_bytes: int) -> BudgetPlan:
+    """``plan``'s recomputation with every storage offloaded, and the blocks ``attention_saved`` keeping their
+    attention outputs as saved tensors of their own (compiled blocks: `datapath.offload.regional_compile`), which
+    go to the store too; ``attention_bytes``: what those outputs are estimated to take in all.
+
+    Its modelled peak is the model's with every eligible storage offloaded, plus one block's attention outputs
+    in flight; its time is not modelled (``plan``'s is kept): a trial measures it (`datapath.offload.plan_trials`).
+    """
+    rec = set(plan.recompute)
+    model = _Model(profile)
+    peak = model.peak(_kept(model, rec, _eligible(profile, rec))[0])
+    if attention_saved:
+        peak += attention_bytes // len(attention_saved)
+    stored = sum(nb for _, nb in profile.storages) + attention_bytes
+    return BudgetPlan(len(profile.segments), 0, plan.recompute, stored, int(peak), plan.predicted_time,
+                      plan.budget, min_peak=plan.min_peak, attention_saved=tuple(sorted(attention_saved)))
+
+
 def checkpoint_plan(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
                     recomputed: tuple[int, ...] | list[int] = ()) -> BudgetPlan:
     """Checkpointing's plan: every block recomputed, the fewest storages outside them offloaded that fit

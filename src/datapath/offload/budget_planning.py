@@ -14,17 +14,18 @@ import logging
 import time
 
 from datapath.offload.budget_planner import (
-    BudgetPlan, BudgetProfile, checkpoint_plan, modelled_peak, plan_budget, shifted)
+    BudgetPlan, BudgetProfile, checkpoint_plan, modelled_peak, offload_all_plan, plan_budget, shifted)
 from datapath.offload.budget_profile import profile_of
 from datapath.offload.plan_trials import MAX_TRIAL_ROUNDS, TRIAL_COSTS
 from datapath.offload.plan_trials import gb as _gb
 from datapath.offload.plan_trials import plan_shape as _shape
-from datapath.offload.recompute import already_recomputed, set_recompute
+from datapath.offload.recompute import COMPILED_SAVING_ATTENTION, already_recomputed, set_recompute
 from datapath.offload.records import Record
 
 log = logging.getLogger("datapath.offload.budget")  # one logger for the policy and its planning
 
 LOOKAHEAD = 4        # forward segments whose working set a pack's admission leaves room for
+STORE_SHARE = 0.9    # the share of the store's room a plan offloading everything may fill
 
 
 class BudgetPlanning:
@@ -51,7 +52,28 @@ class BudgetPlanning:
         # a plan recomputing every block may still offload attention outputs: the probe measured what their
         # recomputation costs, not what their copies take from the step (kept on the device, they take nothing)
         differs = ckpt.recompute != self.plan.recompute or bool(self.plan.attention_offloaded)
-        return plans + ([ckpt] if differs else [])
+        plans += [ckpt] if differs else []
+        compiled = [self._compiled_attention_plan(p) for p in (self.plan, ckpt)]
+        return plans + [p for p in compiled if p is not None]
+
+    def _compiled_attention_plan(self, base: BudgetPlan) -> BudgetPlan | None:
+        """Where ``base`` recomputes compiled blocks: its recomputation with those blocks keeping their attention
+        outputs (saved tensors of their compiled region: the attention forward is not run again in the backward)
+        and every storage offloaded, if the store has room for it all and the model has it under the target.
+        The probe cannot see into a compiled region: each block's attention outputs are taken to be its input's
+        size (a decoder's attention output has the hidden size), with a tenth more."""
+        assert self.profile is not None
+        blocks = self.models.blocks
+        compiled = tuple(b for b in base.recompute
+                         if b < len(blocks) and COMPILED_SAVING_ATTENTION in blocks[b].__dict__)
+        inputs = self.profile.block_inputs
+        if not compiled or set(compiled) <= set(base.attention_saved) or not all(b in inputs for b in compiled):
+            return None
+        attention = sum(inputs[b] for b in compiled) * 11 // 10
+        plan = offload_all_plan(self.profile, base, compiled, attention)
+        if plan.offload_bytes > STORE_SHARE * self._attention_room() or plan.predicted_peak > self.target:
+            return None
+        return plan
 
     def _keeping_plan(self) -> BudgetPlan | None:
         """Where a step that stored overshot (``keep_target`` above ``target``): the plan storing the fewest bytes

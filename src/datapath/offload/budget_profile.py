@@ -19,9 +19,9 @@ from typing import Any
 from datapath.offload.budget_planner import BudgetProfile, SegmentCost
 from datapath.offload.records import Clock, Record
 
-ONE_OFF_REDOS = 2
-"""Profiled steps run again at most this many times because one-off work ran in them (a model that compiles at
-every step is planned on what its steps measure)."""
+ONE_OFF_REDOS = 3
+"""Profiled or measured steps run again at most this many times because one-off work ran in them (a model that
+compiles at every step is planned on what its steps measure)."""
 
 
 def compiler_work() -> int:
