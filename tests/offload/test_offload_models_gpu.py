@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from datapath.offload import OffloadConfigError, TensorCache, compile_blocks
+from datapath.offload import OffloadConfigError, TensorCache, compile_blocks, set_recompute
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -51,9 +51,10 @@ def set_hf_checkpointing(model: torch.nn.Module, on: bool) -> None:
 
 
 def train(model: torch.nn.Module, batches: list[torch.Tensor], ctx: Any = None,
-          opt: torch.optim.Optimizer | None = None, peaks: list[int] | None = None) -> list[Any]:
-    """AdamW steps under bf16 autocast (deterministic attention); per step the loss and every gradient
-    (copied to the host: the harness holds no device memory that grows from step to step)."""
+          opt: torch.optim.Optimizer | None = None, peaks: list[int] | None = None,
+          backend: SDPBackend = SDPBackend.MATH) -> list[Any]:
+    """AdamW steps under bf16 autocast (deterministic attention by default: ``backend``); per step the loss and
+    every gradient (copied to the host: the harness holds no device memory that grows from step to step)."""
     opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-3)
     out = []
     for i, ids in enumerate(batches):
@@ -62,7 +63,7 @@ def train(model: torch.nn.Module, batches: list[torch.Tensor], ctx: Any = None,
         if peaks is not None:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        with sdpa_kernel(SDPBackend.MATH), torch.autocast("cuda", dtype=torch.bfloat16):
+        with sdpa_kernel(backend), torch.autocast("cuda", dtype=torch.bfloat16):
             with ctx if ctx is not None else contextlib.nullcontext():
                 loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
@@ -111,14 +112,14 @@ def keep_peak(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, int]:
 
 
 def run_cache(model: torch.nn.Module, batches: list[torch.Tensor], *args: Any, peaks: list[int] | None = None,
-              **kw: Any) -> tuple[list[Any], Any]:
+              backend: SDPBackend = SDPBackend.MATH, **kw: Any) -> tuple[list[Any], Any]:
     """Train a copy of ``model`` under a new TensorCache; (losses and gradients, the closed cache)."""
     release()
     m = copy.deepcopy(model)
     cache = TensorCache(*args, **kw)
     try:
         cache.attach(m)
-        got = train(m, batches, ctx=cache, peaks=peaks)
+        got = train(m, batches, ctx=cache, peaks=peaks, backend=backend)
         cache.wait_io()
         assert cache.files() == []
     finally:
@@ -210,7 +211,8 @@ def test_compiled_llama_under_a_budget() -> None:
         got = train(torch.compile(model), batches, ctx=cache)
         pol = cache.policy
         assert pol.peaks and pol.peaks[-1] <= 1.03 * budget, (pol.peaks, budget)
-        assert pol.planned_at is not None and pol.planned_at <= PLANNED_BY, pol.planned_at
+        # a step in which the compiler ran is profiled again (its times hold compile time): one step later
+        assert pol.planned_at is not None and pol.planned_at <= PLANNED_BY + 1, pol.planned_at
     finally:
         cache.close(raise_errors=False)
     for (l0, _), (l1, _) in zip(ref, got):
@@ -235,37 +237,50 @@ def test_regionally_compiled_model_under_a_budget(family: str) -> None:
     assert floor < peak, (floor, peak)
     budget = int(floor + 0.5 * (peak - floor))
     got, cache = run_cache(model, batches, "host", memory_budget=budget, min_bytes=1 << 16, compile=True)
-    assert_same(ref, got)
     pol = cache.policy
-    assert pol.planned_at is not None and pol.planned_at <= PLANNED_BY, pol.planned_at
+    if any(p["attention_saved"] for r in pol.trials for p in r["plans"]):
+        assert_compiled_close(ref, got)  # a plan ran blocks keeping their attention: another compiled graph
+    else:
+        assert_same(ref, got)
+    assert pol.planned_at is not None and pol.planned_at <= PLANNED_BY + 1, pol.planned_at
     assert pol.peaks and pol.peaks[-1] <= 1.03 * budget, (pol.peaks, budget)
     # (the plan may keep everything: with the hooks outside the compiled regions the compiled blocks can fit the
     # budget as they are; B4 shows plans that offload and recompute compiled blocks, gradients identical)
 
 
+def assert_compiled_close(ref: list[Any], got: list[Any]) -> None:
+    """Losses and gradients of two differently compiled graphs of one computation: Inductor fuses a block
+    compiled with its checkpoint inside otherwise than the plain block, so they agree to rounding, not bitwise."""
+    assert len(ref) == len(got)
+    for step, ((l0, g0), (l1, g1)) in enumerate(zip(ref, got)):
+        assert torch.allclose(l0.float(), l1.float(), rtol=1e-4), f"step {step}: loss {l0.item()} != {l1.item()}"
+        for a, b in zip(g0, g1, strict=True):
+            scale = a.float().abs().max().clamp_min(1e-12)
+            assert (a.float() - b.float()).abs().max() / scale < 2e-2, f"step {step}: gradients differ"
+
+
 def test_compiled_llama_under_a_budget_tries_keeping_attention_in_its_compiled_regions() -> None:
-    """compile=True under a budget where plans recompute compiled blocks: the trial also runs them keeping their
-    attention outputs inside their compiled regions, everything offloaded; every plan's gradients stay
-    bit-identical to the same compiled blocks without offloading, and the kept plan holds the budget."""
+    """compile=True with the budget at compiled checkpointing's peak (every block recomputed): the trial also runs
+    the blocks keeping their attention outputs inside their compiled regions, everything offloaded, under the
+    budget; the gradients agree with the same compiled blocks without offloading (to rounding: another graph)."""
     model, _ = _family_run("llama", "sdpa", False)
     g = torch.Generator(device="cuda").manual_seed(2)
-    batches = [torch.randint(0, 512, (4, 256), device="cuda", generator=g) for _ in range(14)]
+    batches = [torch.randint(0, 512, (4, 256), device="cuda", generator=g) for _ in range(12)]
     release()
     ref_model = copy.deepcopy(model)
     compile_blocks(ref_model)
-    compiled_peaks: list[int] = []
-    ref = train(ref_model, batches, peaks=compiled_peaks)
+    flash = SDPBackend.FLASH_ATTENTION  # a fused attention op, whose outputs a block can keep
+    ref = train(ref_model, batches, backend=flash)
+    set_recompute(list(ref_model.model.layers), range(len(ref_model.model.layers)))
+    ckpt_peaks: list[int] = []
+    train(ref_model, batches[:3], peaks=ckpt_peaks, backend=flash)  # compiled checkpointing's peak
     del ref_model
-    all_peaks: list[int] = []
-    run_cache(model, batches[:3], "host", min_bytes=1 << 16, compile=True, peaks=all_peaks)
-    floor, peak = max(all_peaks[1:]), max(compiled_peaks[1:])
-    budget = int(floor + 0.2 * (peak - floor))
-    got, cache = run_cache(model, batches, "host", memory_budget=budget, min_bytes=1 << 16, compile=True)
-    assert_same(ref, got)
+    budget = int(1.02 * max(ckpt_peaks[1:]))
+    got, cache = run_cache(model, batches, "host", memory_budget=budget, min_bytes=1 << 16, compile=True,
+                           backend=flash)
     tried = [p for r in cache.policy.trials for p in r["plans"]]
-    if not any(p["recompute"] for p in tried):
-        pytest.skip(f"no plan recomputed a block at {budget} bytes: {tried}")
     keeping = [p for p in tried if p["attention_saved"]]
     assert keeping, tried
     assert all(p["attention_saved"] == p["recompute"] and p["peak"] <= 1.03 * budget for p in keeping), keeping
     assert cache.policy.peaks[-1] <= 1.03 * budget, (cache.policy.peaks, budget)
+    assert_compiled_close(ref, got)

@@ -55,8 +55,19 @@ def _check_size(nbytes: int, what: str) -> None:
         )
 
 
+_pinned_large = 0  # pinned allocations of _SMALL_PIN_BYTES or more made so far (`large_pins`)
+
+
+def large_pins() -> int:
+    """How many pinned allocations of 1 MiB or more `pinned_empty` has made in this process: each may have been a
+    cudaHostAlloc, which stalls the launches of every thread behind it (a profiled step that made one is measured
+    again: `datapath.offload.budget_profile.one_off_work`)."""
+    return _pinned_large
+
+
 def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised host tensor of ``shape``/``dtype``, pinned and GPU-mapped when CUDA is present."""
+    global _pinned_large
     numel = 1
     for s in shape:
         numel *= int(s)
@@ -64,6 +75,8 @@ def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
     if not torch.cuda.is_available():
         return torch.empty(tuple(shape), dtype=dtype)
     _check_size(nbytes, "pinned allocation")
+    if nbytes >= _SMALL_PIN_BYTES:
+        _pinned_large += 1
     try:
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
     except RuntimeError as exc:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from datapath._runtime.pinned import large_pins
 from datapath.offload.budget_planner import BudgetProfile, SegmentCost
 from datapath.offload.records import Clock, Record
 
@@ -36,25 +37,10 @@ def compiler_work() -> int:
                + inductor.get("fxgraph_cache_miss", 0) + inductor.get("fxgraph_cache_hit", 0))
 
 
-def host_allocations() -> int:
-    """How many times PyTorch's pinned host allocator has grown its pool by a cudaHostAlloc in this process (0
-    without CUDA, or where this torch does not count them)."""
-    import torch  # noqa: PLC0415
-
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return 0
-    stats = getattr(torch.cuda, "host_memory_stats", None)
-    if stats is None:
-        return 0
-    try:
-        return int(stats().get("num_host_alloc", 0))
-    except RuntimeError:  # pragma: no cover - a build without the pinned allocator's statistics
-        return 0
-
-
 def one_off_work() -> int:
-    """`compiler_work` plus `host_allocations`: a step that changes it did work later steps do not do."""
-    return compiler_work() + host_allocations()
+    """`compiler_work` plus the large pinned allocations made so far (`datapath._runtime.pinned.large_pins`): a step
+    that changes it did work later steps do not do."""
+    return compiler_work() + large_pins()
 
 
 def record_peak(rec: Record) -> int:
