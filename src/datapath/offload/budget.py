@@ -71,7 +71,7 @@ from datapath.offload.config import OffloadConfig
 from datapath.offload.errors import OffloadConfigError
 from datapath.offload.memory_meter import MemoryMeter
 from datapath.offload.models import AttachedModels
-from datapath.offload.plan_trials import PlanTrials, Run
+from datapath.offload.plan_trials import PlanTrials, Run, plan_shape
 from datapath.offload.plan_trials import gb as _gb
 from datapath.offload.policy import Backpressure, Policy, derived_bound
 from datapath.offload.rank_agreement import Pending, RankAgreement
@@ -116,6 +116,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
         self.profile: BudgetProfile | None = None
         self.last_peak: int | None = None
         self.peaks: list[int] = []
+        self.plans_run: dict[tuple, BudgetPlan] = {}  # every plan a step ran, by what it does (`plan_shape`)
         self.replans = 0
         self.planning_s = 0.0                   # host seconds spent in the planner (every plan made so far)
         self.planned_at: int | None = None      # the index of the first step that ran planned
@@ -282,6 +283,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
             if self.planned_at is None:
                 self.planned_at = self._records - 1
             self.last_peak = peak  # this rank's (``peaks``); decisions read the ranks' largest (`_measured`)
+            self.plans_run.setdefault(plan_shape(rec.plan), rec.plan)
             self.peaks.append(peak)
             marks = None
             if rec.t0 is not None:
