@@ -440,12 +440,13 @@ def offload_all_plan(profile: BudgetProfile, plan: BudgetPlan, attention_saved: 
     attention outputs as saved tensors of their own (compiled blocks: `datapath.offload.regional_compile`), which
     go to the store too; ``attention_bytes``: what those outputs are estimated to take in all.
 
-    Its modelled peak is the model's with every eligible storage offloaded, plus one block's attention outputs
-    in flight; its time is not modelled (``plan``'s is kept): a trial measures it (`datapath.offload.plan_trials`).
+    Its modelled peak is the lower of the model's with every eligible storage offloaded and ``plan``'s (offloading
+    more only takes memory away), plus one block's attention outputs in flight; its time is not modelled
+    (``plan``'s is kept): a trial measures it (`datapath.offload.plan_trials`).
     """
     rec = set(plan.recompute)
     model = _Model(profile)
-    peak = model.peak(_kept(model, rec, _eligible(profile, rec))[0])
+    peak = min(model.peak(_kept(model, rec, _eligible(profile, rec))[0]), plan.predicted_peak)
     if attention_saved:
         peak += attention_bytes // len(attention_saved)
     stored = sum(nb for _, nb in profile.storages) + attention_bytes

@@ -67,7 +67,8 @@ class BudgetPlanning:
         compiled = tuple(b for b in base.recompute
                          if b < len(blocks) and COMPILED_SAVING_ATTENTION in blocks[b].__dict__)
         inputs = self.profile.block_inputs
-        if not compiled or set(compiled) <= set(base.attention_saved) or not all(b in inputs for b in compiled):
+        if base.infeasible or not compiled or set(compiled) <= set(base.attention_saved) \
+                or not all(b in inputs for b in compiled):
             return None
         attention = sum(inputs[b] for b in compiled) * 11 // 10
         plan = offload_all_plan(self.profile, base, compiled, attention)
