@@ -85,13 +85,15 @@ def attention_saved_contexts() -> tuple[Any, Any]:
 
 
 def _compiled_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    save = op in SDPA_OPS and not draws_random(op, args, kwargs)
-    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
+    seeded = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+    return CheckpointPolicy.MUST_SAVE if op in SDPA_OPS or seeded else CheckpointPolicy.MUST_RECOMPUTE
 
 
 def compiled_attention_saved_contexts() -> tuple[Any, Any]:
     """`attention_saved_contexts` for a checkpoint inside a compiled region: there ``PREFER_RECOMPUTE`` leaves the
-    compiler's partitioner free to save what it likes, so every other op is ``MUST_RECOMPUTE``."""
+    compiler's partitioner free to save what it likes, so every other op is ``MUST_RECOMPUTE``, except the ops that
+    draw from the RNG (dropout, an attention op with dropout): inside a compiled region a recomputed draw is not
+    the forward's (on the GPU, Inductor's generator moves on), so their outputs are saved and never drawn again."""
     return create_selective_checkpoint_contexts(_compiled_policy)
 
 
