@@ -20,6 +20,7 @@ from datapath.offload.plan_trials import MAX_TRIAL_ROUNDS, TRIAL_COSTS
 from datapath.offload.plan_trials import gb as _gb
 from datapath.offload.plan_trials import plan_shape as _shape
 from datapath.offload.recompute import COMPILED_SAVING_ATTENTION, already_recomputed, set_recompute
+from datapath.offload.regional_compile import draws_dropout
 from datapath.offload.records import Record
 
 log = logging.getLogger("datapath.offload.budget")  # one logger for the policy and its planning
@@ -60,12 +61,14 @@ class BudgetPlanning:
         """Where ``base`` recomputes compiled blocks: its recomputation with those blocks keeping their attention
         outputs (saved tensors of their compiled region: the attention forward is not run again in the backward)
         and every storage offloaded, if the store has room for it all and the model has it under the target.
+        Blocks with dropout are left out: the other compiled graph would draw other masks than the compiled block
+        (`datapath.offload.regional_compile`).
         The probe cannot see into a compiled region: each block's attention outputs are taken to be its input's
         size (a decoder's attention output has the hidden size), with a tenth more."""
         assert self.profile is not None
         blocks = self.models.blocks
-        compiled = tuple(b for b in base.recompute
-                         if b < len(blocks) and COMPILED_SAVING_ATTENTION in blocks[b].__dict__)
+        compiled = tuple(b for b in base.recompute if b < len(blocks)
+                         and COMPILED_SAVING_ATTENTION in blocks[b].__dict__ and not draws_dropout(blocks[b]))
         inputs = self.profile.block_inputs
         if base.infeasible or not compiled or set(compiled) <= set(base.attention_saved) \
                 or not all(b in inputs for b in compiled):

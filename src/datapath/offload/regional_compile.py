@@ -25,7 +25,10 @@ compiled graph still saves, and its choices per block compose with the compiler'
   around a compiled region would run it eagerly).  The compiler's partitioner then saves the
   block's inputs and its attention ops' outputs and recomputes everything else in the
   compiled backward; those saved tensors reach the saved-tensor hooks like any other, so the
-  offload store may take them.
+  offload store may take them.  Ops that draw from the RNG are saved too, never drawn again,
+  so the backward matches the forward that ran; but this is another compiled graph, whose
+  draws are not the plain block's: with dropout on, its masks differ from the compiled model's.
+  The budget planner therefore offers it only for blocks without dropout (`draws_dropout`).
 
 Hooks on modules inside a block would break the compiled graph, so a compiled model's
 units are its blocks (``units="blocks"``), and the selective recompute of cheap
@@ -90,6 +93,26 @@ def _saving_attention(forward: Any) -> Any:
                               context_fn=compiled_attention_saved_contexts, **kwargs)
         out = _saving[forward] = saving
     return out
+
+
+_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "attn_pdrop")
+"""Float attributes by which attention modules hold their dropout probability (Hugging Face's attention classes,
+`torch.nn.MultiheadAttention`)."""
+
+
+def draws_dropout(block: nn.Module) -> bool:
+    """Whether ``block`` in training mode applies dropout: an ``nn.Dropout`` of p > 0 inside it, or a module holding
+    a dropout probability > 0 as a float attribute (an attention module passing it to its attention op)."""
+    if not block.training:
+        return False
+    for m in block.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        for name in _DROPOUT_ATTRIBUTES:
+            v = m.__dict__.get(name)
+            if isinstance(v, float) and v > 0:
+                return True
+    return False
 
 
 def is_compiled(block: nn.Module) -> bool:
