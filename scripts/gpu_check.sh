@@ -18,6 +18,8 @@
 #             B4_TIMEOUT=575 B4_ARGS="--models llama,gpt2 --steps 7 --warmup 2 --time-budget 265" (390 s) and
 #             B4_TIMEOUT=420 B4_ARGS="--models gpt-h8192 --steps 5 --warmup 2 --time-budget 330 --datapath-compile both"
 #             (250 s): eager and compiled datapath, the faster counts)
+#   b6-lora88k B6 LoRA on the Llama-3-8B shape at 88K (checkpointing's longest on an 80 GB H100): checkpointing
+#             against memory_budget 82.9 GB with compile=True     benchmarks/offload_scale.py (~7 min; one call)
 #   rok       ROK curve                          benchmarks/rok.py                           (~2.5 min)
 #   fuzz      differential kernel fuzz           benchmarks/kernel_fuzz.py: 10,000 cases, then 520 under
 #             compute-sanitizer memcheck and 48 under racecheck (~4.5 min; FUZZ_ARGS / T_FUZZ override); then
@@ -120,6 +122,10 @@ for s in "${suites[@]}"; do
         --name "$name" --disk-dir "$PWD/bench-disk" ;;
     b3) bench 260 aggregate --repeat 5; bench 120 full_graph ;;
     b4) bench "${B4_TIMEOUT:-560}" offload ${B4_ARGS:---time-budget 170} ;;
+    b6-lora88k) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench 585 offload_scale --methods \
+          checkpoint,datapath-budget --seqs 90112 --timed 90112 --check-seq 0 --datapath-budgets device \
+          --datapath-compile --log-plans --steps 1 --warmup 1 --budget-warmup 6 --compile-cost 100 --time-budget 575 \
+          --name offload_scale_88k_budget_attn ;;
     rok) bench 160 rok ;;
     fuzz) bench "${T_FUZZ:-590}" kernel_fuzz ${FUZZ_ARGS:-}
       # activation offloading on random models and configurations, on the GPU: bit-identical gradients
