@@ -322,13 +322,13 @@ class BudgetPolicy(BudgetPlanning, Policy):
             self._measured(int(pending.result()[0]), plan, marks)
 
     def _one_off_during(self, rec: Record) -> bool:
-        """One-off work (compiling, pinning host memory) ran during the profiled step ``rec`` (its times hold that
-        work's seconds), and the step may run again."""
+        """One-off work (compiling, pinning host memory) ran during the profiled or measured step ``rec`` (its
+        times hold that work's seconds), and the step may run again."""
         return self._one_off_redos < ONE_OFF_REDOS and one_off_during(rec, self.ranks)
 
     def _redo(self, rec: Record) -> None:
-        """The profiled step ``rec`` is run again: its times hold one-off work's seconds (the memory it measured
-        would do)."""
+        """The step ``rec`` (profiled, timing, or a trial's) is run again: its times hold one-off work's seconds
+        (the memory it measured would do)."""
         self._one_off_redos += 1
         what = "timing" if rec.timing else "profiled" if rec.profiling else "measured"
         log.info("memory budget: the compiler ran or host memory was pinned during the %s step (its times hold that "

@@ -86,12 +86,12 @@ def profile_of(rec: Record, timing: Record | None, clock: Clock, bandwidth: tupl
 
 
 def one_off_during(rec: Record, ranks: Any = None) -> bool:
-    """Whether one-off work (compiling, pinning host memory) ran during the profiled step ``rec`` (from
+    """Whether one-off work (compiling, pinning host memory) ran during the profiled or measured step ``rec`` (from
     `Record.one_off_work`, set when it began) on any rank of ``ranks`` (a `RankAgreement`; every rank asks at the
     same step)."""
     if rec.one_off_work is None:
         return False
-    compiled = one_off_work() != rec.one_off_work
+    done = one_off_work() != rec.one_off_work
     if ranks is not None:
-        compiled = bool(ranks.reduce_max([float(compiled)])[0])
-    return compiled
+        done = bool(ranks.reduce_max([float(done)])[0])
+    return done

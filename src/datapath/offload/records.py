@@ -54,7 +54,7 @@ class Record:
         self.rid = rid
         self.profiling = profiling       # memory laps and time marks at every boundary
         self.timing = False              # time marks only (the budget's compute-time profile)
-        self.one_off_work: int | None = None  # profiling / timing: `one_off_work()` when the step began
+        self.one_off_work: int | None = None  # profiled, timing, trial steps: `one_off_work()` when it began
         self.microbatch = microbatch
         self.expected_units = expected_units
         self.cutoff: int | None = None   # adaptive plan: offload the first ``cutoff`` storages
