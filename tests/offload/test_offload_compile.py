@@ -370,3 +370,14 @@ def test_dropout_is_found_in_the_blocks_people_train() -> None:
         assert draws_dropout(transformers.GPT2LMHeadModel(cfg).train().transformer.h[0]) == (p > 0)
     assert draws_dropout(nn.TransformerEncoderLayer(64, 4, dropout=0.1))
     assert not draws_dropout(nn.TransformerEncoderLayer(64, 4, dropout=0.0))
+
+
+def test_lora_dropout_is_dropout() -> None:
+    """peft's LoRA adapters draw their own dropout inside the attention's projections (``lora_dropout``)."""
+    from datapath.offload.regional_compile import draws_dropout  # noqa: PLC0415
+
+    peft = pytest.importorskip("peft")  # not in the test extras: runs where it is installed
+    for p in (0.0, 0.05):
+        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=p, target_modules=["q_proj", "v_proj"])
+        model = peft.get_peft_model(_llama_without_dropout(1), lora).train()
+        assert draws_dropout(model.base_model.model.model.layers[0]) == (p > 0)
