@@ -381,3 +381,52 @@ def test_lora_dropout_is_dropout() -> None:
         lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=p, target_modules=["q_proj", "v_proj"])
         model = peft.get_peft_model(_llama_without_dropout(1), lora).train()
         assert draws_dropout(model.base_model.model.model.layers[0]) == (p > 0)
+
+
+class _DropoutBlock(nn.Module):
+    """Attention (what a keeping block saves) and a dropout whose mask the gradient of ``w`` shows: for
+    ``y = dropout(h) * w`` and a loss ``sum(y * g)``, ``w.grad == sum(g * y / w)`` exactly when the backward used
+    the forward's mask."""
+
+    def __init__(self, width: int = 32, heads: int = 4, p: float = 0.3) -> None:
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.qkv = nn.Linear(width, 3 * width)
+        self.o = nn.Linear(width, width)
+        self.w = nn.Parameter(1.0 + 0.1 * torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = x + self.o(a.transpose(1, 2).reshape(b, s, w))
+        return torch.nn.functional.dropout(h, self.p, self.training) * self.w
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_blocks_keeping_attention_backpropagate_their_own_dropout_masks(device: str) -> None:
+    """A compiled block recomputed keeping its attention outputs draws its dropout once: the backward uses the
+    forward's masks (a random op recomputed inside a compiled region draws anew on the GPU).  Checked through
+    ``w.grad == sum(g * y / w)`` on every block (`_DropoutBlock`), the gradients otherwise left to the compiler.
+    On the CPU a recomputed draw happens to repeat the forward's (this case checks the harness); the CUDA case is
+    the one that tells."""
+    torch.manual_seed(3)
+    blocks = nn.Sequential(*[_DropoutBlock() for _ in range(3)]).to(device).train()
+    compile_blocks(list(blocks))
+    set_recompute(list(blocks), [0, 1, 2], attention_saved=[0, 1, 2])
+    x = torch.randn(2, 16, 32, device=device)
+    outs: list[torch.Tensor] = []
+    h = x
+    for blk in blocks:
+        h = blk(h)
+        h.retain_grad()
+        outs.append(h)
+    g = torch.randn_like(h)
+    (h * g).sum().backward()
+    for i, (blk, y) in enumerate(zip(blocks, outs)):
+        assert y.grad is not None
+        expect = (y.grad * y / blk.w).sum(dim=(0, 1))  # the gradient reaching y times the masked input of ``* w``
+        assert torch.allclose(blk.w.grad, expect, rtol=1e-4, atol=1e-5), f"block {i}: the backward drew other masks"
+    assert (outs[0] == 0).any()  # dropout did drop
+    uncompile_blocks(list(blocks))
