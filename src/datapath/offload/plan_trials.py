@@ -35,6 +35,12 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if abs(n) >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
+def _attention(plan: BudgetPlan) -> str:
+    """What a plan does with its recomputed blocks' attention outputs, for a message ("" where nothing)."""
+    kept = f", attention kept in {list(plan.attention_saved)}" if plan.attention_saved else ""
+    return kept + (f", attention offloaded in {list(plan.attention_offloaded)}" if plan.attention_offloaded else "")
+
+
 class PlanTrials:
     """The trial rounds of one policy: what ran, what was kept (``rounds``), and the round in progress."""
 
@@ -96,7 +102,8 @@ class PlanTrials:
         self.rounds.append({
             "plans": [dict(p.as_dict(), step_ms=t * 1e3, peak=pk) for t, pk, p in runs],
             "kept": runs.index(best), "replans": replans})
-        log.info("memory budget: plans tried %s; kept offload %s, recompute %s (%.1f ms)",
-                 ", ".join(f"{t * 1e3:.1f} ms ({gb(p.offload_bytes)} offloaded, recompute {list(p.recompute)})"
-                           for t, _, p in runs), gb(best[2].offload_bytes), list(best[2].recompute), best[0] * 1e3)
+        log.info("memory budget: plans tried %s; kept offload %s, recompute %s%s (%.1f ms)",
+                 ", ".join(f"{t * 1e3:.1f} ms ({gb(p.offload_bytes)} offloaded, recompute {list(p.recompute)}"
+                           f"{_attention(p)})" for t, _, p in runs),
+                 gb(best[2].offload_bytes), list(best[2].recompute), _attention(best[2]), best[0] * 1e3)
         return best[2]
