@@ -404,13 +404,17 @@ class _DropoutBlock(nn.Module):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fallback", [False, True], ids=["compiled", "eager-fallback"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_compiled_blocks_keeping_attention_backpropagate_their_own_dropout_masks(device: str) -> None:
-    """A compiled block recomputed keeping its attention outputs draws its dropout once: the backward uses the
-    forward's masks (a random op recomputed inside a compiled region draws anew on the GPU).  Checked through
-    ``w.grad == sum(g * y / w)`` on every block (`_DropoutBlock`), the gradients otherwise left to the compiler.
-    On the CPU a recomputed draw happens to repeat the forward's (this case checks the harness); the CUDA case is
-    the one that tells."""
+def test_compiled_blocks_keeping_attention_backpropagate_their_own_dropout_masks(device: str,
+                                                                                 fallback: bool) -> None:
+    """A compiled block recomputed keeping its attention outputs backpropagates the dropout masks its forward drew.
+    Compiled, its random ops are saved (a random op recomputed inside a compiled region draws anew on the GPU);
+    where the region runs eagerly after all (TorchDynamo's fallback, here the compiler disabled), the eager
+    policy recomputes them from the replayed RNG state (saving an in-place draw raised there: the checkpoint's
+    cached tensor was mutated).  Checked through ``w.grad == sum(g * y / w)`` on every block (`_DropoutBlock`).
+    On the CPU a compiled recomputed draw happens to repeat the forward's: the CUDA compiled case is the one that
+    tells for the compiled region."""
     torch.manual_seed(3)
     blocks = nn.Sequential(*[_DropoutBlock() for _ in range(3)]).to(device).train()
     compile_blocks(list(blocks))
@@ -418,12 +422,13 @@ def test_compiled_blocks_keeping_attention_backpropagate_their_own_dropout_masks
     x = torch.randn(2, 16, 32, device=device)
     outs: list[torch.Tensor] = []
     h = x
-    for blk in blocks:
-        h = blk(h)
-        h.retain_grad()
-        outs.append(h)
-    g = torch.randn_like(h)
-    (h * g).sum().backward()
+    with torch._dynamo.config.patch(disable=fallback):
+        for blk in blocks:
+            h = blk(h)
+            h.retain_grad()
+            outs.append(h)
+        g = torch.randn_like(h)
+        (h * g).sum().backward()
     for i, (blk, y) in enumerate(zip(blocks, outs)):
         assert y.grad is not None
         expect = (y.grad * y / blk.w).sum(dim=(0, 1))  # the gradient reaching y times the masked input of ``* w``

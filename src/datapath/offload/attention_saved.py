@@ -85,6 +85,10 @@ def attention_saved_contexts() -> tuple[Any, Any]:
 
 
 def _compiled_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if not torch.compiler.is_compiling():
+        # the region runs eagerly (TorchDynamo fell back to Python: a graph break, the compiler disabled): the
+        # eager policy, whose recomputation draws every random op again in order from the replayed RNG state
+        return _policy(ctx, op, *args, **kwargs)
     seeded = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
     return CheckpointPolicy.MUST_SAVE if op in SDPA_OPS or seeded else CheckpointPolicy.MUST_RECOMPUTE
 
@@ -93,7 +97,8 @@ def compiled_attention_saved_contexts() -> tuple[Any, Any]:
     """`attention_saved_contexts` for a checkpoint inside a compiled region: there ``PREFER_RECOMPUTE`` leaves the
     compiler's partitioner free to save what it likes, so every other op is ``MUST_RECOMPUTE``, except the ops that
     draw from the RNG (dropout, an attention op with dropout): inside a compiled region a recomputed draw is not
-    the forward's (on the GPU, Inductor's generator moves on), so their outputs are saved and never drawn again."""
+    the forward's (on the GPU, Inductor's generator moves on), so their outputs are saved and never drawn again.
+    Where the region runs eagerly after all (TorchDynamo's fallback), the eager policy applies."""
     return create_selective_checkpoint_contexts(_compiled_policy)
 
 
