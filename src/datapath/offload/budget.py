@@ -64,7 +64,7 @@ from datapath.offload.attention_saved import AttentionCosts
 from datapath.offload.bandwidth import StoreBandwidth
 from datapath.offload.budget_floor import Floor
 from datapath.offload.budget_planner import KEEP_ALL, BudgetPlan, BudgetProfile, modelled_peak
-from datapath.offload.budget_planning import LOOKAHEAD, BudgetPlanning
+from datapath.offload.budget_planning import LOOKAHEAD, OVER, BudgetPlanning
 from datapath.offload import budget_profile
 from datapath.offload.budget_profile import ONE_OFF_REDOS, one_off_during, record_peak
 from datapath.offload.config import OffloadConfig
@@ -72,7 +72,6 @@ from datapath.offload.errors import OffloadConfigError
 from datapath.offload.memory_meter import MemoryMeter
 from datapath.offload.models import AttachedModels
 from datapath.offload.plan_trials import PlanTrials, Run, plan_shape
-from datapath.offload.plan_trials import gb as _gb
 from datapath.offload.policy import Backpressure, Policy, derived_bound
 from datapath.offload.rank_agreement import Pending, RankAgreement
 from datapath.offload.recompute import clear_recompute, set_recompute
@@ -83,9 +82,7 @@ from datapath.offload.store_room import StoreRoom
 
 log = logging.getLogger("datapath.offload.budget")
 
-RELAX_BELOW = 0.93   # a planned step under this share of the budget may relax the plan (once)
 FREE_LEAD = 16       # units a planned step's CPU may run ahead of the GPU past its offloaded segments
-OVER = 1.005         # a planned step over this share of the budget corrects the plan (measurement noise below)
 PROBE_WAIT_S = 30.0       # the longest the profiled step waits for the store's bandwidth probe to end
 
 
@@ -333,55 +330,6 @@ class BudgetPolicy(BudgetPlanning, Policy):
         what = "timing" if rec.timing else "profiled" if rec.profiling else "measured"
         log.info("memory budget: the compiler ran or host memory was pinned during the %s step (its times hold that "
                  "one-off work); the next step is %s again", what, "timed" if rec.timing else what)
-
-    def _device_total(self) -> int:
-        """The device's memory (the smallest of the ranks' where they agree)."""
-        return self._device_bytes if self._device_bytes is not None else self.meter.total()
-
-    def _feedback(self, peak: int) -> None:
-        if self.plan is None or self.profile is None:
-            return
-        if peak > OVER * self.budget:
-            self._overshot = True
-            self.stats.plan_corrections += 1
-            if self.floor.at:
-                self.floor.runs.append((peak, self.plan))
-                if self.floor.drain:
-                    self._refuse()
-                # the lowest plan did not hold: drain every store before the next pack, load only on demand
-                self.floor.drain = True
-                self.target = 0.0
-                log.info("memory budget: the lowest plan's step peaked at %s, over the budget %s; draining every "
-                         "store before the next pack", _gb(peak), _gb(self.budget))
-                return
-            self.target -= (peak - self.budget) * 1.1 + 0.002 * self.budget
-            if self.plan.storeless:  # else the miss may be stores in flight, which a plan storing nothing lacks
-                self.keep_target = min(self.keep_target, self.target)
-            log.info("memory budget: the step's peak %s exceeded the budget %s; planning for %s",
-                     _gb(peak), _gb(self.budget), _gb(self.target))
-            self._replan()
-        elif self.floor.at and not self.floor.checked and peak < self.plan.predicted_peak:
-            self._lower_to(peak)
-        elif (peak < RELAX_BELOW * self.budget and not self._overshot and not self._relaxed
-              and self.target < self.budget and (self.plan.offload_bytes or self.plan.recompute)):
-            self._relaxed = True
-            # aim higher only where the model's own prediction erred on the safe side, never past the budget
-            # (the step's peak varies with how fast its stores drain)
-            self.target = min(float(self.budget), self.target + 0.5 * (0.985 * self.budget - peak))
-            self.keep_target = max(self.keep_target, self.target)
-            log.info("memory budget: the step's peak %s is well under the budget %s; planning for %s",
-                     _gb(peak), _gb(self.budget), _gb(self.target))
-            self._replan(relaxing=True)
-
-    def _lower_to(self, peak: int) -> None:
-        """The lowest plan, modelled over the budget, held it at ``peak``: move the profile down (`Floor.lowered`)."""
-        assert self.profile is not None and self.plan is not None
-        moved = self.floor.lowered(self.profile, self.plan, peak, lambda p: self._plan_for(self.target, profile=p),
-                                   self._device_total())
-        if moved is not None:
-            self.profile, miss = moved
-            self.calibration -= miss
-            self._replan()
 
     def _refuse(self) -> None:
         clear_recompute(self.models.blocks)

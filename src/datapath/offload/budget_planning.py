@@ -4,8 +4,10 @@
 `_set_profile` (the memory step's profile, times from the timing step, moved by the memory held since, moved up by
 the timing step's calibration, agreed over the ranks; `_build_profile`), `_plan_for` (`plan_budget` for a target,
 the blocks the profile was taken with recomputed staying recomputed), `_replan` (the plan for the policy's target
-put in force, and logged), `_candidates` (the plans a trial measures against the one in force), `_use` and
-`_recomputable`.  The planner itself is `datapath.offload.budget_planner`.
+put in force, and logged), `_candidates` (the plans a trial measures against the one in force), `_feedback` (the
+target corrected from a planned step's measured peak: lowered past an overshoot, raised once well under the budget,
+the profile moved down where the lowest plan held; `_lower_to`), `_use` and `_recomputable`.  The planner itself is
+`datapath.offload.budget_planner`.
 """
 from __future__ import annotations
 
@@ -27,13 +29,15 @@ log = logging.getLogger("datapath.offload.budget")  # one logger for the policy 
 
 LOOKAHEAD = 4        # forward segments whose working set a pack's admission leaves room for
 STORE_SHARE = 0.9    # the share of the store's room a plan offloading everything may fill
+RELAX_BELOW = 0.93   # a planned step under this share of the budget may relax the plan (once)
+OVER = 1.005         # a planned step over this share of the budget corrects the plan (measurement noise below)
 
 
 class BudgetPlanning:
     """The planning steps of a `BudgetPolicy`, mixed into it: they read and set the policy's state, set by its
     ``__init__`` (``profile``, ``plan``, ``target``, ``budget``, ``calibration``, ``replans``, ``planning_s``,
     ``keep_target``, ``ranks``, ``room``, ``floor``, ``attention``, ``attention_store``, ``models``, ``meter``,
-    ``clock``, ``bandwidth``,
+    ``clock``, ``bandwidth``, ``stats``, ``_overshot``, ``_relaxed``,
     and ``_trials``, ``_attention``, ``_agreed_room``, ``_timing_peak``, ``_head_fwd``, ``_head_bwd``, ``_block_bytes``,
     ``_device_bytes``) and its properties ``base_recompute`` and ``trials``."""
 
@@ -191,3 +195,54 @@ class BudgetPlanning:
     def _build_profile(self, rec: Record, timing: Record | None) -> BudgetProfile:
         """Memory from the everything-offloaded step ``rec``; times from the recompute step ``timing``."""
         return profile_of(rec, timing, self.clock, self.bandwidth.now(), self._recomputable(rec))
+
+    def _device_total(self) -> int:
+        """The device's memory (the smallest of the ranks' where they agree)."""
+        return self._device_bytes if self._device_bytes is not None else self.meter.total()
+
+    def _feedback(self, peak: int) -> None:
+        """A planned step peaked at ``peak`` bytes (the ranks' largest): correct the target, or refuse the budget
+        where the lowest plan did not hold it even with every store drained."""
+        if self.plan is None or self.profile is None:
+            return
+        if peak > OVER * self.budget:
+            self._overshot = True
+            self.stats.plan_corrections += 1
+            if self.floor.at:
+                self.floor.runs.append((peak, self.plan))
+                if self.floor.drain:
+                    self._refuse()
+                # the lowest plan did not hold: drain every store before the next pack, load only on demand
+                self.floor.drain = True
+                self.target = 0.0
+                log.info("memory budget: the lowest plan's step peaked at %s, over the budget %s; draining every "
+                         "store before the next pack", _gb(peak), _gb(self.budget))
+                return
+            self.target -= (peak - self.budget) * 1.1 + 0.002 * self.budget
+            if self.plan.storeless:  # else the miss may be stores in flight, which a plan storing nothing lacks
+                self.keep_target = min(self.keep_target, self.target)
+            log.info("memory budget: the step's peak %s exceeded the budget %s; planning for %s",
+                     _gb(peak), _gb(self.budget), _gb(self.target))
+            self._replan()
+        elif self.floor.at and not self.floor.checked and peak < self.plan.predicted_peak:
+            self._lower_to(peak)
+        elif (peak < RELAX_BELOW * self.budget and not self._overshot and not self._relaxed
+              and self.target < self.budget and (self.plan.offload_bytes or self.plan.recompute)):
+            self._relaxed = True
+            # aim higher only where the model's own prediction erred on the safe side, never past the budget
+            # (the step's peak varies with how fast its stores drain)
+            self.target = min(float(self.budget), self.target + 0.5 * (0.985 * self.budget - peak))
+            self.keep_target = max(self.keep_target, self.target)
+            log.info("memory budget: the step's peak %s is well under the budget %s; planning for %s",
+                     _gb(peak), _gb(self.budget), _gb(self.target))
+            self._replan(relaxing=True)
+
+    def _lower_to(self, peak: int) -> None:
+        """The lowest plan, modelled over the budget, held it at ``peak``: move the profile down (`Floor.lowered`)."""
+        assert self.profile is not None and self.plan is not None
+        moved = self.floor.lowered(self.profile, self.plan, peak, lambda p: self._plan_for(self.target, profile=p),
+                                   self._device_total())
+        if moved is not None:
+            self.profile, miss = moved
+            self.calibration -= miss
+            self._replan()
