@@ -87,8 +87,9 @@ def _check(tmp_path: Any, device: str, reset_every: int) -> None:
         for p in parts:
             if sum(p[n]["rows"] for n in TIERS):
                 assert sum(p[n]["hit_rate"] for n in TIERS) == pytest.approx(1.0)
-        if reset_every:
-            assert len(cleared) >= 3 and all(sum(p[n]["rows"] for n in TIERS) > 0 for p in cleared)
+        if reset_every:  # resets cleared counts while the producers gathered (a reset that follows batches the
+            # producers gathered before the last reset finds none: the loader runs ahead)
+            assert sum(sum(p[n]["rows"] for n in TIERS) > 0 for p in cleared) >= 3, cleared
     finally:
         store.close()
 
