@@ -784,6 +784,34 @@ def test_a_closed_budget_leaves_nothing_of_itself_on_the_model() -> None:
     assert_identical(ref, got)
 
 
+def _budget_compiling_in(model: nn.Module, batches: list[torch.Tensor], budget: int, compiles: set[int],
+                         monkeypatch: pytest.MonkeyPatch) -> tuple[BudgetPolicy, list, int | None]:
+    """Train a copy of ``model`` under ``memory_budget=budget`` with the compiler simulated to run in the steps
+    ``compiles`` (indices from 0): the closed cache's policy, the steps, and the step at whose start the first trial
+    round had closed (None: none closed)."""
+    import datapath.offload.budget_profile as budget_profile
+
+    work = {"graphs": 0, "step": -1}
+    closed: list[int] = []
+    m = copy.deepcopy(model)
+    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
+
+    def count_forward(module: nn.Module, args: object) -> None:  # after the cache's hook: inside the step it begins
+        work["step"] += 1
+        work["graphs"] += work["step"] in compiles
+        if cache.policy.trials and not closed:
+            closed.append(work["step"])
+
+    monkeypatch.setattr(budget_profile, "compiler_work", lambda: work["graphs"])
+    cache.attach(m)
+    hook = m.register_forward_pre_hook(count_forward)
+    got = run_steps(m, batches, _lm_loss, ctx=cache)
+    policy = cache.policy
+    cache.close()
+    hook.remove()
+    return policy, got, closed[0] if closed else None
+
+
 @pytest.mark.parametrize("fraction,compiling,redos", [(0.6, {0}, 1), (0.6, set(range(8)), 3), (0.8, {1}, 1),
                                                       (0.8, {0}, 0)],
                          ids=["memory-step", "every-step", "timing-step", "memory-step-then-timed"])
@@ -795,38 +823,19 @@ def test_a_profiled_step_in_which_the_compiler_ran_is_run_again(fraction: float,
     (the memory step where no timing step follows; at 0.8 of keep's peak the timing step) is run again if the
     compiler ran in it, at most three times (a model compiling at every step is planned on what its steps measure); a
     memory step followed by a timing step is not (its memory is all the plans take from it)."""
-    import datapath.offload.budget_profile as budget_profile
-
     torch.manual_seed(0)
     model = GPT(vocab=64, h=64, heads=4, layers=3, dropout=0.1, tied=False)
     batches = [torch.randint(0, 64, (4, 32)) for _ in range(8)]
     ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
     budget = int(_keep_peak(model, batches[0]) * fraction)
 
-    def planned_at(compiles: set[int]) -> tuple[int | None, list]:
-        work = {"graphs": 0, "step": -1}
-
-        def count_forward(module: nn.Module, args: object) -> None:  # the compiler "runs" in these steps
-            work["step"] += 1
-            work["graphs"] += work["step"] in compiles
-
-        monkeypatch.setattr(budget_profile, "compiler_work", lambda: work["graphs"])
-        m = copy.deepcopy(model)
-        cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
-        cache.attach(m)
-        hook = m.register_forward_pre_hook(count_forward)  # after the cache's: inside the step it begins
-        got = run_steps(m, batches, _lm_loss, ctx=cache)
-        at = cache.policy.planned_at
-        cache.close()
-        hook.remove()
-        return at, got
-
-    base, got = planned_at(set())
+    base, got, _ = _budget_compiling_in(model, batches, budget, set(), monkeypatch)
     assert_identical(ref, got)
     with caplog.at_level(logging.INFO, logger="datapath.offload.budget"):
-        later, got = planned_at(compiling)
+        later, got, _ = _budget_compiling_in(model, batches, budget, compiling, monkeypatch)
     assert_identical(ref, got)  # dropout on: the steps run again change no mask
-    assert base is not None and later == base + redos, (base, later)
+    assert base.planned_at is not None and later.planned_at == base.planned_at + redos, (base.planned_at,
+                                                                                           later.planned_at)
     assert sum("the compiler ran or host memory was pinned during the" in r.getMessage() for r in caplog.records) == redos
 
 
@@ -835,42 +844,19 @@ def test_a_trial_step_in_which_the_compiler_ran_is_measured_again(monkeypatch: p
     """A plan a trial measures may compile in its first step (a compiled block's other forward, the one keeping
     its attention outputs): that step's time holds compile time, so it is not measured and the plan runs again;
     the round ends one step later with the same plans, and the gradients do not change."""
-    import datapath.offload.budget_profile as budget_profile
-
     torch.manual_seed(0)
     model = GPT(vocab=64, h=64, heads=4, layers=3, dropout=0.1, tied=False)
     batches = [torch.randint(0, 64, (4, 32)) for _ in range(10)]
     ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
     budget = int(_keep_peak(model, batches[0]) * 0.6)
 
-    def run(compiles: set[int]) -> tuple[BudgetPolicy, list, int | None]:
-        work = {"graphs": 0, "step": -1}
-        closed: list[int] = []  # the step at whose start the first round had closed
-
-        def count_forward(module: nn.Module, args: object) -> None:  # after the policy's own step start
-            work["step"] += 1
-            work["graphs"] += work["step"] in compiles
-            if cache.policy.trials and not closed:
-                closed.append(work["step"])
-
-        monkeypatch.setattr(budget_profile, "compiler_work", lambda: work["graphs"])
-        m = copy.deepcopy(model)
-        cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
-        cache.attach(m)
-        hook = m.register_forward_pre_hook(count_forward)
-        got = run_steps(m, batches, _lm_loss, ctx=cache)
-        policy = cache.policy
-        cache.close()
-        hook.remove()
-        return policy, got, closed[0] if closed else None
-
-    base, got, closed = run(set())
+    base, got, closed = _budget_compiling_in(model, batches, budget, set(), monkeypatch)
     assert_identical(ref, got)
     rounds = base.trials
     assert rounds and base.planned_at is not None and len(rounds[0]["plans"]) >= 2, rounds
     trial = base.planned_at + 1  # the round opens after the plan's first step: the next runs the first trial plan
     with caplog.at_level(logging.INFO, logger="datapath.offload.budget"):
-        again, got, closed_again = run({trial})
+        again, got, closed_again = _budget_compiling_in(model, batches, budget, {trial}, monkeypatch)
     assert_identical(ref, got)
     assert sum("during the measured step" in r.getMessage() for r in caplog.records) == 1
     assert closed is not None and closed_again == closed + 1, (closed, closed_again)
