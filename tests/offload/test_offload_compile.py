@@ -282,12 +282,12 @@ def _attention_forwards_in_backward(model: nn.Module, ids: torch.Tensor) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dropout", [False, True], ids=["no-dropout", "dropout"])
-def test_compiled_blocks_keeping_attention_match_the_compiled_model(dropout: bool) -> None:
+def test_compiled_blocks_keeping_attention_match_the_compiled_model() -> None:
     """A compiled block recomputed with ``attention_saved`` runs its compiled region with the checkpoint inside it:
-    gradients bit-identical to the compiled model's (dropout masks replayed), its attention outputs saved tensors
-    of the region that the offload store takes, and the attention forward not run again in the backward."""
-    model = _llama() if dropout else _llama_without_dropout()
+    gradients bit-identical to the compiled model's, its attention outputs saved tensors of the region that the
+    offload store takes, and the attention forward not run again in the backward.  (With dropout it is refused:
+    `test_compiled_blocks_with_dropout_refuse_to_keep_attention`.)"""
+    model = _llama_without_dropout()
     batches = [torch.randint(0, 128, (4, 32)) for _ in range(3)]
     ref = _compiled_reference(model, batches)
     offloaded = {}
@@ -299,17 +299,16 @@ def test_compiled_blocks_keeping_attention_match_the_compiled_model(dropout: boo
         got = run_steps(m, batches, _loss, ctx=cache)
         assert_identical(ref, got)
         offloaded[tuple(saved)] = cache.stats.bytes_offloaded
-        if not dropout:  # (with dropout the CPU runs attention unfused, an op no block keeps)
-            assert _attention_forwards_in_backward(m, batches[0]) == 3 - len(saved)
-            shapes: list[tuple[int, ...]] = []
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: (shapes.append(tuple(t.shape)), t)[1],
-                                                          lambda t: t):
-                _loss(m, batches[0])
-            # each keeping block saves its attention output (batch x heads x seq x head_dim) and log-sum-exp
-            assert shapes.count((4, 4, 32, 16)) == len(saved) and shapes.count((4, 4, 32)) == len(saved)
+        assert _attention_forwards_in_backward(m, batches[0]) == 3 - len(saved)
+        shapes: list[tuple[int, ...]] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (shapes.append(tuple(t.shape)), t)[1],
+                                                      lambda t: t):
+            _loss(m, batches[0])
+        # each keeping block saves its attention output (batch x heads x seq x head_dim) and log-sum-exp
+        assert shapes.count((4, 4, 32, 16)) == len(saved) and shapes.count((4, 4, 32)) == len(saved)
         cache.close()
-    if not dropout:  # and the store took them (less what the checkpoint around a block saves: its RNG state)
-        assert offloaded[(0, 2)] - offloaded[()] > 2 * 4 * 4 * 32 * 16 * 4
+    # and the store took them (less what the checkpoint around a block saves: its RNG state)
+    assert offloaded[(0, 2)] - offloaded[()] > 2 * 4 * 4 * 32 * 16 * 4
 
 
 def test_compiled_blocks_refuse_an_attention_store() -> None:
@@ -360,7 +359,7 @@ def test_a_budget_tries_compiled_blocks_keeping_their_attention_with_everything_
 def test_dropout_is_found_in_the_blocks_people_train() -> None:
     """`draws_dropout`: Hugging Face attention modules hold their dropout as a float, GPT-2 and PyTorch's layers as
     ``nn.Dropout`` modules; nothing is drawn with p = 0 or in eval mode."""
-    from datapath.offload.regional_compile import draws_dropout  # noqa: PLC0415
+    from datapath.offload.recompute import draws_dropout  # noqa: PLC0415
 
     assert draws_dropout(_llama(1, dropout=0.1).model.layers[0])
     assert not draws_dropout(_llama_without_dropout(1).model.layers[0])
@@ -374,7 +373,7 @@ def test_dropout_is_found_in_the_blocks_people_train() -> None:
 
 def test_lora_dropout_is_dropout() -> None:
     """peft's LoRA adapters draw their own dropout inside the attention's projections (``lora_dropout``)."""
-    from datapath.offload.regional_compile import draws_dropout  # noqa: PLC0415
+    from datapath.offload.recompute import draws_dropout  # noqa: PLC0415
 
     peft = pytest.importorskip("peft")  # not in the test extras: runs where it is installed
     for p in (0.0, 0.05):
@@ -408,13 +407,13 @@ class _DropoutBlock(nn.Module):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_compiled_blocks_keeping_attention_backpropagate_their_own_dropout_masks(device: str,
                                                                                  fallback: bool) -> None:
-    """A compiled block recomputed keeping its attention outputs backpropagates the dropout masks its forward drew.
-    Compiled, its random ops are saved (a random op recomputed inside a compiled region draws anew on the GPU);
-    where the region runs eagerly after all (TorchDynamo's fallback, here the compiler disabled), the eager
-    policy recomputes them from the replayed RNG state (saving an in-place draw raised there: the checkpoint's
-    cached tensor was mutated).  Checked through ``w.grad == sum(g * y / w)`` on every block (`_DropoutBlock`).
-    On the CPU a compiled recomputed draw happens to repeat the forward's: the CUDA compiled case is the one that
-    tells for the compiled region."""
+    """A compiled block recomputed keeping its attention outputs, with a dropout the refusal cannot see (a
+    functional call), backpropagates the dropout masks its forward drew, or refuses with `OffloadConfigError`:
+    never other masks.  Compiled, its random ops are saved (a random op recomputed inside a compiled region draws
+    anew on the GPU); on the GPU torch's partitioner rejects that, which must reach the user as the clear error.
+    Where the region runs eagerly after all (TorchDynamo's fallback, here the compiler disabled), the eager policy
+    recomputes them from the replayed RNG state (saving an in-place draw raised there: the checkpoint's cached
+    tensor was mutated).  Checked through ``w.grad == sum(g * y / w)`` on every block (`_DropoutBlock`)."""
     torch.manual_seed(3)
     blocks = nn.Sequential(*[_DropoutBlock() for _ in range(3)]).to(device).train()
     compile_blocks(list(blocks))
@@ -422,16 +421,48 @@ def test_compiled_blocks_keeping_attention_backpropagate_their_own_dropout_masks
     x = torch.randn(2, 16, 32, device=device)
     outs: list[torch.Tensor] = []
     h = x
-    with torch._dynamo.config.patch(disable=fallback):
-        for blk in blocks:
-            h = blk(h)
-            h.retain_grad()
-            outs.append(h)
-        g = torch.randn_like(h)
-        (h * g).sum().backward()
+    try:
+        with torch._dynamo.config.patch(disable=fallback):
+            for blk in blocks:
+                h = blk(h)
+                h.retain_grad()
+                outs.append(h)
+            g = torch.randn_like(h)
+            (h * g).sum().backward()
+    except OffloadConfigError as e:
+        assert device == "cuda" and not fallback, f"refused where it runs: {e}"
+        assert "dropout" in str(e) and "attention_saved" in str(e)
+        uncompile_blocks(list(blocks))
+        return
     for i, (blk, y) in enumerate(zip(blocks, outs)):
         assert y.grad is not None
         expect = (y.grad * y / blk.w).sum(dim=(0, 1))  # the gradient reaching y times the masked input of ``* w``
         assert torch.allclose(blk.w.grad, expect, rtol=1e-4, atol=1e-5), f"block {i}: the backward drew other masks"
     assert (outs[0] == 0).any()  # dropout did drop
     uncompile_blocks(list(blocks))
+
+
+@pytest.mark.parametrize("when", ["training", "trained-later"])
+def test_compiled_blocks_with_dropout_refuse_to_keep_attention(when: str) -> None:
+    """A compiled block with dropout (here a Hugging Face attention's ``attention_dropout``) asked to keep its
+    attention outputs in its compiled region is refused with `OffloadConfigError` naming the fix: at
+    `set_recompute` in training mode; at its first training forward when it was set in eval mode (no dropout
+    then) and trains later.  Plain recomputation and inference stay allowed."""
+    model = _llama(2, dropout=0.1).train()
+    blocks = list(model.model.layers)
+    ids = torch.randint(0, model.config.vocab_size, (1, 16))
+    compile_blocks(blocks)
+    if when == "training":
+        with pytest.raises(OffloadConfigError, match=r"blocks \[0, 1\] are compiled with dropout on"):
+            set_recompute(blocks, [0, 1], attention_saved=[0, 1])
+        set_recompute(blocks, [0, 1])  # plain recomputation of compiled blocks stays allowed
+    else:
+        model.eval()
+        set_recompute(blocks, [0, 1], attention_saved=[0, 1])
+        with torch.no_grad():
+            model(ids)  # inference keeps nothing: no refusal
+        model.train()
+        with pytest.raises(OffloadConfigError, match="LlamaDecoderLayer block is compiled with dropout on"):
+            model(ids, labels=ids)
+    set_recompute(blocks, ())
+    uncompile_blocks(blocks)

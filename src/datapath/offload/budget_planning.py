@@ -21,8 +21,7 @@ from datapath.offload.budget_profile import profile_of
 from datapath.offload.plan_trials import MAX_TRIAL_ROUNDS, TRIAL_COSTS
 from datapath.offload.plan_trials import gb as _gb
 from datapath.offload.plan_trials import plan_shape as _shape
-from datapath.offload.recompute import COMPILED_SAVING_ATTENTION, already_recomputed, set_recompute
-from datapath.offload.regional_compile import draws_dropout
+from datapath.offload.recompute import COMPILED_SAVING_ATTENTION, already_recomputed, draws_dropout, set_recompute
 from datapath.offload.records import Record
 
 log = logging.getLogger("datapath.offload.budget")  # one logger for the policy and its planning

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from datapath.offload.attention_offload import AttentionStore
 from datapath.offload.attention_saved import attention_saved_contexts, probe_contexts, probe_of
+from datapath.offload.errors import OffloadConfigError
 
 _ORIGINAL = "_datapath_recompute_original"
 _KEEP_ATTENTION = "_datapath_recompute_attention_saved"
@@ -65,6 +66,36 @@ def without_kv_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tup
     return args, kwargs
 
 
+_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "attn_pdrop")
+"""Float attributes by which attention modules hold their dropout probability (Hugging Face's attention classes,
+`torch.nn.MultiheadAttention`)."""
+
+
+def draws_dropout(block: nn.Module) -> bool:
+    """Whether ``block`` in training mode applies dropout: an ``nn.Dropout`` of p > 0 inside it, or a module holding
+    a dropout probability > 0 as a float attribute (an attention module passing it to its attention op)."""
+    if not block.training:
+        return False
+    for m in block.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        for name in _DROPOUT_ATTRIBUTES:
+            v = m.__dict__.get(name)
+            if isinstance(v, float) and v > 0:
+                return True
+    return False
+
+
+def _compiled_dropout_error(which: str) -> OffloadConfigError:
+    """The refusal of compiled blocks with dropout (``which``: "blocks [..] are") keeping their attention outputs
+    in their compiled region."""
+    return OffloadConfigError(
+        f"{which} compiled with dropout on: a compiled block cannot keep its attention outputs inside its compiled "
+        f"region (the recomputation there cannot replay the forward's masks, and on the GPU torch's partitioner "
+        f"rejects saving them). Recompute it without attention_saved, set its dropout to 0, or leave it "
+        f"uncompiled: an eager block keeps its attention outputs with the forward's masks")
+
+
 def keeps_attention(block: nn.Module) -> bool:
     """True when ``block`` is recomputed with its attention outputs saved."""
     return is_recomputed(block) and bool(block.__dict__.get(_KEEP_ATTENTION))
@@ -103,7 +134,16 @@ def _wrap(block: nn.Module, original: Any) -> Any:
         if saving is not None and block.__dict__.get(_KEEP_ATTENTION):
             # a compiled block: its checkpoint is inside the compiled region (a dispatch mode around the region
             # would run it eagerly), and the attention outputs it keeps are saved tensors of that region
-            return saving(*args, **kwargs)
+            if draws_dropout(block):
+                raise _compiled_dropout_error(f"a {type(block).__name__} block is")
+            try:
+                return saving(*args, **kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as e:
+                raise OffloadConfigError(
+                    f"compiling {type(block).__name__}'s recomputation that keeps its attention outputs failed "
+                    f"({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}). On the GPU this "
+                    f"is what dropout inside the block gives (torch's partitioner rejects saving its random draws): "
+                    f"recompute the block without attention_saved, or leave it uncompiled") from e
         return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True,
                           context_fn=_context_fn(block), **kwargs)
     return forward
@@ -126,6 +166,9 @@ def set_recompute(blocks: list[nn.Module], which: Iterable[int], attention_saved
                          f"a block keeps its attention outputs on the device or in the store, not both")
     if moved and attention_store is None:
         raise ValueError("attention_offloaded needs attention_store (where the outputs go)")
+    random = [i for i in sorted(keep) if COMPILED_SAVING_ATTENTION in blocks[i].__dict__ and draws_dropout(blocks[i])]
+    if random:
+        raise _compiled_dropout_error(f"blocks {random} are")
     compiled = sorted(i for i in moved if COMPILED_SAVING_ATTENTION in blocks[i].__dict__)
     if compiled:
         raise ValueError(f"blocks {compiled} are compiled: their attention outputs cannot go to an attention store "

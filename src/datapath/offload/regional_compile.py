@@ -28,7 +28,10 @@ compiled graph still saves, and its choices per block compose with the compiler'
   offload store may take them.  Ops that draw from the RNG are saved too, never drawn again,
   so the backward matches the forward that ran; but this is another compiled graph, whose
   draws are not the plain block's: with dropout on, its masks differ from the compiled model's.
-  The budget planner therefore offers it only for blocks without dropout (`draws_dropout`).
+  On the GPU, torch's partitioner rejects the saved draws outright.  So a compiled block
+  with dropout is refused this (`datapath.offload.recompute.draws_dropout`; dropout it cannot
+  see, a functional call, ends in a clear error at its first forward on the GPU), and the
+  budget planner offers it only to blocks without dropout.
 
 Hooks on modules inside a block would break the compiled graph, so a compiled model's
 units are its blocks (``units="blocks"``), and the selective recompute of cheap
@@ -93,26 +96,6 @@ def _saving_attention(forward: Any) -> Any:
                               context_fn=compiled_attention_saved_contexts, **kwargs)
         out = _saving[forward] = saving
     return out
-
-
-_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "attn_pdrop")
-"""Float attributes by which attention modules hold their dropout probability (Hugging Face's attention classes,
-`torch.nn.MultiheadAttention`)."""
-
-
-def draws_dropout(block: nn.Module) -> bool:
-    """Whether ``block`` in training mode applies dropout: an ``nn.Dropout`` of p > 0 inside it, or a module holding
-    a dropout probability > 0 as a float attribute (an attention module passing it to its attention op)."""
-    if not block.training:
-        return False
-    for m in block.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
-            return True
-        for name in _DROPOUT_ATTRIBUTES:
-            v = m.__dict__.get(name)
-            if isinstance(v, float) and v > 0:
-                return True
-    return False
 
 
 def is_compiled(block: nn.Module) -> bool:
