@@ -16,7 +16,8 @@ import logging
 import time
 
 from datapath.offload.budget_planner import (
-    BudgetPlan, BudgetProfile, checkpoint_plan, modelled_peak, offload_all_plan, plan_budget, shifted)
+    BudgetPlan, BudgetProfile, attention_kept_plan, checkpoint_plan, modelled_peak, offload_all_plan, plan_budget,
+    shifted)
 from datapath.offload.budget_profile import profile_of
 from datapath.offload.plan_trials import MAX_TRIAL_ROUNDS, TRIAL_COSTS
 from datapath.offload.plan_trials import gb as _gb
@@ -57,13 +58,14 @@ class BudgetPlanning:
         # recomputation costs, not what their copies take from the step (kept on the device, they take nothing)
         differs = ckpt.recompute != self.plan.recompute or bool(self.plan.attention_offloaded)
         plans += [ckpt] if differs else []
-        compiled = [self._compiled_attention_plan(p) for p in (self.plan, ckpt)]
-        return plans + [p for p in compiled if p is not None]
+        compiled = [c for p in (self.plan, ckpt) for c in self._compiled_attention_plans(p)]
+        return plans + [c for i, c in enumerate(compiled) if c not in compiled[:i]]
 
-    def _compiled_attention_plan(self, base: BudgetPlan) -> BudgetPlan | None:
+    def _compiled_attention_plans(self, base: BudgetPlan) -> list[BudgetPlan]:
         """Where ``base`` recomputes compiled blocks: its recomputation with those blocks keeping their attention
-        outputs (saved tensors of their compiled region: the attention forward is not run again in the backward)
-        and every storage offloaded, if the store has room for it all and the model has it under the target.
+        outputs (saved tensors of their compiled region: the attention forward is not run again in the backward),
+        (1) on the device, where ``base`` offloads nothing and the model has them under the target, and (2) with
+        every storage offloaded, if the store has room for it all and the model has it under the target.
         Blocks with dropout are left out: the other compiled graph would draw other masks than the compiled block
         (`datapath.offload.regional_compile`).
         The probe cannot see into a compiled region: each block's attention outputs are taken to be its input's
@@ -75,12 +77,17 @@ class BudgetPlanning:
         inputs = self.profile.block_inputs
         if base.infeasible or not compiled or set(compiled) <= set(base.attention_saved) \
                 or not all(b in inputs for b in compiled):
-            return None
+            return []
+        out = []
+        if not base.offload_bytes:
+            kept = attention_kept_plan(self.profile, base, {b: inputs[b] * 11 // 10 for b in compiled})
+            if kept.predicted_peak <= self.target:
+                out.append(kept)
         attention = sum(inputs[b] for b in compiled) * 11 // 10
         plan = offload_all_plan(self.profile, base, compiled, attention)
-        if plan.offload_bytes > STORE_SHARE * self._attention_room() or plan.predicted_peak > self.target:
-            return None
-        return plan
+        if plan.offload_bytes <= STORE_SHARE * self._attention_room() and plan.predicted_peak <= self.target:
+            out.append(plan)
+        return out
 
     def _keeping_plan(self) -> BudgetPlan | None:
         """Where a step that stored overshot (``keep_target`` above ``target``): the plan storing the fewest bytes
