@@ -64,8 +64,7 @@ class BudgetPlanning:
     def _compiled_attention_plans(self, base: BudgetPlan) -> list[BudgetPlan]:
         """Where ``base`` recomputes compiled blocks: its recomputation with those blocks keeping their attention
         outputs (saved tensors of their compiled region: the attention forward is not run again in the backward),
-        (1) on the device, where ``base`` offloads nothing and the model has them under the target of plans that
-        store nothing (``keep_target``: a step that stored and overshot lowers only ``target``), and (2) with
+        (1) on the device, where ``base`` offloads nothing and the model has them under the target, and (2) with
         every storage offloaded, if the store has room for it all and the model has it under the target.
         Blocks with dropout are left out: the other compiled graph would draw other masks than the compiled block
         (`datapath.offload.regional_compile`).
@@ -80,9 +79,9 @@ class BudgetPlanning:
                 or not all(b in inputs for b in compiled):
             return []
         out = []
-        if not base.offload_bytes:  # it stores nothing: held to the target of such plans (`keep_target`)
+        if not base.offload_bytes:
             kept = attention_kept_plan(self.profile, base, {b: inputs[b] * 11 // 10 for b in compiled})
-            if kept.predicted_peak <= self.keep_target:
+            if kept.predicted_peak <= self.target:
                 out.append(kept)
         attention = sum(inputs[b] for b in compiled) * 11 // 10
         plan = offload_all_plan(self.profile, base, compiled, attention)
