@@ -4,7 +4,6 @@ budget planner choosing it only where the budget has room, and the budget held e
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -207,33 +206,3 @@ def test_whole_model_compile_traces_recomputed_probed_blocks() -> None:
     assert costs.gains() == {}  # not probed while traced
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
-
-
-def test_compiled_blocks_keeping_attention_on_the_device_add_only_what_outlives_their_recomputation() -> None:
-    """`attention_kept_plan` (the budget's candidate for compiled blocks, which the probe cannot see into): a
-    block's kept attention outputs are held from its forward to its backward, where they stand in for what its
-    recomputation allocates.  Where the step's memory rises through the backward (FSDP's gradients accumulating:
-    the peak at the last block's backward), keeping them adds nothing to the peak; where the peak is at the
-    backward's start, it adds what the earlier blocks hold there.  A plan that offloads is refused."""
-    from datapath.offload.budget_planner import BudgetPlan, attention_kept_plan  # noqa: PLC0415
-
-    layers, att = 6, 3 << 20
-    every = tuple(range(layers))
-    kept = {b: att for b in every}
-    flat = _profile(layers)  # every backward interval at the same memory
-    rising = dataclasses.replace(flat, segments=[  # the backward grows 8 MB a block towards the first block
-        dataclasses.replace(s, mem_backward=s.mem_backward + (layers - s.block) * (8 << 20)) if s.is_unit else s
-        for s in flat.segments])
-    for prof in (flat, rising):
-        base_peak = int(modelled_peak(prof, every, 0))
-        base = BudgetPlan(0, 0, every, 0, base_peak, 1.0, base_peak)
-        plan = attention_kept_plan(prof, base, kept)
-        assert plan.attention_saved == every and plan.recompute == every and plan.offload_bytes == 0
-        assert plan.predicted_time == base.predicted_time
-        assert plan.predicted_peak == int(modelled_peak(prof, every, 0, kept))
-        if prof is rising:
-            assert plan.predicted_peak == base_peak  # the last block's backward: nothing kept is still held
-        else:
-            assert plan.predicted_peak > base_peak  # the first backward: five blocks' outputs still held
-    with pytest.raises(ValueError, match="offloads nothing"):
-        attention_kept_plan(flat, BudgetPlan(2, 1 << 20, every, 1 << 20, base_peak, 1.0, base_peak), kept)

@@ -454,23 +454,6 @@ def offload_all_plan(profile: BudgetProfile, plan: BudgetPlan, attention_saved: 
                       plan.budget, min_peak=plan.min_peak, attention_saved=tuple(sorted(attention_saved)))
 
 
-def attention_kept_plan(profile: BudgetProfile, plan: BudgetPlan, attention: dict[int, int]) -> BudgetPlan:
-    """``plan`` with the recomputed blocks of ``attention`` (block -> bytes of their attention outputs) keeping
-    those outputs on the device as saved tensors of their compiled regions (`datapath.offload.regional_compile`),
-    held from a block's forward to its backward, where they stand in for what its recomputation would allocate.
-
-    Its modelled peak is ``plan``'s plus what keeping them adds to the model's peak; its time is not modelled
-    (``plan``'s is kept): a trial measures it.  Only for a plan that offloads nothing: the offloader's cut would
-    take the saved outputs of blocks before it too.
-    """
-    if plan.offload_bytes:
-        raise ValueError("attention_kept_plan takes a plan that offloads nothing")
-    rec = tuple(plan.recompute)
-    added = modelled_peak(profile, rec, 0, attention) - modelled_peak(profile, rec, 0)
-    return dataclasses.replace(plan, predicted_peak=int(plan.predicted_peak + max(0.0, added)),
-                               attention_saved=tuple(sorted(attention)), attention_offloaded=())
-
-
 def checkpoint_plan(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
                     recomputed: tuple[int, ...] | list[int] = ()) -> BudgetPlan:
     """Checkpointing's plan: every block recomputed, the fewest storages outside them offloaded that fit

@@ -16,8 +16,7 @@ import logging
 import time
 
 from datapath.offload.budget_planner import (
-    BudgetPlan, BudgetProfile, attention_kept_plan, checkpoint_plan, modelled_peak, offload_all_plan, plan_budget,
-    shifted)
+    BudgetPlan, BudgetProfile, checkpoint_plan, modelled_peak, offload_all_plan, plan_budget, shifted)
 from datapath.offload.budget_profile import profile_of
 from datapath.offload.plan_trials import MAX_TRIAL_ROUNDS, TRIAL_COSTS
 from datapath.offload.plan_trials import gb as _gb
@@ -58,14 +57,13 @@ class BudgetPlanning:
         # recomputation costs, not what their copies take from the step (kept on the device, they take nothing)
         differs = ckpt.recompute != self.plan.recompute or bool(self.plan.attention_offloaded)
         plans += [ckpt] if differs else []
-        compiled = [c for p in (self.plan, ckpt) for c in self._compiled_attention_plans(p)]
-        return plans + [c for i, c in enumerate(compiled) if c not in compiled[:i]]
+        compiled = [self._compiled_attention_plan(p) for p in (self.plan, ckpt)]
+        return plans + [p for p in compiled if p is not None]
 
-    def _compiled_attention_plans(self, base: BudgetPlan) -> list[BudgetPlan]:
+    def _compiled_attention_plan(self, base: BudgetPlan) -> BudgetPlan | None:
         """Where ``base`` recomputes compiled blocks: its recomputation with those blocks keeping their attention
-        outputs (saved tensors of their compiled region: the attention forward is not run again in the backward),
-        (1) on the device, where ``base`` offloads nothing and the model has them under the target, and (2) with
-        every storage offloaded, if the store has room for it all and the model has it under the target.
+        outputs (saved tensors of their compiled region: the attention forward is not run again in the backward)
+        and every storage offloaded, if the store has room for it all and the model has it under the target.
         Blocks with dropout are left out: the other compiled graph would draw other masks than the compiled block
         (`datapath.offload.regional_compile`).
         The probe cannot see into a compiled region: each block's attention outputs are taken to be its input's
@@ -77,17 +75,12 @@ class BudgetPlanning:
         inputs = self.profile.block_inputs
         if base.infeasible or not compiled or set(compiled) <= set(base.attention_saved) \
                 or not all(b in inputs for b in compiled):
-            return []
-        out = []
-        if not base.offload_bytes:
-            kept = attention_kept_plan(self.profile, base, {b: inputs[b] * 11 // 10 for b in compiled})
-            if kept.predicted_peak <= self.target:
-                out.append(kept)
+            return None
         attention = sum(inputs[b] for b in compiled) * 11 // 10
         plan = offload_all_plan(self.profile, base, compiled, attention)
-        if plan.offload_bytes <= STORE_SHARE * self._attention_room() and plan.predicted_peak <= self.target:
-            out.append(plan)
-        return out
+        if plan.offload_bytes > STORE_SHARE * self._attention_room() or plan.predicted_peak > self.target:
+            return None
+        return plan
 
     def _keeping_plan(self) -> BudgetPlan | None:
         """Where a step that stored overshot (``keep_target`` above ``target``): the plan storing the fewest bytes
