@@ -108,6 +108,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--prefetch", type=int, default=1, help="batches each loader thread prepares ahead [1]")
     p.add_argument("--loader-workers", type=int, default=1, help="loader threads [1]")
     p.add_argument("--sample-blocks-per-sm", type=int, default=32, help="grid of the sampling kernel [32]")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="the GPU sampler launches its kernels one by one instead of replaying a captured CUDA graph")
     p.add_argument("--loader-priority", type=int, default=0, help="CUDA priority of the loader's stream [0]")
     p.add_argument("--no-prepare", action="store_true",
                    help="build the aggregation schedules in the training step (host syncs there) instead of "
@@ -182,7 +184,8 @@ def setup_way(way: str, model_name: str, ds: Any, placed: dict[str, Any], args: 
                         dropout=0.5, heads=args.heads).to(device)
     fused = device.type == "cuda"  # one kernel per step instead of several per parameter, for every way
     opt = torch.optim.Adam(model.parameters(), lr=args.lr, fused=fused)
-    sampler = NeighborSampler(fanouts, seed=args.seed, blocks_per_sm=args.sample_blocks_per_sm)
+    sampler = NeighborSampler(fanouts, seed=args.seed, blocks_per_sm=args.sample_blocks_per_sm,
+                              cuda_graphs=not args.no_cuda_graphs)
     loader = NeighborLoader(graph, ds.train_idx, sampler, args.batch_size,
                             shuffle=True, features=feats, labels=labels, device=device, seed=args.seed,
                             prefetch=args.prefetch, num_workers=args.loader_workers,

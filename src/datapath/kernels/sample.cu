@@ -20,7 +20,9 @@
 // (key, node, step): draw(step) = mix64(mix64(key ^ v) ^ step); an integer in
 // [0, n) is ((draw >> 32) * n) >> 32.  datapath/loaders/_rng.py computes the same
 // bits on the CPU, so both paths produce identical samples.  Degrees must stay
-// below 2^32 (the host checks).
+// below 2^32 (the host checks).  With key_ptr non-null the key is read from device
+// memory instead of the key argument (a CUDA graph replays one launch for every batch:
+// its key changes in memory, not in the launch).
 
 typedef unsigned long long u64;
 
@@ -43,9 +45,10 @@ __device__ __forceinline__ void sample_rows(
     const IP* __restrict__ indptr, const IX* __restrict__ indices, const long long* __restrict__ eids,
     const long long* __restrict__ dst, const long long* __restrict__ n_dst_ptr, long long capacity,
     int k, int replace, u64 key, long long* __restrict__ out_nbr, long long* __restrict__ out_eid,
-    long long* __restrict__ out_cnt) {
+    long long* __restrict__ out_cnt, const u64* __restrict__ key_ptr) {
   const int lane = threadIdx.x & 31;
   const long long n_warps = ((long long)gridDim.x * blockDim.x) >> 5;
+  if (key_ptr) key = *key_ptr;
   const long long n = *n_dst_ptr;
   for (long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; i < capacity; i += n_warps) {
     if (i >= n) {
@@ -103,9 +106,9 @@ __device__ __forceinline__ void sample_rows(
   extern "C" __global__ void NAME(                                                                        \
       const IP* indptr, const IX* indices, const long long* eids, const long long* dst,                   \
       const long long* n_dst_ptr, long long capacity, int k, int replace, u64 key, long long* out_nbr,    \
-      long long* out_eid, long long* out_cnt) {                                                           \
+      long long* out_eid, long long* out_cnt, const u64* key_ptr) {                                       \
     sample_rows<IP, IX>(indptr, indices, eids, dst, n_dst_ptr, capacity, k, replace, key, out_nbr,        \
-                        out_eid, out_cnt);                                                                \
+                        out_eid, out_cnt, key_ptr);                                                       \
   }
 
 DEFINE_SAMPLE(sample_neighbors_i32_i32, int, int)

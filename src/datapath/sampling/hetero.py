@@ -164,7 +164,7 @@ class HeteroNeighborSampler:
         kernels.launch(fn, grid, _THREADS, (
             kernels.ptr(indptr), kernels.ptr(indices), np.uint64(0), kernels.ptr(dst), kernels.ptr(n_dev),
             np.int64(cap), np.int32(k), np.int32(self.replace), np.uint64(key), kernels.ptr(out_nbr),
-            np.uint64(0), kernels.ptr(out_cnt)))
+            np.uint64(0), kernels.ptr(out_cnt), np.uint64(0)))
         ptr = torch.zeros(cap + 1, dtype=torch.int64, device=dev)
         torch.cumsum(out_cnt, 0, out=ptr[1:])
         slot = torch.arange(k, device=dev)

@@ -21,6 +21,7 @@ from datapath._runtime.pinned import fetch_to_host
 from datapath.graph import Graph
 from datapath.memory import host_of, kernel_view
 from datapath.sampling import _rng
+from datapath.sampling._graphed import GraphCache
 from datapath.sampling.block import Block
 from datapath.sampling.errors import SamplingError
 from datapath.sampling.relabel import relabel, relabel_dense
@@ -69,6 +70,9 @@ class NeighborSampler:
         blocks_per_sm: grid of the GPU sampling kernel, in 256-thread blocks per multiprocessor
             (one warp per node, latency-bound on PCIe reads).  Fewer leave room on the GPU for a
             training step running beside the loader's stream.
+        cuda_graphs: on the GPU, capture each batch size's launches once as a CUDA graph and replay it
+            (`datapath.sampling._graphed`): the same blocks for a fraction of the CPU time a batch.  False
+            launches every kernel from Python each batch.
 
     `sample` returns one `Block` per hop, **input layer first** (DGL's order):
     ``blocks[-1].dst_nodes`` are the seeds and ``blocks[0].src_nodes`` the nodes
@@ -76,7 +80,7 @@ class NeighborSampler:
     """
 
     def __init__(self, fanouts: Sequence[int], replace: bool = False, seed: int = 0,
-                 return_edge_ids: bool = False, blocks_per_sm: int = 32) -> None:
+                 return_edge_ids: bool = False, blocks_per_sm: int = 32, cuda_graphs: bool = True) -> None:
         self.fanouts = check_fanouts(fanouts)
         self.replace = bool(replace)
         self.seed = int(seed)
@@ -84,6 +88,7 @@ class NeighborSampler:
         if int(blocks_per_sm) < 1:
             raise SamplingError(f"blocks_per_sm must be >= 1, got {blocks_per_sm}")
         self.blocks_per_sm = int(blocks_per_sm)
+        self.cuda_graphs = bool(cuda_graphs)
         self._local = threading.local()
 
     def __repr__(self) -> str:
@@ -170,30 +175,50 @@ class NeighborSampler:
                 f"GPU sampling reads the graph from unified or cuda memory, but it is in {graph.placement!r}; "
                 f"call graph.to('unified') once (pins in place), or pass CPU seeds"
             )
-        dev = seeds.device
+        keys = [_rng.derive_key(self.seed, step, hop) for hop in range(len(self.fanouts))]
+        if self.cuda_graphs and seeds.numel():
+            cache = getattr(self._local, "graphs", None)
+            if cache is None:
+                cache = self._local.graphs = GraphCache()
+
+            def queue(dst: torch.Tensor, cap: int, n_dev: torch.Tensor, dev_keys: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, list]:
+                return self._queue(graph, dst, cap, n_dev, keys, dev_keys)
+
+            graphed = cache.get(graph, seeds.numel(), seeds.device, len(self.fanouts), queue)
+            if graphed is not None:
+                sizes, pending = graphed.run(seeds, keys)
+                return PendingSample(sizes=sizes, pending=pending)
+        n_dev = torch.full((1,), seeds.numel(), dtype=torch.int64, device=seeds.device)
+        sizes, pending = self._queue(graph, seeds, seeds.numel(), n_dev, keys, None)
+        return PendingSample(sizes=sizes, pending=pending)
+
+    def _queue(self, graph: Graph, dst: torch.Tensor, cap: int, n_dev: torch.Tensor, keys: list[int],
+               dev_keys: torch.Tensor | None) -> tuple[torch.Tensor, list]:
+        """Queue every hop's launches for seeds ``dst`` ((cap,) int64 CUDA, the first ``n_dev[0]`` valid), nothing
+        waiting: ``(sizes, pending)`` for `PendingSample`.  Hop ``h`` draws with ``keys[h]``, or with the key the
+        kernel reads from ``dev_keys[h]`` ((hops,) int64 on the device: a CUDA graph's input)."""
+        dev = dst.device
         indptr, indices, eids = _kernel_views(graph)
         suffix = f"i{32 if indptr.dtype == torch.int32 else 64}_i{32 if indices.dtype == torch.int32 else 64}"
         fn = kernels.get_function("sample.cu", f"sample_neighbors_{suffix}")
         sms = kernels.multiprocessor_count(dev.index)
-        dst = seeds
-        cap = seeds.numel()
-        n_dev = torch.full((1,), cap, dtype=torch.int64, device=dev)
         pending = []  # (indptr_full, indices_buf, unique, eid_buf, fanout) per hop; sizes in `sizes`
         sizes: list[torch.Tensor] = []
         for hop in range(len(self.fanouts)):
             k = self._fanout(graph, hop)
-            key = _rng.derive_key(self.seed, step, hop)
             out_nbr = torch.empty(cap * k, dtype=torch.int64, device=dev)
             out_cnt = torch.empty(cap, dtype=torch.int64, device=dev)
             out_eid = torch.empty(cap * k, dtype=torch.int64, device=dev) if self.return_edge_ids else None
             if cap:
                 warps_per_block = _THREADS // 32
                 grid = max(1, min(-(-cap // warps_per_block), sms * self.blocks_per_sm))
+                key_ptr = np.uint64(0) if dev_keys is None else np.uint64(dev_keys.data_ptr() + 8 * hop)
                 kernels.launch(fn, grid, _THREADS, (
                     kernels.ptr(indptr), kernels.ptr(indices), kernels.ptr(eids) if eids is not None else np.uint64(0),
                     kernels.ptr(dst), kernels.ptr(n_dev), np.int64(cap), np.int32(k), np.int32(self.replace),
-                    np.uint64(key), kernels.ptr(out_nbr),
-                    kernels.ptr(out_eid) if out_eid is not None else np.uint64(0), kernels.ptr(out_cnt)))
+                    np.uint64(keys[hop]), kernels.ptr(out_nbr),
+                    kernels.ptr(out_eid) if out_eid is not None else np.uint64(0), kernels.ptr(out_cnt), key_ptr))
             rows = torch.arange(cap, device=dev)
             valid_dst = rows < n_dev
             valid_nbr = torch.arange(k, device=dev)[None, :] < out_cnt[:, None]  # (cap, k)
@@ -211,7 +236,7 @@ class NeighborSampler:
             sizes += [n_dev, count, indptr_full.index_select(0, n_dev)]
             pending.append((indptr_full, idx_buf, unique, eid_buf, k))
             dst, cap, n_dev = unique, unique.numel(), count
-        return PendingSample(sizes=torch.cat(sizes), pending=pending)
+        return torch.cat(sizes), pending
 
 
 class PendingSample:

@@ -1,0 +1,115 @@
+"""`NeighborSampler`'s GPU hops captured once as a CUDA graph and replayed for every batch.
+
+A sample's GPU work is a fixed sequence of about 25 launches a hop (the sampling kernel,
+the sort-based relabelling, the block's CSR) on arrays whose sizes depend only on the
+seeds' capacity and the fanouts: the sizes of the real sample stay on the device (rows
+past them are padding the kernels skip).  Launched one by one from Python each batch, they
+cost the loader's thread several milliseconds of CPU a batch, which is what a small batch's
+step is made of.  Captured once per (thread, graph, capacity), a batch is one replay:
+the seeds are copied into the graph's input buffer, the count of seeds and each hop's random
+key into its meta buffer (the kernel reads its key from there), and the outputs are copied
+out of the graph's buffers in one copy (the next replay overwrites them while the blocks of
+this one may still be in use).  The blocks are bit-identical to the launches' one by one.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger("datapath.sampling")
+
+Queue = Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, list]]
+"""``queue(dst, capacity, n_dev, keys)``: the hops' launches for seeds ``dst`` ((capacity,) int64, the first
+``n_dev[0]`` valid) with each hop's key read from ``keys`` ((hops,) int64 on the device); returns ``(sizes,
+pending)`` as `datapath.sampling.neighbor_sampler.PendingSample` takes them."""
+
+MAX_GRAPHS = 4
+"""Captured graphs kept per sampler and thread (the least recently used go first): each holds its own memory."""
+
+
+class GraphedSample:
+    """The hops of one sampler for up to ``capacity`` seeds on ``device``, captured as one CUDA graph.
+
+    `run` replays it on the current stream for ``seeds`` ((B,) int64, B <= capacity, on ``device``) and ``keys``
+    (one 64-bit key per hop) and returns ``(sizes, pending)`` in tensors of their own (a copy of the graph's).
+    """
+
+    def __init__(self, queue: Queue, hops: int, capacity: int, device: torch.device) -> None:
+        self.capacity = int(capacity)
+        self.hops = int(hops)
+        self._seeds = torch.zeros(self.capacity, dtype=torch.int64, device=device)
+        self._meta = torch.zeros(1 + self.hops, dtype=torch.int64, device=device)  # [count, key of each hop]
+        self._meta[0] = self.capacity
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up launches outside the capture (workspaces, lazy inits)
+            queue(self._seeds, self.capacity, self._meta[:1], self._meta[1:])
+        torch.cuda.current_stream(device).wait_stream(side)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):
+            sizes, pending = queue(self._seeds, self.capacity, self._meta[:1], self._meta[1:])
+            parts = [sizes] + [t for hop in pending for t in hop[:4] if t is not None]
+            self._out = torch.cat([t.reshape(-1) for t in parts])
+        # where each output lies in the flat copy (static: every replay has the same shapes)
+        self._layout: list[list[tuple[int, int] | None]] = []
+        self._fanouts = [hop[4] for hop in pending]
+        offset = sizes.numel()
+        self._sizes_len = sizes.numel()
+        for hop in pending:
+            spans: list[tuple[int, int] | None] = []
+            for t in hop[:4]:
+                if t is None:
+                    spans.append(None)
+                else:
+                    spans.append((offset, t.numel()))
+                    offset += t.numel()
+            self._layout.append(spans)
+
+    def run(self, seeds: torch.Tensor, keys: list[int]) -> tuple[torch.Tensor, list]:
+        """Replay for ``seeds`` with these hop ``keys``; the outputs are this call's own tensors."""
+        b = seeds.numel()
+        meta = torch.tensor([b] + [k - (1 << 64) if k >= 1 << 63 else k for k in keys], dtype=torch.int64)
+        self._meta.copy_(meta, non_blocking=True)  # from pageable memory: staged before the call returns
+        self._seeds[:b].copy_(seeds)
+        self._graph.replay()
+        flat = self._out.clone()
+        pending = []
+        for spans, fanout in zip(self._layout, self._fanouts):
+            ts = [None if s is None else flat.narrow(0, s[0], s[1]) for s in spans]
+            pending.append((*ts, fanout))
+        return flat[: self._sizes_len], pending
+
+
+class GraphCache:
+    """One thread's captured graphs of one sampler, by (graph, capacity, device); a graph object that died is
+    never matched by another that reuses its id."""
+
+    def __init__(self) -> None:
+        self._graphs: OrderedDict[tuple[int, int, int], tuple[Any, GraphedSample]] = OrderedDict()
+        self.failed = False
+
+    def get(self, graph: Any, batch: int, device: torch.device, hops: int, queue: Queue) -> GraphedSample | None:
+        """A graph for ``batch`` seeds: one captured for at most twice as many is reused (the loader's last,
+        smaller batch), else one is captured for exactly ``batch``.  None once capturing has failed."""
+        if self.failed:
+            return None
+        for key, (ref, g) in reversed(self._graphs.items()):
+            if key[0] == id(graph) and key[2] == device.index and ref() is graph and batch <= g.capacity <= 2 * batch:
+                self._graphs.move_to_end(key)
+                return g
+        try:
+            g = GraphedSample(queue, hops, batch, device)
+        except Exception as exc:  # noqa: BLE001 - a capture may fail in many ways; the launches one by one remain
+            self.failed = True
+            log.warning("sampling: capturing the GPU sampling as a CUDA graph failed (%s: %s); sampling launches "
+                        "its kernels one by one from now on", type(exc).__name__, exc)
+            return None
+        self._graphs[(id(graph), batch, device.index)] = (weakref.ref(graph), g)
+        while len(self._graphs) > MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+        return g
