@@ -5,7 +5,7 @@ the sort-based relabelling, the block's CSR) on arrays whose sizes depend only o
 seeds' capacity and the fanouts: the sizes of the real sample stay on the device (rows
 past them are padding the kernels skip).  Launched one by one from Python each batch, they
 cost the loader's thread several milliseconds of CPU a batch, which is what a small batch's
-step is made of.  Captured once per (thread, graph, capacity), a batch is one replay:
+step is made of.  Captured once per (graph, capacity, stream), a batch is one replay:
 the seeds are copied into the graph's input buffer, the count of seeds and each hop's random
 key into its meta buffer (the kernel reads its key from there), and the outputs are copied
 out of the graph's buffers in one copy (the next replay overwrites them while the blocks of
@@ -14,6 +14,7 @@ this one may still be in use).  The blocks are bit-identical to the launches' on
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -28,8 +29,8 @@ Queue = Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor | None], tuple[t
 ``n_dev[0]`` valid) with each hop's key read from ``keys`` ((hops,) int64 on the device); returns ``(sizes,
 pending)`` as `datapath.sampling.neighbor_sampler.PendingSample` takes them."""
 
-MAX_GRAPHS = 4
-"""Captured graphs kept per sampler and thread (the least recently used go first): each holds its own memory."""
+MAX_GRAPHS = 8
+"""Captured graphs kept per sampler (the least recently used go first): each holds its own memory."""
 
 
 class GraphedSample:
@@ -85,31 +86,52 @@ class GraphedSample:
         return flat[: self._sizes_len], pending
 
 
+_CAPTURE = threading.Lock()
+"""One capture at a time in the process, and graphs are let go under it too: torch registers every captured graph
+with the device's random generator, whose bookkeeping is not safe against concurrent captures and releases."""
+
+
 class GraphCache:
-    """One thread's captured graphs of one sampler, by (graph, capacity, device); a graph object that died is
-    never matched by another that reuses its id."""
+    """A sampler's captured graphs, by (graph, capacity, device, stream): each is replayed on the stream it was
+    made for, its four enqueues at a time under its own lock (threads sharing a stream would interleave them);
+    a graph object that died is never matched by another that reuses its id."""
 
     def __init__(self) -> None:
-        self._graphs: OrderedDict[tuple[int, int, int], tuple[Any, GraphedSample]] = OrderedDict()
+        self._graphs: OrderedDict[tuple[int, int, int, int], tuple[Any, GraphedSample, threading.Lock]] = OrderedDict()
+        self._lock = threading.Lock()
         self.failed = False
 
-    def get(self, graph: Any, batch: int, device: torch.device, hops: int, queue: Queue) -> GraphedSample | None:
-        """A graph for ``batch`` seeds: one captured for at most twice as many is reused (the loader's last,
-        smaller batch), else one is captured for exactly ``batch``.  None once capturing has failed."""
-        if self.failed:
-            return None
-        for key, (ref, g) in reversed(self._graphs.items()):
-            if key[0] == id(graph) and key[2] == device.index and ref() is graph and batch <= g.capacity <= 2 * batch:
-                self._graphs.move_to_end(key)
-                return g
-        try:
-            g = GraphedSample(queue, hops, batch, device)
-        except Exception as exc:  # noqa: BLE001 - a capture may fail in many ways; the launches one by one remain
-            self.failed = True
-            log.warning("sampling: capturing the GPU sampling as a CUDA graph failed (%s: %s); sampling launches "
-                        "its kernels one by one from now on", type(exc).__name__, exc)
-            return None
-        self._graphs[(id(graph), batch, device.index)] = (weakref.ref(graph), g)
-        while len(self._graphs) > MAX_GRAPHS:
-            self._graphs.popitem(last=False)
-        return g
+    def run(self, graph: Any, seeds: torch.Tensor, keys: list[int], hops: int, queue: Queue
+            ) -> tuple[torch.Tensor, list] | None:
+        """Replay the graph for ``seeds`` on the current stream (capturing it first where none fits: one captured
+        for at most twice as many seeds is reused, e.g. for the loader's last, smaller batch); None once a
+        capture has failed (the caller launches the kernels one by one)."""
+        batch, device = seeds.numel(), seeds.device
+        stream = torch.cuda.current_stream(device).cuda_stream
+        with self._lock:
+            if self.failed:
+                return None
+            found = None
+            for key, (ref, g, lock) in reversed(self._graphs.items()):
+                if key[0] == id(graph) and key[2:] == (device.index, stream) and ref() is graph \
+                        and batch <= g.capacity <= 2 * batch:
+                    self._graphs.move_to_end(key)
+                    found = (g, lock)
+                    break
+        if found is None:
+            with _CAPTURE:
+                try:
+                    g = GraphedSample(queue, hops, batch, device)
+                except Exception as exc:  # noqa: BLE001 - a capture fails in many ways; the launches remain
+                    self.failed = True
+                    log.warning("sampling: capturing the GPU sampling as a CUDA graph failed (%s: %s); sampling "
+                                "launches its kernels one by one from now on", type(exc).__name__, exc)
+                    return None
+                with self._lock:
+                    found = (g, threading.Lock())
+                    self._graphs[(id(graph), batch, device.index, stream)] = (weakref.ref(graph), *found)
+                    while len(self._graphs) > MAX_GRAPHS:
+                        self._graphs.popitem(last=False)  # released under the capture lock
+        g, lock = found
+        with lock:
+            return g.run(seeds, keys)

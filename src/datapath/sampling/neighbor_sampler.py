@@ -89,6 +89,7 @@ class NeighborSampler:
             raise SamplingError(f"blocks_per_sm must be >= 1, got {blocks_per_sm}")
         self.blocks_per_sm = int(blocks_per_sm)
         self.cuda_graphs = bool(cuda_graphs)
+        self._graphs = GraphCache()
         self._local = threading.local()
 
     def __repr__(self) -> str:
@@ -177,18 +178,13 @@ class NeighborSampler:
             )
         keys = [_rng.derive_key(self.seed, step, hop) for hop in range(len(self.fanouts))]
         if self.cuda_graphs and seeds.numel():
-            cache = getattr(self._local, "graphs", None)
-            if cache is None:
-                cache = self._local.graphs = GraphCache()
-
             def queue(dst: torch.Tensor, cap: int, n_dev: torch.Tensor, dev_keys: torch.Tensor | None
                       ) -> tuple[torch.Tensor, list]:
                 return self._queue(graph, dst, cap, n_dev, keys, dev_keys)
 
-            graphed = cache.get(graph, seeds.numel(), seeds.device, len(self.fanouts), queue)
-            if graphed is not None:
-                sizes, pending = graphed.run(seeds, keys)
-                return PendingSample(sizes=sizes, pending=pending)
+            out = self._graphs.run(graph, seeds, keys, len(self.fanouts), queue)
+            if out is not None:
+                return PendingSample(sizes=out[0], pending=out[1])
         n_dev = torch.full((1,), seeds.numel(), dtype=torch.int64, device=seeds.device)
         sizes, pending = self._queue(graph, seeds, seeds.numel(), n_dev, keys, None)
         return PendingSample(sizes=sizes, pending=pending)
