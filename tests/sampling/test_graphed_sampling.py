@@ -1,6 +1,7 @@
 """GPU sampling replayed from a captured CUDA graph (``NeighborSampler(cuda_graphs=True)``, the default): blocks
 bit-identical to the kernels launched one by one and to the CPU sampler, on random graphs, fanouts and batch
-sizes; blocks of earlier batches left intact by later replays; the loader's batches unchanged."""
+sizes; blocks of earlier batches left intact by later replays; the loader's batches unchanged, with dropout
+drawn in the training thread while producer threads sample (a capture there made the dropout fail)."""
 from __future__ import annotations
 
 import random
@@ -59,6 +60,7 @@ def test_graphed_sampling_equals_the_launches_and_the_cpu_on_random_shapes(cuda_
         graphed, launched = NeighborSampler(fanouts, **kw), NeighborSampler(fanouts, cuda_graphs=False, **kw)
         placed = graph.to(rng.choice(["unified", "cuda"]))
         big = rng.randint(1, graph.num_nodes)
+        assert graphed.capture_cuda_graphs(placed, [big], cuda_device)
         kept = []
         for step in range(4):
             b = big if step == 0 else rng.randint(max(1, big // 2), big)  # the last, smaller batch reuses it
@@ -82,6 +84,7 @@ def test_graphed_sampling_cuts_host_time(cuda_device) -> None:
     seeds = torch.randperm(graph.num_nodes)[:512].to(cuda_device)
 
     def host_ms(sampler: NeighborSampler) -> float:
+        sampler.capture_cuda_graphs(graph, [512], cuda_device)
         for step in range(3):
             sampler._launch(graph, seeds, step).blocks()
         t0 = time.thread_time()
@@ -92,10 +95,12 @@ def test_graphed_sampling_cuts_host_time(cuda_device) -> None:
     launched = host_ms(NeighborSampler([15, 10, 5], cuda_graphs=False))
     graphed = host_ms(NeighborSampler([15, 10, 5]))
     assert graphed < 0.5 * launched, (graphed, launched)
+    assert not NeighborSampler([15, 10, 5], cuda_graphs=False).capture_cuda_graphs(graph, [512], cuda_device)
 
 
 def test_loader_batches_are_the_same_with_graphed_sampling(cuda_device) -> None:
-    """The prefetching loader (its producer threads each capture their own graphs) gives the same batches."""
+    """The prefetching loader (captured as the epoch begins, replayed by two producer threads on their own
+    streams) gives the same batches."""
     graph = _graph(random.Random(11))
     while graph.num_nodes < 600:
         graph = _graph(random.Random(graph.num_nodes + 12))
@@ -106,7 +111,11 @@ def test_loader_batches_are_the_same_with_graphed_sampling(cuda_device) -> None:
         loader = NeighborLoader(unified, torch.arange(graph.num_nodes), NeighborSampler([6, 4], cuda_graphs=graphs),
                                 batch_size=128, shuffle=True, features=to_placement(feats, "unified"), device=cuda_device,
                                 num_workers=2, prefetch=2)
-        batches[graphs] = [(b.seeds.cpu(), b.x.cpu(), b.blocks) for b in loader]
+        got = []
+        for b in loader:  # the training thread draws dropout masks while the producers sample
+            torch.nn.functional.dropout(torch.ones(4096, device=cuda_device), 0.5)
+            got.append((b.seeds.cpu(), b.x.cpu(), b.blocks))
+        batches[graphs] = got
         loader.close()
     assert len(batches[True]) == len(batches[False]) == -(-graph.num_nodes // 128)
     for (s1, x1, b1), (s2, x2, b2) in zip(batches[True], batches[False]):

@@ -119,6 +119,7 @@ class DistributedNeighborLoader(NeighborLoader):
             off, cnt = self.rank_batch(i)
             start = i * self.batch_size + off
             work.append((order[start:start + cnt], epoch * g + i))
+        self._capture_graphs([b.numel() for b, _ in work])
         if self.prefetch == 0:
             return (self._make(b, s) for b, s in work)
         return self._prefetched(work)

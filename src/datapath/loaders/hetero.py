@@ -16,7 +16,6 @@ events and the tensors are ``record_stream``-ed.
 """
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass

@@ -181,9 +181,17 @@ class NeighborLoader:
             order = self.seeds[torch.randperm(self.seeds.numel(), generator=gen)]
         batches = [order[i * self.batch_size:(i + 1) * self.batch_size] for i in range(len(self))]
         steps = [epoch * len(self) + i for i in range(len(batches))]
+        self._capture_graphs([b.numel() for b in batches])
         if self.prefetch == 0:
             return (self._make(b, s) for b, s in zip(batches, steps))
         return self._prefetched(list(zip(batches, steps)), self._schedule(batches, steps))
+
+    def _capture_graphs(self, sizes: list[int]) -> None:
+        """Capture the GPU sampler's graphs for this epoch's batch sizes, here in the thread that iterates (that
+        trains), not in the producers: while torch captures a graph, a dropout drawn on another thread fails
+        (`NeighborSampler.capture_cuda_graphs`)."""
+        if self.sample_device.type == "cuda" and sizes:
+            self.sampler.capture_cuda_graphs(self.graph, set(sizes), self.sample_device)
 
     def _prefetched(self, work: list[tuple[torch.Tensor, int]], schedule: Schedule | None = None) -> PrefetchIter:
         """One epoch of ``work`` ((seeds, step) pairs) made by background threads from this loader's steps."""

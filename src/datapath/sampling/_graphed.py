@@ -5,7 +5,7 @@ the sort-based relabelling, the block's CSR) on arrays whose sizes depend only o
 seeds' capacity and the fanouts: the sizes of the real sample stay on the device (rows
 past them are padding the kernels skip).  Launched one by one from Python each batch, they
 cost the loader's thread several milliseconds of CPU a batch, which is what a small batch's
-step is made of.  Captured once per (graph, capacity, stream), a batch is one replay:
+step is made of.  Captured once per (graph, capacity), a batch is one replay:
 the seeds are copied into the graph's input buffer, the count of seeds and each hop's random
 key into its meta buffer (the kernel reads its key from there), and the outputs are copied
 out of the graph's buffers in one copy (the next replay overwrites them while the blocks of
@@ -91,47 +91,73 @@ _CAPTURE = threading.Lock()
 with the device's random generator, whose bookkeeping is not safe against concurrent captures and releases."""
 
 
+class _Entry:
+    """A captured graph, the lock its replays' enqueues take, and the stream and event of its last replay."""
+
+    def __init__(self, graph: Any, sample: GraphedSample) -> None:
+        self.ref = weakref.ref(graph)
+        self.sample = sample
+        self.lock = threading.Lock()
+        self.stream: torch.cuda.Stream | None = None
+        self.done: torch.cuda.Event | None = None
+
+
 class GraphCache:
-    """A sampler's captured graphs, by (graph, capacity, device, stream): each is replayed on the stream it was
-    made for, its four enqueues at a time under its own lock (threads sharing a stream would interleave them);
-    a graph object that died is never matched by another that reuses its id."""
+    """A sampler's captured graphs, by (graph, capacity, device).
+
+    Capturing is a step of its own (`capture`), taken where nothing else in the process draws from the GPU's
+    random generator: while torch captures a graph it marks the device's generator as capturing, and a dropout
+    drawn meanwhile on another thread fails ("Offset increment outside graph capture").  The loader captures as
+    an epoch begins, in the thread that iterates it; its producer threads only replay.  A replay may run on any
+    stream: one on another stream than the last waits for it (the graph's input and output buffers are shared).
+    A graph object that died is never matched by another that reuses its id.
+    """
 
     def __init__(self) -> None:
-        self._graphs: OrderedDict[tuple[int, int, int, int], tuple[Any, GraphedSample, threading.Lock]] = OrderedDict()
+        self._graphs: OrderedDict[tuple[int, int, int], _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self.failed = False
 
-    def run(self, graph: Any, seeds: torch.Tensor, keys: list[int], hops: int, queue: Queue
-            ) -> tuple[torch.Tensor, list] | None:
-        """Replay the graph for ``seeds`` on the current stream (capturing it first where none fits: one captured
-        for at most twice as many seeds is reused, e.g. for the loader's last, smaller batch); None once a
-        capture has failed (the caller launches the kernels one by one)."""
-        batch, device = seeds.numel(), seeds.device
-        stream = torch.cuda.current_stream(device).cuda_stream
+    def _find(self, graph: Any, batch: int, device: torch.device) -> _Entry | None:
+        """A graph for ``batch`` seeds: one captured for at most twice as many (the loader's last, smaller batch)."""
         with self._lock:
-            if self.failed:
-                return None
-            found = None
-            for key, (ref, g, lock) in reversed(self._graphs.items()):
-                if key[0] == id(graph) and key[2:] == (device.index, stream) and ref() is graph \
-                        and batch <= g.capacity <= 2 * batch:
+            for key, e in reversed(self._graphs.items()):
+                if key[0] == id(graph) and key[2] == device.index and e.ref() is graph \
+                        and batch <= e.sample.capacity <= 2 * batch:
                     self._graphs.move_to_end(key)
-                    found = (g, lock)
-                    break
-        if found is None:
-            with _CAPTURE:
-                try:
-                    g = GraphedSample(queue, hops, batch, device)
-                except Exception as exc:  # noqa: BLE001 - a capture fails in many ways; the launches remain
-                    self.failed = True
-                    log.warning("sampling: capturing the GPU sampling as a CUDA graph failed (%s: %s); sampling "
-                                "launches its kernels one by one from now on", type(exc).__name__, exc)
-                    return None
-                with self._lock:
-                    found = (g, threading.Lock())
-                    self._graphs[(id(graph), batch, device.index, stream)] = (weakref.ref(graph), *found)
-                    while len(self._graphs) > MAX_GRAPHS:
-                        self._graphs.popitem(last=False)  # released under the capture lock
-        g, lock = found
-        with lock:
-            return g.run(seeds, keys)
+                    return e
+        return None
+
+    def capture(self, graph: Any, batch: int, device: torch.device, hops: int, queue: Queue) -> bool:
+        """Capture a graph for ``batch`` seeds unless one fits; False once a capture has failed."""
+        if self.failed:
+            return False
+        if batch < 1 or self._find(graph, batch, device) is not None:
+            return True
+        with _CAPTURE:
+            try:
+                g = GraphedSample(queue, hops, batch, device)
+            except Exception as exc:  # noqa: BLE001 - a capture fails in many ways; the launches remain
+                self.failed = True
+                log.warning("sampling: capturing the GPU sampling as a CUDA graph failed (%s: %s); sampling "
+                            "launches its kernels one by one from now on", type(exc).__name__, exc)
+                return False
+            with self._lock:
+                self._graphs[(id(graph), batch, device.index)] = _Entry(graph, g)
+                while len(self._graphs) > MAX_GRAPHS:
+                    self._graphs.popitem(last=False)  # released under the capture lock
+        return True
+
+    def run(self, graph: Any, seeds: torch.Tensor, keys: list[int]) -> tuple[torch.Tensor, list] | None:
+        """Replay a captured graph for ``seeds`` on the current stream; None where none was captured for them."""
+        e = self._find(graph, seeds.numel(), seeds.device)
+        if e is None:
+            return None
+        stream = torch.cuda.current_stream(seeds.device)
+        with e.lock:
+            if e.done is not None and e.stream != stream:
+                stream.wait_event(e.done)
+            out = e.sample.run(seeds, keys)
+            e.stream, e.done = stream, torch.cuda.Event()
+            e.done.record(stream)
+        return out

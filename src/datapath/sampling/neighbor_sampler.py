@@ -70,9 +70,9 @@ class NeighborSampler:
         blocks_per_sm: grid of the GPU sampling kernel, in 256-thread blocks per multiprocessor
             (one warp per node, latency-bound on PCIe reads).  Fewer leave room on the GPU for a
             training step running beside the loader's stream.
-        cuda_graphs: on the GPU, capture each batch size's launches once as a CUDA graph and replay it
-            (`datapath.sampling._graphed`): the same blocks for a fraction of the CPU time a batch.  False
-            launches every kernel from Python each batch.
+        cuda_graphs: on the GPU, replay the launches of a batch from a CUDA graph captured once per batch size
+            (`capture_cuda_graphs`; `NeighborLoader` captures as each epoch begins): the same blocks for a
+            fraction of the host time a batch.  False launches every kernel from Python each batch.
 
     `sample` returns one `Block` per hop, **input layer first** (DGL's order):
     ``blocks[-1].dst_nodes`` are the seeds and ``blocks[0].src_nodes`` the nodes
@@ -137,6 +137,33 @@ class NeighborSampler:
             raise SamplingError("the graph is in GPU memory but the seeds are on the CPU; pass CUDA seeds")
         return PendingSample(blocks=self._sample_cpu(graph, seeds, step))
 
+    def capture_cuda_graphs(self, graph: Graph, batch_sizes: Sequence[int], device: torch.device | str) -> bool:
+        """Capture the GPU sampling of batches of these sizes from ``graph`` as CUDA graphs (``cuda_graphs``), so
+        that `sample` replays one graph a batch instead of launching each kernel: the same blocks for a fraction of
+        the host time.  A graph captured for B seeds serves batches of B/2 to B.  Call it where no other thread
+        draws from the GPU's random generator at the same moment (torch marks the generator while it captures):
+        `NeighborLoader` calls it as each epoch begins.  Returns False where nothing is captured (``cuda_graphs``
+        off, a CPU device or graph, a capture that failed: sampling then launches its kernels)."""
+        device = torch.device(device)
+        if not self.cuda_graphs or device.type != "cuda" or graph.placement not in ("unified", "cuda"):
+            return False
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if _max_degree(graph) > _MAX_DEGREE:
+            return False
+        hops = len(self.fanouts)
+        ok = True
+        for b in sorted({int(b) for b in batch_sizes}, reverse=True):
+            keys = [0] * hops  # the captured launches read each batch's keys from device memory
+
+            def queue(dst: torch.Tensor, cap: int, n_dev: torch.Tensor, dev_keys: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, list]:
+                return self._queue(graph, dst, cap, n_dev, keys, dev_keys)
+
+            with torch.cuda.device(device):
+                ok = self._graphs.capture(graph, b, device, hops, queue) and ok
+        return ok
+
     # -- CPU ---------------------------------------------------------------------------------
     def _scratch(self, num_nodes: int) -> np.ndarray:
         """This thread's (num_nodes,) int64 relabel scratch, all -1 (kept between calls)."""
@@ -178,11 +205,7 @@ class NeighborSampler:
             )
         keys = [_rng.derive_key(self.seed, step, hop) for hop in range(len(self.fanouts))]
         if self.cuda_graphs and seeds.numel():
-            def queue(dst: torch.Tensor, cap: int, n_dev: torch.Tensor, dev_keys: torch.Tensor | None
-                      ) -> tuple[torch.Tensor, list]:
-                return self._queue(graph, dst, cap, n_dev, keys, dev_keys)
-
-            out = self._graphs.run(graph, seeds, keys, len(self.fanouts), queue)
+            out = self._graphs.run(graph, seeds, keys)
             if out is not None:
                 return PendingSample(sizes=out[0], pending=out[1])
         n_dev = torch.full((1,), seeds.numel(), dtype=torch.int64, device=seeds.device)
