@@ -1,7 +1,8 @@
 """Data-parallel GNN training over ONE shared host copy of the graph and features: 1 GPU vs N GPUs.
 
 Setup (the products shape, GraphSAGE as B2): 3 layers, fanouts 15/10/5, hidden 256, dropout 0.5,
-Adam 3e-3.  Each job (1 process, then N processes, spawned by `datapath.loaders.distributed.launch`)
+Adam 3e-3 (fused on the GPU), the aggregation schedules built in the loader's thread (``prepare``, as
+``train-gnn`` and B2 do; ``--no-prepare``: in the training step, Adam unfused).  Each job (1 process, then N processes, spawned by `datapath.loaders.distributed.launch`)
 generates the dataset on rank 0's GPU, shares graph, features, labels and splits ONCE in
 ``/dev/shm`` (`datapath.unified_tensor.share`); the other ranks attach and pin the same pages.
 Every rank samples on its GPU from the shared graph and gathers its feature rows zero-copy.
@@ -66,6 +67,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--max-batches", type=int, default=None,
                    help="cut each timed epoch to this many steps per rank [full epoch; quick 6]")
     p.add_argument("--modes", default="weak,strong")
+    p.add_argument("--no-prepare", action="store_true",
+                   help="build the aggregation schedules in the training step, not in the loader's thread "
+                        "(`prepare=model.prepare_batch`, what `train-gnn` and B2 do), and Adam unfused")
     p.add_argument("--bw-rows", type=int, default=1 << 19, help="rows per gather in the contention test")
     p.add_argument("--bw-copy-mb", type=int, default=512, help="MB per DMA copy in the contention test")
     p.add_argument("--bw-iters", type=int, default=20)
@@ -159,13 +163,16 @@ def bench_worker(args: argparse.Namespace, spec: SyntheticSpec) -> dict[str, Any
     res["modes"] = {}
     for mode in args.modes.split(","):
         per_rank = args.batch_size if mode == "weak" else max(1, args.batch_size // ctx.world_size)
-        loader = DistributedNeighborLoader(ds.graph, ds.train_idx, NeighborSampler(fanouts, seed=args.seed),
-                                           per_rank, shuffle=True, rank=ctx.rank, world_size=ctx.world_size,
-                                           features=ds.features, labels=ds.labels, device=dev, seed=args.seed)
         torch.manual_seed(args.seed)
         net = build_model("sage", ds.num_features, args.hidden, ds.num_classes, len(fanouts), dropout=0.5).to(dev)
+        # as `train-gnn` does: the aggregation schedules are built in the loader's thread
+        prepare = None if args.no_prepare else net.prepare_batch
+        loader = DistributedNeighborLoader(ds.graph, ds.train_idx, NeighborSampler(fanouts, seed=args.seed),
+                                           per_rank, shuffle=True, rank=ctx.rank, world_size=ctx.world_size,
+                                           features=ds.features, labels=ds.labels, device=dev, seed=args.seed,
+                                           prepare=prepare)
         model = wrap_ddp(net, ctx)
-        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr, fused=dev.type == "cuda" and not args.no_prepare)
         loss_fn = global_mean_loss(ctx.world_size)
         warm = train_epoch(model, loader, opt, max_batches=args.warmup, loss_fn=loss_fn)
         ctx.barrier()

@@ -98,6 +98,19 @@ def test_graphed_sampling_cuts_host_time(cuda_device) -> None:
     assert not NeighborSampler([15, 10, 5], cuda_graphs=False).capture_cuda_graphs(graph, [512], cuda_device)
 
 
+def test_a_graph_captured_under_other_settings_is_not_replayed(cuda_device) -> None:
+    """The settings are public attributes: changed after the capture, the launches (not the old graph) run."""
+    graph = _graph(random.Random(7)).to("unified")
+    seeds = torch.randperm(graph.num_nodes)[:64].to(cuda_device)
+    sampler = NeighborSampler([4, 3], seed=3)
+    assert sampler.capture_cuda_graphs(graph, [64], cuda_device)
+    sampler.return_edge_ids = True
+    got = sampler.sample(graph, seeds, step=2)
+    assert all(b.edge_ids is not None for b in got)
+    _same(got, NeighborSampler([4, 3], seed=3, return_edge_ids=True, cuda_graphs=False).sample(graph, seeds, step=2),
+          "settings changed")
+
+
 def test_loader_batches_are_the_same_with_graphed_sampling(cuda_device) -> None:
     """The prefetching loader (captured as the epoch begins, replayed by two producer threads on their own
     streams) gives the same batches."""

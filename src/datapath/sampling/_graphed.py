@@ -103,7 +103,7 @@ class _Entry:
 
 
 class GraphCache:
-    """A sampler's captured graphs, by (graph, capacity, device).
+    """A sampler's captured graphs, by (graph, capacity, device, the sampler's settings that shape the launches).
 
     Capturing is a step of its own (`capture`), taken where nothing else in the process draws from the GPU's
     random generator: while torch captures a graph it marks the device's generator as capturing, and a dropout
@@ -114,25 +114,27 @@ class GraphCache:
     """
 
     def __init__(self) -> None:
-        self._graphs: OrderedDict[tuple[int, int, int], _Entry] = OrderedDict()
+        self._graphs: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self.failed = False
 
-    def _find(self, graph: Any, batch: int, device: torch.device) -> _Entry | None:
+    def _find(self, graph: Any, batch: int, device: torch.device, config: tuple[Any, ...]) -> _Entry | None:
         """A graph for ``batch`` seeds: one captured for at most twice as many (the loader's last, smaller batch)."""
         with self._lock:
             for key, e in reversed(self._graphs.items()):
-                if key[0] == id(graph) and key[2] == device.index and e.ref() is graph \
+                if key[0] == id(graph) and key[2:] == (device.index, config) and e.ref() is graph \
                         and batch <= e.sample.capacity <= 2 * batch:
                     self._graphs.move_to_end(key)
                     return e
         return None
 
-    def capture(self, graph: Any, batch: int, device: torch.device, hops: int, queue: Queue) -> bool:
-        """Capture a graph for ``batch`` seeds unless one fits; False once a capture has failed."""
+    def capture(self, graph: Any, batch: int, device: torch.device, hops: int, queue: Queue,
+                config: tuple[Any, ...]) -> bool:
+        """Capture a graph for ``batch`` seeds unless one fits; False once a capture has failed.  ``config``: the
+        sampler's settings the launches depend on (a graph captured under others is not replayed)."""
         if self.failed:
             return False
-        if batch < 1 or self._find(graph, batch, device) is not None:
+        if batch < 1 or self._find(graph, batch, device, config) is not None:
             return True
         with _CAPTURE:
             try:
@@ -143,14 +145,15 @@ class GraphCache:
                             "launches its kernels one by one from now on", type(exc).__name__, exc)
                 return False
             with self._lock:
-                self._graphs[(id(graph), batch, device.index)] = _Entry(graph, g)
+                self._graphs[(id(graph), batch, device.index, config)] = _Entry(graph, g)
                 while len(self._graphs) > MAX_GRAPHS:
                     self._graphs.popitem(last=False)  # released under the capture lock
         return True
 
-    def run(self, graph: Any, seeds: torch.Tensor, keys: list[int]) -> tuple[torch.Tensor, list] | None:
+    def run(self, graph: Any, seeds: torch.Tensor, keys: list[int], config: tuple[Any, ...]
+            ) -> tuple[torch.Tensor, list] | None:
         """Replay a captured graph for ``seeds`` on the current stream; None where none was captured for them."""
-        e = self._find(graph, seeds.numel(), seeds.device)
+        e = self._find(graph, seeds.numel(), seeds.device, config)
         if e is None:
             return None
         stream = torch.cuda.current_stream(seeds.device)

@@ -161,8 +161,12 @@ class NeighborSampler:
                 return self._queue(graph, dst, cap, n_dev, keys, dev_keys)
 
             with torch.cuda.device(device):
-                ok = self._graphs.capture(graph, b, device, hops, queue) and ok
+                ok = self._graphs.capture(graph, b, device, hops, queue, self._launch_config()) and ok
         return ok
+
+    def _launch_config(self) -> tuple[Any, ...]:
+        """The settings a captured graph's launches were made with (a graph made under others is not replayed)."""
+        return (tuple(self.fanouts), self.replace, self.return_edge_ids, self.blocks_per_sm)
 
     # -- CPU ---------------------------------------------------------------------------------
     def _scratch(self, num_nodes: int) -> np.ndarray:
@@ -205,7 +209,7 @@ class NeighborSampler:
             )
         keys = [_rng.derive_key(self.seed, step, hop) for hop in range(len(self.fanouts))]
         if self.cuda_graphs and seeds.numel():
-            out = self._graphs.run(graph, seeds, keys)
+            out = self._graphs.run(graph, seeds, keys, self._launch_config())
             if out is not None:
                 return PendingSample(sizes=out[0], pending=out[1])
         n_dev = torch.full((1,), seeds.numel(), dtype=torch.int64, device=seeds.device)
