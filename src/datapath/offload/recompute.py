@@ -139,11 +139,13 @@ def _wrap(block: nn.Module, original: Any) -> Any:
             try:
                 return saving(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as e:
+                lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+                cause = lines[1] if len(lines) > 1 else lines[0]  # "backend='inductor' raised:", then the error
                 raise OffloadConfigError(
                     f"compiling {type(block).__name__}'s recomputation that keeps its attention outputs failed "
-                    f"({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}). On the GPU this "
-                    f"is what dropout inside the block gives (torch's partitioner rejects saving its random draws): "
-                    f"recompute the block without attention_saved, or leave it uncompiled") from e
+                    f"({cause}). On the GPU this is what dropout inside the block gives (torch's partitioner rejects "
+                    f"saving its random draws): recompute the block without attention_saved, or leave it "
+                    f"uncompiled") from e
         return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True,
                           context_fn=_context_fn(block), **kwargs)
     return forward
