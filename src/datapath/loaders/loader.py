@@ -191,7 +191,7 @@ class NeighborLoader:
         trains), not in the producers: while torch captures a graph, a dropout drawn on another thread fails
         (`NeighborSampler.capture_cuda_graphs`)."""
         if self.sample_device.type == "cuda" and sizes:
-            self.sampler.capture_cuda_graphs(self.graph, set(sizes), self.sample_device)
+            self.sampler.capture_cuda_graphs(self.graph, sizes, self.sample_device)
 
     def _prefetched(self, work: list[tuple[torch.Tensor, int]], schedule: Schedule | None = None) -> PrefetchIter:
         """One epoch of ``work`` ((seeds, step) pairs) made by background threads from this loader's steps."""

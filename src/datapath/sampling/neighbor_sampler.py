@@ -152,14 +152,14 @@ class NeighborSampler:
         if _max_degree(graph) > _MAX_DEGREE:
             return False
         hops = len(self.fanouts)
+        keys = [0] * hops  # the captured launches read each batch's keys from device memory
+
+        def queue(dst: torch.Tensor, cap: int, n_dev: torch.Tensor, dev_keys: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, list]:
+            return self._queue(graph, dst, cap, n_dev, keys, dev_keys)
+
         ok = True
         for b in sorted({int(b) for b in batch_sizes}, reverse=True):
-            keys = [0] * hops  # the captured launches read each batch's keys from device memory
-
-            def queue(dst: torch.Tensor, cap: int, n_dev: torch.Tensor, dev_keys: torch.Tensor | None
-                      ) -> tuple[torch.Tensor, list]:
-                return self._queue(graph, dst, cap, n_dev, keys, dev_keys)
-
             with torch.cuda.device(device):
                 ok = self._graphs.capture(graph, b, device, hops, queue, self._launch_config()) and ok
         return ok
