@@ -45,3 +45,44 @@ def test_allow_nonfinite_trains_on(tmp_path: Path, capsys: pytest.CaptureFixture
     d = _dataset(tmp_path / "ds", "all")
     assert main(["train-gnn", "--dataset", str(d), *ARGS, "--allow-nonfinite"]) == 0
     assert "loss nan" in capsys.readouterr().out
+
+
+def _loader(device: str):
+    from datapath.loaders import NeighborLoader
+
+    g = torch.Generator().manual_seed(9)
+    n = 2000
+    graph = Graph.from_edge_index(torch.randint(0, n, (2, 20000), generator=g), n)
+    feats, labels = torch.randn(n, 12, generator=g), torch.randint(0, 4, (n,), generator=g)
+    if device == "cuda":
+        graph, feats, labels = graph.to("unified"), feats.pin_memory(), labels.pin_memory()
+    return NeighborLoader(graph, torch.arange(n), [5, 3], 40, shuffle=True, features=feats, labels=labels,
+                          device=device)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("bad", [0, 5, 17, 49])
+def test_a_nan_loss_stops_the_epoch_naming_its_batch(device: str, bad: int) -> None:
+    """The first batch whose loss is NaN is named (1-based) however late the host reads the device's flag: on a GPU
+    it is read without waiting (a copy a few batches later, or at the epoch's end: batch 49 is the last)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from datapath.apps import train_epoch
+    from datapath.apps.errors import NonFiniteLossError
+    from datapath.nn.models import build_model
+
+    loader = _loader(device)
+    assert len(loader) == 50
+    model = build_model("sage", 12, 16, 4, 2, dropout=0.0).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+
+    def loss_fn(out: torch.Tensor, batch) -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(out, batch.y)
+        seen.append(len(seen))
+        return loss * float("nan") if len(seen) - 1 >= bad else loss
+
+    with pytest.raises(NonFiniteLossError, match=rf"^epoch 3, batch {bad + 1}: the loss is nan \(not finite\)"):
+        train_epoch(model, loader, opt, loss_fn=loss_fn, epoch=2)
+    # the CPU stops at the bad batch; a GPU within a few batches of it (never before)
+    assert len(seen) == bad + 1 if device == "cpu" else bad + 1 <= len(seen) <= min(50, bad + 1 + 3 * 8)

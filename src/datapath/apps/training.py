@@ -6,6 +6,7 @@ is measured with CUDA events read at the end), so batch preparation overlaps tra
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -85,9 +86,9 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
     ``loss_fn(out, batch)``: the loss to minimise (default: mean cross-entropy of ``out``
     against ``batch.y``); data-parallel training passes its share of the global batch's mean.
     A NaN or infinite loss raises `NonFiniteLossError` naming ``epoch`` and the batch (and whether
-    that batch's features were non-finite): checked at every batch on the CPU, every
-    ``NONFINITE_CHECK_EVERY`` batches on a GPU (the flag stays on the device in between, so no
-    batch waits).  ``allow_nonfinite``: train on regardless.
+    that batch's features were non-finite): checked at every batch on the CPU; on a GPU the flag
+    stays on the device and the host reads a copy a few batches later (`_FiniteWatch`: no batch
+    waits for the GPU), and at the epoch's end.  ``allow_nonfinite``: train on regardless.
     """
     cuda = loader.device.type == "cuda"
     proc = psutil.Process()
@@ -101,7 +102,7 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
     correct = torch.zeros((), dtype=torch.int64, device=dev)
     seen = 0
     losses: list[torch.Tensor] = []
-    first_bad = torch.full((), -1, dtype=torch.int64, device=dev)  # the first batch whose loss was not finite
+    watch = _FiniteWatch(dev)
     events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     sample_s = gather_s = wait_s = train_wall = consumer_cpu = producer_cpu = producer_wait = 0.0
     n = 0
@@ -130,12 +131,12 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
             else:
                 train_wall += time.perf_counter() - tt
             d = loss.detach()
-            if not allow_nonfinite:
-                first_bad = torch.where((first_bad < 0) & ~torch.isfinite(d), n, first_bad)
-                if (not cuda or n % NONFINITE_CHECK_EVERY == NONFINITE_CHECK_EVERY - 1) and int(first_bad) >= 0:
-                    _raise_nonfinite(int(first_bad), epoch, losses + [d], batch if int(first_bad) == n else None)
             loss_sum += d
             losses.append(d)
+            if not allow_nonfinite:
+                bad = watch.seen(loss_sum, losses)
+                if bad is not None:
+                    _raise_nonfinite(bad, epoch, losses, batch if bad == n else None)
             correct += (out.detach().argmax(1) == batch.y).sum()
             seen += batch.y.numel()
             consumer_cpu += time.thread_time() - ct
@@ -153,12 +154,13 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
             close()
     if cuda:
         torch.cuda.synchronize(dev)
-    if not allow_nonfinite and int(first_bad) >= 0:
-        _raise_nonfinite(int(first_bad), epoch, losses, None)
+    loss_list = torch.stack(losses).tolist() if losses else []
+    bad = None if allow_nonfinite else _first_nonfinite(loss_list)
+    if bad is not None:
+        _raise_nonfinite(bad, epoch, losses, None)
     epoch_s = time.perf_counter() - t0
     cpu_s = _cpu_seconds(proc) - cpu0
     train_s = sum(a.elapsed_time(b) for a, b in events) / 1e3 if cuda else train_wall
-    loss_list = torch.stack(losses).tolist() if losses else []
     return EpochStats(
         batches=n, epoch_s=epoch_s, sample_s=sample_s, gather_s=gather_s, train_s=train_s, wait_s=wait_s,
         cpu_s=cpu_s, loss=float(loss_sum) / max(n, 1), train_acc=int(correct) / max(seen, 1),
@@ -168,7 +170,41 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
     )
 
 
-NONFINITE_CHECK_EVERY = 8  # GPU batches between two looks at the device-side non-finite flag
+NONFINITE_CHECK_EVERY = 8  # GPU batches between two copies of the device-side non-finite flag to the host
+
+
+class _FiniteWatch:
+    """Whether a loss of the epoch was not finite, read by the host without waiting for the GPU.
+
+    The epoch's running sum of losses stays non-finite once one loss was, so no per-batch work is needed: every
+    `NONFINITE_CHECK_EVERY` batches on a GPU its finiteness is copied to pinned memory behind an event, and read at
+    the first later batch that finds the copy done (waiting for the GPU would drain the queue of launched work
+    that lets the host run ahead); on the CPU each batch's loss is read.  Found, the first non-finite batch is
+    looked up in the losses (a wait, on the way to the error)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._host = torch.empty((), dtype=torch.bool, pin_memory=True) if self.cuda else None
+        self._copied: torch.cuda.Event | None = None
+
+    def seen(self, loss_sum: torch.Tensor, losses: list[torch.Tensor]) -> int | None:
+        """The first batch (0-based) whose loss in ``losses`` was not finite, where the host knows of one now;
+        None otherwise.  ``loss_sum``: the sum of ``losses``, a 0-d tensor on the device."""
+        if not self.cuda:
+            return None if math.isfinite(float(losses[-1])) else len(losses) - 1
+        if self._copied is not None and self._copied.query():
+            self._copied = None
+            if not bool(self._host):  # (a sum that overflowed while every loss is finite: None, as it should)
+                return _first_nonfinite(torch.stack(losses).tolist())
+        if self._copied is None and len(losses) % NONFINITE_CHECK_EVERY == 0:
+            self._host.copy_(torch.isfinite(loss_sum), non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return None
+
+
+def _first_nonfinite(values: list[float]) -> int | None:
+    return next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
 
 
 def _raise_nonfinite(index: int, epoch: int | None, losses: list[torch.Tensor], batch: Any) -> None:
