@@ -144,3 +144,24 @@ def test_sigterm_handler_is_only_installed_from_the_main_thread(tmp_path: Path) 
     assert made and made[0].path.is_dir()
     made[0].remove()
     time.sleep(0)
+
+
+@pytest.mark.parametrize("options", ["", "memory_budget='1GB'", "policy='adaptive'"])
+def test_a_cache_never_closed_exits_cleanly(options: str) -> None:
+    """A script that offloads and never closes its cache ends with its own exit code: the clean-up at exit joins
+    the cache's threads before the interpreter shuts down (left running, one inside a torch call made the C++
+    runtime abort the process: exit 134, "terminate called without an active exception")."""
+    code = textwrap.dedent(f"""
+        import sys, torch
+        from datapath.offload import TensorCache
+        c = TensorCache("host", min_bytes=0, offload_cpu_tensors=True, {options})
+        w = torch.randn(64, 64, requires_grad=True)
+        with c:
+            (w * 2).exp().sum().backward()
+        print("trained", flush=True)
+        sys.exit(3)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": SRC})
+    assert (proc.returncode, proc.stdout.strip()) == (3, "trained"), proc.stderr[-2000:]
+    assert "terminate called" not in proc.stderr

@@ -122,8 +122,8 @@ class Worker:
         with self._cv:
             return self._outstanding == 0
 
-    def stop(self, join: bool = True) -> None:
-        """Finish queued jobs, then end the thread (wait for it with ``join``)."""
+    def stop(self, join: bool = True, timeout: float | None = None) -> None:
+        """Finish queued jobs, then end the thread (wait for it with ``join``, at most ``timeout`` seconds)."""
         self._q.put(_STOP)
         if join and threading.current_thread() is not self._thread:
-            self._thread.join()
+            self._thread.join(timeout)

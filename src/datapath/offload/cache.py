@@ -49,6 +49,7 @@ log = logging.getLogger("datapath.offload.cache")
 
 PROBE_BYTES_CUDA = 64 << 20   # the store bandwidth probe at construction (tens of ms on a GPU machine)
 PROBE_BYTES_CPU = 1 << 20
+FINAL_JOIN_S = 10.0  # how long an unclosed cache's clean-up waits for each of its worker threads
 
 
 def make_store(config: OffloadConfig) -> Store:
@@ -409,8 +410,11 @@ class TensorCache:
 
     @staticmethod
     def _final_cleanup(store: Store, transfers: Transfers) -> None:
+        # a cache dropped (or left open at exit) unclosed: its worker threads are joined before the store goes,
+        # bounded.  Left running into the interpreter's shutdown, a daemon thread inside a torch call is ended by
+        # force, and the C++ runtime aborts the process ("terminate called without an active exception", exit 134)
         try:
-            transfers.shutdown(join=False)
+            transfers.shutdown(join=True, timeout=FINAL_JOIN_S)
         except Exception:  # noqa: BLE001
             pass
         try:

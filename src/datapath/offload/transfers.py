@@ -439,6 +439,6 @@ class Transfers:
             e.gpu = e.src = None
         # STORING / LOADING: the worker frees what it holds when it finishes
 
-    def shutdown(self, join: bool) -> None:
+    def shutdown(self, join: bool, timeout: float | None = None) -> None:
         for w in self.workers():
-            w.stop(join=join)
+            w.stop(join=join, timeout=timeout)
