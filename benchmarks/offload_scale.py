@@ -235,6 +235,7 @@ class Bench:
                 self.opt.step()
 
             retries0 = reserved = 0
+            trying = False
             # --trace: datapath-budget's warm-up steps (it profiles, plans, tries plans) each under the profiler
             # too, with the plan each ran: where a plan that lost its trial spent its time
             warm_traces: list[dict[str, Any]] = []
@@ -243,6 +244,10 @@ class Bench:
                 self.reset_peak()
                 if i == warmup:  # the allocator's retries (a full device: cached blocks freed, synchronising)
                     retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
+                    trying = bool(getattr(getattr(self.cache, "policy", None), "trying", False))
+                    if trying:
+                        print(f"  {method} at {seq}: its plan trial still runs as the timed steps begin (they time "
+                              f"the plans it compares): raise --budget-warmup", flush=True)
                 t = time.perf_counter()
                 if trace_warm and i < warmup:
                     trace = traced_step(step)
@@ -298,7 +303,7 @@ class Bench:
         if warm_traces:
             extra["warmup_trace_per_rank"] = self.gather(warm_traces)
         return {"step_s": step_s, "steps_s": times, "peak": max(peaks), "grads": grads,
-                "grads_repeat_bitwise": repeat_same, **extra}
+                "grads_repeat_bitwise": repeat_same, "trial_open_at_timing": trying, **extra}
 
     def attempt(self, method: str, seq: int, budget: int | None, timed: bool, check: bool,
                 loss_fn: Any = None, **kw: Any) -> dict[str, Any]:

@@ -261,7 +261,7 @@ def test_budget_trial_keeps_the_fastest_measured_plan() -> None:
         assert plans[-1]["offload_bytes"] < plans[0]["offload_bytes"]  # the last tried offloads the least
         shapes = {(p["cut_segment"], p["cut_bytes"], tuple(p["recompute"])) for p in plans}
         assert len(shapes) == len(plans)  # no plan run twice
-        assert all(p["step_ms"] > 0 for p in plans)
+        assert all(p["step_ms"] > 0 and len(p["steps_ms"]) == 1 for p in plans)  # one process: one step a plan
         held = [i for i, p in enumerate(plans) if p["peak"] <= 1.005 * budget]
         assert t["kept"] == min(held, key=lambda i: plans[i]["step_ms"])
     last = trials[-1]
@@ -270,6 +270,37 @@ def test_budget_trial_keeps_the_fastest_measured_plan() -> None:
         assert (cache.plan.cut_segment, cache.plan.cut_bytes, list(cache.plan.recompute)) == (
             kept["cut_segment"], kept["cut_bytes"], kept["recompute"])
     cache.close()
+
+
+@pytest.mark.slow
+def test_budget_trial_of_several_steps_a_plan_keeps_the_fastest_step() -> None:
+    """``trial_steps=2`` (the default where ranks agree): each plan of a round runs two steps in a row, the first
+    plan too; its fastest step and highest peak decide, and the gradients of every step stay identical."""
+    torch.manual_seed(7)
+    model = GPT(vocab=64, h=64, heads=4, layers=4, dropout=0.1, tied=False)
+    batches = [torch.randint(0, 64, (8, 64)) for _ in range(14)]
+    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
+    budget = int(_keep_peak(model, batches[0]) * 0.6)
+    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True, trial_steps=2)
+    cache.attach(model)
+    got = run_steps(model, batches, _lm_loss, ctx=cache)
+    assert_identical(ref, got)
+    trials = cache.policy.trials
+    assert trials, "the first plan offloads: a trial must run"
+    for t in trials:
+        plans = t["plans"]
+        assert len(plans) >= 2 and len({(p["cut_segment"], p["cut_bytes"], tuple(p["recompute"])) for p in plans}) \
+            == len(plans)
+        for p in plans:
+            assert len(p["steps_ms"]) == 2 and p["step_ms"] == min(p["steps_ms"]) > 0, p
+        held = [i for i, p in enumerate(plans) if p["peak"] <= 1.005 * budget]
+        assert t["kept"] == min(held, key=lambda i: plans[i]["step_ms"])
+    cache.close()
+
+
+def test_trial_steps_must_be_a_positive_count() -> None:
+    with pytest.raises(OffloadConfigError, match="trial_steps"):
+        TensorCache("host", memory_budget="1GB", trial_steps=0)
 
 
 def test_planner_reports_the_minimum_of_an_impossible_budget() -> None:

@@ -20,7 +20,7 @@ from datapath.apps import init_distributed, launch
 from datapath.offload import BudgetProfile, OffloadConfigError, SegmentCost, TensorCache
 from datapath.offload.rank_agreement import RankAgreement, merge_attention, merge_profiles
 
-STEPS = 12
+STEPS = 16
 
 
 def _lm_loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -138,6 +138,7 @@ def test_ranks_run_the_same_plans_on_the_largest_measures() -> None:
     larger = {max(a, b) for a, b in zip(r0["peaks"], r1["peaks"], strict=True)}
     for t in r0["trials"]:  # each trial step's peak: the larger of the two ranks' at that step
         assert all(p["peak"] in larger for p in t["plans"])
+        assert all(len(p["steps_ms"]) == 2 for p in t["plans"])  # where the ranks agree: two steps a plan
 
 
 @pytest.mark.slow

@@ -83,6 +83,7 @@ from datapath.offload.store_room import StoreRoom
 log = logging.getLogger("datapath.offload.budget")
 
 FREE_LEAD = 16       # units a planned step's CPU may run ahead of the GPU past its offloaded segments
+AGREED_TRIAL_STEPS = 2   # steps a trial runs each plan for where the ranks agree (`FlowOptions.trial_steps`)
 PROBE_WAIT_S = 30.0       # the longest the profiled step waits for the store's bandwidth probe to end
 
 
@@ -134,6 +135,8 @@ class BudgetPolicy(BudgetPlanning, Policy):
         self._block_bytes: dict[int, int] = {}   # block -> bytes of the storages it saves
         self._error: OffloadConfigError | None = None
         self._trials = PlanTrials(clock)
+        if config.flow.trial_steps is not None:
+            self._trials.repeat = config.flow.trial_steps
         self._last_run: Run | None = None
         self._remeasure = False                 # the last measured step did one-off work: the next runs its plan
         self.room = StoreRoom(room)  # a store too small for the profiled step's activations
@@ -155,6 +158,11 @@ class BudgetPolicy(BudgetPlanning, Policy):
     def trials(self) -> list[dict[str, object]]:
         """Per trial round: the plans run, their step ms and peaks, and which was kept."""
         return self._trials.rounds
+
+    @property
+    def trying(self) -> bool:
+        """A trial round is in progress: the next steps run the plans it compares, not the one it will keep."""
+        return self._trials.open
 
     @property
     def store_full(self) -> bool:
@@ -314,6 +322,8 @@ class BudgetPolicy(BudgetPlanning, Policy):
             self.ranks = RankAgreement.resolve(self.config.flow.agree_across_ranks)
             if self.ranks is not None:
                 self._trials.agree = self.ranks.reduce_max
+                if self.config.flow.trial_steps is None:
+                    self._trials.repeat = AGREED_TRIAL_STEPS
         agreeing, self._agreeing = self._agreeing, []
         for pending, plan, marks in agreeing:
             self._measured(int(pending.result()[0]), plan, marks)

@@ -108,6 +108,10 @@ class FlowOptions:
     (`datapath.offload.rank_agreement`): None (on where ``torch.distributed`` is initialised with more
     than one rank: the default group where it is gloo, else a gloo group of every rank made for it), False
     (off: each rank plans alone), True (the same as None), or a gloo ``ProcessGroup`` (its ranks).
+    ``trial_steps``: measured steps a ``memory_budget`` trial runs each plan for, one after another, its fastest
+    counting (a plan's first step may hold one-off costs, e.g. the caching allocator reserving memory for what
+    the plan keeps): None (2 where the ranks agree, where a step is as slow as the slowest rank and one step
+    each leaves plans a few percent apart to noise; else 1), or a number >= 1.
     """
 
     max_inflight_bytes: float | None = None
@@ -118,9 +122,12 @@ class FlowOptions:
     replan_threshold: float = 0.25
     profile_after: int = 1
     agree_across_ranks: Any = None
+    trial_steps: int | None = None
 
     def __post_init__(self) -> None:
         check_agreement(self.agree_across_ranks)
+        if self.trial_steps is not None:
+            _int_at_least("trial_steps", self.trial_steps, 1)
         for name in ("max_inflight_bytes", "max_prefetch_bytes"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0

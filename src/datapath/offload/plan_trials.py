@@ -5,8 +5,10 @@ traffic), nor what a nearly full device costs a step that keeps more, so after a
 or recomputes has run one measured step, the plans made with offloading weighed more
 (``TRIAL_COSTS``: less offloaded, more recomputed) and checkpointing's plan (every block recomputed)
 run one step each, and the fastest measured step (GPU time from the forward's start to the
-backward's end) whose peak held the budget is kept.  Below the model's floor, checkpointing's plan
-is measured against the lowest plan the same way.  `PlanTrials` holds a trial's state;
+backward's end) whose peak held the budget is kept.  With ``repeat`` (where the ranks agree, or as
+`datapath.offload.config.FlowOptions.trial_steps` sets it) every plan runs that many steps in a row,
+its fastest counting.  Below the model's floor, checkpointing's plan is measured against the lowest
+plan the same way.  `PlanTrials` holds a trial's state;
 `datapath.offload.budget.BudgetPolicy` asks it which plan runs next.
 """
 from __future__ import annotations
@@ -53,6 +55,7 @@ class PlanTrials:
         self.lost: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()  # shapes a kept plan outran
         # the ranks' longest of each step time (`datapath.offload.rank_agreement`; None: this rank's own)
         self.agree: Callable[[list[float]], list[float]] | None = None
+        self.repeat = 1  # measured steps each plan of a round runs, one after another (the fastest counts)
 
     @property
     def open(self) -> bool:
@@ -80,8 +83,8 @@ class PlanTrials:
         if not todo:
             return None
         self.runs = [run]
-        self.next = todo
-        return todo.pop(0)
+        self.next = [current] * (self.repeat - 1) + [p for p in todo for _ in range(self.repeat)]
+        return self.next.pop(0)
 
     def step(self, budget: int, over: float, replans: int) -> BudgetPlan:
         """A round's step ended: the round's next plan, or (closing it) the fastest measured plan whose peak
@@ -93,14 +96,22 @@ class PlanTrials:
         secs = [self.clock.seconds(t0, t1) for _, _, t0, t1 in self.runs]
         if self.agree is not None:  # one all_reduce per round, when it closes (every rank closes it alike)
             secs = self.agree(secs)
-        runs = [(t, peak, plan) for t, (plan, peak, _, _) in zip(secs, self.runs, strict=True)]
+        # per plan, in the order first run: its fastest step, its highest peak, every step's time
+        by_plan: dict[tuple, tuple[float, int, BudgetPlan, list[float]]] = {}
+        for t, (plan, peak, _, _) in zip(secs, self.runs, strict=True):
+            had = by_plan.get(plan_shape(plan))
+            by_plan[plan_shape(plan)] = (t, peak, plan, [t]) if had is None else (
+                min(had[0], t), max(had[1], peak), had[2], had[3] + [t])
+        runs = [(t, pk, p) for t, pk, p, _ in by_plan.values()]
+        steps = [ts for _, _, _, ts in by_plan.values()]
         self.runs = []
         held = [r for r in runs if r[1] <= over * budget]
         best = min(held, key=lambda r: r[0]) if held else runs[0]
         if held:
             self.lost.update(plan_shape(p) for _, _, p in runs if p is not best[2])
         self.rounds.append({
-            "plans": [dict(p.as_dict(), step_ms=t * 1e3, peak=pk) for t, pk, p in runs],
+            "plans": [dict(p.as_dict(), step_ms=t * 1e3, peak=pk, steps_ms=[x * 1e3 for x in ts])
+                      for (t, pk, p), ts in zip(runs, steps, strict=True)],
             "kept": runs.index(best), "replans": replans})
         log.info("memory budget: plans tried %s; kept offload %s, recompute %s%s (%.1f ms)",
                  ", ".join(f"{t * 1e3:.1f} ms ({gb(p.offload_bytes)} offloaded, recompute {list(p.recompute)}"
