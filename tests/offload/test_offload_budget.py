@@ -233,7 +233,8 @@ def test_an_overshoot_by_stores_in_flight_leaves_plans_that_store_nothing_at_the
     cache.close()
 
 
-def _gpt_at_60_percent(seed: int, dropout: float, steps: int) -> tuple[nn.Module, list, list, TensorCache]:
+def _gpt_at_60_percent(seed: int, dropout: float, steps: int, **options: object
+                       ) -> tuple[nn.Module, list, list, TensorCache]:
     """A 4-layer GPT, ``steps`` batches, its reference run without offloading, and a cache whose budget is 60%
     of keep's peak (not attached yet)."""
     torch.manual_seed(seed)
@@ -241,14 +242,19 @@ def _gpt_at_60_percent(seed: int, dropout: float, steps: int) -> tuple[nn.Module
     batches = [torch.randint(0, 64, (8, 64)) for _ in range(steps)]
     ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
     budget = int(_keep_peak(model, batches[0]) * 0.6)
-    return model, batches, ref, TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True)
+    return model, batches, ref, TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True,
+                                            **options)
 
 
 @pytest.mark.slow
-def test_budget_trial_keeps_the_fastest_measured_plan() -> None:
+@pytest.mark.parametrize("trial_steps, steps", [(None, 10), (2, 14)])
+def test_budget_trial_keeps_the_fastest_measured_plan(trial_steps: int | None, steps: int) -> None:
     """A plan that offloads is tried against plans that offload less; the fastest measured step that held the
-    budget is kept, and every step's gradients (dropout on, plans switching between steps) stay identical."""
-    model, batches, ref, cache = _gpt_at_60_percent(seed=7, dropout=0.1, steps=10)
+    budget is kept, and every step's gradients (dropout on, plans switching between steps) stay identical.  Each
+    plan runs one step on one process, or ``trial_steps`` in a row (the default where ranks agree: 2), the first
+    plan too, its fastest step counting."""
+    options = {} if trial_steps is None else {"trial_steps": trial_steps}
+    model, batches, ref, cache = _gpt_at_60_percent(seed=7, dropout=0.1, steps=steps, **options)
     budget = cache.memory_budget
     cache.attach(model)
     got = run_steps(model, batches, _lm_loss, ctx=cache)
@@ -260,8 +266,9 @@ def test_budget_trial_keeps_the_fastest_measured_plan() -> None:
         assert len(plans) >= 2 and plans[0]["offload_bytes"] > 0
         assert plans[-1]["offload_bytes"] < plans[0]["offload_bytes"]  # the last tried offloads the least
         shapes = {(p["cut_segment"], p["cut_bytes"], tuple(p["recompute"])) for p in plans}
-        assert len(shapes) == len(plans)  # no plan run twice
-        assert all(p["step_ms"] > 0 and len(p["steps_ms"]) == 1 for p in plans)  # one process: one step a plan
+        assert len(shapes) == len(plans)  # each plan once, with all its steps
+        for p in plans:
+            assert len(p["steps_ms"]) == (trial_steps or 1) and p["step_ms"] == min(p["steps_ms"]) > 0, p
         held = [i for i, p in enumerate(plans) if p["peak"] <= 1.005 * budget]
         assert t["kept"] == min(held, key=lambda i: plans[i]["step_ms"])
     last = trials[-1]
@@ -269,32 +276,6 @@ def test_budget_trial_keeps_the_fastest_measured_plan() -> None:
         kept = last["plans"][last["kept"]]
         assert (cache.plan.cut_segment, cache.plan.cut_bytes, list(cache.plan.recompute)) == (
             kept["cut_segment"], kept["cut_bytes"], kept["recompute"])
-    cache.close()
-
-
-@pytest.mark.slow
-def test_budget_trial_of_several_steps_a_plan_keeps_the_fastest_step() -> None:
-    """``trial_steps=2`` (the default where ranks agree): each plan of a round runs two steps in a row, the first
-    plan too; its fastest step and highest peak decide, and the gradients of every step stay identical."""
-    torch.manual_seed(7)
-    model = GPT(vocab=64, h=64, heads=4, layers=4, dropout=0.1, tied=False)
-    batches = [torch.randint(0, 64, (8, 64)) for _ in range(14)]
-    ref = run_steps(copy.deepcopy(model), batches, _lm_loss)
-    budget = int(_keep_peak(model, batches[0]) * 0.6)
-    cache = TensorCache("host", memory_budget=budget, min_bytes=1024, offload_cpu_tensors=True, trial_steps=2)
-    cache.attach(model)
-    got = run_steps(model, batches, _lm_loss, ctx=cache)
-    assert_identical(ref, got)
-    trials = cache.policy.trials
-    assert trials, "the first plan offloads: a trial must run"
-    for t in trials:
-        plans = t["plans"]
-        assert len(plans) >= 2 and len({(p["cut_segment"], p["cut_bytes"], tuple(p["recompute"])) for p in plans}) \
-            == len(plans)
-        for p in plans:
-            assert len(p["steps_ms"]) == 2 and p["step_ms"] == min(p["steps_ms"]) > 0, p
-        held = [i for i, p in enumerate(plans) if p["peak"] <= 1.005 * budget]
-        assert t["kept"] == min(held, key=lambda i: plans[i]["step_ms"])
     cache.close()
 
 
