@@ -150,7 +150,8 @@ def _fsdp2_worker(rank: int, world: int, port: int, out: str) -> None:
         return fully_shard(m)
 
     g = torch.Generator().manual_seed(100 + rank)
-    data = [torch.randint(0, 512, (4, 256), generator=g).cuda() for _ in range(8)]
+    # 12 steps: profile, plan, and a trial of two steps a plan (the ranks agree) before the last steps
+    data = [torch.randint(0, 512, (4, 256), generator=g).cuda() for _ in range(12)]
 
     def run(**options: Any) -> tuple[list[list[torch.Tensor]], list[int], dict[str, Any]]:
         gc.collect()  # the previous run's FSDP2 model and optimizer state (reference cycles) are freed first
