@@ -45,7 +45,8 @@
 #
 # Diagnostics (not suites; run one with --bench "NAME ARGS"): benchmarks/gather_probe.py (grids, visit orders,
 # launchers of the row gather), kernel_profile.py (aggregation kernels vs cuSPARSE), gnn_trace.py (B2 batches'
-# timeline per stream/thread), offload_memtrace.py (where B4's activation peak forms).
+# timeline per stream/thread), gnn_pieces.py (a batch's loader and step alone and together, by batch size: what
+# strong scaling must shrink; ~2 min), offload_memtrace.py (where B4's activation peak forms).
 #
 # Examples:
 #   scripts/gpu_check.sh                                   # every GPU test, no benchmark
