@@ -98,10 +98,11 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
         torch.cuda.reset_peak_memory_stats(loader.device)
     model.train()
     dev = loader.device
-    loss_sum = torch.zeros((), device=dev)
-    correct = torch.zeros((), dtype=torch.int64, device=dev)
     seen = 0
+    # per batch, kept on the device and reduced once at the end (a step launches no bookkeeping op but the argmax)
     losses: list[torch.Tensor] = []
+    predicted: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
     watch = _FiniteWatch(dev)
     events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     sample_s = gather_s = wait_s = train_wall = consumer_cpu = producer_cpu = producer_wait = 0.0
@@ -130,14 +131,13 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
                 events.append(ev)
             else:
                 train_wall += time.perf_counter() - tt
-            d = loss.detach()
-            loss_sum += d
-            losses.append(d)
+            losses.append(loss.detach())
             if not allow_nonfinite:
-                bad = watch.seen(loss_sum, losses)
+                bad = watch.seen(losses)
                 if bad is not None:
                     _raise_nonfinite(bad, epoch, losses, batch if bad == n else None)
-            correct += (out.detach().argmax(1) == batch.y).sum()
+            predicted.append(out.detach().argmax(1))
+            targets.append(batch.y)
             seen += batch.y.numel()
             consumer_cpu += time.thread_time() - ct
             sample_s += batch.sample_s
@@ -155,6 +155,7 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
     if cuda:
         torch.cuda.synchronize(dev)
     loss_list = torch.stack(losses).tolist() if losses else []
+    correct = int(torch.cat(predicted).eq(torch.cat(targets)).sum()) if predicted else 0
     bad = None if allow_nonfinite else _first_nonfinite(loss_list)
     if bad is not None:
         _raise_nonfinite(bad, epoch, losses, None)
@@ -163,7 +164,7 @@ def train_epoch(model: nn.Module, loader: NeighborLoader, optimizer: torch.optim
     train_s = sum(a.elapsed_time(b) for a, b in events) / 1e3 if cuda else train_wall
     return EpochStats(
         batches=n, epoch_s=epoch_s, sample_s=sample_s, gather_s=gather_s, train_s=train_s, wait_s=wait_s,
-        cpu_s=cpu_s, loss=float(loss_sum) / max(n, 1), train_acc=int(correct) / max(seen, 1),
+        cpu_s=cpu_s, loss=math.fsum(loss_list) / max(n, 1), train_acc=correct / max(seen, 1),
         peak_gpu_bytes=torch.cuda.max_memory_allocated(dev) if cuda else None, losses=loss_list,
         consumer_cpu_s=consumer_cpu, producer_cpu_s=producer_cpu, producer_gpu_wait_s=producer_wait,
         producer_queue_wait_s=queue_wait,
@@ -176,20 +177,21 @@ NONFINITE_CHECK_EVERY = 8  # GPU batches between two copies of the device-side n
 class _FiniteWatch:
     """Whether a loss of the epoch was not finite, read by the host without waiting for the GPU.
 
-    The epoch's running sum of losses stays non-finite once one loss was, so no per-batch work is needed: every
-    `NONFINITE_CHECK_EVERY` batches on a GPU its finiteness is copied to pinned memory behind an event, and read at
-    the first later batch that finds the copy done (waiting for the GPU would drain the queue of launched work
-    that lets the host run ahead); on the CPU each batch's loss is read.  Found, the first non-finite batch is
-    looked up in the losses (a wait, on the way to the error)."""
+    No per-batch work: every `NONFINITE_CHECK_EVERY` batches on a GPU, whether the sum of the losses since the last
+    copy is finite (it is not once one of them is not) is copied to pinned memory behind an event, and read at the first
+    later batch that finds the copy done (waiting for the GPU would drain the queue of launched work that lets the
+    host run ahead); on the CPU each batch's loss is read.  Found, the first non-finite batch is looked up in the
+    losses (a wait, on the way to the error); the epoch's end reads every loss anyway."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self._host = torch.empty((), dtype=torch.bool, pin_memory=True) if self.cuda else None
         self._copied: torch.cuda.Event | None = None
+        self._checked = 0  # losses covered by the copies so far
 
-    def seen(self, loss_sum: torch.Tensor, losses: list[torch.Tensor]) -> int | None:
-        """The first batch (0-based) whose loss in ``losses`` was not finite, where the host knows of one now;
-        None otherwise.  ``loss_sum``: the sum of ``losses``, a 0-d tensor on the device."""
+    def seen(self, losses: list[torch.Tensor]) -> int | None:
+        """The first batch (0-based) whose loss in ``losses`` (0-d tensors on the device, one a batch so far) was not
+        finite, where the host knows of one now; None otherwise."""
         if not self.cuda:
             return None if math.isfinite(float(losses[-1])) else len(losses) - 1
         if self._copied is not None and self._copied.query():
@@ -197,7 +199,9 @@ class _FiniteWatch:
             if not bool(self._host):  # (a sum that overflowed while every loss is finite: None, as it should)
                 return _first_nonfinite(torch.stack(losses).tolist())
         if self._copied is None and len(losses) % NONFINITE_CHECK_EVERY == 0:
-            self._host.copy_(torch.isfinite(loss_sum), non_blocking=True)
+            since = torch.stack(losses[self._checked:]).sum()  # every loss since the last copy: none is skipped
+            self._checked = len(losses)
+            self._host.copy_(torch.isfinite(since), non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
         return None
