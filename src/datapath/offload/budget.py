@@ -134,9 +134,7 @@ class BudgetPolicy(BudgetPlanning, Policy):
         self._head_bwd = 0
         self._block_bytes: dict[int, int] = {}   # block -> bytes of the storages it saves
         self._error: OffloadConfigError | None = None
-        self._trials = PlanTrials(clock)
-        if config.flow.trial_steps is not None:
-            self._trials.repeat = config.flow.trial_steps
+        self._trials = PlanTrials(clock)  # its steps a plan are set with the ranks, at the first forward (`_settle`)
         self._last_run: Run | None = None
         self._remeasure = False                 # the last measured step did one-off work: the next runs its plan
         self.room = StoreRoom(room)  # a store too small for the profiled step's activations
@@ -322,8 +320,8 @@ class BudgetPolicy(BudgetPlanning, Policy):
             self.ranks = RankAgreement.resolve(self.config.flow.agree_across_ranks)
             if self.ranks is not None:
                 self._trials.agree = self.ranks.reduce_max
-                if self.config.flow.trial_steps is None:
-                    self._trials.repeat = AGREED_TRIAL_STEPS
+            steps = self.config.flow.trial_steps
+            self._trials.repeat = steps if steps is not None else AGREED_TRIAL_STEPS if self.ranks is not None else 1
         agreeing, self._agreeing = self._agreeing, []
         for pending, plan, marks in agreeing:
             self._measured(int(pending.result()[0]), plan, marks)

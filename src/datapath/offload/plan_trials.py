@@ -96,14 +96,14 @@ class PlanTrials:
         secs = [self.clock.seconds(t0, t1) for _, _, t0, t1 in self.runs]
         if self.agree is not None:  # one all_reduce per round, when it closes (every rank closes it alike)
             secs = self.agree(secs)
-        # per plan, in the order first run: its fastest step, its highest peak, every step's time
-        by_plan: dict[tuple, tuple[float, int, BudgetPlan, list[float]]] = {}
+        # per plan, in the order first run: its steps' times and peaks; its fastest step and highest peak decide
+        by_plan: dict[tuple, tuple[BudgetPlan, list[float], list[int]]] = {}
         for t, (plan, peak, _, _) in zip(secs, self.runs, strict=True):
-            had = by_plan.get(plan_shape(plan))
-            by_plan[plan_shape(plan)] = (t, peak, plan, [t]) if had is None else (
-                min(had[0], t), max(had[1], peak), had[2], had[3] + [t])
-        runs = [(t, pk, p) for t, pk, p, _ in by_plan.values()]
-        steps = [ts for _, _, _, ts in by_plan.values()]
+            _, times, peaks = by_plan.setdefault(plan_shape(plan), (plan, [], []))
+            times.append(t)
+            peaks.append(peak)
+        runs = [(min(times), max(peaks), plan) for plan, times, peaks in by_plan.values()]
+        steps = [times for _, times, _ in by_plan.values()]
         self.runs = []
         held = [r for r in runs if r[1] <= over * budget]
         best = min(held, key=lambda r: r[0]) if held else runs[0]
