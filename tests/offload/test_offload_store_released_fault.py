@@ -98,5 +98,9 @@ def test_the_fuzz_case_that_raced_always_raises() -> None:
     case = make_offload_case(5, 11)  # tiered, accumulate, the first write fails with ENOSPC, on_error="raise"
     assert (case.config, case.fault, case.fault_at, case.on_error) == ("tiered", "write", 0, "raise")
     outcomes = [run_offload_case(case) for _ in range(10)]  # about half swallowed the error before
-    bad = [f"{r.outcome}: {r.detail[:200]}" for r in outcomes if not (r.ok and r.outcome == "raised")]
+    # never swallowed; a run whose backward consumed its stores before the host tier filled made no write, so no
+    # fault was reached ("fault not reached": the fuzz passes it, counted apart; once in ten under CI's load)
+    bad = [f"{r.outcome}: {r.detail[:200]}" for r in outcomes
+           if not (r.ok and r.outcome in ("raised", "fault not reached"))]
     assert not bad, bad
+    assert sum(r.outcome == "raised" for r in outcomes) >= 5, [r.outcome for r in outcomes]
