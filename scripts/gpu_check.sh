@@ -20,9 +20,10 @@
 #             (250 s): eager and compiled datapath, the faster counts)
 #   b6-lora88k B6 LoRA on the Llama-3-8B shape at 88K (checkpointing's longest on an 80 GB H100): checkpointing
 #             against memory_budget 82.9 GB with compile=True     benchmarks/offload_scale.py (~7 min; one call)
-#   b6-fsdp2-compiled B6 FSDP2 (2 GPUs): the 8B shape at 8K, checkpointing, its compiled peers and memory_budget
+#   b6-fsdp2  B6 FSDP2 (2 GPUs): the 8B shape at 8K, every peer that runs there (keep, checkpointing eager,
+#             selective and with compiled layers, compile's activation_memory_budget 0.5/0.25/0.1) and memory_budget
 #             at checkpointing's peak with compile=True (14 warm-up steps: its trials run 2 steps a plan where the
-#             ranks agree)                                       benchmarks/offload_scale.py --mode fsdp2 (~2.5 min)
+#             ranks agree)                                       benchmarks/offload_scale.py --mode fsdp2 (~5 min)
 #   rok       ROK curve                          benchmarks/rok.py                           (~2.5 min)
 #   fuzz      differential kernel fuzz           benchmarks/kernel_fuzz.py: 10,000 cases, then 520 under
 #             compute-sanitizer memcheck and 48 under racecheck (~4.5 min; FUZZ_ARGS / T_FUZZ override); then
@@ -130,12 +131,14 @@ for s in "${suites[@]}"; do
           checkpoint,datapath-budget --seqs 90112 --timed 90112 --check-seq 0 --datapath-budgets device \
           --datapath-compile --log-plans --steps 1 --warmup 1 --budget-warmup 6 --compile-cost 100 --time-budget 575 \
           --name offload_scale_88k_budget_attn ;;
-    b6-fsdp2-compiled)  # two GPUs (nvidia-h100-x2): two ranks of torchrun
-      echo "== offload_scale fsdp2 compiled ($((SECONDS - T0)) s)"
+    b6-fsdp2)  # two GPUs (a 2-GPU kind): two ranks of torchrun
+      echo "== offload_scale fsdp2 ($((SECONDS - T0)) s)"
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 575 torchrun --standalone --nproc-per-node 2 \
-          benchmarks/offload_scale.py --mode fsdp2 --methods checkpoint,checkpoint_compiled,compile_budget,datapath-budget \
-          --datapath-budgets checkpoint --datapath-compile --check-seq 0 --seqs 8192 --timed 8192 --steps 3 --warmup 1 \
-          --budget-warmup 14 --time-budget 500 --compile-cost 70 --log-plans --name offload_scale_fsdp2_compiled \
+          benchmarks/offload_scale.py --mode fsdp2 --methods \
+          checkpoint,keep,selective_checkpoint,checkpoint_compiled,compile_budget,datapath-budget \
+          --compile-budgets 0.5,0.25,0.1 --datapath-budgets checkpoint --datapath-compile --check-seq 0 --seqs 8192 \
+          --timed 8192 --steps 3 --warmup 1 --budget-warmup 14 --time-budget 520 --compile-cost 70 --log-plans \
+          --name offload_scale_fsdp2_8k \
           > "$L/bench_offload_scale_fsdp2.log" 2>&1 || status=1
       tail -n 25 "$L/bench_offload_scale_fsdp2.log" ;;
     rok) bench 160 rok ;;
