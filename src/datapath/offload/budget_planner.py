@@ -111,6 +111,7 @@ class BudgetPlan:
     min_peak: int = 0
     attention_saved: tuple[int, ...] = ()   # recomputed blocks that keep their attention outputs
     attention_offloaded: tuple[int, ...] = ()  # ... that keep them in the store
+    partitioned: tuple[int, ...] = ()  # recomputed compiled blocks whose compiled region's partitioner recomputes
 
     def offloads(self, segment: int, done_in_segment: int) -> bool:
         """Whether a storage of ``segment`` is offloaded, ``done_in_segment`` bytes of it being offloaded already."""
@@ -127,7 +128,7 @@ class BudgetPlan:
                 "offload_bytes": self.offload_bytes, "predicted_peak": self.predicted_peak,
                 "predicted_time": self.predicted_time, "budget": self.budget, "infeasible": self.infeasible,
                 "min_peak": self.min_peak, "attention_saved": list(self.attention_saved),
-                "attention_offloaded": list(self.attention_offloaded)}
+                "attention_offloaded": list(self.attention_offloaded), "partitioned": list(self.partitioned)}
 
 
 KEEP_ALL = BudgetPlan(0, 0, (), 0, 0, 0.0, 0)  # offloads nothing, recomputes nothing

@@ -21,8 +21,10 @@ from datapath.offload.budget_profile import profile_of
 from datapath.offload.plan_trials import MAX_TRIAL_ROUNDS, TRIAL_COSTS
 from datapath.offload.plan_trials import gb as _gb
 from datapath.offload.plan_trials import plan_shape as _shape
-from datapath.offload.recompute import COMPILED_SAVING_ATTENTION, already_recomputed, draws_dropout, set_recompute
+from datapath.offload.recompute import (
+    COMPILED_PARTITIONED, COMPILED_SAVING_ATTENTION, already_recomputed, draws_dropout, set_recompute)
 from datapath.offload.records import Record
+from datapath.offload.regional_compile import PARTITION_BUDGET
 
 log = logging.getLogger("datapath.offload.budget")  # one logger for the policy and its planning
 
@@ -30,6 +32,9 @@ LOOKAHEAD = 4        # forward segments whose working set a pack's admission lea
 STORE_SHARE = 0.9    # the share of the store's room a plan offloading everything may fill
 RELAX_BELOW = 0.93   # a planned step under this share of the budget may relax the plan (once)
 OVER = 1.005         # a planned step over this share of the budget corrects the plan (measurement noise below)
+PARTITION_SHARE = 1.5 * PARTITION_BUDGET  # a partitioned block's saved bytes as a share of a kept block's, assumed
+# for the device check (its budget is a share of the memory between the partitioner's least and all)
+DEVICE_SHARE = 0.95    # the share of the device a trial's plan whose peak is not modelled may be expected to reach
 
 
 class BudgetPlanning:
@@ -42,8 +47,10 @@ class BudgetPlanning:
 
     def _candidates(self) -> list[BudgetPlan]:
         """The plans a trial measures against the one in force: those made with offloading weighed more
-        (where it offloads), the plan storing nothing at ``keep_target`` (`_keeping_plan`), and checkpointing's
-        (every block recomputed) where the plan recomputes other blocks or offloads attention outputs."""
+        (where it offloads), the plan storing nothing at ``keep_target`` (`_keeping_plan`), checkpointing's
+        (every block recomputed) where the plan recomputes other blocks or offloads attention outputs, and of the
+        plan and checkpointing's, their compiled blocks recomputed keeping their attention outputs
+        (`_compiled_attention_plan`) or by their partitioner (`_partitioned_plan`)."""
         assert self.plan is not None and self.profile is not None
         plans = [self._plan_for(self.target, cost) for cost in TRIAL_COSTS] if self.plan.offload_bytes else []
         keep = self._keeping_plan()
@@ -58,7 +65,29 @@ class BudgetPlanning:
         differs = ckpt.recompute != self.plan.recompute or bool(self.plan.attention_offloaded)
         plans += [ckpt] if differs else []
         compiled = [self._compiled_attention_plan(p) for p in (self.plan, ckpt)]
+        compiled += [self._partitioned_plan(p) for p in (self.plan, ckpt)]
         return plans + [p for p in compiled if p is not None]
+
+    def _partitioned_plan(self, base: BudgetPlan) -> BudgetPlan | None:
+        """Where ``base`` stores nothing and recomputes compiled blocks: the same plan with those blocks recomputed
+        by their compiled region's partitioner (`datapath.offload.regional_compile.PARTITION_BUDGET`), which saves
+        the outputs that buy back the most recompute time.  What it saves is seen only once compiled, so its peak
+        is not modelled: the trial measures it, and a step over the budget loses.  Proposed only where the blocks
+        saving `PARTITION_SHARE` of the bytes they save when kept, all at once, would still fit the device."""
+        assert self.profile is not None
+        blocks = self.models.blocks
+        split = tuple(b for b in base.recompute if b < len(blocks) and COMPILED_PARTITIONED in blocks[b].__dict__
+                      and b not in base.attention_saved)
+        if base.infeasible or not base.storeless or not split or base.partitioned:
+            return None
+        saved: dict[int, int] = {}
+        for seg, nb in self.profile.storages:
+            b = self.profile.segments[seg].block
+            saved[b] = saved.get(b, 0) + nb
+        extra = PARTITION_SHARE * sum(saved.get(b, 0) for b in split)
+        if base.predicted_peak + extra > DEVICE_SHARE * self._device_total():
+            return None
+        return dataclasses.replace(base, partitioned=split)
 
     def _compiled_attention_plan(self, base: BudgetPlan) -> BudgetPlan | None:
         """Where ``base`` recomputes compiled blocks: its recomputation with those blocks keeping their attention
@@ -98,7 +127,7 @@ class BudgetPlanning:
     def _wrap(self, plan: BudgetPlan) -> None:
         """Put ``plan``'s recomputation on the blocks (with its attention outputs kept or offloaded)."""
         set_recompute(self.models.blocks, plan.recompute, plan.attention_saved, plan.attention_offloaded,
-                      self.attention_store)
+                      self.attention_store, plan.partitioned)
 
     def _attention_room(self) -> int:
         """Store bytes a plan's offloaded attention outputs may take beside its offloaded tensors: the store's

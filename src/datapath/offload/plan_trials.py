@@ -27,9 +27,11 @@ MAX_TRIAL_ROUNDS = 2      # trials per policy (a plan remade after a correction 
 Run = tuple[BudgetPlan, int, object, object]  # (plan, measured peak bytes, clock mark at start, at end)
 
 
-def plan_shape(plan: BudgetPlan) -> tuple[int, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+def plan_shape(plan: BudgetPlan) -> tuple[int, int, tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                                          tuple[int, ...]]:
     """What a plan does (two plans of one shape run the same step)."""
-    return plan.cut_segment, plan.cut_bytes, plan.recompute, plan.attention_saved, plan.attention_offloaded
+    return (plan.cut_segment, plan.cut_bytes, plan.recompute, plan.attention_saved, plan.attention_offloaded,
+            plan.partitioned)
 
 
 def gb(n: float) -> str:
@@ -40,7 +42,8 @@ def gb(n: float) -> str:
 def _attention(plan: BudgetPlan) -> str:
     """What a plan does with its recomputed blocks' attention outputs, for a message ("" where nothing)."""
     kept = f", attention kept in {list(plan.attention_saved)}" if plan.attention_saved else ""
-    return kept + (f", attention offloaded in {list(plan.attention_offloaded)}" if plan.attention_offloaded else "")
+    moved = f", attention offloaded in {list(plan.attention_offloaded)}" if plan.attention_offloaded else ""
+    return kept + moved + (f", partitioned {list(plan.partitioned)}" if plan.partitioned else "")
 
 
 class PlanTrials:
@@ -52,7 +55,7 @@ class PlanTrials:
         self.due = False                  # the plan in force offloads: its first measured step opens a round
         self.next: list[BudgetPlan] | None = None  # the round's plans still to run (None: no round open)
         self.runs: list[Run] = []         # the round's measured steps
-        self.lost: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()  # shapes a kept plan outran
+        self.lost: set[tuple] = set()  # shapes (`plan_shape`) a kept plan outran
         # the ranks' longest of each step time (`datapath.offload.rank_agreement`; None: this rank's own)
         self.agree: Callable[[list[float]], list[float]] | None = None
         self.repeat = 1  # measured steps each plan of a round runs, one after another (the fastest counts)

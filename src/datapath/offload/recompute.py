@@ -7,7 +7,9 @@ is held by the checkpoint, and in backward the forward runs again with the CPU
 and CUDA RNG states it first ran with (``preserve_rng_state``), so dropout draws
 the same masks and gradients stay bit-identical.  As with Hugging Face's own
 checkpointing, a recomputed block runs without a KV cache.  `set_recompute`
-switches blocks on and off between steps; its ``attention_saved`` blocks keep their attention
+switches blocks on and off between steps; its ``partitioned`` blocks (compiled ones) run their compiled
+region partitioned under a memory budget instead (`datapath.offload.regional_compile`: no checkpoint, the
+compiler chooses what is saved and recomputed); its ``attention_saved`` blocks keep their attention
 outputs (`datapath.offload.attention_saved`: the attention forward is not run again in the backward; a block
 compiled by `datapath.offload.regional_compile` runs its compiled region with the checkpoint inside it instead),
 its ``attention_offloaded`` blocks keep them in the offload store
@@ -29,6 +31,10 @@ from datapath.offload.errors import OffloadConfigError
 _ORIGINAL = "_datapath_recompute_original"
 _KEEP_ATTENTION = "_datapath_recompute_attention_saved"
 _OFFLOAD_ATTENTION = "_datapath_recompute_attention_offloaded"
+_PARTITION = "_datapath_recompute_partitioned"
+COMPILED_PARTITIONED = "_datapath_compiled_partitioned"
+"""Where `datapath.offload.regional_compile` puts a compiled block's forward compiled under the partitioner's
+activation memory budget (what ``partitioned`` runs)."""
 COMPILED_SAVING_ATTENTION = "_datapath_compiled_attention_saved"
 """Where `datapath.offload.regional_compile` puts a compiled block's other compiled forward: the block under
 checkpointing that keeps its attention outputs, compiled as one region (what ``attention_saved`` runs)."""
@@ -101,6 +107,11 @@ def keeps_attention(block: nn.Module) -> bool:
     return is_recomputed(block) and bool(block.__dict__.get(_KEEP_ATTENTION))
 
 
+def is_partitioned(block: nn.Module) -> bool:
+    """True when ``block`` is recomputed by its compiled region's partitioner."""
+    return is_recomputed(block) and bool(block.__dict__.get(_PARTITION))
+
+
 def offloads_attention(block: nn.Module) -> bool:
     """True when ``block`` is recomputed with its attention outputs offloaded."""
     return is_recomputed(block) and block.__dict__.get(_OFFLOAD_ATTENTION) is not None
@@ -130,6 +141,9 @@ def _wrap(block: nn.Module, original: Any) -> Any:
             # traced by TorchDynamo (``torch.compile(model)``): its checkpoint takes no context function, so the
             # block is recomputed plainly (not probed, its attention outputs not kept)
             return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        partitioned = block.__dict__.get(COMPILED_PARTITIONED)
+        if partitioned is not None and block.__dict__.get(_PARTITION):
+            return partitioned(*args, **kwargs)  # the compiled region saves and recomputes: no checkpoint
         saving = block.__dict__.get(COMPILED_SAVING_ATTENTION)
         if saving is not None and block.__dict__.get(_KEEP_ATTENTION):
             # a compiled block: its checkpoint is inside the compiled region (a dispatch mode around the region
@@ -152,13 +166,26 @@ def _wrap(block: nn.Module, original: Any) -> Any:
 
 
 def set_recompute(blocks: list[nn.Module], which: Iterable[int], attention_saved: Iterable[int] = (),
-                  attention_offloaded: Iterable[int] = (), attention_store: AttentionStore | None = None) -> None:
+                  attention_offloaded: Iterable[int] = (), attention_store: AttentionStore | None = None,
+                  partitioned: Iterable[int] = ()) -> None:
     """Recompute exactly the blocks whose indices are in ``which``; restore the others.  The blocks in
     ``attention_saved`` (a subset of ``which``) keep their attention ops' outputs instead of running them again;
-    those in ``attention_offloaded`` (another subset) keep them in ``attention_store``."""
+    those in ``attention_offloaded`` (another subset) keep them in ``attention_store``; those in ``partitioned``
+    (another, of blocks compiled by `datapath.offload.regional_compile`) run their compiled region partitioned
+    under its memory budget."""
     chosen = set(which)
     keep = set(attention_saved)
     moved = set(attention_offloaded)
+    split = set(partitioned)
+    if not split <= chosen:
+        raise ValueError(f"partitioned blocks {sorted(split - chosen)} are not recomputed: pass them in ``which`` too")
+    if split & (keep | moved):
+        raise ValueError(f"blocks {sorted(split & (keep | moved))} are both partitioned and keep their attention "
+                         f"outputs: the partitioner chooses what a partitioned block saves")
+    plain = sorted(i for i in split if COMPILED_PARTITIONED not in blocks[i].__dict__)
+    if plain:
+        raise ValueError(f"blocks {plain} are not compiled by datapath (offload(..., compile=True)): only a compiled "
+                         f"block can be partitioned")
     if not keep | moved <= chosen:
         raise ValueError(f"attention_saved / attention_offloaded blocks {sorted((keep | moved) - chosen)} are not "
                          f"recomputed: a block keeps its attention outputs only when it is recomputed (pass it in "
@@ -181,6 +208,10 @@ def set_recompute(blocks: list[nn.Module], which: Iterable[int], attention_saved
             block.__dict__[_KEEP_ATTENTION] = True
         else:
             block.__dict__.pop(_KEEP_ATTENTION, None)
+        if i in split:
+            block.__dict__[_PARTITION] = True
+        else:
+            block.__dict__.pop(_PARTITION, None)
         if i in moved:
             block.__dict__[_OFFLOAD_ATTENTION] = attention_store
         else:
