@@ -65,45 +65,25 @@ class BudgetPlanning:
         differs = ckpt.recompute != self.plan.recompute or bool(self.plan.attention_offloaded)
         plans += [ckpt] if differs else []
         compiled = [self._compiled_attention_plan(p) for p in (self.plan, ckpt)]
-        compiled += [self._partitioned_plan(p) for p in (self.plan, ckpt, self._room_for_partitioning())]
+        compiled += [self._partitioned_plan(p) for p in (self.plan, ckpt)]
         return plans + [p for p in compiled if p is not None]
 
-    def _saved_by_block(self) -> dict[int, int]:
-        """Per block, the bytes of the storages it saved in the profiled step (what keeping it holds)."""
-        assert self.profile is not None
-        saved: dict[int, int] = {}
-        for seg, nb in self.profile.storages:
-            b = self.profile.segments[seg].block
-            saved[b] = saved.get(b, 0) + nb
-        return saved
-
-    def _room_for_partitioning(self) -> BudgetPlan | None:
-        """The plan for the target less what partitioning the plan's recomputed compiled blocks would save
-        (`PARTITION_BUDGET` of their kept bytes): it keeps fewer blocks, so that partitioned it may hold the
-        budget where the plan partitioned would not.  None where the plan recomputes no compiled block."""
-        assert self.plan is not None
-        blocks = self.models.blocks
-        split = [b for b in self.plan.recompute if b < len(blocks) and COMPILED_PARTITIONED in blocks[b].__dict__]
-        if not split:
-            return None
-        saved = self._saved_by_block()
-        return self._plan_for(self.target - PARTITION_BUDGET * sum(saved.get(b, 0) for b in split),
-                              TRIAL_COSTS[-1])
-
-    def _partitioned_plan(self, base: BudgetPlan | None) -> BudgetPlan | None:
+    def _partitioned_plan(self, base: BudgetPlan) -> BudgetPlan | None:
         """Where ``base`` stores nothing and recomputes compiled blocks: the same plan with those blocks recomputed
         by their compiled region's partitioner (`datapath.offload.regional_compile.PARTITION_BUDGET`), which saves
         the outputs that buy back the most recompute time.  What it saves is seen only once compiled, so its peak
         is not modelled: the trial measures it, and a step over the budget loses.  Proposed only where the blocks
         saving `PARTITION_SHARE` of the bytes they save when kept, all at once, would still fit the device."""
-        if base is None or base.infeasible or not base.storeless or base.partitioned:
-            return None
+        assert self.profile is not None
         blocks = self.models.blocks
         split = tuple(b for b in base.recompute if b < len(blocks) and COMPILED_PARTITIONED in blocks[b].__dict__
                       and b not in base.attention_saved)
-        if not split:
+        if base.infeasible or not base.storeless or not split or base.partitioned:
             return None
-        saved = self._saved_by_block()
+        saved: dict[int, int] = {}
+        for seg, nb in self.profile.storages:
+            b = self.profile.segments[seg].block
+            saved[b] = saved.get(b, 0) + nb
         extra = PARTITION_SHARE * sum(saved.get(b, 0) for b in split)
         if base.predicted_peak + extra > DEVICE_SHARE * self._device_total():
             return None
