@@ -23,6 +23,7 @@ from datapath.offload.plan_trials import gb as _gb
 from datapath.offload.plan_trials import plan_shape as _shape
 from datapath.offload.recompute import (
     COMPILED_PARTITIONED, COMPILED_SAVING_ATTENTION, already_recomputed, draws_dropout, set_recompute)
+from datapath.offload.memory_meter import CudaMeter
 from datapath.offload.records import Record
 from datapath.offload.regional_compile import PARTITION_BUDGET
 
@@ -72,12 +73,15 @@ class BudgetPlanning:
         """Where ``base`` stores nothing and recomputes compiled blocks: the same plan with those blocks recomputed
         by their compiled region's partitioner (`datapath.offload.regional_compile.PARTITION_BUDGET`), which saves
         the outputs that buy back the most recompute time.  What it saves is seen only once compiled, so its peak
-        is not modelled: the trial measures it, and a step over the budget loses.  Proposed only where the blocks
-        saving `PARTITION_SHARE` of the bytes they save when kept, all at once, would still fit the device."""
+        is not modelled: the trial measures it, and a step over the budget loses.  Proposed only on a GPU, for
+        blocks without dropout, where the blocks saving `PARTITION_SHARE` of the bytes they save when kept, all at
+        once, would still fit the device."""
         assert self.profile is not None
+        if not isinstance(self.meter, CudaMeter):  # the CPU's meter, a dispatch mode, keeps them from compiling
+            return None
         blocks = self.models.blocks
         split = tuple(b for b in base.recompute if b < len(blocks) and COMPILED_PARTITIONED in blocks[b].__dict__
-                      and b not in base.attention_saved)
+                      and b not in base.attention_saved and not draws_dropout(blocks[b]))
         if base.infeasible or not base.storeless or not split or base.partitioned:
             return None
         saved: dict[int, int] = {}

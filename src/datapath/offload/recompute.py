@@ -102,6 +102,14 @@ def _compiled_dropout_error(which: str) -> OffloadConfigError:
         f"uncompiled: an eager block keeps its attention outputs with the forward's masks")
 
 
+def _partitioned_dropout_error(which: str) -> OffloadConfigError:
+    """The refusal of partitioned blocks (``which``: "blocks [..] are") with dropout on."""
+    return OffloadConfigError(
+        f"{which} partitioned with dropout on: under a memory budget torch's partitioner may recompute a dropout in "
+        f"the backward with a new mask (PyTorch issue 190758), silently wrong gradients. Recompute it without "
+        f"partitioned, or set its dropout to 0")
+
+
 def keeps_attention(block: nn.Module) -> bool:
     """True when ``block`` is recomputed with its attention outputs saved."""
     return is_recomputed(block) and bool(block.__dict__.get(_KEEP_ATTENTION))
@@ -143,6 +151,8 @@ def _wrap(block: nn.Module, original: Any) -> Any:
             return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
         partitioned = block.__dict__.get(COMPILED_PARTITIONED)
         if partitioned is not None and block.__dict__.get(_PARTITION):
+            if draws_dropout(block):  # its dropout turned on since set_recompute
+                raise _partitioned_dropout_error(f"a {type(block).__name__} block is")
             return partitioned(*args, **kwargs)  # the compiled region saves and recomputes: no checkpoint
         saving = block.__dict__.get(COMPILED_SAVING_ATTENTION)
         if saving is not None and block.__dict__.get(_KEEP_ATTENTION):
@@ -186,6 +196,9 @@ def set_recompute(blocks: list[nn.Module], which: Iterable[int], attention_saved
     if plain:
         raise ValueError(f"blocks {plain} are not compiled by datapath (offload(..., compile=True)): only a compiled "
                          f"block can be partitioned")
+    random = sorted(i for i in split if draws_dropout(blocks[i]))
+    if random:
+        raise _partitioned_dropout_error(f"blocks {random} are")
     if not keep | moved <= chosen:
         raise ValueError(f"attention_saved / attention_offloaded blocks {sorted((keep | moved) - chosen)} are not "
                          f"recomputed: a block keeps its attention outputs only when it is recomputed (pass it in "

@@ -25,7 +25,8 @@ compiled graph still saves, and its choices per block compose with the compiler'
   time per byte (at long context, the attention's and some matmuls') and recomputes the rest
   inside the compiled backward; the tensors it saves reach the saved-tensor hooks as a kept
   block's do.  Another compiled graph, so its gradients match the compiled block's to rounding,
-  not bit for bit; ops drawing from the RNG are saved by the partitioner, never drawn again;
+  not bit for bit.  A block that draws random numbers is refused: one with dropout it can see
+  (`datapath.offload.recompute.draws_dropout`) by `set_recompute`, any other when it compiles;
 - recompute keeping the attention outputs (``set_recompute(..., attention_saved=...)``): a
   second compiled function per block class, the class's forward under non-reentrant
   checkpointing with the selective policy of `datapath.offload.attention_saved` inside the
@@ -126,14 +127,87 @@ def _partitioned(forward: Any) -> Any:
     return out
 
 
-def _under_partition_budget(compiled: Any) -> Any:
+_RANDOM_FUNCTIONS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+                     "bernoulli", "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm",
+                     "multinomial", "normal", "poisson", "rrelu")
+_RANDOM_METHODS = ("bernoulli", "bernoulli_", "uniform_", "normal_", "exponential_", "geometric_", "cauchy_",
+                   "log_normal_", "random_")
+
+
+def _draws_random(node: Any) -> bool:
+    """Whether a node of a TorchDynamo graph draws from the RNG (a dropout, a sampling op, an attention call with
+    a dropout probability that is not a constant 0)."""
+    if node.op == "call_method":
+        return node.target in _RANDOM_METHODS
+    if node.op != "call_function":
+        return False
+    name = getattr(node.target, "__name__", "")
+    if name == "scaled_dot_product_attention":
+        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    if name in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"):
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        train = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+        return not ((isinstance(p, (int, float)) and p == 0) or train is False)
+    return name in _RANDOM_FUNCTIONS and getattr(node.target, "__module__", "") in ("torch", "torch.functional",
+                                                                                     "torch.nn.functional", None)
+
+
+class RandomOpInPartitionedBlock(OffloadConfigError):
+    """A block's partitioned recomputation draws random numbers: refused (see `_refusing_random`)."""
+
+
+_refusing: dict[str, dict[str, Any]] = {}
+
+
+def _refusing_random(options: dict[str, Any]) -> dict[str, Any] | None:
+    """``options`` with their backend wrapped to refuse a graph that draws random numbers (one per options, so
+    that every block of a class shares its compiled graphs); None where ``options`` name a ``mode`` or inductor
+    ``options`` (a backend of its own would drop them): such blocks are not partitioned.
+
+    Under a memory budget torch's partitioner may recompute a random op in the backward, where it draws anew: the
+    backward then applies other dropout masks than the forward did, and nothing says so (PyTorch issue 190758,
+    torch 2.11; reproduced here on the CPU and an H100).  A partitioned block is compiled only where its graph
+    draws nothing: a dropout `datapath.offload.recompute.draws_dropout` cannot see (a functional call) is refused
+    by this backend when the block first compiles, before its step runs."""
+    if "mode" in options or "options" in options:
+        return None
+    key = repr(sorted(options.items(), key=lambda kv: kv[0]))
+    out = _refusing.get(key)
+    if out is None:
+        from torch._dynamo.backends.registry import lookup_backend  # noqa: PLC0415
+
+        backend = options.get("backend", "inductor")
+        compiler = lookup_backend(backend) if isinstance(backend, str) else backend
+
+        def refusing(gm: Any, inputs: Any) -> Any:
+            drawn = [str(n.target) for n in gm.graph.nodes if _draws_random(n)]
+            if drawn:
+                raise RandomOpInPartitionedBlock(f"it draws random numbers ({', '.join(sorted(set(drawn))[:3])})")
+            return compiler(gm, inputs)
+        out = _refusing[key] = {**options, "backend": refusing}
+    return out
+
+
+def _under_partition_budget(compiled: Any, name: str) -> Any:
     """``compiled`` called with `PARTITION_BUDGET` as the partitioner's activation memory budget (read when the
-    call compiles: its first call, or a recompilation)."""
+    call compiles: its first call, or a recompilation); a graph drawing random numbers refused
+    (`_refusing_random`) with `OffloadConfigError`."""
     import torch._functorch.config as functorch_config  # noqa: PLC0415
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        with functorch_config.patch(activation_memory_budget=PARTITION_BUDGET):
-            return compiled(*args, **kwargs)
+        try:
+            with functorch_config.patch(activation_memory_budget=PARTITION_BUDGET):
+                return compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            why = str(e.inner_exception) if isinstance(getattr(e, "inner_exception", None),
+                                                      RandomOpInPartitionedBlock) else None
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+            cause = why or (lines[1] if len(lines) > 1 else lines[0])
+            raise OffloadConfigError(
+                f"{name} cannot be partitioned: {cause}. Under a memory budget torch's partitioner may draw a "
+                f"random op again in the backward with other numbers (PyTorch issue 190758): recompute the block "
+                f"without partitioned") from e
     return call
 
 
@@ -225,8 +299,10 @@ def compile_blocks(blocks: nn.Module | list[nn.Module], options: dict[str, Any] 
             b.forward = _training_forward(_compiled(type(b).forward, options or {}), b)  # type: ignore[method-assign]
             b.__dict__[COMPILED_SAVING_ATTENTION] = _training_forward(
                 _compiled(_saving_attention(type(b).forward), options or {}), b)  # compiled at its first call
-            b.__dict__[COMPILED_PARTITIONED] = _training_forward(
-                _under_partition_budget(_compiled(_partitioned(type(b).forward), options or {})), b)
+            refusing = _refusing_random(options or {})
+            if refusing is not None:
+                b.__dict__[COMPILED_PARTITIONED] = _training_forward(
+                    _under_partition_budget(_compiled(_partitioned(type(b).forward), refusing), type(b).__name__), b)
         n += 1
     if isinstance(blocks, nn.Module) and not getattr(blocks, _LOSS, False):
         # a Hugging Face model's loss (upcast logits, cross-entropy) compiled too: one fused kernel each way
