@@ -1,6 +1,6 @@
 """Compiled blocks recomputed by their compiled region's partitioner (``set_recompute(..., partitioned=...)``, CPU
 inductor and CUDA): no checkpoint around the region, the compiler saving a share of what the plain compiled block
-saves; gradients those of the compiled model to rounding; dropout masks the forward's, or a refusal."""
+saves; gradients those of the compiled model to rounding; a block drawing random numbers refused."""
 from __future__ import annotations
 
 import copy
