@@ -64,8 +64,9 @@ from datapath.offload.models import auto_blocks
 PARTITION_BUDGET = 0.1
 """``activation_memory_budget`` of a block's partitioned recomputation: the share of its activation memory (between
 the partitioner's least and what the plain compiled block saves) it may save.  On the Llama-3-8B shape at 8K under
-FSDP2 this budget on every layer peaked at full checkpointing's memory and ran 7% faster than checkpointing with
-compiled layers (benchmarks/results/offload_scale_fsdp2_8k.json)."""
+FSDP2 this budget on every layer peaked at full checkpointing's memory and ran 7.6% faster than checkpointing with
+compiled layers on two H200s, 2.2% slower on two H100s, whose allocator runs near the card's limit there
+(benchmarks/results/offload_scale_fsdp2_8k_h200.json, offload_scale_fsdp2_8k.json): the budget's trial decides."""
 
 _ORIGINAL = "_datapath_compiled_original"
 _COMPILE_KEYS = ("mode", "dynamic", "fullgraph", "backend", "options")
@@ -181,7 +182,7 @@ def _refusing_random(options: dict[str, Any]) -> dict[str, Any] | None:
         compiler = lookup_backend(backend) if isinstance(backend, str) else backend
 
         def refusing(gm: Any, inputs: Any) -> Any:
-            drawn = [str(n.target) for n in gm.graph.nodes if _draws_random(n)]
+            drawn = [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if _draws_random(n)]
             if drawn:
                 raise RandomOpInPartitionedBlock(f"it draws random numbers ({', '.join(sorted(set(drawn))[:3])})")
             return compiler(gm, inputs)
