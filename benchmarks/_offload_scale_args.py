@@ -29,6 +29,9 @@ def parse(argv: list[str] | None, description: str = "B6: offloading at 8B scale
                          "library's default: 1); recorded as `pace`")
     ap.add_argument("--datapath-compile", action="store_true",
                     help="datapath's methods with compile=True (each block compiled; recorded as `compile`)")
+    ap.add_argument("--datapath-partition", action="store_true",
+                    help="with --datapath-compile: memory_budget may recompute compiled blocks by their region's "
+                         "partitioner (offload(partition_compiled=True); gradients to rounding, not bit for bit)")
     ap.add_argument("--datapath-attention-saved", action="store_true",
                     help="datapath-all recomputes every block keeping its attention outputs (set_recompute(..., "
                          "attention_saved=...); with --datapath-compile, inside each compiled region), everything "

@@ -154,7 +154,8 @@ def cache_record(cache: Any, method: str, steps: int) -> dict[str, Any]:
     extra: dict[str, Any] = {"offloaded_gb_per_step": st.bytes_offloaded / 1e9 / max(1, steps),
                              "write_GBps": st.write_bandwidth / 1e9, "read_GBps": st.read_bandwidth / 1e9,
                              "pace": cache.config.flow.pace,
-                             "compile": cache.config.select.compile_options is not None}
+                             "compile": cache.config.select.compile_options is not None,
+                             "partition_compiled": cache.config.flow.partition_compiled}
     pol = getattr(cache, "policy", None)
     if method == "datapath-budget" and pol is not None:
         extra["step_peaks_gb"] = [p / 1e9 for p in getattr(pol, "peaks", [])]

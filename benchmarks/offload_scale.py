@@ -188,6 +188,8 @@ class Bench:
                 opts["pace"] = self.args.datapath_pace
             if self.args.datapath_compile:
                 opts["compile"] = True
+            if self.args.datapath_partition:
+                opts["partition_compiled"] = True
             enter = offload_rank if self.dist else offload  # a rank's share of the host's pinned memory
             with enter(self.model, memory_budget=budget, **opts) as cache:
                 self.cache = cache

@@ -136,7 +136,8 @@ for s in "${suites[@]}"; do
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 575 torchrun --standalone --nproc-per-node 2 \
           benchmarks/offload_scale.py --mode fsdp2 --methods \
           checkpoint,keep,selective_checkpoint,checkpoint_compiled,compile_budget,datapath-budget \
-          --compile-budgets 0.5,0.25,0.1 --datapath-budgets checkpoint --datapath-compile --check-seq 0 --seqs 8192 \
+          --compile-budgets 0.5,0.25,0.1 --datapath-budgets checkpoint --datapath-compile --datapath-partition \
+          --check-seq 0 --seqs 8192 \
           --timed 8192 --steps 3 --warmup 1 --budget-warmup 22 --time-budget 530 --compile-cost 70 --log-plans \
           --name offload_scale_fsdp2_8k \
           > "$L/bench_offload_scale_fsdp2.log" 2>&1 || status=1

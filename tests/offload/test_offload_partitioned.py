@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from _offload_models import run_steps
-from datapath.offload import OffloadConfigError, compile_blocks, set_recompute, uncompile_blocks
+from datapath.offload import OffloadConfigError, TensorCache, compile_blocks, set_recompute, uncompile_blocks
 from datapath.offload.recompute import is_partitioned
 
 transformers = pytest.importorskip("transformers")
@@ -156,3 +156,45 @@ def test_set_recompute_names_blocks_it_cannot_partition() -> None:
         set_recompute(blocks, [0], partitioned=[0], attention_saved=[0])
     assert not any(is_partitioned(b) for b in blocks)
     uncompile_blocks(model)
+
+
+def test_partition_compiled_is_a_yes_or_no() -> None:
+    with pytest.raises(OffloadConfigError, match="partition_compiled must be True or False, got 'yes'"):
+        TensorCache("host", memory_budget=1 << 30, compile=True, partition_compiled="yes")
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.parametrize("asked", [False, True], ids=["default", "partition_compiled"])
+def test_a_gpu_budget_partitions_compiled_blocks_only_when_asked(asked: bool) -> None:
+    """On a GPU, a budget over compiled blocks whose trial runs a plan storing nothing tries it partitioned only
+    with ``partition_compiled=True`` (its gradients are the compiled model's to rounding); by default every plan
+    gives the compiled model's gradients bit for bit, and none is partitioned."""
+    model = _llama(4).cuda()
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 128, (4, 128), generator=gen).cuda() for _ in range(14)]
+
+    def peak(checkpointing: bool) -> int:
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        _loss(model, batches[0]).backward()
+        torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        model.gradient_checkpointing_disable()
+        return torch.cuda.max_memory_allocated()
+    keep, ckpt = peak(False), peak(True)
+    budget = ckpt + (keep - ckpt) // 4  # most blocks recomputed, even compiled
+    cache = TensorCache("host", memory_budget=budget, compile=True, partition_compiled=asked)
+    cache.attach(model)
+    run_steps(model, batches, _loss, ctx=cache)
+    tried = [p for r in cache.policy.trials for p in r["plans"]]
+    cache.close()
+    split = [p for p in tried if p["partitioned"]]
+    if not asked:
+        assert split == [], tried
+        return
+    assert split, tried
+    for p in split:
+        assert p["partitioned"] == p["recompute"] and p["offload_bytes"] == 0, p

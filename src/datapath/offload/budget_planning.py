@@ -41,7 +41,7 @@ DEVICE_SHARE = 0.95    # the share of the device a trial's plan whose peak is no
 class BudgetPlanning:
     """The planning steps of a `BudgetPolicy`, mixed into it: they read and set the policy's state, set by its
     ``__init__`` (``profile``, ``plan``, ``target``, ``budget``, ``calibration``, ``replans``, ``planning_s``,
-    ``keep_target``, ``ranks``, ``room``, ``floor``, ``attention``, ``attention_store``, ``models``, ``meter``,
+    ``keep_target``, ``ranks``, ``room``, ``floor``, ``attention``, ``attention_store``, ``models``, ``meter``, ``config``,
     ``clock``, ``bandwidth``, ``stats``, ``_overshot``, ``_relaxed``,
     and ``_trials``, ``_attention``, ``_agreed_room``, ``_timing_peak``, ``_head_fwd``, ``_head_bwd``, ``_block_bytes``,
     ``_device_bytes``) and its properties ``base_recompute`` and ``trials``."""
@@ -73,12 +73,12 @@ class BudgetPlanning:
         """Where ``base`` stores nothing and recomputes compiled blocks: the same plan with those blocks recomputed
         by their compiled region's partitioner (`datapath.offload.regional_compile.PARTITION_BUDGET`), which saves
         the outputs that buy back the most recompute time.  What it saves is seen only once compiled, so its peak
-        is not modelled: the trial measures it, and a step over the budget loses.  Proposed only on a GPU, for
-        blocks without dropout, where the blocks saving `PARTITION_SHARE` of the bytes they save when kept, all at
-        once, would still fit the device."""
+        is not modelled: the trial measures it, and a step over the budget loses.  Proposed only where asked for
+        (`FlowOptions.partition_compiled`), on a GPU, for blocks without dropout, where the blocks saving
+        `PARTITION_SHARE` of the bytes they save when kept, all at once, would still fit the device."""
         assert self.profile is not None
-        if not isinstance(self.meter, CudaMeter):  # the CPU's meter, a dispatch mode, keeps them from compiling
-            return None
+        if not self.config.flow.partition_compiled or not isinstance(self.meter, CudaMeter):
+            return None  # asked for only (gradients to rounding); the CPU's meter keeps the compiler from compiling
         blocks = self.models.blocks
         split = tuple(b for b in base.recompute if b < len(blocks) and COMPILED_PARTITIONED in blocks[b].__dict__
                       and b not in base.attention_saved and not draws_dropout(blocks[b]))

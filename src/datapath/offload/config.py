@@ -112,6 +112,10 @@ class FlowOptions:
     counting (a plan's first step may hold one-off costs, e.g. the caching allocator reserving memory for what
     the plan keeps): None (2 where the ranks agree, where a step is as slow as the slowest rank and one step
     each leaves plans a few percent apart to noise; else 1), or a number >= 1.
+    ``partition_compiled``: a ``memory_budget`` under ``compile`` also tries, on a GPU, its compiled blocks
+    recomputed by their compiled region's partitioner (`datapath.offload.regional_compile.PARTITION_BUDGET`);
+    the gradients of such a plan match the compiled model's to float32 rounding, not bit for bit, so it is off
+    by default (every plan then gives the compiled model's gradients exactly).
     """
 
     max_inflight_bytes: float | None = None
@@ -123,9 +127,12 @@ class FlowOptions:
     profile_after: int = 1
     agree_across_ranks: Any = None
     trial_steps: int | None = None
+    partition_compiled: bool = False
 
     def __post_init__(self) -> None:
         check_agreement(self.agree_across_ranks)
+        if not isinstance(self.partition_compiled, bool):
+            raise OffloadConfigError(f"partition_compiled must be True or False, got {self.partition_compiled!r}")
         if self.trial_steps is not None:
             _int_at_least("trial_steps", self.trial_steps, 1)
         for name in ("max_inflight_bytes", "max_prefetch_bytes"):
