@@ -194,8 +194,9 @@ def set_recompute(blocks: list[nn.Module], which: Iterable[int], attention_saved
                          f"outputs: the partitioner chooses what a partitioned block saves")
     plain = sorted(i for i in split if COMPILED_PARTITIONED not in blocks[i].__dict__)
     if plain:
-        raise ValueError(f"blocks {plain} are not compiled by datapath (offload(..., compile=True)): only a compiled "
-                         f"block can be partitioned")
+        raise ValueError(f"blocks {plain} have no partitioned forward: only blocks compiled by datapath "
+                         f"(offload(..., compile=True), or a dict of torch.compile options naming no mode and no "
+                         f"inductor options) can be partitioned")
     random = sorted(i for i in split if draws_dropout(blocks[i]))
     if random:
         raise _partitioned_dropout_error(f"blocks {random} are")
