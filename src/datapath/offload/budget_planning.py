@@ -84,7 +84,7 @@ class BudgetPlanning:
                       and b not in base.attention_saved and not draws_dropout(blocks[b]))
         if base.infeasible or not base.storeless or not split or base.partitioned:
             return None
-        saved: dict[int, int] = {}
+        saved: dict[int, int] = {}  # from the profile, which the ranks agree on (``_block_bytes`` is this rank's)
         for seg, nb in self.profile.storages:
             b = self.profile.segments[seg].block
             saved[b] = saved.get(b, 0) + nb

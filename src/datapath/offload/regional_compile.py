@@ -63,10 +63,9 @@ from datapath.offload.models import auto_blocks
 
 PARTITION_BUDGET = 0.1
 """``activation_memory_budget`` of a block's partitioned recomputation: the share of its activation memory (between
-the partitioner's least and what the plain compiled block saves) it may save.  On the Llama-3-8B shape at 8K under
-FSDP2 this budget on every layer peaked at full checkpointing's memory and ran 7.6% faster than checkpointing with
-compiled layers on two H200s, 2.2% slower on two H100s, whose allocator runs near the card's limit there
-(benchmarks/results/offload_scale_fsdp2_8k_h200.json, offload_scale_fsdp2_8k.json): the budget's trial decides."""
+the partitioner's least and what the plain compiled block saves) it may save.  Low enough that every block
+partitioned can stay near full checkpointing's peak; whether it beats checkpointing depends on the card, so the
+budget's trial decides (docs/benchmarks.md, B6 FSDP2)."""
 
 _ORIGINAL = "_datapath_compiled_original"
 _COMPILE_KEYS = ("mode", "dynamic", "fullgraph", "backend", "options")
@@ -128,8 +127,8 @@ def _partitioned(forward: Any) -> Any:
     return out
 
 
-_RANDOM_FUNCTIONS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
-                     "bernoulli", "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm",
+_DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
+_RANDOM_FUNCTIONS = ("bernoulli", "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm",
                      "multinomial", "normal", "poisson", "rrelu")
 _RANDOM_METHODS = ("bernoulli", "bernoulli_", "uniform_", "normal_", "exponential_", "geometric_", "cauchy_",
                    "log_normal_", "random_")
@@ -146,7 +145,7 @@ def _draws_random(node: Any) -> bool:
     if name == "scaled_dot_product_attention":
         p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
         return not (isinstance(p, (int, float)) and p == 0)
-    if name in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"):
+    if name in _DROPOUTS:
         p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
         train = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
         return not ((isinstance(p, (int, float)) and p == 0) or train is False)
@@ -167,8 +166,8 @@ def _refusing_random(options: dict[str, Any]) -> dict[str, Any] | None:
     ``options`` (a backend of its own would drop them): such blocks are not partitioned.
 
     Under a memory budget torch's partitioner may recompute a random op in the backward, where it draws anew: the
-    backward then applies other dropout masks than the forward did, and nothing says so (PyTorch issue 190758,
-    torch 2.11; reproduced here on the CPU and an H100).  A partitioned block is compiled only where its graph
+    backward then applies other dropout masks than the forward did, and nothing says so (PyTorch issue 190758).
+    A partitioned block is compiled only where its graph
     draws nothing: a dropout `datapath.offload.recompute.draws_dropout` cannot see (a functional call) is refused
     by this backend when the block first compiles, before its step runs."""
     if "mode" in options or "options" in options:
