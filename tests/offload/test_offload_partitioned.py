@@ -176,7 +176,7 @@ def test_a_gpu_budget_partitions_compiled_blocks_only_when_asked(asked: bool) ->
     gives the compiled model's gradients bit for bit, and none is partitioned."""
     model = _llama(4).cuda()
     gen = torch.Generator().manual_seed(5)
-    batches = [torch.randint(0, 128, (4, 128), generator=gen).cuda() for _ in range(14)]
+    batches = [torch.randint(0, 128, (32, 128), generator=gen).cuda() for _ in range(14)]
 
     def peak(checkpointing: bool) -> int:
         if checkpointing:
@@ -189,7 +189,7 @@ def test_a_gpu_budget_partitions_compiled_blocks_only_when_asked(asked: bool) ->
         model.gradient_checkpointing_disable()
         return torch.cuda.max_memory_allocated()
     keep, ckpt = peak(False), peak(True)
-    budget = ckpt + (keep - ckpt) // 4  # most blocks recomputed, even compiled
+    budget = ckpt + (keep - ckpt) // 2  # some blocks recomputed, even compiled; checkpointing's plan fits
     cache = TensorCache("host", memory_budget=budget, compile=True, partition_compiled=asked)
     cache.attach(model)
     run_steps(model, batches, _loss, ctx=cache)
