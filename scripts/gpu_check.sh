@@ -22,7 +22,7 @@
 #             against memory_budget 82.9 GB with compile=True     benchmarks/offload_scale.py (~7 min; one call)
 #   b6-fsdp2  B6 FSDP2 (2 GPUs): the 8B shape at 8K, every peer that runs there (keep, checkpointing eager,
 #             selective and with compiled layers, compile's activation_memory_budget 0.5/0.25/0.1) and memory_budget
-#             at checkpointing's peak with compile=True (22 warm-up steps: its trials run 2 steps a plan where the
+#             at checkpointing's peak with compile=True (30 warm-up steps: its trials run 2 steps a plan where the
 #             ranks agree, compiled blocks partitioned among them)  benchmarks/offload_scale.py --mode fsdp2 (~5 min)
 #   rok       ROK curve                          benchmarks/rok.py                           (~2.5 min)
 #   fuzz      differential kernel fuzz           benchmarks/kernel_fuzz.py: 10,000 cases, then 520 under
@@ -138,7 +138,7 @@ for s in "${suites[@]}"; do
           checkpoint,keep,selective_checkpoint,checkpoint_compiled,compile_budget,datapath-budget \
           --compile-budgets 0.5,0.25,0.1 --datapath-budgets checkpoint --datapath-compile --datapath-partition \
           --check-seq 0 --seqs 8192 \
-          --timed 8192 --steps 3 --warmup 1 --budget-warmup 22 --time-budget 530 --compile-cost 70 --log-plans \
+          --timed 8192 --steps 3 --warmup 1 --budget-warmup 30 --time-budget 530 --compile-cost 70 --log-plans \
           --name offload_scale_fsdp2_8k \
           > "$L/bench_offload_scale_fsdp2.log" 2>&1 || status=1
       tail -n 25 "$L/bench_offload_scale_fsdp2.log" ;;

@@ -202,3 +202,10 @@ def test_a_gpu_budget_partitions_compiled_blocks_only_when_asked(asked: bool) ->
     assert split, tried
     for p in split:
         assert p["partitioned"] == p["recompute"] and p["offload_bytes"] == 0, p
+
+    def kept(p: dict) -> int:
+        return len(blocks) - len(p["recompute"])
+    blocks = list(model.model.layers)
+    most = max((kept(p) for p in tried if not p["partitioned"] and p["offload_bytes"] == 0), default=0)
+    if most >= 2:  # a plan keeping blocks is also tried keeping fewer, the rest partitioned
+        assert any(0 < kept(p) < most for p in split), tried

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from datapath.offload import BudgetProfile, SegmentCost, checkpoint_plan, plan_budget
+from datapath.offload import BudgetProfile, SegmentCost, checkpoint_plan, plan_budget, recompute_plan
 
 
 def _random_profile(rng: random.Random) -> BudgetProfile:
@@ -62,6 +62,19 @@ def test_plans_fit_their_budget_and_more_memory_or_bandwidth_never_costs_time(se
             assert plan.infeasible or plan.predicted_peak <= b, where
             ckpt = checkpoint_plan(p, b)
             assert ckpt.recompute == tuple(sorted(p.recomputable))
+            if not plan.infeasible:  # the plan for the search's recompute set: the same offloaded prefix and peak
+                same = recompute_plan(p, b, plan.recompute)
+                assert same.recompute == plan.recompute and not same.infeasible, where
+                assert (same.cut_segment, same.cut_bytes, same.offload_bytes, same.predicted_peak) == \
+                    (plan.cut_segment, plan.cut_bytes, plan.offload_bytes, plan.predicted_peak), where
+            some = set(rng.sample(list(p.recomputable), rng.randint(0, len(p.recomputable))))
+            mine = recompute_plan(p, b, some)
+            assert mine.recompute == tuple(sorted(some)), where
+            assert mine.infeasible or mine.predicted_peak <= b, where
+            if mine.infeasible:  # nothing offloaded then, and the peak kept everything over the budget
+                assert mine.offload_bytes == 0 and mine.predicted_peak > b, where
+            else:  # a higher budget never needs more offloaded for the same recomputation
+                assert recompute_plan(p, 2 * b, some).offload_bytes <= mine.offload_bytes, where
             if not ckpt.infeasible:  # checkpointing's plan is one the search weighs: never faster than its pick
                 assert ckpt.predicted_peak <= b and not plan.infeasible, where
                 assert _not_slower(plan.predicted_time, ckpt.predicted_time), where

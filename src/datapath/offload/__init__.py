@@ -10,8 +10,8 @@ or recomputed, whichever fits fastest.
         ...
 
 `TensorCache` gives explicit control (attach/detach, micro-batch and backward hints,
-`wait_io`, statistics); `OffloadConfig` holds its settings; `plan_budget` (with `checkpoint_plan`) and
-`plan_offload` are the budget and adaptive planners; `HostStore`, `FileStore` and
+`wait_io`, statistics); `OffloadConfig` holds its settings; `plan_budget` (with `checkpoint_plan` and
+`recompute_plan`) and `plan_offload` are the budget and adaptive planners; `HostStore`, `FileStore` and
 `TieredStore` implement the one `Store` interface (`AttentionStore` puts recomputed blocks' attention outputs in
 one; `set_recompute` recomputes blocks, keeping or offloading those outputs); `auto_blocks` names the blocks of a
 model (the units of ``units="blocks"``, what ``compile=True`` compiles one by one).  Workload modelling (ROK curves,
@@ -20,7 +20,8 @@ the SSD plan, presets) lives in `datapath.analysis`.
 from datapath._deprecated import forward
 from datapath.offload.attention_offload import AttentionStore
 from datapath.offload.attention_saved import AttentionCosts, attention_saved_contexts
-from datapath.offload.budget_planner import BudgetPlan, BudgetProfile, SegmentCost, checkpoint_plan, plan_budget
+from datapath.offload.budget_planner import (
+    BudgetPlan, BudgetProfile, SegmentCost, checkpoint_plan, plan_budget, recompute_plan)
 from datapath.offload.cache import TensorCache
 from datapath.offload.cheap_recompute import is_cheap, set_cheap_recompute
 from datapath.offload.config import FlowOptions, OffloadConfig, SelectOptions, StoreOptions, parse_memory_budget
@@ -44,7 +45,7 @@ __all__ = [
     "OffloadError", "OffloadPlan", "OffloadStats", "OffloadWarning", "SegmentCost", "SegmentProfile",
     "SelectOptions", "Slot", "SpillDir", "StepProfile", "Store", "StoreOptions", "Streams", "TensorCache", "TensorProfile",
     "TieredStore", "attention_saved_contexts", "auto_blocks", "checkpoint_plan", "clean_stale", "clean_stale_ranks", "compile_blocks", "is_cheap", "offload", "offload_rank", "parse_memory_budget",
-    "patch_schedules", "plan_budget", "plan_offload", "rank_path", "reclaim_stale", "restore_patches",
+    "patch_schedules", "plan_budget", "plan_offload", "rank_path", "reclaim_stale", "recompute_plan", "restore_patches",
     "set_cheap_recompute", "set_recompute", "uncompile_blocks",
 ]
 

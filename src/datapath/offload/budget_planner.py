@@ -463,9 +463,17 @@ def checkpoint_plan(profile: BudgetProfile, budget: int, *, safety: float = 0.6,
     The budget policy measures it against a plan the model preferred (`datapath.offload.plan_trials`): a plan
     that keeps or offloads more is kept only where its step is faster, and below the model's floor the
     step decides what the model cannot (a memory model that overstates a sharded step's peak)."""
+    return recompute_plan(profile, budget, set(profile.recomputable) | set(recomputed), safety=safety)
+
+
+def recompute_plan(profile: BudgetProfile, budget: int, recompute: set[int] | tuple[int, ...],
+                   *, safety: float = 0.6) -> BudgetPlan:
+    """The plan recomputing the blocks ``recompute`` and keeping the other blocks, with the fewest storages
+    outside them offloaded that fit ``budget`` by the model (none where no number fits: `infeasible` set,
+    nothing offloaded)."""
     p = profile
     model = _Model(p)
-    rec = set(p.recomputable) | set(recomputed)
+    rec = set(recompute)
     lo = _fewest_offloaded(model, rec, _eligible(p, rec), budget)
     infeasible = model.peak(_kept(model, rec, lo)[0]) > budget
     k = 0 if infeasible else lo

@@ -16,7 +16,8 @@ import logging
 import time
 
 from datapath.offload.budget_planner import (
-    BudgetPlan, BudgetProfile, checkpoint_plan, modelled_peak, offload_all_plan, plan_budget, shifted)
+    BudgetPlan, BudgetProfile, checkpoint_plan, modelled_peak, offload_all_plan, plan_budget, recompute_plan,
+    shifted)
 from datapath.offload.budget_profile import profile_of
 from datapath.offload.plan_trials import MAX_TRIAL_ROUNDS, TRIAL_COSTS
 from datapath.offload.plan_trials import gb as _gb
@@ -51,7 +52,7 @@ class BudgetPlanning:
         (where it offloads), the plan storing nothing at ``keep_target`` (`_keeping_plan`), checkpointing's
         (every block recomputed) where the plan recomputes other blocks or offloads attention outputs, and of the
         plan and checkpointing's, their compiled blocks recomputed keeping their attention outputs
-        (`_compiled_attention_plan`) or by their partitioner (`_partitioned_plan`)."""
+        (`_compiled_attention_plan`) or by their partitioner (`_partitioned_plans`)."""
         assert self.plan is not None and self.profile is not None
         plans = [self._plan_for(self.target, cost) for cost in TRIAL_COSTS] if self.plan.offload_bytes else []
         keep = self._keeping_plan()
@@ -66,8 +67,42 @@ class BudgetPlanning:
         differs = ckpt.recompute != self.plan.recompute or bool(self.plan.attention_offloaded)
         plans += [ckpt] if differs else []
         compiled = [self._compiled_attention_plan(p) for p in (self.plan, ckpt)]
-        compiled += [self._partitioned_plan(p) for p in (self.plan, ckpt)]
-        return plans + [p for p in compiled if p is not None]
+        return plans + [p for p in compiled if p is not None] + self._partitioned_plans((self.plan, ckpt))
+
+    def _partitioned_plans(self, bases: tuple[BudgetPlan, ...]) -> list[BudgetPlan]:
+        """`_partitioned_plan` of each of ``bases`` and of the plans keeping fewer of its kept blocks
+        (`_fewer_kept`): a partitioned block saves more than a checkpointed one, so a plan that fills the budget
+        with kept blocks overshoots once the rest are partitioned, and one keeping fewer may be the fastest that
+        holds it.  The trial measures them all."""
+        if not self.config.flow.partition_compiled or not isinstance(self.meter, CudaMeter):
+            return []
+        out: list[BudgetPlan] = []
+        seen: set[tuple] = set()
+        for base in bases:
+            for plan in (base, *self._fewer_kept(base)):
+                split = self._partitioned_plan(plan)
+                if split is not None and _shape(split) not in seen:
+                    seen.add(_shape(split))
+                    out.append(split)
+        return out
+
+    def _fewer_kept(self, base: BudgetPlan) -> list[BudgetPlan]:
+        """Where ``base`` stores nothing and keeps K > 1 blocks: the plans keeping about two thirds and a third
+        of them (of those, the first or the last ones: the lower modelled peak), the rest recomputed, each storing
+        nothing at the target."""
+        assert self.profile is not None
+        if base.infeasible or not base.storeless:
+            return []
+        always = set(self.profile.recomputable) | set(self.base_recompute)
+        kept = sorted(always - set(base.recompute))
+        out: list[BudgetPlan] = []
+        for k in sorted({-(-2 * len(kept) // 3), -(-len(kept) // 3)} - {0, len(kept)}, reverse=True):
+            options = [recompute_plan(self.profile, int(self.target), always - set(keep))
+                       for keep in (kept[:k], kept[-k:])]
+            best = min(options, key=lambda p: (p.infeasible, p.predicted_peak))
+            if best.storeless and not best.infeasible:
+                out.append(best)
+        return out
 
     def _partitioned_plan(self, base: BudgetPlan) -> BudgetPlan | None:
         """Where ``base`` stores nothing and recomputes compiled blocks: the same plan with those blocks recomputed
