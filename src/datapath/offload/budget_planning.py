@@ -89,7 +89,8 @@ class BudgetPlanning:
     def _fewer_kept(self, base: BudgetPlan) -> list[BudgetPlan]:
         """Where ``base`` stores nothing and keeps K > 1 blocks: the plans keeping about two thirds and a third
         of them (of those, the first or the last ones: the lower modelled peak), the rest recomputed, each storing
-        nothing at the target."""
+        nothing at ``base``'s own budget (a plan storing nothing may be planned above a target lowered by an
+        overshoot: `_keeping_plan`)."""
         assert self.profile is not None
         if base.infeasible or not base.storeless:
             return []
@@ -97,7 +98,7 @@ class BudgetPlanning:
         kept = sorted(always - set(base.recompute))
         out: list[BudgetPlan] = []
         for k in sorted({-(-2 * len(kept) // 3), -(-len(kept) // 3)} - {0, len(kept)}, reverse=True):
-            options = [recompute_plan(self.profile, int(self.target), always - set(keep))
+            options = [recompute_plan(self.profile, base.budget, always - set(keep))
                        for keep in (kept[:k], kept[-k:])]
             best = min(options, key=lambda p: (p.infeasible, p.predicted_peak))
             if best.storeless and not best.infeasible:
