@@ -50,7 +50,9 @@
 # strong scaling must shrink; ~2 min), offload_memtrace.py (where B4's activation peak forms).
 #
 # Examples:
-#   scripts/gpu_check.sh                                   # every GPU test, no benchmark
+#   scripts/gpu_check.sh                                   # every GPU test, no benchmark (~20 min on an H100:
+#                                                          # more than one call allows; run it by directory)
+#   scripts/gpu_check.sh --tests tests/offload             # (failures' tracebacks reach the log as they happen)
 #   scripts/gpu_check.sh --no-tests --bench "gather_probe --launchers"
 #   scripts/gpu_check.sh --tests tests/memory --suite b1
 #   scripts/gpu_check.sh --no-tests --suite b4
@@ -59,7 +61,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
 L="$OUT/logs"
 mkdir -p "$L"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 DATAPATH_INSTANT_FAILURES=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 T0=$SECONDS
 
 tests="tests"
