@@ -79,6 +79,46 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = 
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
+def bars_by_batch(records: Sequence[dict[str, Any]], key: str, series: Sequence[str], value: str, path: Any,
+                  ylabel: str, title: str, hline: tuple[float, str] | None = None) -> None:
+    """One group of bars per ``batch_size`` in ``records``, one bar per ``series`` (the records' ``key``), the
+    height ``value``; ``hline``: (y, label) of a reference line.  Saved as a PNG at ``path``."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    sizes = sorted({r["batch_size"] for r in records})
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / len(series)
+    for i, name in enumerate(series):
+        heights = [next(r[value] for r in records if r["batch_size"] == s and r[key] == name) for s in sizes]
+        ax.bar([j + i * width for j in range(len(sizes))], heights, width, label=name)
+    if hline is not None:
+        ax.axhline(hline[0], color="k", lw=0.8, ls="--", label=hline[1])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"{s} seeds" for s in sizes])
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def finish(name: str, description: str, records: list[dict[str, Any]], columns: Sequence[str], config: Any,
+           plot: Callable[[list[dict[str, Any]], Path], None]) -> None:
+    """A benchmark's last steps: print ``records`` as a table of ``columns``, write them as ``name``.json (with
+    ``description`` and ``config``'s arguments) and plot them to ``name``.png (skipped without matplotlib)."""
+    print_table(records, columns)
+    path = write_result(name, {"description": description, "records": records,
+                               "config": {k: str(v) for k, v in vars(config).items()}})
+    print(f"wrote {path}")
+    try:
+        plot(records, RESULTS_DIR / f"{name}.png")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
 def seconds_per_call(fn: Callable[[], Any], iters: int, cuda: bool) -> float:
     """Seconds per call of ``fn`` over ``iters`` calls: CUDA events on the current stream where ``cuda``, else the
     wall clock.  Call it warmed up and synchronised."""

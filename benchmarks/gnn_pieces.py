@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import RESULTS_DIR, print_table, write_result
+from benchmarks._common import bars_by_batch, finish
 from benchmarks.gnn_epoch import dataset_spec
 from datapath.apps import train_epoch
 from datapath.graph import Graph, generate
@@ -139,25 +139,8 @@ def pieces(ds: Any, bs: int, a: argparse.Namespace) -> dict[str, list[tuple[floa
 
 
 def plot(records: list[dict[str, Any]], path: Any) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sizes = sorted({r["batch_size"] for r in records})
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    width = 0.8 / len(PIECES)
-    for i, piece in enumerate(PIECES):
-        ms = [next(r["ms_per_batch"] for r in records if r["batch_size"] == s and r["piece"] == piece)
-              for s in sizes]
-        ax.bar([j + i * width for j in range(len(sizes))], ms, width, label=piece)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"{s} seeds" for s in sizes])
-    ax.set_ylabel("ms a batch (median)")
-    ax.set_title(f"{records[0]['dataset']}: {records[0]['device']}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    bars_by_batch(records, "piece", PIECES, "ms_per_batch", path, "ms a batch (median)",
+                  f"{records[0]['dataset']}: {records[0]['device']}")
 
 
 def main() -> None:
@@ -172,14 +155,8 @@ def main() -> None:
                             else "cpu", "piece": piece, "ms_per_batch": statistics.median(ms), "ms_min": min(ms),
                             "ms_max": max(ms), "cpu_ms_per_batch": statistics.median(c for _, c in runs),
                             "device": device, "batches": a.batches, "rounds": len(runs)})
-    print_table(records, ["batch_size", "piece", "ms_per_batch", "ms_min", "ms_max", "cpu_ms_per_batch"])
-    path = write_result(a.name, {"description": __doc__.split("\n\n")[0], "records": records,
-                                 "config": {k: str(v) for k, v in vars(a).items()}})
-    print(f"wrote {path}")
-    try:
-        plot(records, RESULTS_DIR / f"{a.name}.png")
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    finish(a.name, __doc__.split("\n\n")[0], records,
+           ["batch_size", "piece", "ms_per_batch", "ms_min", "ms_max", "cpu_ms_per_batch"], a, plot)
 
 
 if __name__ == "__main__":

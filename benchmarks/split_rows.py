@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import RESULTS_DIR, print_table, write_result
+from benchmarks._common import bars_by_batch, finish
 from benchmarks.gnn_epoch import dataset_spec
 from datapath.graph import generate, reorder
 from datapath.sampling import NeighborSampler
@@ -89,40 +89,17 @@ def measure(ds: Any, a: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def plot(records: list[dict[str, Any]], path: Any) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sizes = sorted({r["batch_size"] for r in records})
-    fig, ax = plt.subplots(figsize=(6.5, 3.4))
-    width = 0.8 / len(SPLITS)
-    for i, split in enumerate(SPLITS):
-        share = [next(r["rank_share"] for r in records if r["batch_size"] == s and r["split"] == split)
-                 for s in sizes]
-        ax.bar([j + i * width for j in range(len(sizes))], share, width, label=split)
-    ax.axhline(records[0]["seed_share"], color="k", lw=0.8, ls="--", label="seeds' share")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"global batch {s}" for s in sizes])
-    ax.set_ylabel("a rank's input rows / the batch's")
-    ax.set_title(f"{records[0]['dataset']}: {records[0]['ranks']} ranks")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    bars_by_batch(records, "split", SPLITS, "rank_share", path, "a rank's input rows / the batch's",
+                  f"{records[0]['dataset']}: {records[0]['ranks']} ranks, global batches",
+                  hline=(records[0]["seed_share"], "seeds' share"))
 
 
 def main() -> None:
     a = parse()
     ds = generate(dataset_spec(a.dataset, a), device="cpu", progress=False)
     records = measure(ds, a)
-    print_table(records, ["batch_size", "ranks", "split", "rows_batch", "rows_rank", "rank_share"])
-    path = write_result(a.name, {"description": __doc__.split("\n\n")[0], "records": records,
-                                 "config": {k: str(v) for k, v in vars(a).items()}})
-    print(f"wrote {path}")
-    try:
-        plot(records, RESULTS_DIR / f"{a.name}.png")
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    finish(a.name, __doc__.split("\n\n")[0], records,
+           ["batch_size", "ranks", "split", "rows_batch", "rows_rank", "rank_share"], a, plot)
 
 
 if __name__ == "__main__":
