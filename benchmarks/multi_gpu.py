@@ -5,7 +5,9 @@ Adam 3e-3 (fused on the GPU), the aggregation schedules built in the loader's th
 ``train-gnn`` and B2 do; ``--no-prepare``: in the training step, Adam unfused).  Each job (1 process, then N processes, spawned by `datapath.loaders.distributed.launch`)
 generates the dataset on rank 0's GPU, shares graph, features, labels and splits ONCE in
 ``/dev/shm`` (`datapath.unified_tensor.share`); the other ranks attach and pin the same pages.
-Every rank samples on its GPU from the shared graph and gathers its feature rows zero-copy.
+Every rank samples on its GPU from the shared graph and gathers its feature rows zero-copy
+(``--placement gpu``: every rank copies graph, features and labels into its GPU first, so that no batch reads
+over PCIe; the 1-GPU job alike).
 
 Two batch modes, each a full epoch after ``--warmup`` untimed batches:
 
@@ -70,6 +72,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--no-prepare", action="store_true",
                    help="build the aggregation schedules in the training step, not in the loader's thread "
                         "(`prepare=model.prepare_batch`, what `train-gnn` and B2 do), and Adam unfused")
+    p.add_argument("--placement", choices=("shared", "gpu"), default="shared",
+                   help="shared: every rank samples and gathers zero-copy from the one host copy; gpu: every rank "
+                        "copies the graph, features and labels into its GPU first (B2's GPU-resident way: nothing "
+                        "crosses PCIe a batch) [shared]")
     p.add_argument("--bw-rows", type=int, default=1 << 19, help="rows per gather in the contention test")
     p.add_argument("--bw-copy-mb", type=int, default=512, help="MB per DMA copy in the contention test")
     p.add_argument("--bw-iters", type=int, default=20)
@@ -81,6 +87,8 @@ def parse() -> argparse.Namespace:
     args.gpus = args.gpus or min(2, have)
     if cuda and args.gpus > have:
         p.error(f"--gpus {args.gpus} but there are {have} GPUs")
+    if args.placement == "gpu" and not cuda:
+        p.error("--placement gpu needs CUDA GPUs (torch.cuda.is_available() is False here); use --placement shared")
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 8)
     if args.quick and args.max_batches is None:
         args.max_batches = 6
@@ -160,6 +168,10 @@ def bench_worker(args: argparse.Namespace, spec: SyntheticSpec) -> dict[str, Any
     res["setup_s"] = time.perf_counter() - t0
     res["memory_after_share"] = memory_footprint(ds.prefix)
     fanouts = [int(f) for f in args.fanouts.split(",")]
+    graph, feats, labels = ds.graph, ds.features, ds.labels
+    if args.placement == "gpu":  # a copy on every GPU: no PCIe reads a batch (the host copy stays shared)
+        graph, feats, labels = graph.to("cuda"), feats.to(dev), labels.to(dev)
+    res["placement"] = args.placement
     res["modes"] = {}
     for mode in args.modes.split(","):
         per_rank = args.batch_size if mode == "weak" else max(1, args.batch_size // ctx.world_size)
@@ -167,9 +179,9 @@ def bench_worker(args: argparse.Namespace, spec: SyntheticSpec) -> dict[str, Any
         net = build_model("sage", ds.num_features, args.hidden, ds.num_classes, len(fanouts), dropout=0.5).to(dev)
         # as `train-gnn` does: the aggregation schedules are built in the loader's thread
         prepare = None if args.no_prepare else net.prepare_batch
-        loader = DistributedNeighborLoader(ds.graph, ds.train_idx, NeighborSampler(fanouts, seed=args.seed),
+        loader = DistributedNeighborLoader(graph, ds.train_idx, NeighborSampler(fanouts, seed=args.seed),
                                            per_rank, shuffle=True, rank=ctx.rank, world_size=ctx.world_size,
-                                           features=ds.features, labels=ds.labels, device=dev, seed=args.seed,
+                                           features=feats, labels=labels, device=dev, seed=args.seed,
                                            prepare=prepare)
         model = wrap_ddp(net, ctx)
         opt = torch.optim.Adam(model.parameters(), lr=args.lr, fused=dev.type == "cuda" and not args.no_prepare)
