@@ -50,9 +50,11 @@ class BudgetPlanning:
     def _candidates(self) -> list[BudgetPlan]:
         """The plans a trial measures against the one in force: those made with offloading weighed more
         (where it offloads), the plan storing nothing at ``keep_target`` (`_keeping_plan`), checkpointing's
-        (every block recomputed) where the plan recomputes other blocks or offloads attention outputs, and of the
+        (every block recomputed) where the plan recomputes other blocks or offloads attention outputs; of the
         plan and checkpointing's, their compiled blocks recomputed keeping their attention outputs
-        (`_compiled_attention_plan`) or by their partitioner (`_partitioned_plans`)."""
+        (`_compiled_attention_plan`); and of those and of every candidate storing nothing, their compiled blocks
+        recomputed by their partitioner (`_partitioned_plans`: where the plan in force offloads, a candidate that
+        keeps blocks is where the partitioned plans keeping blocks start from)."""
         assert self.plan is not None and self.profile is not None
         plans = [self._plan_for(self.target, cost) for cost in TRIAL_COSTS] if self.plan.offload_bytes else []
         keep = self._keeping_plan()
@@ -67,7 +69,8 @@ class BudgetPlanning:
         differs = ckpt.recompute != self.plan.recompute or bool(self.plan.attention_offloaded)
         plans += [ckpt] if differs else []
         compiled = [self._compiled_attention_plan(p) for p in (self.plan, ckpt)]
-        return plans + [p for p in compiled if p is not None] + self._partitioned_plans((self.plan, ckpt))
+        storeless = tuple(p for p in plans if p.storeless and not p.infeasible)
+        return plans + [p for p in compiled if p is not None] + self._partitioned_plans((self.plan, *storeless, ckpt))
 
     def _partitioned_plans(self, bases: tuple[BudgetPlan, ...]) -> list[BudgetPlan]:
         """`_partitioned_plan` of each of ``bases`` and of the plans keeping fewer of its kept blocks
