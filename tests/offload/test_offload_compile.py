@@ -298,7 +298,9 @@ def test_compiled_blocks_keeping_attention_match_the_compiled_model() -> None:
         set_recompute(list(m.model.layers), [0, 1, 2], attention_saved=saved)
         got = run_steps(m, batches, _loss, ctx=cache)
         assert_identical(ref, got)
-        offloaded[tuple(saved)] = cache.stats.bytes_offloaded
+        # queued: what the store was given (a storage the backward needs before its copy ends is handed back from
+        # memory, so the bytes written depend on timing)
+        offloaded[tuple(saved)] = cache.stats.bytes_queued
         assert _attention_forwards_in_backward(m, batches[0]) == 3 - len(saved)
         shapes: list[tuple[int, ...]] = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: (shapes.append(tuple(t.shape)), t)[1],
