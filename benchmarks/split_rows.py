@@ -1,4 +1,4 @@
-"""How many input rows a rank's part of a global batch reads: the floor under strong scaling's data parallelism.
+"""How many input rows a rank's part of a global batch reads: a floor under data-parallel strong scaling.
 
 With the global batch of one GPU cut over N ranks, each rank samples its part and gathers the features of its
 part's input nodes (the first block's sources).  Those rows, not the seeds, set a rank's PCIe reads and its first
@@ -14,8 +14,9 @@ whole batch samples for its nodes) and cut three ways, reporting the largest par
 - ``planted``: sorted by the synthetic generator's own communities (the node labels): the best a partition
   could find on these graphs.
 
-A part's share of the rows is a floor for a rank's step against one GPU's, whatever the exchange or the host
-work cost: issue 39's 0.55x at two ranks needs a share below it.
+A part's share of the rows is a floor for what a rank gathers and projects in its first layer against one GPU,
+however fast the exchange or the host work (its sampled edges, and the work on them, halve exactly): a strong
+epoch at 0.55x the 1-GPU one on two ranks needs the rows to stop setting a step's time (features on the GPU).
 
     PYTHONPATH=src:. python benchmarks/split_rows.py                   # products shape, 1024 and 4096 (~5 min CPU)
     PYTHONPATH=src:. python benchmarks/split_rows.py --quick           # 1/20 of products (~20 s)
