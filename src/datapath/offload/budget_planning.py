@@ -79,11 +79,16 @@ class BudgetPlanning:
         holds it.  The trial measures them all."""
         if not self.config.flow.partition_compiled or not isinstance(self.meter, CudaMeter):
             return []
+        assert self.profile is not None
+        saved: dict[int, int] = {}  # from the profile, which the ranks agree on (``_block_bytes`` is this rank's)
+        for seg, nb in self.profile.storages:
+            b = self.profile.segments[seg].block
+            saved[b] = saved.get(b, 0) + nb
         out: list[BudgetPlan] = []
         seen: set[tuple] = set()
         for base in bases:
             for plan in (base, *self._fewer_kept(base)):
-                split = self._partitioned_plan(plan)
+                split = self._partitioned_plan(plan, saved)
                 if split is not None and _shape(split) not in seen:
                     seen.add(_shape(split))
                     out.append(split)
@@ -108,25 +113,19 @@ class BudgetPlanning:
                 out.append(best)
         return out
 
-    def _partitioned_plan(self, base: BudgetPlan) -> BudgetPlan | None:
+    def _partitioned_plan(self, base: BudgetPlan, saved: dict[int, int]) -> BudgetPlan | None:
         """Where ``base`` stores nothing and recomputes compiled blocks: the same plan with those blocks recomputed
         by their compiled region's partitioner (`datapath.offload.regional_compile.PARTITION_BUDGET`), which saves
         the outputs that buy back the most recompute time.  What it saves is seen only once compiled, so its peak
         is not modelled: the trial measures it, and a step over the budget loses.  Proposed only where asked for
         (`FlowOptions.partition_compiled`), on a GPU, for blocks without dropout, where the blocks saving
-        `PARTITION_SHARE` of the bytes they save when kept, all at once, would still fit the device."""
-        assert self.profile is not None
-        if not self.config.flow.partition_compiled or not isinstance(self.meter, CudaMeter):
-            return None  # asked for only (gradients to rounding); the CPU's meter keeps the compiler from compiling
+        `PARTITION_SHARE` of the bytes they save when kept (``saved``: block -> bytes), all at once, would still
+        fit the device.  `_partitioned_plans` checks that they are asked for."""
         blocks = self.models.blocks
         split = tuple(b for b in base.recompute if b < len(blocks) and COMPILED_PARTITIONED in blocks[b].__dict__
                       and b not in base.attention_saved and not draws_dropout(blocks[b]))
         if base.infeasible or not base.storeless or not split or base.partitioned:
             return None
-        saved: dict[int, int] = {}  # from the profile, which the ranks agree on (``_block_bytes`` is this rank's)
-        for seg, nb in self.profile.storages:
-            b = self.profile.segments[seg].block
-            saved[b] = saved.get(b, 0) + nb
         extra = PARTITION_SHARE * sum(saved.get(b, 0) for b in split)
         if base.predicted_peak + extra > DEVICE_SHARE * self._device_total():
             return None
